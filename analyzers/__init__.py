@@ -1,0 +1,1 @@
+"""trainrec.analyzers."""

@@ -1,0 +1,129 @@
+"""The one codec between events and bytes (msgpack). Nothing else calls msgpack for log records.
+
+Wire form of an event: ``[tag, seq, rank, step, wall, *fields]``, fields in declaration order.
+
+Decoding is defensive, because logs are untrusted input: payloads are size-capped, every field's type
+is checked against its declaration, an unknown tag becomes :class:`UnknownEvent` (skipped by
+consumers), and a known tag that does not decode raises :class:`CorruptRecordError`. Records written
+by older format versions go through :data:`UPGRADES` before they are built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import msgpack
+
+from .errors import CorruptRecordError
+from .events import TAGS, Event, TensorStatsRecorded, UnknownEvent
+from .framing import FORMAT_VERSION, MAX_FRAME
+
+_ENVELOPE = ("seq", "rank", "step", "wall")
+_N_ENV = len(_ENVELOPE)
+
+# Accepted Python types per annotation (annotations are strings under `from __future__ import annotations`).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (float, int),
+    "str": (str,),
+    "bytes": (bytes,),
+    "bool": (bool, int),
+    "tuple": (tuple, list),
+    "dict": (dict,),
+}
+
+
+def _layout(cls: type[Event]) -> tuple[tuple[str, ...], tuple[tuple[type, ...], ...], tuple]:
+    names, types, defaults = [], [], []
+    for f in dataclasses.fields(cls):
+        if f.name in _ENVELOPE:
+            continue
+        names.append(f.name)
+        types.append(_TYPES[str(f.type)])
+        if f.default is not dataclasses.MISSING:
+            defaults.append(f.default)
+        else:
+            defaults.append(f.default_factory())  # type: ignore[misc]
+    return tuple(names), tuple(types), tuple(defaults)
+
+
+_LAYOUTS = {tag: _layout(cls) for tag, cls in TAGS.items()}
+_ENV_TYPES = ((int,), (int,), (int,), (float, int))
+
+# (format_version, tag) -> function rewriting an old wire list into the current one.
+UPGRADES: dict[tuple[int, str], Callable[[list], list]] = {}
+
+def _default(obj):
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    if isinstance(obj, memoryview):
+        return obj.tobytes()
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__} in a trainrec record")
+
+
+def encode(event: Event, seq: int | None = None) -> bytes:
+    """Encode one event to its msgpack payload; ``seq`` overrides the event's own (the writer's count)."""
+    cls = type(event)
+    names = _LAYOUTS[cls.TAG][0]
+    wire = [cls.TAG, event.seq if seq is None else seq, event.rank, event.step, event.wall]
+    wire.extend(getattr(event, n) for n in names)
+    return msgpack.packb(wire, use_bin_type=True, default=_default)
+
+
+def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
+    """Decode one payload. Raises CorruptRecordError (without path/offset; the reader adds them)."""
+    try:
+        wire = msgpack.unpackb(
+            payload,
+            raw=False,
+            use_list=False,
+            strict_map_key=False,
+            max_bin_len=MAX_FRAME,
+            max_str_len=MAX_FRAME,
+            max_array_len=MAX_FRAME,
+            max_map_len=MAX_FRAME,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CorruptRecordError(f"payload is not msgpack ({exc.__class__.__name__}: {exc!r})") from None
+    if not isinstance(wire, tuple) or len(wire) < 1 + _N_ENV or not isinstance(wire[0], str):
+        raise CorruptRecordError("payload is not a [tag, seq, rank, step, wall, ...] array")
+    tag = wire[0]
+    env = wire[1 : 1 + _N_ENV]
+    for value, types, name in zip(env, _ENV_TYPES, _ENVELOPE, strict=False):
+        if not isinstance(value, types):
+            raise CorruptRecordError(f"record {tag!r}: envelope field {name!r} has type {type(value).__name__}")
+    layout = _LAYOUTS.get(tag)
+    if layout is None:
+        return UnknownEvent(
+            seq=env[0], rank=env[1], step=env[2], wall=float(env[3]), tag=tag, fields=wire[1 + _N_ENV :]
+        )
+    upgrade = UPGRADES.get((version, tag))
+    if upgrade is not None:
+        wire = tuple(upgrade(list(wire)))
+    names, types, defaults = layout
+    values = wire[1 + _N_ENV :]
+    kwargs = {}
+    for i, name in enumerate(names):
+        if i < len(values):
+            v = values[i]
+            if not isinstance(v, types[i]):
+                raise CorruptRecordError(
+                    f"record {tag!r}: field {name!r} has type {type(v).__name__}, expected {types[i][0].__name__}"
+                )
+            if types[i][0] is float:
+                v = float(v)
+            elif types[i][0] is tuple and isinstance(v, list):
+                v = tuple(v)
+            kwargs[name] = v
+        else:
+            kwargs[name] = defaults[i]
+    cls = TAGS[tag]
+    event = cls(seq=env[0], rank=env[1], step=env[2], wall=float(env[3]), **kwargs)
+    if cls is TensorStatsRecorded:
+        problem = event.check()  # type: ignore[attr-defined]
+        if problem:
+            raise CorruptRecordError(f"record 'ts': {problem}")
+    return event

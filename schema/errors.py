@@ -1,0 +1,70 @@
+"""The one exception tree of trainrec.
+
+::
+
+    TrainrecError
+     +-- FormatError            a log or run on disk is not what it should be
+     |    +-- NotALogError      the file does not start with trainrec's magic
+     |    +-- UnsupportedVersionError   written by a format version this reader cannot read
+     |    +-- CorruptRecordError        a frame passed its CRC but its payload does not decode
+     |    +-- NotARunError      a path is not an output directory, rank directory or log file
+     +-- ConfigError            a monitor config is invalid (names the key and what was expected)
+     +-- WriterError            the background writer failed (disk full, file removed, ...)
+
+Every message says what is wrong and where: a path and byte offset for logs, a key for configs.
+"""
+
+from __future__ import annotations
+
+
+class TrainrecError(Exception):
+    """Base of every error trainrec raises on purpose."""
+
+
+class FormatError(TrainrecError):
+    """A log file or run directory is malformed."""
+
+    def __init__(self, message: str, path: str | None = None, offset: int | None = None) -> None:
+        where = ""
+        if path is not None:
+            where = f"{path}"
+            if offset is not None:
+                where += f" at byte {offset}"
+            where += ": "
+        super().__init__(where + message)
+        self.path = path
+        self.offset = offset
+
+
+class NotALogError(FormatError):
+    """The file does not start with the trainrec log magic."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The file was written with a format version this reader does not know."""
+
+
+class CorruptRecordError(FormatError):
+    """A frame's checksum matched but its payload is not a valid record of a known type."""
+
+
+class NotARunError(FormatError):
+    """A path given as RUN is neither an output directory, a rank directory nor a log file."""
+
+
+class ConfigError(TrainrecError):
+    """A monitor configuration is invalid."""
+
+    def __init__(self, message: str, key: str | None = None, source: str | None = None) -> None:
+        prefix = ""
+        if source:
+            prefix += f"{source}: "
+        if key:
+            prefix += f"config key {key!r}: "
+        super().__init__(prefix + message)
+        self.key = key
+        self.source = source
+
+
+class WriterError(TrainrecError):
+    """The background log writer failed; raised on the caller's next call."""

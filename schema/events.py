@@ -1,0 +1,368 @@
+"""Every event type of the trainrec log, in one place.
+
+Events are frozen dataclasses named as past-tense facts. Each has a short, stable ``TAG`` that we own
+(never a class name) and shares the envelope of :class:`Event`: ``rank``, ``seq`` (per-file sequence
+number assigned by the writer), ``step`` and ``wall`` (seconds since the epoch).
+
+On the wire an event is the msgpack array ``[tag, seq, rank, step, wall, *fields]`` with the fields in
+declaration order (see :mod:`trainrec.schema.codec`). Schemas grow by appending fields with defaults
+at the end of a class; a reader fills missing trailing fields with their defaults and ignores extra
+ones written by a newer writer. Removing or retyping a field needs a new tag or format version plus an
+upgrade in the codec.
+
+Statistics travel columnar (:class:`TensorStatsRecorded`): one record per (step, kind) holds packed
+arrays of interned name ids, micro steps, call ids and slots, plus a ``rows x len(ops)`` float matrix.
+Names are interned once per file by :class:`NamesInterned`.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# Statistic kinds (the reference's CSV prefixes, plus ours).
+KIND_ACTV = "actv"
+KIND_ACTV_GRAD = "actv_grad"
+KIND_GRAD_UNREDUCED = "grad_unreduced"
+KIND_GRAD_REDUCED = "grad_reduced"
+KIND_PARAM = "param"
+KIND_EXP_AVG = "exp_avg"
+KIND_EXP_AVG_SQ = "exp_avg_sq"
+KIND_UPDATE = "update"
+KIND_RATIO = "ratio"
+KINDS = (
+    KIND_ACTV,
+    KIND_ACTV_GRAD,
+    KIND_GRAD_UNREDUCED,
+    KIND_GRAD_REDUCED,
+    KIND_PARAM,
+    KIND_EXP_AVG,
+    KIND_EXP_AVG_SQ,
+    KIND_UPDATE,
+    KIND_RATIO,
+)
+
+# Statistic ops, in the reference's vocabulary.
+OPS = ("min", "max", "norm", "mean", "zeros", "nans")
+
+# Slot codes of a stats row: which side of a module the tensor came from.
+SLOT_NONE = 0
+SLOT_INPUT = 1
+SLOT_OUTPUT = 2
+SLOT_INPUT_GRAD = 3
+SLOT_OUTPUT_GRAD = 4
+SLOTS = ("", "input", "output", "input_grad", "output_grad")
+
+# Hook directions.
+DIR_FORWARD = 0
+DIR_BACKWARD = 1
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_array(typecode: str, values) -> bytes:
+    """Pack integers or floats as a little-endian array ('I' u32, 'H' u16, 'B' u8, 'i' i32, 'f', 'd')."""
+    a = array.array(typecode, values)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_array(typecode: str, data: bytes) -> array.array:
+    a = array.array(typecode)
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Envelope shared by every event."""
+
+    TAG: ClassVar[str] = ""
+    seq: int = -1
+    rank: int = -1
+    step: int = -1
+    wall: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileOpened(Event):
+    """First record of every log file: who wrote it and with what."""
+
+    TAG: ClassVar[str] = "fo"
+    run_id: str = ""
+    world_size: int = 1
+    host: str = ""
+    pid: int = 0
+    start_time: float = 0.0
+    trainrec_version: str = ""
+    torch_version: str = ""
+    format_version: int = 1
+    file_index: int = 0
+    dir_name: str = ""
+    pp_stage: int = 0
+    group_mates: tuple = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileClosed(Event):
+    """Last record of a cleanly closed file."""
+
+    TAG: ClassVar[str] = "fc"
+    records: int = 0
+    dropped: int = 0
+    reason: str = "close"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NamesInterned(Event):
+    """Assigns ids ``first_id, first_id+1, ...`` to ``names``, for the rest of this file."""
+
+    TAG: ClassVar[str] = "nm"
+    first_id: int = 0
+    names: tuple = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModuleStructureRecorded(Event):
+    """The model's module tree: one entry per module, parents as indices (-1 for the root)."""
+
+    TAG: ClassVar[str] = "ms"
+    vpp_stage: int = 0
+    names: tuple = ()
+    classes: tuple = ()
+    parents: tuple = ()
+    param_counts: tuple = ()
+    io_specs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HooksFired(Event):
+    """Every hook firing of a step, columnar: packed u32 module name ids, u8 directions
+    (DIR_FORWARD/DIR_BACKWARD), u32 call ids (execution order) and u16 micro steps."""
+
+    TAG: ClassVar[str] = "hf"
+    module_ids: bytes = b""
+    directions: bytes = b""
+    call_ids: bytes = b""
+    micro_steps: bytes = b""
+
+    def rows(self):
+        """Iterate ``(module_id, direction, call_id, micro_step)``."""
+        return zip(
+            unpack_array("I", self.module_ids),
+            self.directions,
+            unpack_array("I", self.call_ids),
+            unpack_array("H", self.micro_steps), strict=False,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepBegan(Event):
+    TAG: ClassVar[str] = "sb"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepEnded(Event):
+    TAG: ClassVar[str] = "se"
+    duration: float = 0.0
+    collected: bool = False
+    micro_steps: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorStatsRecorded(Event):
+    """Statistics of many tensors of one kind at one step, columnar.
+
+    ``values`` is a row-major ``len(name_ids) x len(ops)`` matrix of ``dtype`` ('f' float32 or 'd'
+    float64) values. The per-row arrays ``micro_steps`` (u16), ``call_ids`` (u32), ``slots`` (u8, see
+    SLOTS) and ``vpp_stages`` (u8) are empty when every row has 0 (``call_ids``: unknown).
+    """
+
+    TAG: ClassVar[str] = "ts"
+    kind: str = ""
+    ops: tuple = ()
+    dtype: str = "f"
+    name_ids: bytes = b""
+    values: bytes = b""
+    micro_steps: bytes = b""
+    call_ids: bytes = b""
+    slots: bytes = b""
+    vpp_stages: bytes = b""
+
+    def __len__(self) -> int:
+        return len(self.name_ids) // 4
+
+    def check(self) -> str | None:
+        """Return what is inconsistent about the arrays, or None when they fit together."""
+        if self.dtype not in ("f", "d"):
+            return f"unknown value dtype {self.dtype!r}"
+        n = len(self.name_ids)
+        if n % 4:
+            return "name_ids is not a whole number of u32"
+        n //= 4
+        item = 4 if self.dtype == "f" else 8
+        if len(self.values) != n * len(self.ops) * item:
+            return f"{len(self.values)} value bytes for {n} rows x {len(self.ops)} ops"
+        for arr, size, label in (
+            (self.micro_steps, 2, "micro_steps"),
+            (self.call_ids, 4, "call_ids"),
+            (self.slots, 1, "slots"),
+            (self.vpp_stages, 1, "vpp_stages"),
+        ):
+            if arr and len(arr) != n * size:
+                return f"{label} has {len(arr) // size} entries for {n} rows"
+        return None
+
+    def column(self, name: str) -> array.array:
+        """A per-row column as an array, zero-filled when absent (call_ids: -1 when absent)."""
+        n = len(self)
+        if name == "name_ids":
+            return unpack_array("I", self.name_ids)
+        if name == "micro_steps":
+            return unpack_array("H", self.micro_steps) if self.micro_steps else array.array("H", bytes(2 * n))
+        if name == "call_ids":
+            return unpack_array("I", self.call_ids) if self.call_ids else array.array("i", [-1]) * n
+        if name == "slots":
+            return array.array("B", self.slots) if self.slots else array.array("B", bytes(n))
+        if name == "vpp_stages":
+            return array.array("B", self.vpp_stages) if self.vpp_stages else array.array("B", bytes(n))
+        raise KeyError(name)
+
+    def value_array(self) -> array.array:
+        """All values, row-major, as a flat array."""
+        return unpack_array(self.dtype, self.values)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnomalyDetected(Event):
+    """A rule flagged a statistic. Carries what the reference's anomaly JSON carries, plus op/value."""
+
+    TAG: ClassVar[str] = "an"
+    micro_step: int = 0
+    pp_stage: int = 0
+    vpp_stage: int = 0
+    call_id: int = -1
+    tag_name: str = ""
+    op: str = ""
+    value: float = 0.0
+    baseline: float = 0.0
+    message: str = ""
+    group_mates: tuple = ()
+    rule: str = ""
+    kind: str = ""
+    name: str = ""
+    slot: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfigChanged(Event):
+    """The monitor saw its config file change (not yet applied)."""
+
+    TAG: ClassVar[str] = "cc"
+    path: str = ""
+    content_hash: str = ""
+    changed_keys: tuple = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfigApplied(Event):
+    """A config took effect; monitoring collects from ``start_step`` on."""
+
+    TAG: ClassVar[str] = "ca"
+    path: str = ""
+    content_hash: str = ""
+    config: dict = field(default_factory=dict)
+    start_step: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfigRejected(Event):
+    """A config change was invalid and did not take effect."""
+
+    TAG: ClassVar[str] = "cr"
+    path: str = ""
+    content_hash: str = ""
+    reason: str = ""
+    keys: tuple = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MonitoringStopped(Event):
+    """Monitoring stopped (collect_times reached, switch off, error)."""
+
+    TAG: ClassVar[str] = "mx"
+    reason: str = ""
+    collections: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResumed(Event):
+    """Training resumed into an existing run; this file continues it from ``step``."""
+
+    TAG: ClassVar[str] = "rr"
+    previous_files: tuple = ()
+    last_step: int = -1
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordsDropped(Event):
+    """The writer's queue was full and ``count`` records were dropped (drop policy)."""
+
+    TAG: ClassVar[str] = "rd"
+    count: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HookFailed(Event):
+    """An exception inside a monitoring hook, caught so that training goes on."""
+
+    TAG: ClassVar[str] = "hx"
+    where: str = ""
+    error: str = ""
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnknownEvent(Event):
+    """A record with a tag this reader does not know (written by a newer trainrec). Skip it."""
+
+    TAG: ClassVar[str] = "?"
+    tag: str = ""
+    fields: tuple = ()
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    FileOpened,
+    FileClosed,
+    NamesInterned,
+    ModuleStructureRecorded,
+    HooksFired,
+    StepBegan,
+    StepEnded,
+    TensorStatsRecorded,
+    AnomalyDetected,
+    ConfigChanged,
+    ConfigApplied,
+    ConfigRejected,
+    MonitoringStopped,
+    RunResumed,
+    RecordsDropped,
+    HookFailed,
+)
+
+TAGS: dict[str, type[Event]] = {cls.TAG: cls for cls in EVENT_TYPES}
+if len(TAGS) != len(EVENT_TYPES):  # pragma: no cover - guards against a copy-paste tag
+    raise RuntimeError("duplicate event tag")
+
+
+def event_name(cls_or_event: Any) -> str:
+    """Short lowercase name used by `dump --type`: the tag or the class name both select it."""
+    cls = cls_or_event if isinstance(cls_or_event, type) else type(cls_or_event)
+    return cls.__name__
