@@ -1,1 +1,37 @@
-"""trainrec.replay."""
+"""trainrec.replay: reading logs back.
+
+* :mod:`.reader`: one log file, frame by frame, surviving torn tails and damage (``LogReader``).
+* :mod:`.discover`: output directories, rank directories and the launches (runs) in them.
+* :mod:`.run`: ``open_run(path)``, a run's ranks, files and events merged in execution order.
+* :mod:`.rows`: the flat, numpy/pandas-friendly view of statistics.
+* :mod:`.follow`: a live tail of a run that is still being written.
+* :mod:`.names`: resolving interned name ids.
+* :mod:`.summary`: per-rank summaries and integrity findings (``trainrec inspect`` / ``check``).
+"""
+
+from __future__ import annotations
+
+from .discover import RunInfo, list_runs
+from .follow import RunFollower, follow
+from .names import NameResolver
+from .reader import LogReader, Problem, SeqGap, read_head, read_log
+from .rows import rows_from_events, value_matrix
+from .run import Run, open_run, resolve_types
+
+__all__ = [
+    "LogReader",
+    "NameResolver",
+    "Problem",
+    "Run",
+    "RunFollower",
+    "RunInfo",
+    "SeqGap",
+    "follow",
+    "list_runs",
+    "open_run",
+    "read_head",
+    "read_log",
+    "resolve_types",
+    "rows_from_events",
+    "value_matrix",
+]

@@ -1,25 +1,57 @@
 """Reading one log file: frames, then events, surviving torn tails and corruption.
 
 :class:`LogReader` keeps its byte offset between calls. :meth:`LogReader.poll` returns only the
-events that became complete since the last call, so a live tail is a loop over ``poll()``. An
-incomplete last frame is not an error (the writer may still be writing); a corrupt frame in the
-middle is recorded in :attr:`LogReader.problems` (path, offset, what, bytes skipped) and reading goes
-on at the next valid frame. The reader never raises on arbitrary bytes after the file header and
-never buffers more than the frame cap plus one read chunk.
+events that became complete since the last call, so a live tail is a loop over ``poll()``; each call
+reads only the bytes appended since the previous one (one ``open`` + ``seek`` + ``read``).
+
+Three outcomes are kept apart (see :mod:`trainrec.schema.framing` for the byte layout):
+
+* a clean end: the data ends exactly at a frame boundary; :attr:`LogReader.pending_bytes` is 0;
+* an incomplete last frame: not an error, the writer may still be writing. Its bytes stay pending
+  (:attr:`LogReader.pending_bytes`, a *torn tail* once the writer is gone) and a later ``poll()``
+  completes it;
+* damage in the middle, recorded in :attr:`LogReader.problems` as :class:`Problem` (path, byte offset,
+  what, bytes skipped), after which reading resynchronises and goes on:
+
+  - a frame header failing its magic or CRC, or announcing a length above the cap: the reader
+    searches forward for the next header whose CRC checks out;
+  - a payload failing its CRC: exactly that frame is skipped (its length is trusted), unless a valid
+    frame header starts inside it, which means bytes went missing (a length mismatch): reading
+    resumes at that header;
+  - an incomplete frame followed, further on, by a complete valid frame: the frame was cut short
+    (bytes went missing before the end of the file); reading resumes at the valid frame;
+  - a frame that checks out but does not decode (``undecodable record``).
+
+Frames that could not be read show up as gaps in the writer's per-file sequence numbers
+(:attr:`LogReader.gaps`, :class:`SeqGap`), which is how ``trainrec check`` counts lost frames.
+
+The reader never raises on arbitrary bytes after the 16-byte file header (a bad magic raises
+:class:`NotALogError`, an unknown version :class:`UnsupportedVersionError`) and never holds more than
+the frame cap plus one read chunk in memory.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from trainrec.schema import codec, framing
-from trainrec.schema.errors import CorruptRecordError, NotALogError, UnsupportedVersionError
+from trainrec.schema.errors import FormatError, NotALogError, UnsupportedVersionError
 from trainrec.schema.events import Event, FileClosed, FileOpened
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 4 << 20
+_HEAD_CHUNK = 64 << 10
+_HDR = struct.Struct("<IIII")
+_HDR_SIZE = framing.FRAME_HEADER_SIZE
+_MAGIC = framing.FRAME_MAGIC
+_MAGIC_BYTES = framing.FRAME_MAGIC_BYTES
+_crc32 = zlib.crc32
 
 
 @dataclass(frozen=True)
@@ -35,20 +67,55 @@ class Problem:
         return f"{self.path} at byte {self.offset}: {self.what} ({self.skipped} bytes skipped)"
 
 
+@dataclass(frozen=True)
+class SeqGap:
+    """A jump in the writer's sequence numbers: frames ``expected .. got-1`` were not read.
+
+    ``offset`` is where the first frame after the gap starts. ``got < expected`` means the sequence
+    went backwards (frames out of order or duplicated), which the writer never does.
+    """
+
+    path: str
+    offset: int
+    expected: int
+    got: int
+
+    @property
+    def lost(self) -> int:
+        return max(0, self.got - self.expected)
+
+    def __str__(self) -> str:
+        if self.got < self.expected:
+            return f"{self.path} at byte {self.offset}: sequence went back from {self.expected - 1} to {self.got}"
+        return f"{self.path} at byte {self.offset}: {self.lost} frame(s) lost (seq {self.expected}..{self.got - 1})"
+
+
 class LogReader:
-    """Incremental reader of one log file."""
+    """Incremental reader of one log file.
+
+    ``poll()`` returns new events as a list; iterating the reader yields them chunk by chunk. Both
+    continue where the previous call stopped. A missing file reads as empty (a follower may see it
+    before it exists); an unreadable one raises :class:`FormatError` naming the path.
+    """
 
     def __init__(self, path: str, max_frame: int = framing.MAX_FRAME) -> None:
         self.path = path
         self.max_frame = max_frame
         self.version: int | None = None
+        self.flags = 0
         self.header: FileOpened | None = None
         self.closed_event: FileClosed | None = None
         self.problems: list[Problem] = []
-        self.frames = 0
+        self.gaps: list[SeqGap] = []
+        self.frames = 0  # frames whose header and payload CRCs checked out
+        self.events_read = 0
         self._pos = 0  # file offset of self._buf[0]
-        self._buf = bytearray()
-        self._eof_offset = 0
+        self._buf = b""  # bytes read but not consumed yet (an incomplete frame)
+        self._need = 0  # bytes still missing from the pending frame, when its header is known
+        self._scan_abs = 0  # file offset up to which the pending bytes were searched for a later frame
+        self._next_seq = 0
+        self._eof = False  # the last read reached the end of the file as it was then
+        self._short_header = 0  # bytes of a file header still being written
 
     # ------------------------------------------------------------------ state
     @property
@@ -59,37 +126,101 @@ class LogReader:
     @property
     def pending_bytes(self) -> int:
         """Bytes after the last complete frame: a torn tail if the writer is gone."""
-        return len(self._buf)
+        return len(self._buf) + self._short_header
 
     @property
     def closed_cleanly(self) -> bool:
         return self.closed_event is not None
 
-    # ------------------------------------------------------------------ reading
-    def _read_more(self) -> bool:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._pos + len(self._buf))
-                chunk = f.read(_CHUNK)
-        except FileNotFoundError:
-            return False
-        if not chunk:
-            return False
-        self._buf += chunk
-        return True
+    @property
+    def lost_frames(self) -> int:
+        """Frames missing according to the sequence numbers (damaged or cut out)."""
+        return sum(g.lost for g in self.gaps)
 
-    def _check_header(self) -> bool:
+    @property
+    def at_eof(self) -> bool:
+        """The last read reached the end of the file as it was at that moment."""
+        return self._eof
+
+    # ------------------------------------------------------------------ reading
+    def poll(self) -> list[Event]:
+        """Events completed since the last call (possibly none)."""
+        out: list[Event] = []
+        for batch in self._batches(_CHUNK, None, None):
+            out.extend(batch)
+        return out
+
+    def __iter__(self) -> Iterator[Event]:
+        """Iterate every event currently in the file (from where the reader stands), chunk by chunk."""
+        for batch in self._batches(_CHUNK, None, None):
+            yield from batch
+
+    def head(self, max_events: int = 4, max_bytes: int = 1 << 20) -> list[Event]:
+        """The first events of the file, reading as little as possible (at most about ``max_bytes``)."""
+        out: list[Event] = []
+        for batch in self._batches(_HEAD_CHUNK, max_events, max_bytes):
+            out.extend(batch)
+        return out[:max_events]
+
+    def _open(self):
+        try:
+            return open(self.path, "rb")  # noqa: SIM115 - closed by the caller's with-block
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise FormatError(f"cannot read log file ({exc.strerror or exc})", self.path) from None
+
+    def _batches(self, chunk: int, max_events: int | None, max_bytes: int | None) -> Iterator[list[Event]]:
+        f = self._open()
+        if f is None:
+            self._eof = True
+            return
+        with f:
+            if not self._check_header(f):
+                self._eof = True
+                return
+            f.seek(self._pos + len(self._buf))
+            got = 0
+            read_bytes = 0
+            self._eof = False
+            while True:
+                try:
+                    data = f.read(max(chunk, self._need))
+                except OSError as exc:
+                    raise FormatError(
+                        f"cannot read log file ({exc.strerror or exc})", self.path, self._pos + len(self._buf)
+                    ) from None
+                if not data:
+                    self._eof = True
+                    return
+                self._buf = self._buf + data if self._buf else data
+                out: list[Event] = []
+                self._consume(out)
+                if out:
+                    got += len(out)
+                    yield out
+                read_bytes += len(data)
+                if (max_events is not None and got >= max_events) or (
+                    max_bytes is not None and read_bytes >= max_bytes
+                ):
+                    return
+
+    def _check_header(self, f) -> bool:
         if self.version is not None:
             return True
-        while len(self._buf) < framing.FILE_HEADER_SIZE:
-            if not self._read_more():
-                if self._buf and not framing.FILE_MAGIC.startswith(bytes(self._buf[:8])):
-                    raise NotALogError("not a trainrec log (bad magic)", self.path, 0)
-                return False
-        parsed = framing.decode_file_header(bytes(self._buf[: framing.FILE_HEADER_SIZE]))
+        try:
+            head = f.read(framing.FILE_HEADER_SIZE)
+        except OSError as exc:
+            raise FormatError(f"cannot read log file ({exc.strerror or exc})", self.path) from None
+        self._short_header = len(head)
+        if len(head) < framing.FILE_HEADER_SIZE:
+            if head and not framing.FILE_MAGIC.startswith(head[:8]):
+                raise NotALogError("not a trainrec log (bad magic)", self.path, 0)
+            return False  # empty or still being created
+        parsed = framing.decode_file_header(head)
         if parsed is None:
             raise NotALogError("not a trainrec log (bad magic)", self.path, 0)
-        version, _flags = parsed
+        version, flags = parsed
         if version not in framing.SUPPORTED_VERSIONS:
             raise UnsupportedVersionError(
                 f"format version {version} is not supported by this trainrec "
@@ -97,81 +228,157 @@ class LogReader:
                 self.path,
                 8,
             )
+        self._short_header = 0
         self.version = version
-        del self._buf[: framing.FILE_HEADER_SIZE]
+        self.flags = flags
         self._pos = framing.FILE_HEADER_SIZE
+        self._scan_abs = self._pos
         return True
 
-    def poll(self) -> list[Event]:
-        """Events completed since the last call (possibly none)."""
-        if not self._check_header():
-            return []
-        out: list[Event] = []
-        while True:
-            self._consume(out)
-            if not self._read_more():
-                break
-        return out
-
-    def __iter__(self):
-        """Iterate every event currently in the file, reading in chunks."""
-        if not self._check_header():
-            return
-        while True:
-            out: list[Event] = []
-            self._consume(out)
-            yield from out
-            if not self._read_more():
-                return
-
     def _consume(self, out: list[Event]) -> None:
+        """Decode every complete frame of the buffer into ``out``; keep the incomplete rest."""
         buf = self._buf
-        pos = 0
         n = len(buf)
-        read_frame = framing.read_frame
+        base = self._pos
         max_frame = self.max_frame
         version = self.version or framing.FORMAT_VERSION
-        while pos < n:
-            status, payload, nxt = read_frame(buf, pos, max_frame)
-            if status is framing.Frame.OK:
+        unpack = _HDR.unpack_from
+        crc = _crc32
+        decode = codec.decode
+        pos = 0
+        self._need = 0
+        with memoryview(buf) as mv:
+            while n - pos >= _HDR_SIZE:
+                magic, length, pcrc, hcrc = unpack(buf, pos)
+                if magic != _MAGIC or crc(mv[pos : pos + 12]) != hcrc:
+                    nxt = self._resync(buf, pos + 1, n)
+                    self._problem(base + pos, "bad frame header", nxt - pos)
+                    pos = nxt
+                    continue
+                if length > max_frame:
+                    nxt = self._resync(buf, pos + 1, n)
+                    self._problem(base + pos, f"frame length {length} above the cap of {max_frame}", nxt - pos)
+                    pos = nxt
+                    continue
+                start = pos + _HDR_SIZE
+                stop = start + length
+                if stop > n:
+                    # Incomplete: normal while the writer writes, unless a complete valid frame
+                    # follows inside the bytes we have, which means this one was cut short.
+                    later, retry_from = self._find_frame(buf, max(start, self._scan_abs - base), n, True)
+                    if later is None:
+                        self._scan_abs = base + retry_from
+                        self._need = stop - n
+                        break
+                    self._problem(base + pos, f"frame cut short (announced {length} bytes)", later - pos)
+                    pos = later
+                    continue
+                if crc(mv[start:stop]) != pcrc:
+                    inner, _ = self._find_frame(buf, start, stop, False)
+                    nxt = stop if inner is None else inner
+                    what = "payload CRC mismatch" if inner is None else "payload CRC mismatch (frame cut short)"
+                    self._problem(base + pos, what, nxt - pos)
+                    pos = nxt
+                    continue
                 self.frames += 1
                 try:
-                    ev = codec.decode(payload, version)
-                except CorruptRecordError as exc:
-                    self._problem(pos, f"undecodable record: {exc}", nxt - pos)
-                else:
-                    self._note(ev)
-                    out.append(ev)
-                pos = nxt
-            elif status is framing.Frame.INCOMPLETE:
-                break
-            elif status is framing.Frame.BAD_PAYLOAD:
-                self._problem(pos, "payload CRC mismatch", nxt - pos)
-                pos = nxt
-            else:
-                if n - pos < framing.FRAME_HEADER_SIZE:
-                    break  # a few trailing bytes: a header may still be being written
-                nxt = framing.resync(buf, pos, max_frame)
-                what = "frame length above the cap" if status is framing.Frame.TOO_LARGE else "bad frame header"
-                self._problem(pos, what, nxt - pos)
-                pos = nxt
+                    ev = decode(mv[start:stop], version)
+                except Exception as exc:  # noqa: BLE001 - untrusted input: any decode failure is damage
+                    self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
+                    pos = stop
+                    continue
+                seq = ev.seq
+                if seq != self._next_seq:
+                    self._gap(base + pos, seq)
+                self._next_seq = seq + 1
+                if type(ev) is FileOpened:
+                    if self.header is None:
+                        self.header = ev
+                elif type(ev) is FileClosed:
+                    self.closed_event = ev
+                out.append(ev)
+                pos = stop
+        self.events_read += len(out)
         if pos:
-            del buf[:pos]
-            self._pos += pos
+            self._buf = buf[pos:]
+            self._pos = base + pos
+            if self._scan_abs < self._pos:
+                self._scan_abs = self._pos
 
-    def _problem(self, pos: int, what: str, skipped: int) -> None:
-        p = Problem(self.path, self._pos + pos, what, skipped)
+    # ------------------------------------------------------------------ damage handling
+    def _header_ok(self, buf: bytes, i: int) -> int | None:
+        """Length of the frame at ``i`` when its header checks out, else None."""
+        _, length, _, hcrc = _HDR.unpack_from(buf, i)
+        if length <= self.max_frame and _crc32(buf[i : i + 12]) == hcrc:
+            return length
+        return None
+
+    def _resync(self, buf: bytes, i: int, n: int) -> int:
+        """Offset of the next header that checks out at or after ``i``; a possible partial header at
+        the end is kept (it may be completed by the writer); ``n`` when there is none."""
+        while True:
+            j = buf.find(_MAGIC_BYTES, i, n)
+            if j < 0:
+                for k in (3, 2, 1):
+                    if n - k >= i and _MAGIC_BYTES.startswith(buf[n - k : n]):
+                        return n - k
+                return n
+            if n - j < _HDR_SIZE:
+                return j
+            if self._header_ok(buf, j) is not None:
+                return j
+            i = j + 1
+
+    def _find_frame(self, buf: bytes, lo: int, hi: int, need_complete: bool) -> tuple[int | None, int]:
+        """First valid frame starting in ``[lo, hi)``. With ``need_complete`` its payload must be in the
+        buffer and check out; otherwise a header that checks out is enough. Also returns where a
+        later search must start again (a candidate that could not be confirmed yet)."""
+        n = len(buf)
+        i = lo
+        retry = max(lo, hi - _HDR_SIZE + 1)
+        while True:
+            j = buf.find(_MAGIC_BYTES, i, hi)
+            if j < 0:
+                return None, retry
+            if n - j < _HDR_SIZE:
+                return None, min(retry, j)
+            length = self._header_ok(buf, j)
+            if length is not None:
+                end = j + _HDR_SIZE + length
+                if end > n:
+                    if not need_complete:
+                        return j, retry
+                    retry = min(retry, j)
+                else:
+                    _, _, pcrc, _ = _HDR.unpack_from(buf, j)
+                    if _crc32(buf[j + _HDR_SIZE : end]) == pcrc:
+                        return j, retry
+            i = j + 1
+
+    def _problem(self, offset: int, what: str, skipped: int) -> None:
+        p = Problem(self.path, offset, what, skipped)
         self.problems.append(p)
         log.warning("trainrec: %s", p)
 
-    def _note(self, ev: Event) -> None:
-        if isinstance(ev, FileOpened) and self.header is None:
-            self.header = ev
-        elif isinstance(ev, FileClosed):
-            self.closed_event = ev
+    def _gap(self, offset: int, seq: int) -> None:
+        g = SeqGap(self.path, offset, self._next_seq, seq)
+        self.gaps.append(g)
+        log.warning("trainrec: %s", g)
 
 
 def read_log(path: str) -> tuple[LogReader, list[Event]]:
-    """Read a whole log file; returns the reader (header, problems, torn bytes) and its events."""
+    """Read a whole log file; returns the reader (header, problems, torn bytes) and its events.
+
+    Raises :class:`NotALogError` for a missing file or one that is not a trainrec log.
+    """
     r = LogReader(path)
-    return r, r.poll()
+    events = r.poll()
+    if r.version is None and not os.path.exists(path):
+        raise NotALogError("no such log file", path)
+    return r, events
+
+
+def read_head(path: str, max_events: int = 4, max_bytes: int = 1 << 20) -> tuple[LogReader, list[Event]]:
+    """The reader and the first ``max_events`` events of a file, reading only its beginning."""
+    r = LogReader(path)
+    return r, r.head(max_events, max_bytes)

@@ -1,0 +1,349 @@
+"""Finding runs on disk: rank directories, their log files, and the launches they belong to.
+
+An output directory holds one rank directory per rank per launch (``Nov30_11-13-33-rank0-4700973a``,
+see :mod:`trainrec.schema.layout`), each with log files ``trainrec-00000.trl``, ``-00001.trl``, ...
+Only the first few records of each file are read here (:func:`~trainrec.replay.reader.read_head`).
+
+Grouping into runs (launches):
+
+* a file belongs to the run named by the ``run_id`` of its FileOpened record;
+* a file that begins with a RunResumed record continues the run of the previous file of its
+  directory, whatever run id it carries (a resumed process appending to an existing directory);
+* a file whose header cannot be read (empty, torn at creation, not a log) follows the previous file
+  of its directory, or, as the first file, is grouped by its directory;
+* files with an empty run id are grouped by their directory's time stamp.
+
+Runs are ordered oldest first by ``(newest rank directory stamp, newest start time)``: the default,
+"latest" run is the one most recently started or resumed. Stamps carry no year, so a run started in
+December sorts after one started the next January; pass ``--run-id`` there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from trainrec.schema import layout
+from trainrec.schema.errors import FormatError, NotALogError, NotARunError, UnsupportedVersionError
+from trainrec.schema.events import (
+    ConfigApplied,
+    ConfigChanged,
+    ConfigRejected,
+    FileOpened,
+    ModuleStructureRecorded,
+    NamesInterned,
+    RunResumed,
+)
+
+from .reader import read_head
+
+log = logging.getLogger(__name__)
+
+_HEAD_EVENTS = 8
+# Records that may come before a RunResumed at the start of a file.
+_PREAMBLE = (FileOpened, NamesInterned, ModuleStructureRecorded, ConfigApplied, ConfigChanged, ConfigRejected)
+
+
+def stamp_key_or_none(stamp: str | None) -> tuple[int, ...] | None:
+    if not stamp:
+        return None
+    try:
+        return layout.stamp_key(stamp)
+    except ValueError:
+        return None
+
+
+@dataclass
+class LogFile:
+    """One log file as found on disk, with what its first records say."""
+
+    path: str
+    dir: str
+    index: int
+    stamp: str | None  # time stamp of its rank directory's name
+    dir_rank: int | None  # rank in its directory's name
+    header: FileOpened | None = None
+    version: int | None = None
+    resume_step: int | None = None  # step a RunResumed at the start of the file continues from
+    error: FormatError | None = None
+
+    @property
+    def rank(self) -> int:
+        if self.header is not None and self.header.rank >= 0:
+            return self.header.rank
+        return self.dir_rank if self.dir_rank is not None else 0
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.header is None else self.header.run_id
+
+
+def resume_step(ev: RunResumed) -> int | None:
+    """The first step a RunResumed record's file re-records (its own step, else last_step + 1)."""
+    if ev.step >= 0:
+        return ev.step
+    if ev.last_step >= 0:
+        return ev.last_step + 1
+    return None
+
+
+def scan_file(path: str, dir_stamp: str | None = None, dir_rank: int | None = None) -> LogFile:
+    """Read the beginning of one log file; errors are kept on the result, not raised."""
+    d = os.path.dirname(path)
+    name = os.path.basename(path)
+    if dir_stamp is None and dir_rank is None:
+        parsed = layout.parse_rank_dir(os.path.basename(d))
+        if parsed:
+            dir_stamp, dir_rank = parsed
+    lf = LogFile(path=path, dir=d, index=layout.log_index(name) or 0, stamp=dir_stamp, dir_rank=dir_rank)
+    try:
+        reader, head = read_head(path, _HEAD_EVENTS)
+    except FormatError as exc:
+        lf.error = exc
+        return lf
+    lf.version = reader.version
+    for ev in head:
+        if isinstance(ev, FileOpened):
+            if lf.header is None:
+                lf.header = ev
+            continue
+        if isinstance(ev, RunResumed):
+            lf.resume_step = resume_step(ev)
+            break
+        if not isinstance(ev, _PREAMBLE):
+            break
+    return lf
+
+
+def scan_rank_dir(path: str) -> list[LogFile]:
+    parsed = layout.parse_rank_dir(os.path.basename(os.path.normpath(path)))
+    stamp, rank = parsed if parsed else (None, None)
+    return [scan_file(p, stamp, rank) for p in layout.list_logs(path)]
+
+
+@dataclass
+class RunInfo:
+    """One launch: its log files by rank, in the order each rank wrote them."""
+
+    run_id: str
+    files: dict[int, list[LogFile]] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.files)
+
+    @property
+    def rank_dirs(self) -> dict[int, tuple[str, ...]]:
+        out = {}
+        for r, fs in sorted(self.files.items()):
+            dirs: list[str] = []
+            for f in fs:
+                if f.dir not in dirs:
+                    dirs.append(f.dir)
+            out[r] = tuple(dirs)
+        return out
+
+    @property
+    def all_files(self) -> list[LogFile]:
+        return [f for r in self.ranks for f in self.files[r]]
+
+    @property
+    def stamps(self) -> list[str]:
+        found = {f.stamp for f in self.all_files if f.stamp}
+        return sorted(found, key=lambda s: stamp_key_or_none(s) or ())
+
+    @property
+    def start_time(self) -> float:
+        times = [f.header.start_time for f in self.all_files if f.header is not None]
+        return min(times) if times else 0.0
+
+    def sort_key(self) -> tuple:
+        keys = [k for k in (stamp_key_or_none(s) for s in self.stamps) if k is not None]
+        times = [f.header.start_time for f in self.all_files if f.header is not None]
+        return (max(keys) if keys else (), max(times) if times else 0.0, self.run_id)
+
+    def describe(self) -> str:
+        stamps = self.stamps
+        when = stamps[0] if len(stamps) == 1 else (f"{stamps[0]}..{stamps[-1]}" if stamps else "no stamp")
+        return f"run {self.run_id or '(no run id)'}  stamps {when}  ranks {format_ranks(self.ranks)}"
+
+
+def format_ranks(ranks: list[int]) -> str:
+    """``0-3,6`` for [0, 1, 2, 3, 6]."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(parts) or "none"
+
+
+def group_runs(scanned: list[list[LogFile]]) -> list[RunInfo]:
+    """Group the files of several rank directories into runs (see the module docstring)."""
+    runs: dict[str, RunInfo] = {}
+    for files in scanned:
+        prev_key: str | None = None
+        for lf in files:
+            if lf.resume_step is not None and prev_key is not None:
+                key = prev_key
+            elif lf.header is not None:
+                key = lf.header.run_id or f"@{lf.stamp or lf.dir}"
+            elif prev_key is not None:
+                key = prev_key
+            else:
+                key = f"@{lf.stamp or lf.dir}"
+            prev_key = key
+            info = runs.get(key)
+            if info is None:
+                info = runs[key] = RunInfo(run_id=key if not key.startswith("@") else "")
+            info.files.setdefault(lf.rank, []).append(lf)
+    for info in runs.values():
+        for r, fs in info.files.items():
+            info.files[r] = _order_rank_files(fs)
+    return sorted(runs.values(), key=RunInfo.sort_key)
+
+
+def _order_rank_files(files: list[LogFile]) -> list[LogFile]:
+    """A rank's files in writing order: its directories by start time then stamp, files by index."""
+    by_dir: dict[str, list[LogFile]] = {}
+    for f in files:
+        by_dir.setdefault(f.dir, []).append(f)
+
+    def dir_key(d: str) -> tuple:
+        fs = by_dir[d]
+        times = [f.header.start_time for f in fs if f.header is not None]
+        return (min(times) if times else float("inf"), stamp_key_or_none(fs[0].stamp) or (), d)
+
+    out: list[LogFile] = []
+    for d in sorted(by_dir, key=dir_key):
+        out.extend(sorted(by_dir[d], key=lambda f: f.index))
+    return out
+
+
+def rank_dirs_in(output_dir: str) -> list[str]:
+    """Subdirectories of ``output_dir`` that hold trainrec log files, in name order."""
+    try:
+        entries = sorted(os.scandir(output_dir), key=lambda e: e.name)
+    except OSError as exc:
+        raise NotARunError(f"cannot list directory ({exc.strerror or exc})", output_dir) from None
+    out = []
+    for e in entries:
+        try:
+            if e.is_dir() and layout.list_logs(e.path):
+                out.append(e.path)
+        except OSError:
+            continue
+    return out
+
+
+def list_runs(output_dir: str) -> list[RunInfo]:
+    """Every run (launch) in an output directory, oldest first."""
+    return group_runs([scan_rank_dir(d) for d in rank_dirs_in(output_dir)])
+
+
+def select_run(
+    runs: list[RunInfo],
+    where: str,
+    run_id: str | None = None,
+    time_start: str | None = None,
+    time_end: str | None = None,
+) -> RunInfo:
+    """Pick one run: by run id prefix and/or an inclusive stamp range; the latest when neither is given.
+
+    A run is in the time range when any of its rank directories' stamps is. Raises NotARunError
+    listing the candidates when nothing or more than one run matches.
+    """
+    if not runs:
+        raise NotARunError("no trainrec runs found", where)
+    lo = _parse_stamp_arg(time_start, "--time-start")
+    hi = _parse_stamp_arg(time_end, "--time-end")
+    if lo is not None and hi is not None and lo > hi:
+        raise NotARunError(f"time range {time_start}..{time_end} is empty (start after end)", where)
+    cands = runs
+    if run_id is not None:
+        cands = [r for r in cands if r.run_id.startswith(run_id)]
+    if lo is not None or hi is not None:
+
+        def in_range(r: RunInfo) -> bool:
+            for s in r.stamps:
+                k = stamp_key_or_none(s)
+                if k is not None and (lo is None or k >= lo) and (hi is None or k <= hi):
+                    return True
+            return False
+
+        cands = [r for r in cands if in_range(r)]
+    selecting = run_id is not None or lo is not None or hi is not None
+    if not cands:
+        what = _selection_text(run_id, time_start, time_end)
+        raise NotARunError(f"no run matches {what}; runs found:\n{_listing(runs)}", where)
+    if len(cands) > 1 and selecting:
+        what = _selection_text(run_id, time_start, time_end)
+        raise NotARunError(
+            f"{len(cands)} runs match {what}; choose one with --run-id:\n{_listing(cands)}", where
+        )
+    if len(cands) > 1:
+        log.info("%d runs in %s; using the latest, %s (choose another with --run-id)", len(cands), where,
+                 cands[-1].run_id)
+    return cands[-1]
+
+
+def _selection_text(run_id: str | None, time_start: str | None, time_end: str | None) -> str:
+    parts = []
+    if run_id is not None:
+        parts.append(f"run id {run_id!r}")
+    if time_start is not None or time_end is not None:
+        parts.append(f"time range {time_start or '...'}..{time_end or '...'}")
+    return " and ".join(parts)
+
+
+def _listing(runs: list[RunInfo]) -> str:
+    return "\n".join("  " + r.describe() for r in runs)
+
+
+def _parse_stamp_arg(value: str | None, option: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    key = stamp_key_or_none(value)
+    if key is None:
+        raise NotARunError(f"{option} {value!r} is not a time stamp like Nov30_11-13-33")
+    return key
+
+
+def find_run(
+    path: str, run_id: str | None = None, time_start: str | None = None, time_end: str | None = None
+) -> RunInfo:
+    """Resolve RUN: an output directory, one rank directory, or one log file."""
+    if not os.path.exists(path):
+        raise NotARunError("no such file or directory", path)
+    if os.path.isfile(path):
+        lf = scan_file(os.path.abspath(path))
+        if lf.error is not None:
+            raise lf.error
+        if lf.version is None:
+            raise NotALogError("empty or truncated before the end of its file header", path)
+        info = RunInfo(run_id=lf.run_id or "", files={lf.rank: [lf]})
+        if run_id is not None and not info.run_id.startswith(run_id):
+            raise NotARunError(f"the log belongs to run {info.run_id!r}, not {run_id!r}", path)
+        return info
+    if not os.path.isdir(path):
+        raise NotARunError("neither a directory nor a log file", path)
+    path = os.path.abspath(path)
+    if layout.list_logs(path):
+        runs = group_runs([scan_rank_dir(path)])
+    else:
+        runs = list_runs(path)
+        if not runs:
+            raise NotARunError(
+                "no trainrec logs here: expected an output directory with rank directories like "
+                "Nov30_11-13-33-rank0-4700973a/, one rank directory, or a trainrec-00000.trl file",
+                path,
+            )
+    info = select_run(runs, path, run_id, time_start, time_end)
+    for lf in info.all_files:
+        if isinstance(lf.error, UnsupportedVersionError):
+            raise lf.error
+    return info

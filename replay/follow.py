@@ -1,0 +1,233 @@
+"""Live tail of a run that is still being written.
+
+:class:`RunFollower` keeps one :class:`~trainrec.replay.reader.LogReader` per followed file; each
+:meth:`RunFollower.poll` lists what appeared since the last call (new rank directories of the
+launch, new files after a resume) and returns the events completed since then. An incomplete last
+frame is simply waited for. :func:`follow` is the generator loop around it, bounded by a ``stop``
+flag, an idle timeout, or the run being closed.
+
+What is followed:
+
+* RUN is an output directory: one launch, chosen at the first poll that finds one (the latest, or
+  the one whose run id starts with ``run_id``); the follower waits for the directory and the first
+  launch to appear. Later, rank directories and files whose FileOpened names that run id join,
+  as do files that begin with RunResumed in a directory already followed.
+* RUN is a rank directory: every log file in it, including ones created later.
+* RUN is one log file: that file.
+
+Order: per poll, files in the order they were found (rank directories by name, files by index), so
+each rank's own order is kept. Events are yielded as written: a resume's supersession ("last writer
+wins", see :mod:`trainrec.replay.run`) cannot take back events already yielded; consumers that need
+it watch for RunResumed.
+
+With ``from_start=False`` the content present at the first poll is skipped, except FileOpened and
+NamesInterned records, which consumers need to resolve names later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from trainrec.schema import layout
+from trainrec.schema.errors import FormatError
+from trainrec.schema.events import Event, FileOpened, NamesInterned
+
+from .discover import list_runs, scan_file, select_run
+from .reader import LogReader
+from .run import resolve_types
+
+log = logging.getLogger(__name__)
+
+_BOOKKEEPING = (FileOpened, NamesInterned)
+
+
+class RunFollower:
+    """Incremental reader of a whole run; see the module docstring."""
+
+    def __init__(self, path: str, *, run_id: str | None = None, from_start: bool = True) -> None:
+        self.path = os.path.abspath(path)
+        self.run_id = run_id  # a prefix until the launch is found, then the exact id
+        self._resolved = False
+        self._from_start = from_start
+        self._first = True
+        self._mode: str | None = None  # "output", "rankdir", "file"
+        self._readers: dict[str, LogReader] = {}
+        self._ranks: dict[str, int] = {}
+        self._skip: set[str] = set()  # files whose initial content is skipped (from_start=False)
+        self._dirs: set[str] = set()  # rank directories followed
+        self._seen: set[str] = set()  # files looked at (followed or not)
+        self._waiting: set[str] = set()  # files whose header could not be read yet
+        self._dir_mtimes: dict[str, int] = {}
+        self.file_errors: dict[str, FormatError] = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def readers(self) -> dict[str, LogReader]:
+        return dict(self._readers)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self._ranks.values()))
+
+    @property
+    def closed(self) -> bool:
+        """Every rank of the launch has been seen and every followed file is closed cleanly."""
+        if not self._readers:
+            return False
+        world = max((r.header.world_size for r in self._readers.values() if r.header is not None), default=1)
+        if len(self.ranks) < world and self._mode == "output":
+            return False
+        return all(r.closed_cleanly for r in self._readers.values())
+
+    # ------------------------------------------------------------------ polling
+    def poll(self) -> list[Event]:
+        """Events completed since the last call, after looking for new directories and files."""
+        self._discover()
+        out: list[Event] = []
+        for path, reader in list(self._readers.items()):
+            try:
+                events = reader.poll()
+            except FormatError as exc:
+                log.warning("trainrec: not following %s", exc)
+                self.file_errors[path] = exc
+                del self._readers[path]
+                continue
+            if path in self._skip:
+                self._skip.discard(path)
+                events = [ev for ev in events if isinstance(ev, _BOOKKEEPING)]
+            out.extend(events)
+        self._first = False
+        return out
+
+    def _discover(self) -> None:
+        if self._mode is None:
+            if os.path.isfile(self.path):
+                self._mode = "file"
+            elif os.path.isdir(self.path):
+                self._mode = "rankdir" if layout.list_logs(self.path) else "output"
+            else:
+                return
+        if self._mode == "file":
+            self._add(self.path, None)
+            return
+        if self._mode == "rankdir":
+            self._dirs.add(self.path)
+            self._scan_dir(self.path)
+            return
+        if not self._resolved and not self._resolve():
+            return
+        try:
+            entries = sorted(e.path for e in os.scandir(self.path) if e.is_dir())
+        except OSError as exc:
+            log.warning("trainrec: cannot list %s: %s", self.path, exc)
+            return
+        for d in entries:
+            self._scan_dir(d)
+
+    def _resolve(self) -> bool:
+        runs = list_runs(self.path)
+        if not runs:
+            return False
+        if self.run_id is not None and not any(r.run_id.startswith(self.run_id) for r in runs):
+            return False  # the run asked for has not started yet
+        info = select_run(runs, self.path, self.run_id)
+        self.run_id = info.run_id
+        self._resolved = True
+        for fs in info.files.values():
+            for f in fs:
+                self._dirs.add(f.dir)
+        return True
+
+    def _scan_dir(self, d: str) -> None:
+        try:
+            mtime = os.stat(d).st_mtime_ns
+        except OSError:
+            return
+        if self._dir_mtimes.get(d) != mtime:
+            self._dir_mtimes[d] = mtime
+            for p in layout.list_logs(d):
+                if p not in self._seen:
+                    self._seen.add(p)
+                    self._waiting.add(p)
+        for p in sorted(w for w in self._waiting if os.path.dirname(w) == d):
+            self._consider(p)
+
+    def _consider(self, path: str) -> None:
+        lf = scan_file(path)
+        if lf.error is not None:
+            self._waiting.discard(path)
+            self.file_errors[path] = lf.error
+            log.warning("trainrec: not following %s", lf.error)
+            return
+        if lf.header is None:
+            return  # still being created: look again next poll
+        self._waiting.discard(path)
+        d = os.path.dirname(path)
+        if self._mode == "output":
+            ours = bool(self.run_id) and lf.header.run_id == self.run_id
+            resumed = lf.resume_step is not None and d in self._dirs
+            known_dir = not self.run_id and d in self._dirs
+            if not (ours or resumed or known_dir):
+                return
+            self._dirs.add(d)
+        self._add(path, lf.rank)
+
+    def _add(self, path: str, rank: int | None) -> None:
+        if path in self._readers or path in self.file_errors:
+            return
+        self._readers[path] = LogReader(path)
+        self._ranks[path] = rank if rank is not None else 0
+        if self._first and not self._from_start:
+            self._skip.add(path)
+
+
+def follow(
+    run_path: str,
+    poll_interval: float = 0.5,
+    stop: threading.Event | Callable[[], bool] | None = None,
+    from_start: bool = True,
+    *,
+    idle_timeout: float | None = None,
+    until_closed: bool = False,
+    run_id: str | None = None,
+    types: Iterable[str | type[Event]] | None = None,
+) -> Iterator[Event]:
+    """Yield events of a run as they are written (see the module docstring).
+
+    Ends when ``stop`` is set (a ``threading.Event``) or returns true (a callable), when no new event
+    arrived for ``idle_timeout`` seconds, or, with ``until_closed``, once every rank's files are
+    closed cleanly. Without any of these it runs until the consumer stops iterating.
+    """
+    if poll_interval <= 0:
+        raise ValueError("poll_interval must be positive")
+    wanted = resolve_types(types) if types is not None else None
+    follower = RunFollower(run_path, run_id=run_id, from_start=from_start)
+
+    def stopped() -> bool:
+        if stop is None:
+            return False
+        if isinstance(stop, threading.Event):
+            return stop.is_set()
+        return bool(stop())
+
+    last_new = time.monotonic()
+    while not stopped():
+        events = follower.poll()
+        if events:
+            last_new = time.monotonic()
+            for ev in events:
+                if wanted is None or type(ev) in wanted:
+                    yield ev
+            continue
+        if until_closed and follower.closed:
+            return
+        if idle_timeout is not None and time.monotonic() - last_new >= idle_timeout:
+            return
+        if isinstance(stop, threading.Event):
+            stop.wait(poll_interval)
+        else:
+            time.sleep(poll_interval)

@@ -1,0 +1,235 @@
+"""A run: the per-rank logs of one training launch, replayed as one stream of events.
+
+``open_run(path)`` accepts an output directory (the latest launch by default; ``run_id`` prefix or an
+inclusive ``time_start``/``time_end`` stamp range to choose), one rank directory, or one log file
+(see :mod:`trainrec.replay.discover` for how files are grouped into launches).
+
+Order of :meth:`Run.events`
+---------------------------
+
+* One rank: exactly the order its files were written (files in writing order, records in file order).
+* All ranks: the ranks' streams merged by ``(step, rank, position in the rank's stream)``, where
+  ``step`` is the highest step the rank has reached so far (records without a step, such as
+  FileOpened or NamesInterned, take the step of the record before them). Each rank's own order is
+  kept; within one step, rank 0's records come before rank 1's. Stats records batch many rows of
+  different micro steps and call ids, so ordering inside a step by ``(micro step, call id)`` is done
+  on rows: :meth:`Run.to_rows` carries both columns.
+
+Resume ("last writer wins")
+---------------------------
+
+A file of a rank that begins with ``RunResumed`` continuing from step ``S`` supersedes every record
+with ``step >= S`` in the rank's *earlier* files: those records are dropped from the stream and
+counted in :attr:`Run.superseded`. FileOpened, FileClosed and NamesInterned are never dropped (name
+tables stay intact). Several resumes compose: each file is cut at the smallest ``S`` of the files
+after it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+from trainrec.schema.errors import FormatError
+from trainrec.schema.events import (
+    TAGS,
+    Event,
+    FileClosed,
+    FileOpened,
+    NamesInterned,
+    TensorStatsRecorded,
+    UnknownEvent,
+)
+
+from .discover import LogFile, RunInfo, find_run
+from .names import NameResolver
+from .reader import LogReader
+from .rows import rows_from_events
+
+log = logging.getLogger(__name__)
+
+_KEEP = (FileOpened, FileClosed, NamesInterned)
+
+_TYPE_NAMES: dict[str, type[Event]] = {}
+for _cls in (*TAGS.values(), UnknownEvent):
+    _TYPE_NAMES[_cls.TAG.lower()] = _cls
+    _TYPE_NAMES[_cls.__name__.lower()] = _cls
+
+
+def resolve_types(types: Iterable[str | type[Event]] | str | type[Event]) -> frozenset[type[Event]]:
+    """Event classes named by classes, tags (``ts``) or class names (``TensorStatsRecorded``, any case).
+
+    Raises ValueError naming an unknown type and listing the known ones.
+    """
+    if isinstance(types, (str, type)):
+        types = [types]
+    out = set()
+    for t in types:
+        if isinstance(t, type):
+            out.add(t)
+            continue
+        cls = _TYPE_NAMES.get(str(t).lower())
+        if cls is None:
+            known = ", ".join(f"{c.__name__} ({c.TAG})" for c in TAGS.values())
+            raise ValueError(f"unknown event type {t!r}; known: {known}")
+        out.add(cls)
+    return frozenset(out)
+
+
+class Run:
+    """The ranks, files and events of one launch. Build it with :func:`open_run`."""
+
+    def __init__(self, info: RunInfo, where: str = "") -> None:
+        self.info = info
+        self.where = where
+        self.run_id = info.run_id
+        self._files: dict[int, list[LogFile]] = {r: list(fs) for r, fs in info.files.items()}
+        self.ranks: list[int] = sorted(self._files)
+        self.rank_dirs: dict[int, tuple[str, ...]] = info.rank_dirs
+        self.headers = {f.path: f.header for f in info.all_files if f.header is not None}
+        # Errors found opening a file (not a log, unreadable); such files contribute no events.
+        self.file_errors: dict[str, FormatError] = {f.path: f.error for f in info.all_files if f.error}
+        self.superseded: dict[str, int] = {}
+        self.cutoffs: dict[str, int] = {}
+        for fs in self._files.values():
+            cut: int | None = None
+            for f in reversed(fs):
+                if cut is not None:
+                    self.cutoffs[f.path] = cut
+                if f.resume_step is not None:
+                    cut = f.resume_step if cut is None else min(cut, f.resume_step)
+        self._readers: dict[str, LogReader] = {}
+
+    def __repr__(self) -> str:
+        return f"<Run {self.run_id!r} ranks={self.ranks} files={sum(len(v) for v in self._files.values())}>"
+
+    # ------------------------------------------------------------------ layout
+    def files(self, rank: int) -> list[str]:
+        """Log paths of ``rank`` in writing order."""
+        return [f.path for f in self._files.get(rank, [])]
+
+    def log_files(self, rank: int) -> list[LogFile]:
+        return list(self._files.get(rank, []))
+
+    @property
+    def world_size(self) -> int:
+        sizes = [h.world_size for h in self.headers.values()]
+        return max(sizes) if sizes else len(self.ranks)
+
+    @property
+    def format_versions(self) -> list[int]:
+        return sorted({f.version for fs in self._files.values() for f in fs if f.version is not None})
+
+    @property
+    def readers(self) -> dict[str, LogReader]:
+        """One LogReader per file, after a full read (problems, gaps, torn bytes, closed cleanly).
+
+        Files already read to their end by :meth:`events` are not read again.
+        """
+        for r in self.ranks:
+            if any(p not in self._readers and p not in self.file_errors for p in self.files(r)):
+                for _ in self._rank_events(r, only_unread=True):
+                    pass
+        return {p: self._readers[p] for r in self.ranks for p in self.files(r) if p in self._readers}
+
+    # ------------------------------------------------------------------ events
+    def events(
+        self, rank: int | Iterable[int] | None = None, types: Iterable[str | type[Event]] | None = None
+    ) -> Iterator[Event]:
+        """Events of ``rank`` (default: all ranks, merged; see the module docstring for the order),
+        optionally only those of ``types`` (classes, tags or class names)."""
+        ranks = self._select_ranks(rank)
+        wanted = resolve_types(types) if types is not None else None
+        if len(ranks) == 1:
+            for ev in self._rank_events(ranks[0]):
+                if wanted is None or type(ev) in wanted:
+                    yield ev
+            return
+        for item in heapq.merge(*(self._keyed(r, wanted) for r in ranks)):
+            yield item[3]
+
+    def stats(
+        self, kinds: Iterable[str] | None = None, rank: int | Iterable[int] | None = None
+    ) -> Iterator[tuple[TensorStatsRecorded, list[str]]]:
+        """``(record, names of its rows)`` for every stats record, optionally of some ``kinds`` only."""
+        wanted = None if kinds is None else set(kinds)
+        resolver = NameResolver()
+        # Steps usually repeat the same rows: resolve each (rank, table, id column) once.
+        # A rank's generation changes whenever its name table may have changed.
+        cache: dict[tuple, list[str]] = {}
+        gen: dict[int, int] = {}
+        for ev in self.events(rank):
+            t = type(ev)
+            if t is TensorStatsRecorded:
+                if wanted is None or ev.kind in wanted:
+                    key = (ev.rank, gen.get(ev.rank, 0), ev.name_ids)
+                    names = cache.get(key)
+                    if names is None:
+                        if len(cache) > 4096:
+                            cache.clear()
+                        names = cache[key] = resolver.names(ev)
+                    yield ev, list(names)
+            else:
+                if t is NamesInterned or t is FileOpened:
+                    gen[ev.rank] = gen.get(ev.rank, 0) + 1
+                resolver.feed(ev)
+
+    def to_rows(
+        self, kinds: Iterable[str] | None = None, rank: int | Iterable[int] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Stats as flat columns, one row per (tensor, op); see :mod:`trainrec.replay.rows`."""
+        return rows_from_events(self.events(rank), kinds)
+
+    # ------------------------------------------------------------------ internals
+    def _select_ranks(self, rank: int | Iterable[int] | None) -> list[int]:
+        if rank is None:
+            return list(self.ranks)
+        wanted = [rank] if isinstance(rank, int) else list(rank)
+        missing = [r for r in wanted if r not in self._files]
+        if missing:
+            raise ValueError(f"rank(s) {missing} not in run {self.run_id!r} (ranks: {self.ranks})")
+        return sorted(set(wanted))
+
+    def _keyed(self, rank: int, wanted: frozenset[type[Event]] | None) -> Iterator[tuple]:
+        step = -1
+        i = 0
+        for ev in self._rank_events(rank):
+            if ev.step > step:
+                step = ev.step
+            i += 1
+            if wanted is None or type(ev) in wanted:
+                yield (step, rank, i, ev)
+
+    def _rank_events(self, rank: int, only_unread: bool = False) -> Iterator[Event]:
+        for lf in self._files[rank]:
+            path = lf.path
+            if path in self.file_errors or (only_unread and path in self._readers):
+                continue
+            cut = self.cutoffs.get(path)
+            reader = LogReader(path)
+            dropped = 0
+            try:
+                for ev in reader:
+                    if cut is not None and ev.step >= cut and not isinstance(ev, _KEEP):
+                        dropped += 1
+                        continue
+                    yield ev
+            except FormatError as exc:
+                log.warning("trainrec: skipping %s", exc)
+                self.file_errors[path] = exc
+                continue
+            self._readers[path] = reader
+            self.superseded[path] = dropped
+
+
+def open_run(
+    path: str, *, run_id: str | None = None, time_start: str | None = None, time_end: str | None = None
+) -> Run:
+    """Open RUN: an output directory, a rank directory or a log file (see the module docstring).
+
+    Raises NotARunError (with a listing of the candidates when a selection is ambiguous or matches
+    nothing), NotALogError or UnsupportedVersionError, naming the path.
+    """
+    return Run(find_run(path, run_id, time_start, time_end), where=path)
