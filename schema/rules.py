@@ -1,0 +1,578 @@
+"""Anomaly rules, shared by the recorder (record time) and the analyzers (replay time).
+
+Pure Python and numpy. Both sides feed the same statistics through the same :class:`Detector`, so a
+re-detection from a log with the recording's rule config finds exactly the anomalies the recorder
+found.
+
+Series
+    A rule keeps state per series: ``(rank, kind, name, slot, micro_step, vpp_stage, op)``. A name
+    that appears twice in one record (a module called twice per micro step) gets one series per
+    occurrence. State lives in numpy arrays indexed by a dense series id, so one record of any size
+    costs a handful of vectorised operations.
+
+Rules (config ``alert.rules``: ``[{"rule_name": NAME, "args": {...}}]``)
+    ``AnomalyTurbulence(threshold, window=16, warmup=8, noise=8, range_floor=0.05, floor=0, sudden=true, nan=true)``
+        What the reference documents ("relative deviation from the historical mean beyond threshold,
+        up or down"), done so that a user can act on it::
+
+            baseline  = median of the last `window` finite values of the series
+            spread    = median absolute deviation of those values from the baseline
+            scale     = max(|baseline|, noise * spread, range_floor * max(|baseline of min|, |baseline of max|)
+                            [for min/max/mean], floor, op floor [zeros 0.05, nans 1])
+            change    = |value - baseline|, and with sudden: min(that, |value - previous value|)
+            flagged when change / scale > threshold
+
+        * Both directions; a negative baseline works like a positive one.
+        * A median over a window: one spike neither hides the next one (the reference's cumulative
+          mean does) nor shifts the baseline for long.
+        * ``sudden``: a value must also have jumped from the previous one, so a level change is one
+          anomaly and not ``window/2`` of them, and a smooth ramp (Adam's bias correction, a
+          zero-initialised bias growing) is none. ``sudden=false`` also catches slow drifts.
+        * Warm-up: nothing is flagged before ``warmup`` finite values of the series were seen.
+        * The floors on the scale stop the flood from series that sit near zero: a series whose own
+          spread dwarfs its level (the mean of a gradient) must leave that spread by
+          ``threshold * noise`` spreads; the min/max/mean of a tensor are judged against the
+          tensor's range (a LayerNorm output's mean of 1e-5 is zero next to values of 3).
+        * NaN/Inf (``nan``): the first non-finite value of a series is flagged, whatever the warm-up;
+          the following ones are not, until a finite value was seen again. Non-finite values never
+          enter the window, so a NaN does not poison the series.
+        * The ``nans`` op (a count) is flagged when it rises from 0 (with ``nan``); no relative rule.
+    ``NaNInf()``
+        Only the NaN/Inf part above: the first non-finite value of a series, a ``nans`` count rising
+        from 0.
+    ``ZScore(threshold=4, window=16, warmup=8, floor=0)``
+        ``|value - mean| / max(std, floor, op floor)`` over the last ``window`` finite values.
+
+Thresholds may be given as int or float (the reference rejected ``1``).
+
+Reference JSON entries
+    :func:`reference_entry` turns an :class:`AnomalyDetected` into the reference's anomaly JSON key
+    ``"{tag_name}_step_{step}_call_{call_id}"`` and value (rank, step, micro_step, pp_stage,
+    vpp_stage, call_id, tag_name, message, group_mates), used by both the recorder's dump and the
+    analyzers' ``anomaly_analyse.json``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+from .events import SLOTS, AnomalyDetected
+from .naming import reference_tag
+
+__all__ = [
+    "RULES",
+    "AnomalyTurbulence",
+    "Detector",
+    "NaNInf",
+    "Rule",
+    "SeriesIndex",
+    "ZScore",
+    "anomaly_message",
+    "make_rule",
+    "reference_entry",
+    "reference_key",
+    "rules_from_config",
+    "validate_alert_config",
+]
+
+# Default absolute floors of the scale, per op: zeros is a fraction of elements, nans a count.
+OP_FLOORS: dict[str, float] = {"zeros": 0.05, "nans": 1.0}
+NANS_OP = "nans"
+# Ops measured in the tensor's own units, whose scale is floored relative to its range (max |min|, |max|).
+_VALUE_OPS = ("min", "max", "mean")
+REFERENCE_FIELDS = (
+    "rank", "step", "micro_step", "pp_stage", "vpp_stage", "call_id", "tag_name", "message", "group_mates",
+)
+
+
+# --------------------------------------------------------------------------------------------- state
+class _SeriesState:
+    """Per-(series, op column) arrays: a ring of the last W finite values and the last observation."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.cols: dict[str, int] = {}
+        self.ring = np.full((0, 0, window), np.nan)
+        self.pos = np.zeros((0, 0), dtype=np.int32)
+        self.count = np.zeros((0, 0), dtype=np.int32)  # finite values in the ring (<= window)
+        self.last = np.zeros((0, 0))  # last finite value (0 before any)
+        self.last_ok = np.ones((0, 0), dtype=bool)  # the last observation was finite (or none yet)
+
+    def columns(self, ops: Sequence[str]) -> np.ndarray:
+        cols = self.cols
+        for op in ops:
+            if op not in cols:
+                cols[op] = len(cols)
+        return np.fromiter((cols[op] for op in ops), dtype=np.intp, count=len(ops))
+
+    def ensure(self, n_series: int) -> None:
+        rows, ncols = self.ring.shape[:2]
+        want_cols = len(self.cols)
+        if n_series <= rows and want_cols <= ncols:
+            return
+        new_rows = max(n_series, rows * 2, 64) if n_series > rows else rows
+        new_cols = max(want_cols, ncols)
+
+        def grow(a: np.ndarray, fill) -> np.ndarray:
+            shape = (new_rows, new_cols) + a.shape[2:]
+            b = np.full(shape, fill, dtype=a.dtype)
+            b[: a.shape[0], : a.shape[1]] = a
+            return b
+
+        self.ring = grow(self.ring, np.nan)
+        self.pos = grow(self.pos, 0)
+        self.count = grow(self.count, 0)
+        self.last = grow(self.last, 0.0)
+        self.last_ok = grow(self.last_ok, True)
+
+    def index(self, sids: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.ensure(int(sids.max()) + 1 if len(sids) else 0)
+        return sids[:, None], cols[None, :]
+
+    def update(self, si: np.ndarray, ci: np.ndarray, x: np.ndarray, finite: np.ndarray) -> None:
+        """Push the finite values of ``x`` (rows x ops) into their rings; note the last observation."""
+        s2, c2 = np.broadcast_arrays(si, ci)
+        sf, cf = s2[finite], c2[finite]
+        p = self.pos[sf, cf]
+        self.ring[sf, cf, p] = x[finite]
+        self.pos[sf, cf] = (p + 1) % self.window
+        self.count[sf, cf] = np.minimum(self.count[sf, cf] + 1, self.window)
+        self.last[sf, cf] = x[finite]
+        self.last_ok[si, ci] = finite
+
+
+def _window_median(values: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Median along the last axis of the first ``n`` finite values (NaN padding sorts last)."""
+    s = np.sort(values, axis=-1)
+    lo = np.maximum(n - 1, 0) // 2
+    hi = n // 2
+    a = np.take_along_axis(s, lo[..., None], axis=-1)[..., 0]
+    b = np.take_along_axis(s, np.minimum(hi, values.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    med = (a + b) * 0.5
+    med[n == 0] = np.nan
+    return med
+
+
+def _op_floors(ops: Sequence[str], floor: float) -> np.ndarray:
+    return np.array([max(floor, OP_FLOORS.get(op, 0.0)) for op in ops])
+
+
+def _nan_flags(state: _SeriesState, si, ci, ops, x, finite) -> tuple[np.ndarray, np.ndarray]:
+    """First non-finite value of a series, and a nans count rising from 0; with their baselines."""
+    last_ok = state.last_ok[si, ci]
+    last = state.last[si, ci]
+    flags = ~finite & last_ok
+    if NANS_OP in ops:
+        j = ops.index(NANS_OP)
+        flags[:, j] |= finite[:, j] & (x[:, j] > 0) & (last[:, j] == 0)
+    return flags, last
+
+
+# --------------------------------------------------------------------------------------------- rules
+class Rule:
+    """A detection rule over series. ``observe`` judges one record and then updates the state.
+
+    ``observe(sids, ops, values)``: ``sids`` are unique series ids (one per row), ``values`` a float64
+    ``rows x len(ops)`` matrix. Returns ``(flags, baselines)``, both ``rows x len(ops)``.
+    """
+
+    name = "Rule"
+
+    def __init__(self, window: int = 1) -> None:
+        self._state = _SeriesState(window)
+
+    @property
+    def args(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def observe(self, sids: np.ndarray, ops: tuple[str, ...], values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.args.items())
+        return f"{self.name}({args})"
+
+
+class NaNInf(Rule):
+    """The first NaN/Inf of a series; a ``nans`` count rising from 0."""
+
+    name = "NaNInf"
+
+    def __init__(self) -> None:
+        super().__init__(window=1)
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return {}
+
+    def observe(self, sids, ops, values):
+        st = self._state
+        si, ci = st.index(sids, st.columns(ops))
+        finite = np.isfinite(values)
+        flags, base = _nan_flags(st, si, ci, ops, values, finite)
+        st.update(si, ci, values, finite)
+        return flags, base
+
+
+class AnomalyTurbulence(Rule):
+    """Relative deviation from a windowed median beyond ``threshold``, both directions (see module doc)."""
+
+    name = "AnomalyTurbulence"
+
+    def __init__(
+        self,
+        threshold: float,
+        window: int = 16,
+        warmup: int = 8,
+        noise: float = 8.0,
+        floor: float = 0.0,
+        nan: bool = True,
+        sudden: bool = True,
+        range_floor: float = 0.05,
+    ) -> None:
+        super().__init__(window=window)
+        self.sudden = bool(sudden)
+        self.range_floor = float(range_floor)
+        self.threshold = float(threshold)
+        self.window = int(window)
+        self.warmup = int(warmup)
+        self.noise = float(noise)
+        self.floor = float(floor)
+        self.nan = bool(nan)
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return {
+            "threshold": self.threshold, "window": self.window, "warmup": self.warmup,
+            "noise": self.noise, "floor": self.floor, "nan": self.nan, "sudden": self.sudden,
+            "range_floor": self.range_floor,
+        }
+
+    def observe(self, sids, ops, values):
+        st = self._state
+        si, ci = st.index(sids, st.columns(ops))
+        x = values
+        finite = np.isfinite(x)
+        hist = st.ring[si, ci]  # rows x ops x W
+        n = st.count[si, ci]
+        med = _window_median(hist, n)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            spread = _window_median(np.abs(hist - med[..., None]), n)
+            scale = np.maximum(np.maximum(np.abs(med), self.noise * spread), _op_floors(ops, self.floor))
+            if self.range_floor and "min" in ops and "max" in ops:
+                absmax = np.maximum(np.abs(med[:, ops.index("min")]), np.abs(med[:, ops.index("max")]))
+                for op in _VALUE_OPS:
+                    if op in ops:
+                        j = ops.index(op)
+                        scale[:, j] = np.fmax(scale[:, j], self.range_floor * absmax)
+            diff = np.abs(x - med)
+            if self.sudden:
+                diff = np.fmin(diff, np.where(n > 0, np.abs(x - st.last[si, ci]), np.nan))
+            dev = diff / scale
+            flags = finite & (n >= max(self.warmup, 1)) & (dev > self.threshold)
+        base = med
+        if NANS_OP in ops:
+            flags[:, ops.index(NANS_OP)] = False
+        if self.nan:
+            nan_flags, last = _nan_flags(st, si, ci, ops, x, finite)
+            if NANS_OP in ops:
+                j = ops.index(NANS_OP)
+                base = med.copy()
+                base[:, j] = last[:, j]
+            flags |= nan_flags
+        st.update(si, ci, x, finite)
+        return flags, base
+
+
+class ZScore(Rule):
+    """``|value - mean| / max(std, floor) > threshold`` over the last ``window`` finite values."""
+
+    name = "ZScore"
+
+    def __init__(self, threshold: float = 4.0, window: int = 16, warmup: int = 8, floor: float = 0.0) -> None:
+        super().__init__(window=window)
+        self.threshold = float(threshold)
+        self.window = int(window)
+        self.warmup = int(warmup)
+        self.floor = float(floor)
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "window": self.window, "warmup": self.warmup, "floor": self.floor}
+
+    def observe(self, sids, ops, values):
+        st = self._state
+        si, ci = st.index(sids, st.columns(ops))
+        x = values
+        finite = np.isfinite(x)
+        hist = st.ring[si, ci]
+        n = st.count[si, ci]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ok = np.isfinite(hist)
+            h0 = np.where(ok, hist, 0.0)
+            mean = h0.sum(axis=-1) / n
+            var = (np.where(ok, hist - mean[..., None], 0.0) ** 2).sum(axis=-1) / n
+            scale = np.maximum(np.sqrt(var), _op_floors(ops, self.floor))
+            z = np.abs(x - mean) / scale
+            flags = finite & (n >= max(self.warmup, 2)) & (z > self.threshold)
+        st.update(si, ci, x, finite)
+        return flags, mean
+
+
+RULES: dict[str, type[Rule]] = {cls.name: cls for cls in (AnomalyTurbulence, NaNInf, ZScore)}
+
+# Argument specs: name -> (kind, required, minimum, minimum inclusive)
+_ARG_SPECS: dict[str, dict[str, tuple[str, bool, float | None, bool]]] = {
+    "AnomalyTurbulence": {
+        "threshold": ("float", True, 0.0, False),
+        "window": ("int", False, 1, True),
+        "warmup": ("int", False, 0, True),
+        "noise": ("float", False, 0.0, True),
+        "floor": ("float", False, 0.0, True),
+        "nan": ("bool", False, None, True),
+        "sudden": ("bool", False, None, True),
+        "range_floor": ("float", False, 0.0, True),
+    },
+    "NaNInf": {},
+    "ZScore": {
+        "threshold": ("float", False, 0.0, False),
+        "window": ("int", False, 2, True),
+        "warmup": ("int", False, 0, True),
+        "floor": ("float", False, 0.0, True),
+    },
+}
+
+
+def _check_arg(rule: str, name: str, value: Any, key: str, source: str | None) -> Any:
+    kind, _required, minimum, inclusive = _ARG_SPECS[rule][name]
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"must be true or false, not {value!r}", key=key, source=source)
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"must be a number, not {value!r}", key=key, source=source)
+    if kind == "int":
+        if isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"must be a whole number, not {value!r}", key=key, source=source)
+        value = int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"must be finite, not {value!r}", key=key, source=source)
+    if minimum is not None and (value < minimum or (value == minimum and not inclusive)):
+        bound = ">=" if inclusive else ">"
+        raise ConfigError(f"must be {bound} {minimum}, not {value!r}", key=key, source=source)
+    return value
+
+
+def make_rule(rule_name: str, args: Mapping[str, Any] | None = None, *, key: str = "rule",
+              source: str | None = None) -> Rule:
+    """Build a rule from its name and arguments, validating them.
+
+    A ConfigError names ``{key}.rule_name`` or ``{key}.args.{name}``.
+    """
+    if not isinstance(rule_name, str) or rule_name not in RULES:
+        raise ConfigError(
+            f"unknown rule {rule_name!r}; known rules: {', '.join(sorted(RULES))}", key=f"{key}.rule_name",
+            source=source,
+        )
+    args = {} if args is None else args
+    if not isinstance(args, Mapping):
+        raise ConfigError(f"rule arguments must be an object, not {args!r}", key=f"{key}.args", source=source)
+    specs = _ARG_SPECS[rule_name]
+    clean: dict[str, Any] = {}
+    for name, value in args.items():
+        if name not in specs:
+            known = ", ".join(specs) or "none"
+            raise ConfigError(f"unknown argument of {rule_name} (known: {known})", key=f"{key}.args.{name}",
+                              source=source)
+        clean[name] = _check_arg(rule_name, name, value, f"{key}.args.{name}", source)
+    for name, spec in specs.items():
+        if spec[1] and name not in clean:
+            raise ConfigError(f"{rule_name} needs the argument {name!r}", key=f"{key}.args.{name}", source=source)
+    return RULES[rule_name](**clean)
+
+
+def validate_alert_config(raw: Any, *, source: str | None = None) -> dict[str, Any]:
+    """Check the reference's ``alert`` config and return it normalised.
+
+    ``{"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}], "dump": false}``
+    becomes the same dict with validated, typed args. Raises ConfigError naming the offending key.
+    """
+    if raw is None:
+        return {"rules": [], "dump": False}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"must be an object, not {raw!r}", key="alert", source=source)
+    unknown = set(raw) - {"rules", "dump"}
+    if unknown:
+        raise ConfigError("unknown key (known: rules, dump)", key=f"alert.{sorted(unknown)[0]}", source=source)
+    rules = raw.get("rules", [])
+    if rules is None:
+        rules = []
+    if not isinstance(rules, list):
+        raise ConfigError(f"must be a list of rules, not {rules!r}", key="alert.rules", source=source)
+    out_rules = []
+    for i, spec in enumerate(rules):
+        key = f"alert.rules[{i}]"
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"must be an object with rule_name and args, not {spec!r}", key=key, source=source)
+        extra = set(spec) - {"rule_name", "args"}
+        if extra:
+            raise ConfigError("unknown key (known: rule_name, args)", key=f"{key}.{sorted(extra)[0]}", source=source)
+        if "rule_name" not in spec:
+            raise ConfigError("missing", key=f"{key}.rule_name", source=source)
+        args = spec.get("args") or {}
+        rule = make_rule(spec["rule_name"], args, key=key, source=source)
+        out_rules.append({"rule_name": rule.name, "args": {k: rule.args[k] for k in args}})
+    dump = raw.get("dump", False)
+    if not isinstance(dump, bool):
+        raise ConfigError(f"must be true or false, not {dump!r}", key="alert.dump", source=source)
+    return {"rules": out_rules, "dump": dump}
+
+
+def rules_from_config(alert_cfg: Any) -> list[Rule]:
+    """Fresh rule instances (with empty state) for a validated or raw ``alert`` config."""
+    cfg = validate_alert_config(alert_cfg)
+    return [make_rule(r["rule_name"], r["args"]) for r in cfg["rules"]]
+
+
+# --------------------------------------------------------------------------------------------- series
+class SeriesIndex:
+    """Dense ids of series rows ``(rank, kind, name, slot, micro_step, vpp_stage, occurrence)``.
+
+    A record's layout (its names and per-row columns) usually repeats every step, so the id array of
+    a layout is cached and a known layout costs one dict lookup.
+    """
+
+    def __init__(self, max_layouts: int = 512) -> None:
+        self._ids: dict[tuple, int] = {}
+        self._layouts: dict[tuple, np.ndarray] = {}
+        self._max_layouts = max_layouts
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def sids(self, rank: int, kind: str, names: Sequence[str], slots: np.ndarray, micro_steps: np.ndarray,
+             vpp_stages: np.ndarray) -> np.ndarray:
+        names_t = tuple(names)
+        lkey = (rank, kind, names_t, slots.tobytes(), micro_steps.tobytes(), vpp_stages.tobytes())
+        got = self._layouts.get(lkey)
+        if got is not None:
+            return got
+        ids = self._ids
+        seen: dict[tuple, int] = {}
+        out = np.empty(len(names_t), dtype=np.intp)
+        for i, key in enumerate(zip(names_t, slots.tolist(), micro_steps.tolist(), vpp_stages.tolist(), strict=True)):
+            occ = seen.get(key, 0)
+            seen[key] = occ + 1
+            full = (rank, kind, *key, occ)
+            sid = ids.get(full)
+            if sid is None:
+                sid = ids[full] = len(ids)
+            out[i] = sid
+        if len(self._layouts) >= self._max_layouts:
+            self._layouts.clear()
+        self._layouts[lkey] = out
+        return out
+
+
+def _column(arr: Any, n: int, dtype, fill: int) -> np.ndarray:
+    if arr is None or len(arr) == 0:
+        return np.full(n, fill, dtype=dtype)
+    a = np.asarray(arr)
+    if len(a) != n:
+        raise ValueError(f"per-row column has {len(a)} entries for {n} rows")
+    return a.astype(dtype, copy=False)
+
+
+def anomaly_message(rule: str, tag_name: str, op: str, step: int) -> str:
+    """The reference's alert text: ``Rule R reports anomaly signal in ('tag', 'op') at step S.``"""
+    return f"Rule {rule} reports anomaly signal in {(tag_name, op)!r} at step {step}."
+
+
+class Detector:
+    """Rules plus series ids: turns stats records into AnomalyDetected events.
+
+    One detector per stream of records in order (one rank at record time; any number of ranks at
+    replay time, since the rank is part of every series).
+    """
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules = list(rules)
+        self.series = SeriesIndex()
+        self.observed_rows = 0
+
+    def observe(
+        self,
+        *,
+        rank: int,
+        step: int,
+        kind: str,
+        ops: Sequence[str],
+        names: Sequence[str],
+        values: np.ndarray,
+        micro_steps: Any = None,
+        call_ids: Any = None,
+        slots: Any = None,
+        vpp_stages: Any = None,
+        pp_stage: int = 0,
+        group_mates: Sequence[int] = (),
+        wall: float = 0.0,
+    ) -> list[AnomalyDetected]:
+        n = len(names)
+        ops = tuple(ops)
+        if not self.rules or n == 0 or not ops:
+            return []
+        x = np.asarray(values, dtype=np.float64).reshape(n, len(ops))
+        micro = _column(micro_steps, n, np.int64, 0)
+        calls = _column(call_ids, n, np.int64, -1)
+        slot = _column(slots, n, np.int64, 0)
+        vpp = _column(vpp_stages, n, np.int64, 0)
+        sids = self.series.sids(rank, kind, names, slot, micro, vpp)
+        self.observed_rows += n
+        out: list[AnomalyDetected] = []
+        mates = tuple(int(m) for m in group_mates)
+        for rule in self.rules:
+            flags, base = rule.observe(sids, ops, x)
+            if not flags.any():
+                continue
+            rows, cols = np.nonzero(flags)
+            for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+                s = int(slot[r])
+                slot_name = SLOTS[s] if 0 <= s < len(SLOTS) else str(s)
+                tag = reference_tag(kind, names[r], slot_name, int(micro[r]), rank, int(vpp[r]))
+                op = ops[c]
+                out.append(AnomalyDetected(
+                    rank=rank, step=step, wall=wall, micro_step=int(micro[r]), pp_stage=pp_stage,
+                    vpp_stage=int(vpp[r]), call_id=int(calls[r]), tag_name=tag, op=op, value=float(x[r, c]),
+                    baseline=float(base[r, c]), message=anomaly_message(rule.name, tag, op, step),
+                    group_mates=mates, rule=rule.name, kind=kind, name=names[r], slot=slot_name,
+                ))
+        return out
+
+
+# --------------------------------------------------------------------------------------------- JSON
+def reference_key(tag_name: str, step: int, call_id: int) -> str:
+    """The reference's anomaly JSON key."""
+    return f"{tag_name}_step_{step}_call_{call_id}"
+
+
+def reference_entry(ev: AnomalyDetected) -> tuple[str, dict[str, Any]]:
+    """``(key, value)`` of the reference's anomaly JSON for one anomaly (exactly its fields)."""
+    value = {
+        "rank": ev.rank,
+        "step": ev.step,
+        "micro_step": ev.micro_step,
+        "pp_stage": ev.pp_stage,
+        "vpp_stage": ev.vpp_stage,
+        "call_id": ev.call_id,
+        "tag_name": ev.tag_name,
+        "message": ev.message,
+        "group_mates": list(ev.group_mates),
+    }
+    return reference_key(ev.tag_name, ev.step, ev.call_id), value
