@@ -1,0 +1,225 @@
+"""CSV projection of a rank's log, in the reference's files, columns and number format.
+
+Per data type and per window of ``step_count_per_record`` steps, one file ``{kind}_{start}-{end}.csv``
+(``actv_0-0.csv``, ``grad_reduced_10-19.csv``) with the reference's header, written once:
+
+* ``actv``: ``vpp_stage,module_name,step,input.min,...,input.nans,output.min,...,output.nans``; one row
+  per module call ``{module}_{micro_step}``, inputs then outputs (a side never recorded is ``nan``);
+* ``actv_grad``: the same with ``input_grad.*`` / ``output_grad.*``;
+* everything else (``grad_unreduced``, ``grad_reduced``, ``param``, ``exp_avg``, ``exp_avg_sq`` and
+  ours, ``update``, ``ratio``): ``vpp_stage,param_name,step,<ops in config order>``.
+
+Numbers are written as the reference writes them (``pd.DataFrame(rows).round(ndigits)`` then
+``to_csv``): the value as a double, rounded to ``ndigits`` fixed decimals half-to-even like numpy,
+printed as Python's shortest ``repr`` (``0.1``, ``-0.0``, ``1.4e-05``), NaN as ``nan``. So a pandas
+script written for the reference reads these files unchanged. ``ndigits=None`` keeps full precision
+(the shortest text that reads back to the recorded float32 or float64). The log itself is never
+rounded: rounding happens here, at projection time.
+
+Output goes to a :class:`CsvSink`; creating files is the caller's business (``trainrec.tools``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from trainrec.analyzers.projection import KindFrame, Note, Rewind, RowLayout, StepAssembler, StepSet
+from trainrec.schema.events import SLOT_INPUT, SLOT_INPUT_GRAD, Event
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CsvProjector", "CsvSink", "CsvSummary", "csv_header", "export_csv", "format_rows", "window_of"]
+
+ACTV_KINDS = ("actv", "actv_grad")
+_SIDES = {"actv": ("input", "output"), "actv_grad": ("input_grad", "output_grad")}
+
+
+class CsvSink(Protocol):
+    def append(self, kind: str, start: int, end: int, header: str, text: str, step: int) -> None:
+        """Append ``text`` (whole lines of ``step``) to the window file, creating it with ``header`` first."""
+
+    def rewind(self, step: int) -> None:
+        """Forget the rows of steps >= ``step`` written by this export."""
+
+
+@dataclass
+class CsvSummary:
+    """What a CSV projection wrote."""
+
+    rows: int = 0
+    values: int = 0
+    files: set = field(default_factory=set)
+    steps: set = field(default_factory=set)
+    dropped_steps: list = field(default_factory=list)
+    bad_records: int = 0
+
+
+def window_of(step: int, step_count_per_record: int) -> tuple[int, int]:
+    """The reference's file window of a step: ``(start, end)``, both inclusive."""
+    start = (step // step_count_per_record) * step_count_per_record
+    return start, start + step_count_per_record - 1
+
+
+def csv_header(kind: str, ops: Iterable[str]) -> str:
+    ops = list(ops)
+    if kind in _SIDES:
+        cols = [f"{side}.{op}" for side in _SIDES[kind] for op in ops]
+        return ",".join(["vpp_stage", "module_name", "step", *map(_quote, cols)])
+    return ",".join(["vpp_stage", "param_name", "step", *map(_quote, ops)])
+
+
+def _quote(text: str) -> str:
+    """csv.QUOTE_MINIMAL, as pandas writes a field."""
+    if any(c in text for c in ',"\n\r'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def format_rows(values: np.ndarray, ndigits: int | None) -> list[str]:
+    """Each row of a 2-D array as comma-separated numbers, formatted like the reference's CSV."""
+    if ndigits is None:
+        # Shortest text that reads back to the stored value (float32 stays float32-short).
+        return [",".join(row) for row in values.astype(str).tolist()]
+    rounded = np.round(values.astype(np.float64, copy=False), ndigits)
+    return [",".join(map(repr, row)) for row in rounded.tolist()]
+
+
+@dataclass(eq=False)
+class _CsvLayout:
+    prefixes: list[str]  # "vpp,name," per output row
+    take: np.ndarray | None  # actv: (m, 2) frame-row index per side, -1 when absent
+
+
+def _csv_layout(lay: RowLayout) -> _CsvLayout:
+    if lay.kind not in ACTV_KINDS:
+        prefixes = [f"{v},{_quote(n)}," for v, n in zip(lay.vpps.tolist(), lay.names, strict=True)]
+        return _CsvLayout(prefixes, None)
+    order: dict[tuple[int, str, int], int] = {}
+    pairs: list[list[int]] = []
+    for i, (v, n, m, s) in enumerate(zip(lay.vpps.tolist(), lay.names, lay.micros.tolist(), lay.slots.tolist(), strict=True)):
+        key = (v, n, m)
+        j = order.get(key)
+        if j is None:
+            j = order[key] = len(pairs)
+            pairs.append([-1, -1])
+        pairs[j][0 if s in (SLOT_INPUT, SLOT_INPUT_GRAD) else 1] = i
+    prefixes = [f"{v},{_quote(f'{n}_{m}')}," for (v, n, m) in order]
+    return _CsvLayout(prefixes, np.array(pairs, dtype=np.int64).reshape(-1, 2))
+
+
+class CsvProjector:
+    """Feeds events of one rank, appends CSV rows to ``sink`` as steps complete."""
+
+    def __init__(
+        self,
+        sink: CsvSink,
+        *,
+        kinds: Iterable[str] | None = None,
+        steps: StepSet | None = None,
+        ndigits: int | None = 6,
+        step_count_per_record: int = 1,
+        rewind: bool = False,
+    ) -> None:
+        if step_count_per_record < 1:
+            raise ValueError(f"step_count_per_record must be >= 1, not {step_count_per_record}")
+        if ndigits is not None and ndigits < 0:
+            raise ValueError(f"ndigits must be >= 0 (or None for full precision), not {ndigits}")
+        self.sink = sink
+        self.ndigits = ndigits
+        self.per_record = step_count_per_record
+        self.rewind = rewind
+        self.assembler = StepAssembler(kinds, steps, notes=False)
+        self.summary = CsvSummary()
+        self._window_ops: dict[tuple[str, int], tuple[str, ...]] = {}
+        self._warned: set = set()
+
+    def feed(self, ev: Event) -> None:
+        for item in self.assembler.feed(ev):
+            self._item(item)
+
+    def feed_all(self, events: Iterable[Event]) -> None:
+        for ev in events:
+            self.feed(ev)
+
+    def finish(self, clean: bool = True) -> CsvSummary:
+        for item in self.assembler.finish(clean):
+            self._item(item)
+        self.summary.dropped_steps = list(self.assembler.dropped_steps)
+        self.summary.bad_records = self.assembler.bad_records
+        return self.summary
+
+    def _item(self, item) -> None:
+        if isinstance(item, KindFrame):
+            self._frame(item)
+        elif isinstance(item, Rewind) and self.rewind:
+            self.sink.rewind(item.step)
+            self._window_ops = {k: v for k, v in self._window_ops.items() if k[1] < item.step}
+        elif isinstance(item, Note):  # pragma: no cover - the assembler is built without notes
+            pass
+
+    def _frame(self, frame: KindFrame) -> None:
+        kind = frame.kind
+        start, end = window_of(frame.step, self.per_record)
+        ops = frame.ops
+        values = frame.values
+        wops = self._window_ops.setdefault((kind, start), ops)
+        if wops != ops:
+            values = self._remap(frame, wops)
+            ops = wops
+        lay = frame.layout
+        cl = lay.cache.get("csv")
+        if cl is None:
+            cl = lay.cache["csv"] = _csv_layout(lay)
+        if cl.take is not None:
+            k = len(ops)
+            grouped = np.full((len(cl.take), 2 * k), np.nan, dtype=values.dtype)
+            for side in (0, 1):
+                idx = cl.take[:, side]
+                ok = idx >= 0
+                grouped[ok, side * k : (side + 1) * k] = values[idx[ok]]
+            values = grouped
+        step_text = f"{frame.step},"
+        body = [p + step_text + r for p, r in zip(cl.prefixes, format_rows(values, self.ndigits), strict=True)]
+        body.append("")
+        self.sink.append(kind, start, end, csv_header(kind, ops), "\n".join(body), frame.step)
+        s = self.summary
+        s.rows += len(cl.prefixes)
+        s.values += values.size
+        s.files.add((kind, start, end))
+        s.steps.add(frame.step)
+
+    def _remap(self, frame: KindFrame, wops: tuple[str, ...]) -> np.ndarray:
+        ops = frame.ops
+        extra = [o for o in ops if o not in wops]
+        if extra and (frame.kind, frame.step) not in self._warned:
+            self._warned.add((frame.kind, frame.step))
+            log.warning(
+                "trainrec export: %s step %d has ops %s that the header of its file (ops %s) lacks; "
+                "they are left out of the CSV",
+                frame.kind, frame.step, ", ".join(extra), ", ".join(wops),
+            )
+        out = np.full((len(frame.values), len(wops)), np.nan, dtype=frame.values.dtype)
+        for j, o in enumerate(wops):
+            if o in ops:
+                out[:, j] = frame.values[:, ops.index(o)]
+        return out
+
+
+def export_csv(
+    events: Iterable[Event],
+    sink: CsvSink,
+    *,
+    kinds: Iterable[str] | None = None,
+    steps: StepSet | None = None,
+    ndigits: int | None = 6,
+    step_count_per_record: int = 1,
+    clean: bool = True,
+) -> CsvSummary:
+    """Project a whole stream of one rank's events to ``sink``."""
+    p = CsvProjector(sink, kinds=kinds, steps=steps, ndigits=ndigits, step_count_per_record=step_count_per_record)
+    p.feed_all(events)
+    return p.finish(clean)

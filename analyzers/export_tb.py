@@ -1,0 +1,157 @@
+"""TensorBoard projection of a rank's log: scalars tagged as the reference tags them, plus text notes.
+
+Every stats row becomes ``len(ops)`` scalars tagged ``f"{reference_tag(...)}_{op}"`` (for example
+``0:embed_0/rank0/input_min``, ``0:embed.weight/rank0/post_grad_norm``, ``0:embed.weight_min`` for
+params), with the recorded value as float32. One ``Event`` carries every scalar of one kind at one
+step, built from a cached :class:`~trainrec.analyzers.tb_encode.ScalarTemplate`. Anomalies and
+config switches become text summaries (``trainrec/anomalies``, ``trainrec/config``) at their step,
+and the number of anomalies per step a scalar ``trainrec/anomaly_count``, so they line up with the
+curves. The wall time of each event is the recorded one, so exports are reproducible.
+
+Output goes to a sink with ``write(event: bytes)`` (one serialized ``Event``); opening files is the
+caller's business (``trainrec.tools``). With ``rewind=True`` (a live export following one log) a
+resume writes a ``SessionLog.START`` at the resume step, which makes TensorBoard drop the superseded
+points; offline exports drop superseded events before projecting and leave ``rewind`` off, since a
+START purges every file of a run directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from trainrec.analyzers.projection import KindFrame, Note, Rewind, StepAssembler, StepSet
+from trainrec.analyzers.tb_encode import ScalarTemplate, event_bytes, text_summary
+from trainrec.schema.events import Event
+from trainrec.schema.naming import reference_tag
+
+__all__ = ["TbProjector", "TbSink", "TbSummary", "export_tb", "frame_tags"]
+
+NOTE_TAG = "trainrec/{topic}"
+ANOMALY_COUNT_TAG = "trainrec/anomaly_count"
+
+
+class TbSink(Protocol):
+    def write(self, event: bytes) -> None: ...
+
+
+@dataclass
+class TbSummary:
+    """What a TensorBoard projection wrote."""
+
+    events: int = 0
+    scalars: int = 0
+    notes: int = 0
+    steps: set = field(default_factory=set)
+    dropped_steps: list = field(default_factory=list)
+    bad_records: int = 0
+
+
+def frame_tags(frame: KindFrame) -> list[str]:
+    """The scalar tags of a frame's values, row-major (row, op)."""
+    lay = frame.layout
+    rank = frame.rank
+    tags: list[str] = []
+    for i, name in enumerate(lay.names):
+        base = reference_tag(lay.kind, name, int(lay.slots[i]), int(lay.micros[i]), rank, int(lay.vpps[i]))
+        tags.extend(f"{base}_{op}" for op in lay.ops)
+    return tags
+
+
+class TbProjector:
+    """Feeds events of one rank, writes TensorBoard events to ``sink`` as steps complete."""
+
+    def __init__(
+        self,
+        sink: TbSink,
+        *,
+        kinds: Iterable[str] | None = None,
+        steps: StepSet | None = None,
+        notes: bool = True,
+        rewind: bool = False,
+    ) -> None:
+        self.sink = sink
+        self.rewind = rewind
+        self.assembler = StepAssembler(kinds, steps, notes)
+        self.summary = TbSummary()
+        self._pending_notes: list[Note] = []
+
+    def feed(self, ev: Event) -> None:
+        for item in self.assembler.feed(ev):
+            self._item(item)
+
+    def feed_all(self, events: Iterable[Event]) -> None:
+        for ev in events:
+            self.feed(ev)
+
+    def finish(self, clean: bool = True) -> TbSummary:
+        for item in self.assembler.finish(clean):
+            self._item(item)
+        self._flush_notes()
+        self.summary.dropped_steps = list(self.assembler.dropped_steps)
+        self.summary.bad_records = self.assembler.bad_records
+        return self.summary
+
+    # ------------------------------------------------------------------ items
+    def _item(self, item) -> None:
+        if isinstance(item, KindFrame):
+            self._flush_notes(before=item.step)
+            self._frame(item)
+        elif isinstance(item, Note):
+            self._pending_notes.append(item)
+        elif isinstance(item, Rewind):
+            self._flush_notes()
+            if self.rewind:
+                self.sink.write(event_bytes(item.wall, item.step, session_start=True))
+                self.summary.events += 1
+
+    def _frame(self, frame: KindFrame) -> None:
+        lay = frame.layout
+        key = ("tb", frame.rank)
+        tmpl = lay.cache.get(key)
+        if tmpl is None:
+            tmpl = ScalarTemplate(frame_tags(frame))
+            lay.cache[key] = tmpl
+        self.sink.write(event_bytes(frame.wall, frame.step, summary=tmpl.summary(frame.values)))
+        self.summary.events += 1
+        self.summary.scalars += len(tmpl)
+        self.summary.steps.add(frame.step)
+
+    def _flush_notes(self, before: int | None = None) -> None:
+        notes = self._pending_notes
+        if not notes:
+            return
+        if before is None:
+            now, self._pending_notes = notes, []
+        else:
+            now = [n for n in notes if n.step <= before]
+            self._pending_notes = [n for n in notes if n.step > before]
+        by_step: dict[tuple[int, str], list[Note]] = {}
+        for n in now:
+            by_step.setdefault((n.step, n.topic), []).append(n)
+        for (step, topic), group in sorted(by_step.items()):
+            text = "\n".join(f"- rank {n.rank}: {n.text}" for n in group)
+            wall = max(n.wall for n in group)
+            summary = text_summary(NOTE_TAG.format(topic=topic), text)
+            if topic == "anomalies":
+                summary += ScalarTemplate([ANOMALY_COUNT_TAG]).summary(np.array([len(group)], np.float32))
+            self.sink.write(event_bytes(wall, max(step, 0), summary=summary))
+            self.summary.events += 1
+            self.summary.notes += len(group)
+
+
+def export_tb(
+    events: Iterable[Event],
+    sink: TbSink,
+    *,
+    kinds: Iterable[str] | None = None,
+    steps: StepSet | None = None,
+    notes: bool = True,
+    clean: bool = True,
+) -> TbSummary:
+    """Project a whole stream of one rank's events to ``sink``."""
+    p = TbProjector(sink, kinds=kinds, steps=steps, notes=notes)
+    p.feed_all(events)
+    return p.finish(clean)

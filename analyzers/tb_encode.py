@@ -1,0 +1,116 @@
+"""TensorBoard ``Event`` protos as bytes, written by hand: many scalars per event, no per-value objects.
+
+Only the few proto fields the exports use are encoded (field numbers from TensorBoard's
+``event.proto`` / ``summary.proto`` / ``tensor.proto``)::
+
+    Event       { double wall_time = 1; int64 step = 2; string file_version = 3;
+                  Summary summary = 5; SessionLog session_log = 7; }
+    SessionLog  { SessionStatus status = 1; string msg = 3; }            START = 1
+    Summary     { repeated Value value = 1; }
+    Value       { string tag = 1; float simple_value = 2; SummaryMetadata metadata = 9; TensorProto tensor = 8; }
+    SummaryMetadata { PluginData plugin_data = 1; }  PluginData { string plugin_name = 1; bytes content = 2; }
+    TensorProto { DataType dtype = 1; TensorShapeProto tensor_shape = 2; repeated bytes string_val = 8; }
+
+A :class:`ScalarTemplate` holds the serialized ``Summary`` of a fixed list of tags with holes for the
+float32 values; filling it for a step is one numpy scatter, whatever the number of tags. This module
+imports neither tensorboard nor tensorboardX (tensorboardX imports torch); the output is checked by
+TensorBoard's own ``EventAccumulator`` in the tests.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+__all__ = ["FILE_VERSION", "ScalarTemplate", "event_bytes", "text_summary"]
+
+FILE_VERSION = "brain.Event:2"
+_DT_STRING = 7
+_SESSION_START = 1
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n &= (1 << 64) - 1  # int64 two's complement, as protobuf encodes negative int64
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _field_bytes(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _varint((number << 3) | 2) + _varint(len(payload)) + payload
+
+
+class ScalarTemplate:
+    """The serialized ``Summary`` of ``tags`` (simple values), to be filled with float32 values."""
+
+    __slots__ = ("tags", "_buf", "_index", "size")
+
+    def __init__(self, tags: list[str]) -> None:
+        self.tags = tags
+        chunks: list[bytes] = []
+        positions = np.empty(len(tags), dtype=np.int64)
+        pos = 0
+        for i, tag in enumerate(tags):
+            tb = tag.encode("utf-8")
+            inner = b"\x0a" + _varint(len(tb)) + tb + b"\x15"  # tag, then simple_value's key
+            prefix = b"\x0a" + _varint(len(inner) + 4) + inner  # Summary.value, length-delimited
+            chunks.append(prefix)
+            chunks.append(b"\0\0\0\0")
+            pos += len(prefix)
+            positions[i] = pos
+            pos += 4
+        self._buf = np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
+        self._index = (positions[:, None] + np.arange(4, dtype=np.int64)).ravel()
+        self.size = len(self._buf)
+
+    def __len__(self) -> int:
+        return len(self.tags)
+
+    def summary(self, values: np.ndarray) -> bytes:
+        """The Summary bytes with ``values`` (any float array of ``len(tags)`` elements, row-major)."""
+        v = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
+        if len(v) != len(self.tags):
+            raise ValueError(f"{len(v)} values for {len(self.tags)} tags")
+        buf = self._buf
+        buf[self._index] = v.view(np.uint8)
+        return buf.tobytes()
+
+
+def event_bytes(
+    wall: float,
+    step: int | None = None,
+    *,
+    summary: bytes | None = None,
+    file_version: str | None = None,
+    session_start: bool = False,
+) -> bytes:
+    """A serialized ``Event``."""
+    out = [b"\x09" + struct.pack("<d", float(wall))]
+    if step is not None and step != 0:
+        out.append(b"\x10" + _varint(int(step)))
+    if file_version is not None:
+        out.append(_field_bytes(3, file_version.encode("utf-8")))
+    if summary is not None:
+        out.append(_field_bytes(5, summary))
+    if session_start:
+        out.append(_field_bytes(7, b"\x08" + _varint(_SESSION_START)))
+    return b"".join(out)
+
+
+def text_summary(tag: str, text: str) -> bytes:
+    """A ``Summary`` with one text-plugin value, as tensorboardX's ``add_text`` writes it
+    (the tag gets the ``/text_summary`` suffix the same way)."""
+    metadata = _field_bytes(1, _field_bytes(1, b"text"))  # plugin_data{plugin_name: "text"}
+    shape = _field_bytes(2, b"\x08\x01")  # dim{size: 1}
+    tensor = b"\x08" + _varint(_DT_STRING) + _field_bytes(2, shape) + _field_bytes(8, text.encode("utf-8"))
+    value = _field_bytes(1, f"{tag}/text_summary".encode()) + _field_bytes(9, metadata) + _field_bytes(8, tensor)
+    return _field_bytes(1, value)

@@ -1,0 +1,404 @@
+"""``trainrec export csv|tb RUN -o DIR``: the reference's CSV files or TensorBoard events, from the log.
+
+Output layout (per rank, the run's own rank directory names)::
+
+    DIR/.trainrec-export.json                          what was exported, from where (marks DIR as ours)
+    DIR/Nov30_11-13-33-rank0-4700973a/actv_0-0.csv      csv: {type}_{start}-{end}.csv per type per window
+    DIR/Nov30_11-13-33-rank0-4700973a/events.out.tfevents.{time}.{host}[.{part}]   tb
+
+Selection: ``--types`` (default: all), ``--steps 10-20,30``, ``--ranks 0,2-3``, and runs by
+``--run-id`` or by the reference's time-stamped directory names ``--time-start/--time-end`` (both
+inclusive; every run with a rank directory in the range is exported). Without either, the latest run.
+
+``-j N`` exports with N processes, across ranks and, when there are fewer ranks than processes,
+across data types (then TensorBoard gets one event file per part in the rank's directory, which
+TensorBoard reads as one run). The CSV files are byte-identical to a serial export; the TensorBoard
+scalars, steps and wall times are identical. A progress bar goes to stderr when it is a terminal.
+
+An output directory that exists and is not empty is refused; ``--force`` replaces it only when it
+holds a previous trainrec export. Logs still being written, torn tails and damaged records are
+exported as far as they are complete, and said so on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+import time
+
+from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
+from trainrec.replay.discover import list_runs, stamp_key_or_none
+from trainrec.replay.reader import LogReader
+from trainrec.replay.run import Run, open_run
+from trainrec.schema import layout
+from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
+from trainrec.schema.events import KINDS, StepEnded, TensorStatsRecorded
+
+from .export_files import ExportTask, TaskResult, run_task
+
+MARKER = ".trainrec-export.json"
+FORMATS = {"csv": "CSV files", "tb": "TensorBoard event files"}
+
+
+# ---------------------------------------------------------------------------------------- arguments
+def _types_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_kinds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _steps_arg(what: str):
+    def parse(text: str) -> StepSet:
+        try:
+            return parse_steps(text, what)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {n}")
+    return n
+
+
+def _ndigits(text: str) -> int | None:
+    if text.lower() in ("full", "none"):
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of decimals or 'full', not {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--ndigits must be >= 0 (or 'full'), not {n}")
+    return n
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write the reference's CSV files or TensorBoard events from a run's log",
+        description=__doc__.split("\n\n")[0],
+    )
+    fsub = p.add_subparsers(dest="export_format", metavar="FORMAT")
+    fsub.required = True
+    for fmt, what in FORMATS.items():
+        q = fsub.add_parser(fmt, help=f"export {what}")
+        q.add_argument("run", metavar="RUN", help="output directory, rank directory or log file")
+        q.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write (must not exist or be empty)")
+        q.add_argument("--run-id", help="the run whose id starts with this")
+        q.add_argument("--time-start", metavar="STAMP", help="runs with a rank directory stamped at or after e.g. Nov30_11-13-33")
+        q.add_argument("--time-end", metavar="STAMP", help="... and at or before this stamp (inclusive)")
+        q.add_argument("--types", type=_types_arg, action="append", metavar="TYPES",
+                       help=f"data types, comma separated (default all: {','.join(KINDS)})")
+        q.add_argument("--steps", type=_steps_arg("step"), metavar="RANGES", help="steps to export, e.g. 10-20,30")
+        q.add_argument("--ranks", type=_steps_arg("rank"), metavar="RANGES", help="ranks to export, e.g. 0,2-3")
+        q.add_argument("-j", "--process-num", type=_positive, default=1, metavar="N", help="processes (default 1)")
+        q.add_argument("--force", action="store_true", help="replace DIR when it holds a previous trainrec export")
+        if fmt == "csv":
+            q.add_argument("--ndigits", type=_ndigits, default=6, metavar="N",
+                           help="decimals, rounded as the reference rounds them (default 6; 'full': no rounding)")
+            q.add_argument("--step-count-per-record", type=_positive, default=1, metavar="M",
+                           help="steps per CSV file (default 1)")
+        q.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------------------------------- selection
+def select_runs(path: str, run_id: str | None, time_start: str | None, time_end: str | None) -> list[Run]:
+    """The runs to export: every run with a rank directory in the time range, or open_run's choice."""
+    if (time_start is None and time_end is None) or not os.path.isdir(path) or layout.list_logs(path):
+        return [open_run(path, run_id=run_id, time_start=time_start, time_end=time_end)]
+    lo = _stamp(time_start, "--time-start", path)
+    hi = _stamp(time_end, "--time-end", path)
+    if lo is not None and hi is not None and lo > hi:
+        raise NotARunError(f"time range {time_start}..{time_end} is empty (start after end)", path)
+    runs = list_runs(path)
+    if not runs:
+        raise NotARunError("no trainrec runs found", path)
+    chosen = []
+    for info in runs:
+        if run_id is not None and not info.run_id.startswith(run_id):
+            continue
+        keys = [stamp_key_or_none(s) for s in info.stamps]
+        if any(k is not None and (lo is None or k >= lo) and (hi is None or k <= hi) for k in keys):
+            chosen.append(Run(info, where=path))
+    if not chosen:
+        listing = "\n".join("  " + r.describe() for r in runs)
+        raise NotARunError(
+            f"no run has a rank directory stamped in {time_start or 'any time'} .. {time_end or 'any time'} (inclusive); runs found:\n{listing}",
+            path,
+        )
+    return chosen
+
+
+def _stamp(value: str | None, option: str, path: str):
+    if value is None:
+        return None
+    key = stamp_key_or_none(value)
+    if key is None:
+        raise NotARunError(f"{option} {value!r} is not a time stamp like Nov30_11-13-33", path)
+    return key
+
+
+def kinds_seen(run: Run, rank: int, max_steps: int = 3, max_events: int = 20000) -> list[str]:
+    """Data types in the first few steps of a rank's first log (to balance parallel parts)."""
+    files = run.files(rank)
+    seen: list[str] = []
+    if not files:
+        return seen
+    ended = 0
+    try:
+        for i, ev in enumerate(LogReader(files[0])):
+            if isinstance(ev, TensorStatsRecorded) and ev.kind not in seen:
+                seen.append(ev.kind)
+            elif isinstance(ev, StepEnded):
+                ended += 1
+            if ended >= max_steps or i >= max_events:
+                break
+    except FormatError:
+        pass
+    return seen
+
+
+def plan_tasks(runs: list[Run], args, kinds: tuple[str, ...], out: str) -> list[ExportTask]:
+    pairs = []
+    for run in runs:
+        ranks = run.ranks
+        if args.ranks is not None:
+            ranks = [r for r in ranks if r in args.ranks]
+        for r in ranks:
+            pairs.append((run, r))
+    if not pairs:
+        have = "; ".join(f"run {r.run_id}: ranks {r.ranks}" for r in runs)
+        raise NotARunError(f"no rank matches --ranks {args.ranks.text()} ({have})", args.run)
+    jobs = max(1, args.process_num)
+    parts = 1 if len(pairs) >= jobs else min(len(kinds), -(-jobs // len(pairs)))
+    tasks: list[ExportTask] = []
+    used: set[str] = set()
+    for run, r in pairs:
+        dirs = run.rank_dirs.get(r) or (f"rank{r}",)
+        name = os.path.basename(dirs[0].rstrip(os.sep))
+        if name in used:
+            name = f"{name}-{run.run_id[:8] or 'run'}"
+        used.add(name)
+        rank_out = os.path.join(out, name)
+        info = type(run.info)(run_id=run.info.run_id, files={r: list(run.info.files[r])})
+        if parts == 1:
+            groups = [tuple(kinds)]
+        else:
+            present = kinds_seen(run, r)
+            ordered = [k for k in kinds if k in present] + [k for k in kinds if k not in present]
+            groups = [tuple(ordered[i::parts]) for i in range(parts)]
+            groups = [tuple(k for k in kinds if k in g) for g in groups if g]
+        for gi, group in enumerate(groups):
+            suffix = "" if len(groups) == 1 else (group[0] if len(group) == 1 else f"part{gi}")
+            tasks.append(
+                ExportTask(
+                    fmt=args.export_format, info=info, rank=r, out_dir=rank_out, kinds=group, steps=args.steps,
+                    notes=gi == 0, ndigits=getattr(args, "ndigits", 6),
+                    step_count_per_record=getattr(args, "step_count_per_record", 1), tb_suffix=suffix,
+                    task_id=len(tasks),
+                )
+            )
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------- output dir
+def prepare_output(out: str, force: bool, record: dict) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise TrainrecError(f"output {out} exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out):
+        if not force:
+            raise TrainrecError(f"output directory {out} exists and is not empty; choose another, or pass --force "
+                                "to replace a previous trainrec export there")
+        if not os.path.isfile(os.path.join(out, MARKER)):
+            raise TrainrecError(f"output directory {out} is not empty and holds no trainrec export ({MARKER} "
+                                "missing); refusing to mix or delete files there, choose another directory")
+        for entry in os.scandir(out):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.remove(entry.path)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, MARKER), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+
+
+# ---------------------------------------------------------------------------------------- execution
+class Progress:
+    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, total: int, tasks: int, label: str, enabled: bool | None = None) -> None:
+        self.total = max(total, 1)
+        self.tasks = tasks
+        self.label = label
+        self.done = 0
+        self.tasks_done = 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.t0 = time.monotonic()
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def advance(self, nbytes: int = 0, task_done: bool = False) -> None:
+        with self._lock:
+            self.done += nbytes
+            self.tasks_done += int(task_done)
+            now = time.monotonic()
+            if self.enabled and (task_done or now - self._last >= 0.1):
+                self._last = now
+                frac = min(1.0, self.done / self.total)
+                bar = "#" * int(frac * 30)
+                sys.stderr.write(
+                    f"\r{self.label} [{bar:<30}] {frac:4.0%} {self.done / 1e6:7.1f}/{self.total / 1e6:.1f} MB "
+                    f"{self.tasks_done}/{self.tasks} parts {now - self.t0:6.1f} s"
+                )
+                sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+_queue = None
+
+
+def _init_worker(q) -> None:
+    global _queue
+    _queue = q
+
+
+def _worker(task: ExportTask) -> TaskResult:
+    q = _queue
+    return run_task(task, (lambda n: q.put(n)) if q is not None else None)
+
+
+def execute(tasks: list[ExportTask], jobs: int, progress: Progress) -> list[TaskResult]:
+    tasks = sorted(tasks, key=lambda t: -t.log_bytes)
+    results: list[TaskResult] = []
+    if jobs <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            results.append(run_task(t, progress.advance))
+            progress.advance(task_done=True)
+        return sorted(results, key=lambda r: r.task_id)
+    method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    q = ctx.Queue() if progress.enabled else None
+    stop = threading.Event()
+
+    def drain() -> None:
+        while not stop.is_set():
+            try:
+                n = q.get(timeout=0.1)
+            except Exception:  # queue.Empty, or the queue closed at shutdown
+                continue
+            progress.advance(n)
+
+    drainer = threading.Thread(target=drain, daemon=True) if q is not None else None
+    if drainer is not None:
+        drainer.start()
+    try:
+        with cf.ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx,
+                                    initializer=_init_worker, initargs=(q,)) as pool:
+            futures = [pool.submit(_worker, t) for t in tasks]
+            for fut in cf.as_completed(futures):
+                results.append(fut.result())
+                progress.advance(task_done=True)
+    finally:
+        stop.set()
+        if drainer is not None:
+            drainer.join(timeout=2)
+    return sorted(results, key=lambda r: r.task_id)
+
+
+def _ranges(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
+
+
+def run(args) -> int:
+    fmt = args.export_format
+    kinds: tuple[str, ...] = KINDS
+    if args.types:
+        merged: list[str] = []
+        for group in args.types:
+            merged.extend(k for k in group if k not in merged)
+        kinds = tuple(merged)
+    runs = select_runs(args.run, args.run_id, args.time_start, args.time_end)
+    out = os.path.abspath(args.output)
+    for r in runs:
+        for dirs in r.rank_dirs.values():
+            for d in dirs:
+                if out == os.path.abspath(d) or out.startswith(os.path.abspath(d) + os.sep):
+                    raise TrainrecError(f"output directory {out} is inside the run's rank directory {d}")
+    tasks = plan_tasks(runs, args, kinds, out)
+    record = {
+        "format": fmt,
+        "source": os.path.abspath(args.run),
+        "runs": [r.run_id for r in runs],
+        "types": list(kinds),
+        "steps": args.steps.text() if args.steps else None,
+        "ranks": args.ranks.text() if args.ranks else None,
+        "ndigits": getattr(args, "ndigits", None),
+        "step_count_per_record": getattr(args, "step_count_per_record", None),
+        "created": time.time(),
+    }
+    prepare_output(out, args.force, record)
+    t0 = time.perf_counter()
+    progress = Progress(sum(t.log_bytes for t in tasks), len(tasks), f"export {fmt}")
+    try:
+        results = execute(tasks, args.process_num, progress)
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - t0
+    return report(results, runs, fmt, out, elapsed, args)
+
+
+def report(results: list[TaskResult], runs: list[Run], fmt: str, out: str, elapsed: float, args) -> int:
+    seen: set[str] = set()
+    for res in results:
+        for msg in res.messages:
+            if msg not in seen:
+                seen.add(msg)
+                print(f"trainrec export: rank {res.rank}: {msg}", file=sys.stderr)
+        if res.dropped_steps:
+            print(f"trainrec export: rank {res.rank}: step(s) {', '.join(map(str, res.dropped_steps))} did not end "
+                  "before the log stopped; not exported", file=sys.stderr)
+        if res.bad_records:
+            print(f"trainrec export: rank {res.rank}: {res.bad_records} inconsistent stats record(s) skipped", file=sys.stderr)
+    superseded = sum(r.superseded for r in results)
+    if superseded:
+        print(f"trainrec export: {superseded} record(s) superseded by a resume were left out", file=sys.stderr)
+    steps = sorted({s for r in results for s in r.steps})
+    files = sum(len(r.files) for r in results)
+    values = sum(r.values for r in results)
+    ranks = sorted({r.rank for r in results})
+    if not values:
+        sel = []
+        if args.steps is not None:
+            sel.append(f"steps {args.steps.text()}")
+        if args.types:
+            sel.append("types " + ",".join(k for g in args.types for k in g))
+        print(f"trainrec export: nothing to export: no statistics{' for ' + ' and '.join(sel) if sel else ''} "
+              f"in run {', '.join(r.run_id for r in runs)}", file=sys.stderr)
+        return 1
+    what = f"{values} values in {files} CSV files" if fmt == "csv" else f"{values} scalars in {files} event files"
+    print(f"exported run {', '.join(r.run_id or '(no id)' for r in runs)}: ranks {', '.join(map(str, ranks))}, "
+          f"steps {_ranges(steps)}: {what} to {out} in {elapsed:.2f} s")
+    if any(r.still_running for r in results):
+        print("the run is still being written: export again later for the rest", file=sys.stderr)
+    return 0

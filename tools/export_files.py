@@ -1,0 +1,349 @@
+"""Files of the exports: CSV window files, TensorBoard event files, and one export task per rank.
+
+* :class:`CsvDirSink` writes the CSV projection of one rank into one directory
+  (``{kind}_{start}-{end}.csv``); a window file is created (truncated) the first time this export
+  touches it and appended to afterwards, so an export never mixes with an older one.
+* :class:`TbEventFile` writes TFRecord-framed TensorBoard events (little-endian length, masked
+  CRC32C) into ``events.out.tfevents.{time}.{host}[.{suffix}]``, starting with the file version
+  event, as tensorboardX does; CRC32C comes from the ``crc32c`` package (tensorboardX's own
+  accelerator) with a pure-Python fallback.
+* :func:`run_task` exports one rank (or some data types of it) of a run: it reads the rank's log
+  files in order, drops what a resume superseded, projects and writes, and reports what it found
+  (files not closed, torn tails, damage, incomplete last steps).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from trainrec.analyzers.export_csv import CsvProjector
+from trainrec.analyzers.export_tb import TbProjector
+from trainrec.analyzers.projection import StepSet
+from trainrec.analyzers.tb_encode import FILE_VERSION, event_bytes
+from trainrec.replay.discover import RunInfo
+from trainrec.replay.reader import LogReader
+from trainrec.replay.run import Run
+from trainrec.schema.errors import FormatError
+from trainrec.schema.events import FileClosed, FileOpened, NamesInterned
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CsvDirSink", "ExportTask", "TaskResult", "RankStream", "TbEventFile", "masked_crc32c", "run_task", "tb_file_name"]
+
+try:  # the C implementation tensorboardX itself uses when present
+    from crc32c import crc32c as _crc32c
+except ImportError:  # pragma: no cover - crc32c is a declared dependency
+    _crc32c = None
+
+_KEEP = (FileOpened, FileClosed, NamesInterned)
+
+
+# ---------------------------------------------------------------------------------------- CRC32C
+def _make_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE: list[int] | None = None
+
+
+def crc32c(data: bytes) -> int:
+    if _crc32c is not None:
+        return _crc32c(data)
+    global _TABLE
+    if _TABLE is None:
+        log.warning("trainrec: the crc32c package is missing; TensorBoard files are written slowly")
+        _TABLE = _make_table()
+    table = _TABLE
+    c = 0xFFFFFFFF
+    for b in data:
+        c = table[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def masked_crc32c(data: bytes) -> int:
+    x = crc32c(data)
+    return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------- TensorBoard
+def tb_file_name(start_time: float, host: str, suffix: str = "") -> str:
+    name = f"events.out.tfevents.{int(start_time)}.{host or socket.gethostname()}"
+    return f"{name}.{suffix}" if suffix else name
+
+
+class TbEventFile:
+    """A TensorBoard event file: ``write(event_bytes)`` appends one TFRecord."""
+
+    def __init__(self, path: str, wall: float | None = None) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self._f = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in close()
+        self.write(event_bytes(time.time() if wall is None else wall, file_version=FILE_VERSION))
+
+    def write(self, data: bytes) -> None:
+        header = len(data).to_bytes(8, "little")
+        self._f.write(header)
+        self._f.write(masked_crc32c(header).to_bytes(4, "little"))
+        self._f.write(data)
+        self._f.write(masked_crc32c(data).to_bytes(4, "little"))
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> TbEventFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------- CSV
+class CsvDirSink:
+    """CSV window files of one rank in ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        self._written: dict[tuple[str, int], list] = {}  # (kind, start) -> [path, end, max step]
+        self._open: dict[str, tuple[int, io.TextIOBase]] = {}  # kind -> (start, file)
+
+    def path(self, kind: str, start: int, end: int) -> str:
+        return os.path.join(self.directory, f"{kind}_{start}-{end}.csv")
+
+    def append(self, kind: str, start: int, end: int, header: str, text: str, step: int) -> None:
+        cur = self._open.get(kind)
+        if cur is not None and cur[0] != start:
+            cur[1].close()
+            del self._open[kind]
+            cur = None
+        if cur is None:
+            entry = self._written.get((kind, start))
+            if entry is None:
+                path = self.path(kind, start, end)
+                f = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115 - kept open across steps
+                f.write(header + "\n")
+                self._written[(kind, start)] = [path, end, step]
+            else:
+                f = open(entry[0], "a", encoding="utf-8", newline="")  # noqa: SIM115
+            self._open[kind] = cur = (start, f)
+        cur[1].write(text)
+        entry = self._written[(kind, start)]
+        if step > entry[2]:
+            entry[2] = step
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows of steps >= ``step`` from the files this sink wrote."""
+        self.flush_close()
+        for key, (path, _end, max_step) in list(self._written.items()):
+            if max_step < step:
+                continue
+            if key[1] >= step:
+                os.remove(path)
+                del self._written[key]
+                continue
+            with open(path, encoding="utf-8", newline="") as f:
+                lines = f.read().splitlines(keepends=True)
+            kept = lines[:1]
+            last = -1
+            for line in lines[1:]:
+                row = next(csv.reader([line]))
+                try:
+                    s = int(row[2])
+                except (IndexError, ValueError):
+                    continue
+                if s < step:
+                    kept.append(line)
+                    last = max(last, s)
+            with open(path, "w", encoding="utf-8", newline="") as f:
+                f.writelines(kept)
+            self._written[key][2] = last
+
+    def flush(self) -> None:
+        for _, f in self._open.values():
+            f.flush()
+
+    def flush_close(self) -> None:
+        for _, f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    close = flush_close
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(v[0] for v in self._written.values())
+
+
+# ---------------------------------------------------------------------------------------- tasks
+@dataclass
+class ExportTask:
+    """One unit of export work: some data types of one rank of a run."""
+
+    fmt: str  # "csv" or "tb"
+    info: RunInfo  # restricted to this rank
+    rank: int
+    out_dir: str
+    kinds: tuple[str, ...]
+    steps: StepSet | None = None
+    notes: bool = True
+    ndigits: int | None = 6
+    step_count_per_record: int = 1
+    tb_suffix: str = ""
+    task_id: int = 0
+
+    @property
+    def log_bytes(self) -> int:
+        total = 0
+        for lf in self.info.files.get(self.rank, []):
+            try:
+                total += os.path.getsize(lf.path)
+            except OSError:
+                pass
+        return total
+
+
+@dataclass
+class TaskResult:
+    task_id: int
+    rank: int
+    out_dir: str
+    kinds: tuple[str, ...]
+    files: list[str] = field(default_factory=list)
+    rows: int = 0
+    values: int = 0
+    steps: list[int] = field(default_factory=list)
+    dropped_steps: list[int] = field(default_factory=list)
+    superseded: int = 0
+    bad_records: int = 0
+    messages: list[str] = field(default_factory=list)  # what the user should know (unclosed, torn, damage)
+    still_running: bool = False
+    seconds: float = 0.0
+
+
+def _pid_alive(host: str, pid: int) -> bool:
+    if not pid or host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RankStream:
+    """The rank's events in writing order, minus what a resume superseded; notes what it finds."""
+
+    def __init__(self, task: ExportTask, result: TaskResult, progress: Callable[[int], None] | None) -> None:
+        self.task = task
+        self.result = result
+        self.progress = progress
+        self.last_reader: LogReader | None = None
+
+    def __iter__(self):
+        task, result, progress = self.task, self.result, self.progress
+        run = Run(task.info)
+        for lf in run.log_files(task.rank):
+            if lf.error is not None:
+                result.messages.append(f"skipped {lf.path}: {lf.error}")
+                continue
+            cut = run.cutoffs.get(lf.path)
+            reader = LogReader(lf.path)
+            done = 0
+            try:
+                for ev in reader:
+                    if cut is not None and ev.step >= cut and not isinstance(ev, _KEEP):
+                        result.superseded += 1
+                        continue
+                    yield ev
+                    if progress is not None and reader.offset - done >= (4 << 20):
+                        progress(reader.offset - done)
+                        done = reader.offset
+            except FormatError as exc:
+                result.messages.append(f"stopped reading {lf.path}: {exc}")
+            if progress is not None:
+                try:
+                    size = os.path.getsize(lf.path)
+                except OSError:
+                    size = reader.offset
+                progress(max(0, size - done))
+            for p in reader.problems:
+                result.messages.append(f"damaged record skipped: {p}")
+            self.last_reader = reader
+
+    def ended_cleanly(self) -> bool:
+        """Whether the stream ended with FileClosed; adds messages about how it ended."""
+        reader, result = self.last_reader, self.result
+        if reader is None:
+            return True
+        clean = reader.closed_cleanly
+        if reader.pending_bytes:
+            result.messages.append(
+                f"{reader.path} ends with {reader.pending_bytes} bytes of an incomplete record (torn tail), not exported"
+            )
+        if not clean:
+            h = reader.header
+            if h is not None and _pid_alive(h.host, h.pid):
+                result.still_running = True
+                result.messages.append(f"{reader.path} is still being written (pid {h.pid}); exported what is complete")
+            else:
+                result.messages.append(
+                    f"{reader.path} was not closed (its writer stopped without FileClosed); exported what is complete"
+                )
+        return clean
+
+
+def run_task(task: ExportTask, progress: Callable[[int], None] | None = None) -> TaskResult:
+    """Export one task; safe to call in a worker process."""
+    t0 = time.perf_counter()
+    result = TaskResult(task.task_id, task.rank, task.out_dir, task.kinds)
+    stream = RankStream(task, result, progress)
+    if task.fmt == "csv":
+        sink = CsvDirSink(task.out_dir)
+        proj = CsvProjector(
+            sink, kinds=task.kinds, steps=task.steps, ndigits=task.ndigits,
+            step_count_per_record=task.step_count_per_record,
+        )
+        try:
+            proj.feed_all(stream)
+            s = proj.finish(stream.ended_cleanly())
+        finally:
+            sink.close()
+        result.files = sink.files
+        result.rows, result.values = s.rows, s.values
+    elif task.fmt == "tb":
+        headers = [lf.header for lf in task.info.files.get(task.rank, []) if lf.header is not None]
+        start = headers[0].start_time if headers else time.time()
+        host = headers[0].host if headers else socket.gethostname()
+        path = os.path.join(task.out_dir, tb_file_name(start, host, task.tb_suffix))
+        with TbEventFile(path, wall=start) as sink:
+            proj = TbProjector(sink, kinds=task.kinds, steps=task.steps, notes=task.notes)
+            proj.feed_all(stream)
+            s = proj.finish(stream.ended_cleanly())
+        result.files = [path]
+        result.rows, result.values = s.events, s.scalars
+    else:
+        raise ValueError(f"unknown export format {task.fmt!r}")
+    result.steps = sorted(s.steps)
+    result.dropped_steps = list(s.dropped_steps)
+    result.bad_records = s.bad_records
+    result.seconds = time.perf_counter() - t0
+    return result
