@@ -1,0 +1,230 @@
+"""Hook closures installed on modules and parameters, and the per-step state they fill.
+
+Every hook is registered through a public torch API and its handle is kept by the monitor:
+``Module.register_forward_hook`` / ``register_full_backward_hook`` for activations,
+``Tensor.register_post_accumulate_grad_hook`` for weight gradients, ``Module.register_forward_pre_hook``
+on each model chunk to close a micro step's gradient batch. Hooks observe and never change tensors.
+
+These hooks are attached only for steps that are collected (the monitor detaches them otherwise, so
+a skipped step pays nothing, not even the autograd wrapping of full backward hooks). On a collected
+step a hook resolves nothing by name (ids are prepared once), appends its firing to columnar arrays,
+and computes the statistics of its few tensors at once, keeping the results on the device. An
+exception inside a hook is caught and reported to the monitor (HookFailed), never raised into
+training.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import torch
+from trainrec.schema.events import (
+    DIR_BACKWARD,
+    DIR_FORWARD,
+    KIND_ACTV,
+    KIND_ACTV_GRAD,
+    SLOT_INPUT,
+    SLOT_INPUT_GRAD,
+    SLOT_OUTPUT,
+    SLOT_OUTPUT_GRAD,
+)
+
+from .config import Selector
+from .stats import StatsPart, StepStats
+
+if TYPE_CHECKING:
+    from .monitor import TrainerMon
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (a forward here is a recomputation)."""
+    return _graph_task_id is not None and _graph_task_id() != -1
+
+
+class SelectorMismatch(Exception):
+    """A target's selector does not fit the module's real input or output."""
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if isinstance(value, (tuple, list)):
+        return f"tuple[{len(value)}]"
+    return type(value).__name__
+
+
+def select(value: Any, sel: Selector | None, key: str) -> torch.Tensor | None:
+    """The tensor a selector picks from a hook argument; None (a NaN row) when it is not a tensor."""
+    if sel is None:  # default: the tensor, or element 0 of a tuple (the reference's struct default)
+        if isinstance(value, (tuple, list)):
+            value = value[0] if value else None
+        return value if isinstance(value, torch.Tensor) else None
+    if sel.is_tensor:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (tuple, list)) and len(value) == 1:
+            v = value[0]
+            return v if isinstance(v, torch.Tensor) else None
+        raise SelectorMismatch(f"config key {key!r}: expected 'tensor', the module gives {describe(value)}")
+    if not isinstance(value, (tuple, list)) or len(value) != sel.length:
+        raise SelectorMismatch(f"config key {key!r}: expected tuple[{sel.length}], the module gives {describe(value)}")
+    v = value[sel.index]
+    return v if isinstance(v, torch.Tensor) else None
+
+
+class StepState:
+    """What the hooks of one collected step accumulate."""
+
+    __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
+                 "grad_count", "pending", "pending_set", "last_unreduced")
+
+    def __init__(self, step: int, ops: tuple) -> None:
+        self.step = step
+        self.stats = StepStats(ops)
+        self.call = 0
+        self.mod_ids = array("I")
+        self.dirs = array("B")
+        self.call_ids = array("I")
+        self.micro = array("H")
+        self.fwd_count: dict[int, int] = {}
+        self.bwd_count: dict[int, int] = {}
+        self.grad_count: dict[int, int] = {}
+        self.pending: list[tuple[int, int, int]] = []  # (param index, micro step, call id)
+        self.pending_set: set[int] = set()
+        self.last_unreduced: dict[int, tuple] = {}  # param index -> (rows tensor, row, grad id, version)
+
+    def fire(self, mod_id: int, direction: int, micro: int) -> int:
+        c = self.call
+        self.call = c + 1
+        self.mod_ids.append(mod_id)
+        self.dirs.append(direction)
+        self.call_ids.append(c)
+        self.micro.append(micro)
+        return c
+
+
+class ModuleTarget:
+    """One monitored module: its name id, vpp stage and selectors per slot (None = default)."""
+
+    __slots__ = ("name_id", "name", "vpp", "sel")
+
+    def __init__(self, name_id: int, name: str, vpp: int, sel: dict) -> None:
+        self.name_id = name_id
+        self.name = name
+        self.vpp = vpp
+        self.sel = sel
+
+
+def make_forward_hook(mon: TrainerMon, t: ModuleTarget):
+    sel_in = t.sel.get("input")
+    sel_out = t.sel.get("output")
+    key_in = f"targets.{t.name}.input"
+    key_out = f"targets.{t.name}.output"
+    mid = t.name_id
+    vpp = t.vpp
+
+    def hook(module, args, output):
+        st = mon._state
+        if st is None or not module.training or in_backward():
+            return
+        try:
+            n = st.fwd_count.get(mid, 0)
+            st.fwd_count[mid] = n + 1
+            micro = n % mon._grad_acc
+            call = st.fire(mid, DIR_FORWARD, micro)
+            xs = (select(args, sel_in, key_in), select(output, sel_out, key_out))
+            rows = mon._engine.compute(xs)
+            st.stats.add(StatsPart(KIND_ACTV, rows, (mid, mid), (micro, micro), (call, call),
+                                   (SLOT_INPUT, SLOT_OUTPUT), (vpp, vpp)))
+        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+            mon._hook_failed(f"forward hook of {t.name!r}", exc)
+
+    return hook
+
+
+def make_backward_hook(mon: TrainerMon, t: ModuleTarget):
+    sel_in = t.sel.get("input_grad")
+    sel_out = t.sel.get("output_grad")
+    key_in = f"targets.{t.name}.input_grad"
+    key_out = f"targets.{t.name}.output_grad"
+    mid = t.name_id
+    vpp = t.vpp
+
+    def hook(module, grad_input, grad_output):
+        st = mon._state
+        if st is None:
+            return None
+        try:
+            n = st.bwd_count.get(mid, 0)
+            st.bwd_count[mid] = n + 1
+            micro = n % mon._grad_acc
+            call = st.fire(mid, DIR_BACKWARD, micro)
+            xs = (select(grad_input, sel_in, key_in), select(grad_output, sel_out, key_out))
+            rows = mon._engine.compute(xs)
+            st.stats.add(StatsPart(KIND_ACTV_GRAD, rows, (mid, mid), (micro, micro), (call, call),
+                                   (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD), (vpp, vpp)))
+        except Exception as exc:  # noqa: BLE001
+            mon._hook_failed(f"backward hook of {t.name!r}", exc)
+        return None
+
+    return hook
+
+
+def make_grad_hook(mon: TrainerMon, index: int):
+    """Post-accumulate-grad hook of monitored parameter ``index``."""
+
+    def hook(param):
+        if mon._state is None:
+            return
+        try:
+            mon._on_grad_accumulated(index)
+        except Exception as exc:  # noqa: BLE001
+            mon._hook_failed(f"gradient hook of {mon._params[index].name!r}", exc)
+
+    return hook
+
+
+def make_chunk_pre_hook(mon: TrainerMon):
+    """Forward pre-hook on a model chunk: a new micro step begins, so close the gradient batch."""
+
+    def hook(module, args):
+        if mon._state is not None and mon._state.pending:
+            try:
+                mon._flush_grads()
+            except Exception as exc:  # noqa: BLE001
+                mon._hook_failed("gradient batch", exc)
+
+    return hook
+
+
+def io_struct(value: Any) -> dict:
+    """The reference's module_struct.json description of one hook argument."""
+    if isinstance(value, (tuple, list)):
+        res: dict = {"config": f"{type(value).__name__}[{len(value)}]"}
+        for i, x in enumerate(value):
+            res[str(i)] = f"size={tuple(x.shape)}, dtype={x.dtype}" if isinstance(x, torch.Tensor) else f"{type(x)}"
+        return res
+    if isinstance(value, torch.Tensor):
+        return {"config": "tensor", "tensor": f"size={tuple(value.shape)}, dtype={value.dtype}"}
+    return {"config": f"{type(value)}"}
+
+
+def make_struct_hooks(struct: dict, key: str):
+    """Forward and full backward hooks that record the io structure of a module (print_struct)."""
+
+    def fwd(module, args, output):
+        entry = struct.setdefault(key, {})
+        if "input" not in entry:
+            entry["input"] = io_struct(args)
+            entry["output"] = io_struct(output)
+
+    def bwd(module, grad_input, grad_output):
+        entry = struct.setdefault(key, {})
+        if "input_grad" not in entry:
+            entry["input_grad"] = io_struct(grad_input)
+            entry["output_grad"] = io_struct(grad_output)
+
+    return fwd, bwd

@@ -1,0 +1,728 @@
+"""``TrainerMon``: mindstudio-probe 1.2.1's monitor API, recording into the per-rank trainrec log.
+
+Life of a step (``step`` counts optimizer steps from ``start_iteration``):
+
+1. At the step's start (construction, or the previous optimizer post-step) the monitor decides
+   whether the step is collected (``start_step``, ``step_interval``, ``collect_times``, dynamic
+   switch). Only then are module and gradient hooks attached; on other steps they are detached, so a
+   skipped step costs one StepBegan and one StepEnded record.
+2. During forward/backward the hooks compute statistics on the device (see :mod:`.hooks`,
+   :mod:`.stats`); weight-gradient statistics are batched per micro step.
+3. Optimizer pre-step hook (on the optimizer *instance*): reduced gradients (``main_grad`` when
+   ``params_have_main_grad`` and present, else ``.grad``; unchanged gradients reuse their unreduced
+   rows instead of being computed twice) and parameters (before the update).
+4. Optimizer post-step hook: Adam ``exp_avg``/``exp_avg_sq`` and ``update``/``ratio`` (after the
+   update, so rows exist from the first step), then one concatenation and one host copy of every
+   statistic of the step; the writer thread turns it into TensorStatsRecorded records (and runs the
+   anomaly engine, if configured). Then the step counter advances and the dynamic watcher is polled.
+
+``optimizer=None``: the optimizer set with :meth:`set_wrapped_optimizer` is used; failing that, global
+optimizer step hooks wait for the first optimizer stepping over the model's parameters, bind to that
+instance, and are removed at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import time
+import warnings
+import weakref
+
+import numpy as np
+import torch
+from trainrec.schema import layout
+from trainrec.schema.errors import ConfigError
+from trainrec.schema.events import (
+    KIND_EXP_AVG,
+    KIND_EXP_AVG_SQ,
+    KIND_GRAD_REDUCED,
+    KIND_GRAD_UNREDUCED,
+    KIND_PARAM,
+    KIND_RATIO,
+    KIND_UPDATE,
+    ConfigApplied,
+    HookFailed,
+    HooksFired,
+    ModuleStructureRecorded,
+    MonitoringStopped,
+    RunResumed,
+    StepBegan,
+    StepEnded,
+)
+
+from . import runinfo
+from .config import MonitorConfig, load_config, parse_config
+from .hooks import StepState, make_chunk_pre_hook, make_grad_hook
+from .optim import KNOWN_OPT_TYPES, AdamState, torch_optimizer_of, update_and_ratio
+from .stats import StatsEngine, StatsPart, build_stats_events
+from .targets import ParamInfo, Targets, build_targets, module_structure
+from .writer import LogWriter
+
+log = logging.getLogger(__name__)
+
+PRINT_STRUCT_EXIT = "exit after first monitor step when print model struct"
+_FULL_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
+
+
+def _content_hash(raw: dict) -> str:
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class TrainerMon:
+    """Drop-in for ``msprobe.pytorch.monitor.module_hook.TrainerMon`` (1.2.1).
+
+    ``config_file_path`` may also be a config dict or a :class:`MonitorConfig` (native use);
+    ``output_dir`` overrides ``$MONITOR_OUTPUT_DIR``; ``live_export=False`` keeps csv/tensorboard
+    formats from starting the live projection process.
+    """
+
+    _wrapped_optimizer = None  # class attribute, as the reference's set_wrapped_optimizer
+
+    def __init__(self, config_file_path, process_group=None, params_have_main_grad: bool = True,
+                 opt_ty: str | None = None, *, output_dir: str | None = None, live_export: bool = True) -> None:
+        if isinstance(config_file_path, MonitorConfig):
+            self.config = config_file_path
+        elif isinstance(config_file_path, dict):
+            self.config = parse_config(config_file_path, "config")
+        else:
+            self.config = load_config(config_file_path)
+        self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None
+        self.process_group = process_group
+        self.params_have_main_grad = params_have_main_grad
+        if opt_ty is not None and opt_ty not in KNOWN_OPT_TYPES:
+            raise ConfigError(f"unknown opt_ty {opt_ty!r}; expected one of {', '.join(KNOWN_OPT_TYPES)}", "opt_ty")
+        self.opt_ty = opt_ty
+        self.dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower() == "true"
+        info = runinfo.rank_info(process_group)
+        self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
+        self.group_mates = info.group_mates
+        self._distributed = info.distributed
+        self.run_id = runinfo.shared_run_id()
+        self.output_dir = output_dir or layout.output_dir_from_env()
+        self._live_export_enabled = live_export
+        self._engine = StatsEngine(self.config.ops, self.config.eps)
+        self._names: list[str] = []
+        self._name_ids: dict[str, int] = {}
+        self._file_ids = np.zeros(0, dtype=np.uint32)
+        self._step_handles: list = []
+        self._opt_handles: list = []
+        self._global_handles: list = []
+        self._struct_handles: list = []
+        self._state: StepState | None = None
+        self._step = 0
+        self._step_t0 = time.perf_counter()
+        self._collections = 0
+        self._monitoring = False
+        self._first_step = 0
+        self._grad_acc = 1
+        self._chunks: list[torch.nn.Module] = []
+        self._targets: Targets | None = None
+        self._params: list[ParamInfo] = []
+        self._opt = None
+        self._wrapped = None
+        self._adam: AdamState | None = None
+        self._dp_duplicate = False
+        self._tp_group = None
+        self._last: dict[str, list] = {}
+        self._failures: dict[str, int] = {}
+        self._writer: LogWriter | None = None
+        self._live: runinfo.LiveExport | None = None
+        self._alerts = None
+        self._watcher = None
+        self._rank_dir: str | None = None
+        self._resumed_from: tuple = ()
+        self._struct: dict | None = None
+        self._closed = False
+        if self.config.format != "api":
+            self._open_output()
+        if self.dynamic:
+            self._start_watcher()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ------------------------------------------------------------------ output
+    def _open_output(self) -> None:
+        cfg = self.config
+        if cfg.append_output:
+            self._rank_dir = runinfo.find_append_dir(self.output_dir, self.rank, cfg.append_output)
+            self._resumed_from = tuple(os.path.basename(p) for p in layout.list_logs(self._rank_dir))
+        else:
+            self._rank_dir = runinfo.new_rank_dir(self.output_dir, self.rank)
+        os.makedirs(self._rank_dir, mode=0o750, exist_ok=True)
+        self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
+                                 pp_stage=self.pp_stage, group_mates=self.group_mates)
+        if cfg.format in ("csv", "tensorboard") and self._live_export_enabled:
+            self._live = runinfo.LiveExport(cfg.format, self._rank_dir, cfg.ndigits, cfg.step_count_per_record)
+        self._make_alerts(cfg)
+
+    def _make_alerts(self, cfg: MonitorConfig) -> None:
+        if self._alerts is not None:
+            try:
+                self._alerts.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
+            self._alerts = None
+        if cfg.alert is None or self._writer is None:
+            return
+        try:
+            from .alerts import AlertEngine
+        except ImportError:
+            _warn_once("alerts", "trainrec: alert is configured but trainrec.recorder.alerts is not available; "
+                       "anomalies are not detected while recording")
+            return
+        dump_dir = os.path.join(self.output_dir, "anomaly_detected") if cfg.alert.get("dump") else None
+        self._alerts = AlertEngine(cfg.alert, rank=self.rank, pp_stage=self.pp_stage,
+                                   group_mates=self.group_mates, dump_dir=dump_dir)
+
+    def _start_watcher(self) -> None:
+        try:
+            from .dynamic import DynamicConfigWatcher
+        except ImportError:
+            _warn_once("dynamic", "trainrec: DYNAMIC_MONITOR is set but trainrec.recorder.dynamic is not available; "
+                       "nothing will be collected")
+            return
+        if self.config_file_path is None:
+            log.warning("trainrec: DYNAMIC_MONITOR needs a config file path; dynamic mode is off")
+            return
+        path = os.fspath(self.config_file_path)
+        self._watcher = DynamicConfigWatcher(
+            path, validate=lambda raw: parse_config(raw, path), emit=self._emit, rank=self.rank,
+            writes_back=self.rank == 0, group=None,
+        )
+        self._watcher.start()
+
+    def _emit(self, event) -> None:
+        if self._writer is not None and not self._writer.closed:
+            self._writer.write(event)
+
+    @property
+    def rank_dir(self) -> str | None:
+        """This rank's directory (None for format api)."""
+        return self._rank_dir
+
+    @property
+    def log_path(self) -> str | None:
+        return self._writer.path if self._writer is not None else None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def ops(self) -> list[str]:
+        return list(self.config.ops)
+
+    @ops.setter
+    def ops(self, value) -> None:
+        new = parse_config({**self.config.raw, "ops": list(value)}, "ops")
+        self.config = new
+        self._engine = StatsEngine(new.ops, new.eps)
+
+    @classmethod
+    def set_wrapped_optimizer(cls, _wrapped_optimizer) -> None:
+        """The mixed-precision optimizer of Megatron/DeepSpeed (used when optimizer=None)."""
+        cls._wrapped_optimizer = _wrapped_optimizer
+
+    def monitor_gnorm_with_ad(self, model, grad_acc_steps: int = 1, optimizer=None, dp_group=None, tp_group=None,
+                              start_iteration: int = 0) -> None:
+        """Install the hooks on ``model`` (a module or a list of virtual-pipeline chunks)."""
+        if self._chunks:
+            raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
+        self._chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self._grad_acc = max(1, int(grad_acc_steps))
+        self._step = int(start_iteration)
+        self._tp_group = tp_group
+        if dp_group is not None and self._distributed:
+            import torch.distributed as dist
+
+            self._dp_duplicate = dist.get_rank(group=dp_group) != 0
+        self._targets = self._build(self.config)  # raises ConfigError before any training
+        self._write_structure()
+        self._bind_optimizer(optimizer)
+        if self._resumed_from:
+            self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
+                                  previous_files=self._resumed_from, last_step=self._step - 1,
+                                  reason="append_output"))
+        if self.config.print_struct:
+            self._attach_struct_hooks()
+        elif not self.dynamic:
+            self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
+        self._begin_step()
+
+    def generate_wgrad_metrics(self) -> tuple[dict, dict]:
+        """``(reduced, unreduced)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""
+        return self._metrics(KIND_GRAD_REDUCED), self._metrics(KIND_GRAD_UNREDUCED)
+
+    def generate_xy_metrics(self) -> tuple[dict, dict]:
+        """``(actv, actv_grad)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""
+        return self._metrics("actv"), self._metrics("actv_grad")
+
+    def generate_metrics(self, kind: str) -> dict:
+        """Metrics of any kind (param, exp_avg, exp_avg_sq, update, ratio, ...) of the latest collected step."""
+        return self._metrics(kind)
+
+    def reload_xy(self, xy_distribution: bool | None = None) -> None:
+        """Re-select the activation hooks (optionally switching xy_distribution); handles are replaced, never stacked."""
+        cfg = self.config
+        if xy_distribution is not None:
+            cfg = parse_config({**cfg.raw, "xy_distribution": bool(xy_distribution)}, "reload_xy")
+            self.config = cfg
+        if self._chunks:
+            attached = bool(self._step_handles)
+            self._detach()
+            self._targets = self._build(cfg)
+            if attached:
+                self._attach()
+
+    def close(self) -> None:
+        """Remove every hook, stop the watcher, close the log and wait for the live export. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._detach()
+        for h in self._opt_handles + self._global_handles + self._struct_handles:
+            h.remove()
+        self._opt_handles.clear()
+        self._global_handles.clear()
+        self._struct_handles.clear()
+        self._state = None
+        if self._watcher is not None:
+            try:
+                self._watcher.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trainrec: closing the config watcher failed: %r", exc)
+        for where, n in self._failures.items():
+            if n > _MAX_FAILURE_EVENTS:
+                self._emit(HookFailed(rank=self.rank, step=self._step, wall=time.time(), where=where,
+                                      error="(total)", count=n))
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trainrec: closing the log failed: %r", exc)
+        if self._alerts is not None:
+            try:
+                self._alerts.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
+        if self._live is not None:
+            self._live.wait(30.0)
+        self._engine.release()
+
+    def __enter__(self) -> TrainerMon:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ configuration
+    def _apply_config(self, config: MonitorConfig, step: int, content_hash: str, reason: str = "dynamic") -> None:
+        """Make ``config`` the active one from step ``step + 1`` (dynamic glue; static calls it once).
+
+        Collection honours ``start_step`` (absolute, as the reference), ``step_interval`` and
+        ``collect_times`` counted from here.
+        """
+        old = self.config
+        self.config = config
+        if config.ops != old.ops or config.eps != old.eps:
+            self._engine = StatsEngine(config.ops, config.eps)
+        if self._chunks and (config is not old):
+            attached = bool(self._step_handles)
+            self._detach()
+            self._targets = self._build(config)
+            if attached:
+                self._attach()
+        if config.alert != old.alert:
+            self._make_alerts(config)
+        self._collections = 0
+        self._first_step = step + 1
+        self._monitoring = True
+        self._emit(ConfigApplied(rank=self.rank, step=step, wall=time.time(),
+                                 path=os.fspath(self.config_file_path) if self.config_file_path else "",
+                                 content_hash=content_hash, config=dict(config.raw),
+                                 start_step=max(config.start_step, step + 1), reason=reason))
+
+    def _stop(self, reason: str) -> None:
+        self._monitoring = False
+        self._detach()
+        self._emit(MonitoringStopped(rank=self.rank, step=self._step, wall=time.time(), reason=reason,
+                                     collections=self._collections))
+        if self._watcher is not None:
+            try:
+                self._watcher.collection_finished(self._step)
+            except Exception as exc:  # noqa: BLE001
+                self._hook_failed("dynamic config watcher", exc)
+
+    # ------------------------------------------------------------------ names and targets
+    def _intern(self, name: str) -> int:
+        i = self._name_ids.get(name)
+        if i is None:
+            i = len(self._names)
+            self._names.append(name)
+            self._name_ids[name] = i
+        return i
+
+    def _sync_names(self) -> None:
+        """Announce new names to the writer once, and keep the local -> file id map."""
+        n = len(self._file_ids)
+        if n == len(self._names):
+            return
+        new = self._names[n:]
+        if self._writer is not None:
+            ids = self._writer.intern(new, self._step)
+        else:
+            ids = list(range(n, len(self._names)))
+        self._file_ids = np.concatenate([self._file_ids, np.asarray(ids, dtype=np.uint32)])
+
+    def _build(self, cfg: MonitorConfig) -> Targets:
+        targets = build_targets(self._chunks, cfg, self.rank, self._intern)
+        self._params = targets.params
+        self._sync_names()
+        if self._tp_group is not None and self._distributed:
+            import torch.distributed as dist
+
+            tp_first = dist.get_rank(group=self._tp_group) == 0
+            for p in self._params:
+                p.tp_duplicate = not tp_first and not getattr(p.param, "tensor_model_parallel", False)
+        return targets
+
+    def _write_structure(self) -> None:
+        for vpp, chunk in enumerate(self._chunks):
+            names, classes, parents, counts = module_structure(chunk)
+            self._emit(ModuleStructureRecorded(rank=self.rank, step=self._step, wall=time.time(), vpp_stage=vpp,
+                                               names=names, classes=classes, parents=parents, param_counts=counts))
+
+    # ------------------------------------------------------------------ optimizer binding
+    def _bind_optimizer(self, optimizer) -> None:
+        wrapped = optimizer if optimizer is not None else (self._wrapped or type(self)._wrapped_optimizer)
+        opt = torch_optimizer_of(wrapped) if wrapped is not None else None
+        if wrapped is not None and opt is None:
+            log.warning("trainrec: %s is not a torch optimizer and wraps none (.optimizer); waiting for the "
+                        "first optimizer that steps over the model's parameters", type(wrapped).__name__)
+        if opt is not None:
+            self._bind_instance(opt, wrapped)
+            return
+        param_ids = {id(p) for c in self._chunks for p in c.parameters()}
+
+        def pre(o, args, kwargs):
+            if self._opt is None and not self._closed:
+                if any(id(p) in param_ids for g in o.param_groups for p in g["params"]):
+                    self._bind_instance(o, o)  # the instance hooks run right after the global ones
+                else:
+                    _warn_once(f"unmatched-opt-{id(o)}", "trainrec: an optimizer without the monitored model's "
+                               "parameters stepped; it is not monitored")
+
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._global_handles.append(register_optimizer_step_pre_hook(pre))
+
+    def _bind_instance(self, opt: torch.optim.Optimizer, wrapped) -> None:
+        self._opt = opt
+        self._wrapped = wrapped
+        self._adam = AdamState(wrapped, opt)
+        self._opt_handles.append(opt.register_step_pre_hook(self._pre_step))
+        self._opt_handles.append(opt.register_step_post_hook(self._post_step))
+
+    # ------------------------------------------------------------------ step boundaries
+    def _collects(self, step: int) -> bool:
+        return self._monitoring and step >= self._first_step and self.config.is_collected(step, self._collections)
+
+    def _begin_step(self) -> None:
+        if self._global_handles and self._opt is not None:
+            for h in self._global_handles:
+                h.remove()
+            self._global_handles.clear()
+        self._step_t0 = time.perf_counter()
+        self._emit(StepBegan(rank=self.rank, step=self._step, wall=time.time()))
+        if self._collects(self._step):
+            if not self._step_handles:
+                self._attach()
+            self._state = StepState(self._step, self.config.ops)
+        else:
+            if self._step_handles:
+                self._detach()
+            self._state = None
+
+    def _attach(self) -> None:
+        t = self._targets
+        if t is None:
+            return
+        if t.modules and t.backward:
+            # torch warns when a full backward hook's module has no input requiring grad (the root,
+            # an embedding); that is expected here and must not turn into an error in the user's loop.
+            warnings.filterwarnings("ignore", message=_FULL_HOOK_WARNING, category=UserWarning)
+        self._step_handles = t.attach(self)
+        if self.config.wg_distribution:
+            for i, p in enumerate(self._params):
+                self._step_handles.append(p.param.register_post_accumulate_grad_hook(make_grad_hook(self, i)))
+            for chunk in self._chunks:
+                self._step_handles.append(chunk.register_forward_pre_hook(make_chunk_pre_hook(self)))
+
+    def _detach(self) -> None:
+        for h in self._step_handles:
+            h.remove()
+        self._step_handles = []
+
+    def _attach_struct_hooks(self) -> None:
+        from .hooks import make_struct_hooks
+
+        self._struct = {}
+        warnings.filterwarnings("ignore", message=_FULL_HOOK_WARNING, category=UserWarning)
+        for vpp, chunk in enumerate(self._chunks):
+            short = self._targets.module_short[vpp] if self._targets else {}
+            for full, mod in chunk.named_modules():
+                fwd, bwd = make_struct_hooks(self._struct, f"{vpp}:{short.get(full, full)}")
+                self._struct_handles.append(mod.register_forward_hook(fwd))
+                self._struct_handles.append(mod.register_full_backward_hook(bwd))
+
+    def _print_struct_and_exit(self) -> None:
+        struct = self._struct or {}
+        os.makedirs(self.output_dir, exist_ok=True)
+        path = os.path.join(self.output_dir, "module_struct.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(struct, f, indent=2)
+        log.info("trainrec: module structure written to %s", path)
+        for vpp, chunk in enumerate(self._chunks):
+            names, classes, parents, counts = module_structure(chunk)
+            short = self._targets.module_short[vpp] if self._targets else {}
+            specs = {n: struct.get(f"{vpp}:{short.get(n, n)}", {}) for n in names}
+            self._emit(ModuleStructureRecorded(rank=self.rank, step=self._step, wall=time.time(), vpp_stage=vpp,
+                                               names=names, classes=classes, parents=parents, param_counts=counts,
+                                               io_specs=specs))
+        self.close()
+        raise Exception(PRINT_STRUCT_EXIT)  # noqa: TRY002 - the reference's documented behaviour
+
+    def _pre_step(self, opt, args, kwargs) -> None:
+        if self._struct is not None and not self._closed:
+            self._print_struct_and_exit()
+        st = self._state
+        if st is None:
+            return
+        try:
+            if st.pending:
+                self._flush_grads()
+            cfg = self.config
+            if cfg.wg_distribution:
+                self._reduced_grads(st)
+            if cfg.param_distribution:
+                self._param_rows(st, KIND_PARAM, [p.param for p in self._params], range(len(self._params)))
+        except Exception as exc:  # noqa: BLE001
+            self._hook_failed("optimizer pre-step", exc)
+
+    def _post_step(self, opt, args, kwargs) -> None:
+        finished = self._step
+        st = self._state
+        try:
+            if st is not None:
+                self._optimizer_rows(st)
+                self._finish_step(st)
+            else:
+                self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
+                                     duration=time.perf_counter() - self._step_t0, collected=False,
+                                     micro_steps=self._grad_acc))
+        except Exception as exc:  # noqa: BLE001
+            self._hook_failed("optimizer post-step", exc)
+        self._state = None
+        if st is not None and self._monitoring and self._collections >= self.config.collect_times:
+            self._stop("collect_times")
+        self._step += 1
+        if self._watcher is not None:
+            try:
+                update = self._watcher.poll(finished)
+            except Exception as exc:  # noqa: BLE001
+                update = None
+                self._hook_failed("dynamic config watcher", exc)
+            if update is not None:
+                self._apply_config(update.config, finished, update.content_hash)
+        self._begin_step()
+
+    def step(self) -> None:
+        """End the current step by hand (for loops without a hooked optimizer)."""
+        self._pre_step(None, (), {})
+        self._post_step(None, (), {})
+
+    # ------------------------------------------------------------------ gradients and optimizer state
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        if self.params_have_main_grad:
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                return g
+        return p.grad
+
+    def _on_grad_accumulated(self, index: int) -> None:
+        st = self._state
+        if index in st.pending_set:
+            self._flush_grads()
+        n = st.grad_count.get(index, 0)
+        st.grad_count[index] = n + 1
+        micro = n % self._grad_acc
+        info = self._params[index]
+        call = st.fire(info.name_id, 1, micro)
+        st.pending.append((index, micro, call))
+        st.pending_set.add(index)
+        if len(st.pending) >= len(self._params):
+            self._flush_grads()
+
+    def _flush_grads(self) -> None:
+        st = self._state
+        pend = st.pending
+        st.pending = []
+        st.pending_set = set()
+        if not pend:
+            return
+        grads = [self._grad_of(self._params[i].param) for i, _, _ in pend]
+        rows = self._engine.compute(grads)
+        st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _ in pend],
+                               [m for _, m, _ in pend], [c for _, _, c in pend], (),
+                               [self._params[i].vpp for i, _, _ in pend]))
+        for r, ((i, _, _), g) in enumerate(zip(pend, grads, strict=True)):
+            if g is not None:
+                st.last_unreduced[i] = (rows, r, g, g._version)
+
+    def _reduced_grads(self, st: StepState) -> None:
+        if self._dp_duplicate:
+            return
+        reuse_rows, reuse_idx, todo, todo_idx = [], [], [], []
+        for i, info in enumerate(self._params):
+            if info.tp_duplicate:
+                continue
+            g = self._grad_of(info.param)
+            if g is None:
+                continue
+            last = st.last_unreduced.get(i)
+            if last is not None and last[2] is g and last[3] == g._version:
+                reuse_rows.append(last[0][last[1]])
+                reuse_idx.append(i)
+            else:
+                todo.append(g)
+                todo_idx.append(i)
+        if reuse_rows:
+            self._add_rows(st, KIND_GRAD_REDUCED, torch.stack(reuse_rows), reuse_idx)
+        if todo:
+            self._add_rows(st, KIND_GRAD_REDUCED, self._engine.compute(todo), todo_idx)
+
+    def _param_rows(self, st: StepState, kind: str, tensors, indices) -> None:
+        tensors = list(tensors)
+        if tensors:
+            self._add_rows(st, kind, self._engine.compute(tensors), list(indices))
+
+    def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
+        c0 = st.call
+        st.call += len(indices)
+        st.stats.add(StatsPart(kind, rows, [self._params[i].name_id for i in indices], (),
+                               range(c0, c0 + len(indices)), (), [self._params[i].vpp for i in indices]))
+
+    def _optimizer_rows(self, st: StepState) -> None:
+        cfg = self.config
+        if not (cfg.mv_distribution or cfg.ur_distribution) or self._adam is None:
+            return
+        entries = self._adam.lookup([p.param for p in self._params])
+        if not entries:
+            return
+        idx = [e[0] for e in entries]
+        if cfg.mv_distribution:
+            self._add_rows(st, KIND_EXP_AVG, self._engine.compute([e[1] for e in entries]), idx)
+            self._add_rows(st, KIND_EXP_AVG_SQ, self._engine.compute([e[2] for e in entries]), idx)
+        if cfg.ur_distribution:
+            upd, ratio = update_and_ratio(entries, self._engine.compute, True, True)
+            self._add_rows(st, KIND_UPDATE, upd, idx)
+            self._add_rows(st, KIND_RATIO, ratio, idx)
+
+    def _finish_step(self, st: StepState) -> None:
+        if st.pending:
+            self._flush_grads()
+        writer = self._writer
+        hs = st.stats.finish(st.step, to_host=writer is not None)
+        self._collections += 1
+        self._last = {"hs": hs}
+        wall = time.time()
+        if writer is not None:
+            self._sync_names()
+            fids = self._file_ids
+            if len(st.mod_ids):
+                mod = fids[np.frombuffer(st.mod_ids, dtype=np.uint32)].astype("<u4")
+                writer.write(HooksFired(rank=self.rank, step=st.step, wall=wall, module_ids=mod.tobytes(),
+                                        directions=st.dirs.tobytes(), call_ids=st.call_ids.tobytes(),
+                                        micro_steps=st.micro.tobytes()))
+            if hs.kinds:
+                writer.write(_deferred_stats(hs, self.rank, fids, wall, self._alerts, self._names))
+        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
+                             duration=time.perf_counter() - self._step_t0, collected=True,
+                             micro_steps=max([self._grad_acc, *st.fwd_count.values()]) if st.fwd_count
+                             else self._grad_acc))
+
+    # ------------------------------------------------------------------ api metrics
+    def _metrics(self, kind: str) -> dict:
+        from trainrec.schema.naming import reference_tag
+
+        last = self._last.get("hs")
+        if last is None:
+            return {}
+        out: dict = {}
+        vals = last.values
+        for k, a, b in last.kinds:
+            if k != kind:
+                continue
+            for r in range(a, b):
+                name = self._names[int(last.name_ids[r])]
+                tag = reference_tag(kind, name, int(last.slots[r]), int(last.micro_steps[r]), self.rank,
+                                    int(last.vpp_stages[r]))
+                out[tag] = {op: vals[r, j] for j, op in enumerate(last.ops)}
+        return out
+
+    # ------------------------------------------------------------------ failures
+    def _hook_failed(self, where: str, exc: BaseException) -> None:
+        n = self._failures.get(where, 0) + 1
+        self._failures[where] = n
+        if n == 1:
+            log.warning("trainrec: %s failed (training goes on; further failures there are counted): %s",
+                        where, exc)
+        if n <= _MAX_FAILURE_EVENTS:
+            try:
+                self._emit(HookFailed(rank=self.rank, step=self._step, wall=time.time(), where=where,
+                                      error=f"{type(exc).__name__}: {exc}", count=n))
+            except Exception:  # noqa: BLE001 - a failing writer must not kill training either
+                pass
+
+
+_MAX_FAILURE_EVENTS = 10
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def _deferred_stats(hs, rank: int, file_ids: np.ndarray, wall: float, alerts, names: list[str]):
+    """The callable run on the writer thread: host values -> TensorStatsRecorded (+ anomalies)."""
+
+    def build() -> list:
+        events = build_stats_events(hs, rank, file_ids, wall)
+        if alerts is None:
+            return events
+        out = []
+        arr = hs.values.numpy()
+        for ev, (kind, a, b) in zip(events, hs.kinds, strict=True):
+            out.append(ev)
+            try:
+                out.extend(alerts.observe(
+                    step=hs.step, kind=kind, ops=list(hs.ops), names=[names[int(i)] for i in hs.name_ids[a:b]],
+                    values=arr[a:b], micro_steps=hs.micro_steps[a:b], call_ids=hs.call_ids[a:b],
+                    slots=hs.slots[a:b], vpp_stages=hs.vpp_stages[a:b],
+                ))
+            except Exception as exc:  # noqa: BLE001 - anomaly detection never stops recording
+                _warn_once("alerts-observe", f"trainrec: anomaly detection failed: {exc!r}")
+        return out
+
+    return build
+
+
+def _close_at_exit(ref) -> None:
+    mon = ref()
+    if mon is not None:
+        try:
+            mon.close()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,82 @@
+"""Names of modules and parameters as the monitor records them, and target matching.
+
+``squash_name`` (default true in the reference) shortens names like ``encoder.layers.0.self_attn`` to
+``0.self_attn``. The reference applies unanchored regexes, so ``output_layer.weight`` becomes
+``weight`` and ``vision.layers.0.x`` / ``text.layers.0.x`` collide for modules. Here the patterns
+are anchored on name segments and a name whose squashed form is not unique (within modules, or
+within parameters, of one model chunk) keeps its full name.
+
+Squash rules, first match wins, looking at dot-separated segments:
+
+1. a segment ``layer`` or ``layers`` followed by more segments: keep what follows it;
+2. a segment ``embedding`` or ``embeddings`` followed by more segments: keep what follows it;
+3. a segment starting with ``final``, ``output`` or ``norm``: keep from that segment on.
+
+Target matching: a target names a module (exact match on its full or squashed name, optionally with
+the reference's ``"{vpp}:"`` prefix) or a parameter prefix on segment boundaries (``layers.1``
+selects ``layers.1.weight`` but not ``layers.10.weight``). The target ``""`` selects everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def squash(name: str) -> str:
+    """The squashed form of one name (without collision handling)."""
+    if not name:
+        return name
+    segs = name.split(".")
+    n = len(segs)
+    for i, s in enumerate(segs):
+        if s in ("layer", "layers") and i + 1 < n:
+            return ".".join(segs[i + 1 :])
+    for i, s in enumerate(segs):
+        if s in ("embedding", "embeddings") and i + 1 < n:
+            return ".".join(segs[i + 1 :])
+    for i, s in enumerate(segs):
+        if s.startswith(("final", "output", "norm")):
+            return ".".join(segs[i:])
+    return name
+
+
+def squash_all(names: Iterable[str], enabled: bool = True) -> dict[str, str]:
+    """Map each full name to its recorded name; colliding squashed names fall back to full names."""
+    names = list(dict.fromkeys(names))
+    if not enabled:
+        return {n: n for n in names}
+    out = {n: squash(n) for n in names}
+    while True:
+        owners: dict[str, list[str]] = {}
+        for full, short in out.items():
+            owners.setdefault(short, []).append(full)
+        clashes = [fulls for fulls in owners.values() if len(fulls) > 1]
+        if not clashes:
+            return out
+        changed = False
+        for fulls in clashes:
+            for full in fulls:
+                if out[full] != full:
+                    out[full] = full
+                    changed = True
+        if not changed:  # two different full names cannot be equal; defensive stop
+            return out
+
+
+def _forms(full: str, short: str, vpp: int) -> tuple[str, ...]:
+    return (full, short, f"{vpp}:{full}", f"{vpp}:{short}")
+
+
+def module_matches(target: str, full: str, short: str, vpp: int) -> bool:
+    """A module target matches the module's full or squashed name exactly (with or without vpp prefix)."""
+    return target == "" or target in _forms(full, short, vpp)
+
+
+def param_matches(target: str, full: str, short: str, vpp: int) -> bool:
+    """A parameter target matches a name equal to it or starting with it plus a dot."""
+    if target == "":
+        return True
+    for form in _forms(full, short, vpp):
+        if form == target or form.startswith(target + "."):
+            return True
+    return False

@@ -1,0 +1,106 @@
+"""The native API, for users not coming from msprobe.
+
+::
+
+    from trainrec.recorder import record
+
+    with record(model, optimizer, config={"wg_distribution": True, "ops": ["norm", "max"]}) as rec:
+        for batch in loader:
+            loss = model(batch).loss
+            loss.backward()
+            optimizer.step()          # steps are detected through the optimizer instance's hooks
+            optimizer.zero_grad()
+    print(rec.log_path)
+
+``config`` is a dict, a path to a JSON file, a :class:`MonitorConfig` or None (:data:`DEFAULT_CONFIG`:
+weight gradients and parameters with all six ops). The keys are the reference's (see
+:mod:`.config`). ``model`` may be a module or a list of modules (virtual pipeline chunks). Without an
+optimizer, call ``rec.step()`` at the end of each training step. Unlike ``TrainerMon``, a config
+without ``format`` writes only the log (no live CSV/TensorBoard projection).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .config import MonitorConfig, load_config, parse_config
+from .monitor import TrainerMon
+
+DEFAULT_CONFIG = {
+    "wg_distribution": True,
+    "param_distribution": True,
+    "ops": ["min", "max", "norm", "mean", "zeros", "nans"],
+}
+
+
+class Recorder:
+    """Records ``model`` (and ``optimizer``) into a trainrec log until :meth:`close`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        optimizer: torch.optim.Optimizer | None = None,
+        config: dict | str | os.PathLike | MonitorConfig | None = None,
+        output_dir: str | None = None,
+        *,
+        grad_acc_steps: int = 1,
+        start_step: int = 0,
+        params_have_main_grad: bool = False,
+    ) -> None:
+        if config is None:
+            cfg = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG")
+        elif isinstance(config, MonitorConfig):
+            cfg = config
+        elif isinstance(config, dict):
+            cfg = parse_config(config, "config")
+        else:
+            cfg = load_config(os.fspath(config))
+        live = "format" in cfg.raw
+        self.monitor = TrainerMon(cfg, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
+                                  live_export=live)
+        self._manual = optimizer is None
+        if self._manual:
+            # No optimizer to hook: steps come from step(); bind nothing globally.
+            self.monitor._bind_optimizer = lambda _opt: None  # type: ignore[method-assign]
+        self.monitor.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
+                                           start_iteration=start_step)
+
+    @property
+    def log_path(self) -> str | None:
+        return self.monitor.log_path
+
+    @property
+    def rank_dir(self) -> str | None:
+        return self.monitor.rank_dir
+
+    @property
+    def step_count(self) -> int:
+        """The current step number."""
+        return self.monitor._step
+
+    def step(self) -> None:
+        """End the current training step (only needed without an optimizer)."""
+        if not self._manual:
+            raise RuntimeError("steps are detected from the optimizer; do not call step() as well")
+        self.monitor.step()
+
+    def metrics(self, kind: str) -> dict:
+        """``{tag: {op: 0-dim tensor}}`` of ``kind`` at the latest collected step."""
+        return self.monitor.generate_metrics(kind)
+
+    def close(self) -> None:
+        self.monitor.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def record(model, optimizer=None, config=None, output_dir: str | None = None, **kwargs) -> Recorder:
+    """A :class:`Recorder` to use as a context manager: ``with record(model, opt, cfg) as rec: ...``."""
+    return Recorder(model, optimizer, config, output_dir, **kwargs)

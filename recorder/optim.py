@@ -1,0 +1,126 @@
+"""Finding the torch optimizer behind a wrapper, its Adam state, and the Adam update and ratio.
+
+The monitor hooks the *instance* of the torch optimizer that actually steps
+(``register_step_pre_hook`` / ``register_step_post_hook``), never the class: a second optimizer
+in the same process is not affected. Wrappers (Megatron's mixed-precision optimizers, DeepSpeed's
+ZeRO optimizers, accelerate's ``AcceleratedOptimizer``, HF's ``optimizer.optimizer``) are followed
+through their ``.optimizer`` attribute down to a ``torch.optim.Optimizer``.
+
+Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) is read from that optimizer's ``state``. A model
+parameter is found there directly (plain torch Adam/AdamW, no ``opt_ty`` needed) or, for Megatron's
+``Float16OptimizerWithFloat16Params`` style wrappers, through the fp32 master copy that sits at the
+same position in ``fp32_from_float16_groups`` as the model parameter in ``float16_groups``.
+Optimizers that shard the state across ranks (Megatron's DistributedOptimizer, ZeRO 1-3) keep it in
+flat buffers we do not map: parameters without a found state get no rows (a warning says so once).
+
+``update`` is the bias-corrected Adam direction ``m̂ / (sqrt(v̂) + eps)`` and ``ratio`` is ``m̂ / sqrt(v̂)``,
+as the reference defines them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KNOWN_OPT_TYPES = (
+    "Megatron_DistributedOptimizer",
+    "Megatron_Float16OptimizerWithFloat16Params",
+    "Megatron_ChainedDistributedOptimizer",
+    "Megatron_ChainedFloat16OptimizerWithFloat16Params",
+    "Megatron_FP32Optimizer",
+    "DeepSpeedZeroOptimizer_Stage0",
+    "DeepSpeedZeroOptimizer_Stage1_or_2",
+    "DeepSpeedZeroOptimizer_Stage3",
+    "unknown",
+)
+
+
+def torch_optimizer_of(opt) -> torch.optim.Optimizer | None:
+    """The ``torch.optim.Optimizer`` instance inside ``opt`` (``opt`` itself, or via ``.optimizer``)."""
+    seen = 0
+    while opt is not None and seen < 8:
+        if isinstance(opt, torch.optim.Optimizer):
+            return opt
+        opt = getattr(opt, "optimizer", None)
+        seen += 1
+    return None
+
+
+class AdamState:
+    """Maps model parameters to their Adam state in a (possibly wrapped) optimizer."""
+
+    def __init__(self, wrapped, torch_opt: torch.optim.Optimizer) -> None:
+        self.torch_opt = torch_opt
+        self._master: dict[int, torch.Tensor] = {}
+        fp16_groups = getattr(wrapped, "float16_groups", None)
+        fp32_groups = getattr(wrapped, "fp32_from_float16_groups", None)
+        if fp16_groups is not None and fp32_groups is not None:
+            for g16, g32 in zip(fp16_groups, fp32_groups, strict=False):
+                for p16, p32 in zip(g16, g32, strict=False):
+                    self._master[id(p16)] = p32
+        self._group_of: dict[int, dict] = {}
+        for group in torch_opt.param_groups:
+            for p in group["params"]:
+                self._group_of[id(p)] = group
+        self._warned = False
+
+    def state_param(self, p: torch.Tensor) -> torch.Tensor:
+        return self._master.get(id(p), p)
+
+    def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
+        """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state."""
+        out = []
+        state = self.torch_opt.state
+        missing = 0
+        for i, p in enumerate(params):
+            sp = self.state_param(p)
+            st = state.get(sp)
+            if not st or "exp_avg" not in st or "exp_avg_sq" not in st:
+                missing += 1
+                continue
+            step = st.get("step", 0)
+            if isinstance(step, torch.Tensor):
+                step = float(step)  # a CPU scalar for non-capturable Adam: no device sync
+            out.append((i, st["exp_avg"], st["exp_avg_sq"], float(step), self._group_of.get(id(sp), {})))
+        if missing == len(params) and params and not self._warned and state:
+            self._warned = True
+            log.warning("trainrec: no Adam state (exp_avg/exp_avg_sq) found for the monitored parameters in %s; "
+                        "mv_distribution/ur_distribution record nothing for them", type(self.torch_opt).__name__)
+        return out
+
+
+@torch.no_grad()
+def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool):
+    """Stats rows of ``update`` and ``ratio`` for ``lookup`` entries, via ``compute(list) -> rows``.
+
+    Temporaries are freed as soon as their statistics are taken (at most three full-size copies).
+    """
+    if not entries:
+        return None, None
+    ms = [e[1] for e in entries]
+    vs = [e[2] for e in entries]
+    bc1, sqrt_bc2, eps = [], [], []
+    for _, _, _, step, group in entries:
+        b1, b2 = group.get("betas", (0.9, 0.999))
+        t = max(step, 1.0)
+        bc1.append(1.0 - b1**t)
+        sqrt_bc2.append(math.sqrt(1.0 - b2**t))
+        eps.append(float(group.get("eps", 1e-8)))
+    m_hat = torch._foreach_div(ms, bc1)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, sqrt_bc2)
+    ratio_rows = update_rows = None
+    if want_ratio:
+        ratio = torch._foreach_div(m_hat, denom)
+        ratio_rows = compute(ratio)
+        del ratio
+    if want_update:
+        torch._foreach_add_(denom, eps)
+        torch._foreach_div_(m_hat, denom)
+        update_rows = compute(m_hat)
+    return update_rows, ratio_rows

@@ -1,0 +1,170 @@
+"""Who this process is in the run, and where its log goes.
+
+- Rank, world size, pipeline stage and group mates: from ``torch.distributed`` when it is initialized
+  (``process_group`` gives the pipeline stage, as in the reference; without one the world group is
+  used), else from the ``RANK`` / ``WORLD_SIZE`` environment variables.
+- The run id shared by all ranks of a launch: broadcast from rank 0 when ``torch.distributed`` is
+  initialized, else ``TORCHELASTIC_RUN_ID`` / ``TRAINREC_RUN_ID`` from the environment, else new.
+- The rank directory: ``$MONITOR_OUTPUT_DIR/{Mon}{DD}_{HH}-{MM}-{SS}-rank{R}-{8 hex}`` in local time,
+  or, with ``append_output: [start, end]``, the existing directory of this rank whose time stamp lies
+  in the range (both ends inclusive; the latest when several do). This works without
+  torch.distributed too; no match is a ConfigError naming the key.
+- The live projection process for ``format: csv/tensorboard`` (owned by ``trainrec.tools.live_export``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+
+from trainrec.schema import layout
+from trainrec.schema.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    pp_stage: int
+    group_mates: tuple
+    distributed: bool
+
+
+def _dist():
+    try:
+        import torch.distributed as dist
+    except Exception:  # pragma: no cover - torch without distributed
+        return None
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank_info(process_group=None) -> RankInfo:
+    dist = _dist()
+    if dist is not None:
+        rank = dist.get_rank()
+        world = dist.get_world_size()
+        group = process_group if process_group is not None else dist.group.WORLD
+        try:
+            pp_stage = dist.get_group_rank(group, rank)
+            mates = tuple(dist.get_process_group_ranks(group))
+        except Exception:  # noqa: BLE001 - a group this rank is not part of
+            pp_stage, mates = 0, (rank,)
+        return RankInfo(rank, world, max(pp_stage, 0), mates, True)
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    return RankInfo(rank, world, 0, (rank,), False)
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        log.warning("trainrec: ignoring non-integer %s=%r", name, os.environ.get(name))
+        return default
+
+
+def shared_run_id() -> str:
+    """A run id all ranks agree on (a collective call when torch.distributed is initialized)."""
+    dist = _dist()
+    if dist is not None:
+        obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(obj, src=0)
+        return str(obj[0])
+    for var in ("TRAINREC_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        v = os.environ.get(var)
+        if v and v.lower() != "none":
+            return v
+    return uuid.uuid4().hex
+
+
+def new_rank_dir(output_dir: str, rank: int) -> str:
+    return os.path.join(output_dir, layout.rank_dir_name(rank))
+
+
+def find_append_dir(output_dir: str, rank: int, time_range: tuple) -> str:
+    """The existing rank directory of ``rank`` whose time stamp is within ``time_range`` (inclusive)."""
+    start, end = time_range
+    try:
+        lo, hi = layout.stamp_key(start), layout.stamp_key(end)
+    except ValueError as exc:
+        raise ConfigError(f"bad time stamp: {exc}", "append_output") from None
+    found = []
+    try:
+        names = os.listdir(output_dir)
+    except OSError:
+        names = []
+    for name in names:
+        parsed = layout.parse_rank_dir(name)
+        if parsed is None or parsed[1] != rank or not os.path.isdir(os.path.join(output_dir, name)):
+            continue
+        try:
+            key = layout.stamp_key(parsed[0])
+        except ValueError:
+            continue
+        if lo <= key <= hi:
+            found.append((key, os.path.getmtime(os.path.join(output_dir, name)), name))
+    if not found:
+        raise ConfigError(
+            f"no rank directory of rank {rank} with a time stamp in [{start}, {end}] under {output_dir!r}",
+            "append_output",
+        )
+    found.sort()
+    return os.path.join(output_dir, found[-1][2])
+
+
+class LiveExport:
+    """The live CSV/TensorBoard projection process that follows this rank's log (exports teammate)."""
+
+    _warned = False
+
+    def __init__(self, fmt: str, rank_dir: str, ndigits: int, step_count_per_record: int) -> None:
+        self.proc: subprocess.Popen | None = None
+        self._out = None
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec("trainrec.tools.live_export")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            if not LiveExport._warned:
+                LiveExport._warned = True
+                log.warning("trainrec: format %r needs trainrec.tools.live_export, which is not installed; "
+                            "only the log is written (export it later with `trainrec export`)", fmt)
+            return
+        cmd = [
+            sys.executable, "-m", "trainrec.tools.live_export",
+            "--format", "csv" if fmt == "csv" else "tensorboard",
+            "--rank-dir", rank_dir, "--ndigits", str(ndigits),
+            "--step-count-per-record", str(step_count_per_record), "--parent-pid", str(os.getpid()),
+        ]
+        try:
+            self._out = open(os.path.join(rank_dir, "live_export.out"), "ab")  # noqa: SIM115
+            self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            log.warning("trainrec: could not start the live %s export: %s", fmt, exc)
+            self.proc = None
+
+    def wait(self, timeout: float = 30.0) -> None:
+        """Wait for the projection to finish (it exits after reading FileClosed)."""
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("trainrec: the live export (pid %d) did not exit within %.0f s; stopping it",
+                            self.proc.pid, timeout)
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+            self.proc = None
+        if self._out is not None:
+            self._out.close()
+            self._out = None

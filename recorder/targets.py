@@ -1,0 +1,110 @@
+"""Which modules and parameters a config selects, resolved once per config.
+
+``targets`` keys name modules (activations) or parameter prefixes (weight grads, params, optimizer
+state); see :mod:`.names` for squashing and matching. With ``xy_distribution`` and ``all_xy`` (or no
+targets) every module is hooked, and modules listed in ``targets`` use their own selectors. A target
+that matches neither a module nor a parameter of any model chunk is a ConfigError at
+``monitor_gnorm_with_ad`` time, before training starts. ``module_ranks`` limits activation
+monitoring to the listed ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from trainrec.schema.errors import ConfigError
+
+from .config import MonitorConfig
+from .hooks import ModuleTarget, make_backward_hook, make_forward_hook
+from .names import module_matches, param_matches, squash_all
+
+
+@dataclass
+class ParamInfo:
+    name_id: int
+    name: str
+    vpp: int
+    param: torch.Tensor
+    full: str
+    tp_duplicate: bool = False
+
+
+@dataclass
+class Targets:
+    modules: list = field(default_factory=list)  # (module, ModuleTarget)
+    params: list = field(default_factory=list)  # ParamInfo
+    module_short: list = field(default_factory=list)  # per vpp: {full: short}
+    forward: bool = True
+    backward: bool = True
+
+    def attach(self, mon) -> list:
+        handles = []
+        for module, t in self.modules:
+            if self.forward:
+                handles.append(module.register_forward_hook(make_forward_hook(mon, t)))
+            if self.backward:
+                handles.append(module.register_full_backward_hook(make_backward_hook(mon, t)))
+        return handles
+
+
+def _examples(names: list[str], k: int = 6) -> str:
+    shown = [n for n in names if n][:k]
+    return ", ".join(repr(n) for n in shown) + (", ..." if len(names) > k else "")
+
+
+def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
+                  intern: Callable[[str], int]) -> Targets:
+    out = Targets(forward=not cfg.backward_only, backward=not cfg.forward_only)
+    targets = {k: v for k, v in cfg.targets.items()}
+    everything = cfg.everything
+    matched: set[str] = set()
+    xy_here = (cfg.xy_distribution or False) and (not cfg.module_ranks or rank in cfg.module_ranks)
+    all_modules: list[str] = []
+    all_params: list[str] = []
+    for vpp, chunk in enumerate(chunks):
+        mods = list(chunk.named_modules())
+        short = squash_all([n for n, _ in mods], cfg.squash_name)
+        out.module_short.append(short)
+        all_modules.extend(n for n, _ in mods)
+        for full, module in mods:
+            s = short[full]
+            hit = [t for t in targets if t and module_matches(t, full, s, vpp)]
+            matched.update(hit)
+            if not xy_here:
+                continue
+            if hit or cfg.all_xy or everything:
+                sel = dict(targets[hit[0]]) if hit else {}
+                out.modules.append((module, ModuleTarget(intern(s), s, vpp, sel)))
+        params = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        pshort = squash_all([n for n, _ in params], cfg.squash_name)
+        all_params.extend(n for n, _ in params)
+        for full, p in params:
+            s = pshort[full]
+            hit = [t for t in targets if t and param_matches(t, full, s, vpp)]
+            matched.update(hit)
+            if hit or everything:
+                out.params.append(ParamInfo(intern(s), s, vpp, p, full))
+    for t in targets:
+        if t and t not in matched:
+            raise ConfigError(
+                f"matches no module and no parameter of the model; module names look like {_examples(all_modules)}, "
+                f"parameter names like {_examples(all_params)} (an optional '0:' prefix selects the chunk)",
+                f"targets.{t}",
+            )
+    return out
+
+
+def module_structure(chunk: torch.nn.Module) -> tuple[tuple, tuple, tuple, tuple]:
+    """(full names, class names, parent indices, own parameter counts) of a module tree."""
+    names, classes, parents, counts = [], [], [], []
+    index: dict[str, int] = {}
+    for full, module in chunk.named_modules():
+        index[full] = len(names)
+        names.append(full)
+        classes.append(type(module).__name__)
+        parent = full.rsplit(".", 1)[0] if "." in full else ("" if full else None)
+        parents.append(index.get(parent, -1) if parent is not None else -1)
+        counts.append(sum(p.numel() for p in module.parameters(recurse=False)))
+    return tuple(names), tuple(classes), tuple(parents), tuple(counts)
