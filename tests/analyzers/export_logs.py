@@ -41,7 +41,6 @@ def make_values(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
 
 
 def stats_record(rank, step, kind, ids, values, *, micro=None, slots=None, vpp=None, wall=None):
-    n = len(ids)
     return TensorStatsRecorded(
         rank=rank,
         step=step,

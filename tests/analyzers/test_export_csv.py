@@ -1,0 +1,203 @@
+"""The CSV projection: the reference's files, columns and number format, from real logs."""
+
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+from export_logs import MODULES, PARAMS, rank_dir, stats_record, write_rank_log
+from trainrec.analyzers.export_csv import CsvProjector, csv_header, export_csv, format_rows, window_of
+from trainrec.analyzers.projection import parse_steps
+from trainrec.recorder.writer import LogWriter
+from trainrec.replay.reader import LogReader
+from trainrec.schema.events import OPS, StepEnded
+from trainrec.tools.export_files import CsvDirSink
+
+
+def _events(rdir):
+    from trainrec.schema.layout import list_logs
+
+    for path in list_logs(rdir):
+        yield from LogReader(path)
+
+
+def _export(tmp_path, rdir, **kw):
+    out = tmp_path / "csv"
+    sink = CsvDirSink(str(out))
+    summary = export_csv(_events(rdir), sink, **kw)
+    sink.close()
+    return out, summary
+
+
+def _read(path):
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def _expected_row(expected, kind, step, vpp, label):
+    """The reference's row values for a CSV row label (actv: name_micro, input side then output side)."""
+    if kind in ("actv", "actv_grad"):
+        name, micro = label.rsplit("_", 1)
+        sides = (1, 2) if kind == "actv" else (3, 4)
+        parts = [expected.get((kind, step, vpp, name, int(micro), s)) for s in sides]
+        return np.concatenate([p if p is not None else np.full(len(OPS), np.nan, np.float32) for p in parts])
+    return expected[(kind, step, vpp, label, 0, 0)]
+
+
+def test_files_headers_and_rounded_values(tmp_path):
+    rdir = rank_dir(tmp_path, 0)
+    expected, _ = write_rank_log(rdir, steps=range(3))
+    out, summary = _export(tmp_path, rdir)
+    kinds = ("actv", "actv_grad", "grad_unreduced", "grad_reduced", "param", "exp_avg", "exp_avg_sq")
+    assert sorted(os.listdir(out)) == sorted(f"{k}_{s}-{s}.csv" for k in kinds for s in range(3))
+    assert summary.steps == {0, 1, 2}
+    checked = 0
+    for kind in kinds:
+        for step in range(3):
+            rows = _read(out / f"{kind}_{step}-{step}.csv")
+            assert ",".join(rows[0]) == csv_header(kind, OPS)
+            if kind == "actv":
+                assert rows[0][:5] == ["vpp_stage", "module_name", "step", "input.min", "input.max"]
+                assert rows[0][9] == "output.min" and rows[0][-1] == "output.nans"
+            elif kind == "actv_grad":
+                assert rows[0][3] == "input_grad.min" and rows[0][-1] == "output_grad.nans"
+            else:
+                assert rows[0] == ["vpp_stage", "param_name", "step", *OPS]
+            labels = [r[1] for r in rows[1:]]
+            if kind in ("actv", "actv_grad"):
+                assert labels == [f"{m}_{mi}" for mi in range(2) for m in MODULES]
+            else:
+                assert labels == PARAMS
+            for r in rows[1:]:
+                assert r[2] == str(step)
+                want = np.round(_expected_row(expected, kind, step, int(r[0]), r[1]).astype(np.float64), 6)
+                assert r[3:] == [repr(float(x)) for x in want]
+                got = np.array([float(x) for x in r[3:]])
+                np.testing.assert_array_equal(got, want)
+                checked += 1
+    assert checked == 3 * (2 * 10 + 5 * 5)
+
+
+def test_pandas_reads_what_the_reference_writes(tmp_path):
+    """Byte-equal to the reference's own writing path: DataFrame(rows).round(6).fillna('nan').to_csv."""
+    rdir = rank_dir(tmp_path, 0)
+    expected, _ = write_rank_log(rdir, steps=range(2), kinds=("actv", "grad_reduced", "param"))
+    out, _ = _export(tmp_path, rdir)
+    for kind in ("actv", "grad_reduced", "param"):
+        for step in range(2):
+            ours = (out / f"{kind}_{step}-{step}.csv").read_text()
+            header = csv_header(kind, OPS).split(",")
+            rows = []
+            if kind == "actv":
+                for mi in range(2):
+                    for i, m in enumerate(MODULES):
+                        vpp = 0 if i < 3 else 1
+                        vals = _expected_row(expected, kind, step, vpp, f"{m}_{mi}")
+                        rows.append([str(vpp), f"{m}_{mi}", step, *[v.item() for v in vals.astype(np.float64)]])
+            else:
+                for i, p in enumerate(PARAMS):
+                    vpp = 0 if i < 3 else 1
+                    vals = expected[(kind, step, vpp, p, 0, 0)]
+                    rows.append([str(vpp), p, step, *[v.item() for v in vals.astype(np.float64)]])
+            ref = tmp_path / "ref.csv"
+            pd.DataFrame(columns=header).to_csv(ref, index=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # pandas deprecates fillna("nan") on float columns
+                pd.DataFrame(rows).round(6).fillna("nan").to_csv(ref, mode="a+", header=False, index=False)
+            assert ours == ref.read_text()
+            df = pd.read_csv(out / f"{kind}_{step}-{step}.csv")
+            assert list(df.columns) == header
+            assert len(df) == len(rows)
+
+
+def test_step_count_per_record_and_selection(tmp_path):
+    rdir = rank_dir(tmp_path, 0)
+    expected, _ = write_rank_log(rdir, steps=range(7), kinds=("grad_reduced", "param"))
+    out, summary = _export(tmp_path, rdir, step_count_per_record=3, kinds=["param"], steps=parse_steps("1-4,6"))
+    assert sorted(os.listdir(out)) == ["param_0-2.csv", "param_3-5.csv", "param_6-8.csv"]
+    assert summary.steps == {1, 2, 3, 4, 6}
+    rows = _read(out / "param_0-2.csv")
+    assert rows[0][0] == "vpp_stage" and sum(r[0] == "vpp_stage" for r in rows) == 1
+    assert [int(r[2]) for r in rows[1:]] == [1] * 5 + [2] * 5
+    assert window_of(7, 3) == (6, 8) and window_of(0, 1) == (0, 0)
+
+
+@pytest.mark.parametrize("ndigits", [0, 3, None])
+def test_ndigits(tmp_path, ndigits):
+    rdir = rank_dir(tmp_path, 0)
+    expected, _ = write_rank_log(rdir, steps=range(1), kinds=("param",))
+    out, _ = _export(tmp_path, rdir, ndigits=ndigits)
+    for r in _read(out / "param_0-0.csv")[1:]:
+        want = expected[("param", 0, int(r[0]), r[1], 0, 0)]
+        got = np.array([float(x) for x in r[3:]])
+        if ndigits is None:
+            np.testing.assert_array_equal(got.astype(np.float32), want)  # full precision: float32 exact
+        else:
+            np.testing.assert_array_equal(got, np.round(want.astype(np.float64), ndigits))
+
+
+def test_format_rows_matches_repr_and_pandas():
+    rng = np.random.default_rng(3)
+    v = rng.standard_normal((200, 6)) * 10.0 ** rng.integers(-9, 18, (200, 6))
+    v[::7, 2] = np.nan
+    v[::5, 1] = -1e-12
+    v[3, 3] = np.inf
+    lines = format_rows(v, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = pd.DataFrame(v).round(6).fillna("nan").to_csv(header=False, index=False)
+    assert "\n".join(lines) + "\n" == ref
+
+
+def test_duplicates_last_wins_and_records_merge(tmp_path):
+    """Two records of one kind and step: rows merge in first-appearance order, a repeated row keeps its last values."""
+    rdir = rank_dir(tmp_path, 0)
+    with LogWriter(rdir, rank=0, run_id="dup", flush_interval=0.02) as w:
+        ids = w.intern(["a", "b", "c"], step=-1)
+        first = np.arange(12, dtype=np.float32).reshape(2, 6)
+        second = np.arange(100, 112, dtype=np.float32).reshape(2, 6)
+        w.write(stats_record(0, 5, "param", [ids[0], ids[1]], first))
+        w.write(stats_record(0, 5, "param", [ids[1], ids[2]], second))
+        w.write(StepEnded(rank=0, step=5, wall=1.0))
+    out, _ = _export(tmp_path, rdir)
+    rows = _read(out / "param_5-5.csv")[1:]
+    assert [r[1] for r in rows] == ["a", "b", "c"]
+    assert [float(x) for x in rows[1][3:]] == list(map(float, second[0]))
+    assert [float(x) for x in rows[0][3:]] == list(map(float, first[0]))
+
+
+def test_torn_last_step_is_not_exported(tmp_path):
+    rdir = rank_dir(tmp_path, 0)
+    w = LogWriter(rdir, rank=0, run_id="torn", flush_interval=0.02)
+    write_rank_log(rdir, steps=range(2), kinds=("param",), close=False, writer=w)
+    ids = list(range(len(MODULES), len(MODULES) + len(PARAMS)))
+    w.write(stats_record(0, 2, "param", ids, np.ones((len(ids), 6), np.float32)))  # step 2 never ends
+    w.flush()
+    out = tmp_path / "csv"
+    sink = CsvDirSink(str(out))
+    p = CsvProjector(sink)
+    p.feed_all(_events(rdir))
+    summary = p.finish(clean=False)
+    sink.close()
+    w.close()
+    assert summary.dropped_steps == [2]
+    assert sorted(os.listdir(out)) == ["param_0-0.csv", "param_1-1.csv"]
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="step_count_per_record"):
+        CsvProjector(None, step_count_per_record=0)
+    with pytest.raises(ValueError, match="ndigits"):
+        CsvProjector(None, ndigits=-1)
+    with pytest.raises(ValueError, match="unknown data type 'bogus'; valid types: actv"):
+        from trainrec.analyzers.projection import parse_kinds
+
+        parse_kinds("param,bogus")
+    with pytest.raises(ValueError, match="bad step range"):
+        parse_steps("1-x")
+    assert 15 in parse_steps("10-20,30") and 30 in parse_steps("10-20,30") and 21 not in parse_steps("10-20,30")
+    assert 10**6 in parse_steps("5-")
