@@ -723,7 +723,7 @@ class DynamicConfigWatcher:
 
     def _write_back_failed(self, exc: OSError, step: int) -> None:
         reason = (
-            f"could not write switch=false back to {self.path}: {exc.strerror or exc!r}; "
+            f"could not write switch=false back to {self.path}: {exc.strerror or repr(exc)}; "
             "it still says switch=true, so the next start needs an edit"
         )
         log.warning("trainrec: %s", reason)
