@@ -170,7 +170,7 @@ def _nan_flags(state: _SeriesState, si, ci, ops, x, finite) -> tuple[np.ndarray,
     if NANS_OP in ops:
         j = ops.index(NANS_OP)
         flags[:, j] |= finite[:, j] & (x[:, j] > 0) & (last[:, j] == 0)
-    return flags, last
+    return flags, np.where(state.count[si, ci] > 0, last, np.nan)
 
 
 # --------------------------------------------------------------------------------------------- rules
