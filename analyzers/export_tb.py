@@ -71,10 +71,11 @@ class TbProjector:
         steps: StepSet | None = None,
         notes: bool = True,
         rewind: bool = False,
+        note_kinds: Iterable[str] | None = None,
     ) -> None:
         self.sink = sink
         self.rewind = rewind
-        self.assembler = StepAssembler(kinds, steps, notes)
+        self.assembler = StepAssembler(kinds, steps, notes, note_kinds)
         self.summary = TbSummary()
         self._pending_notes: list[Note] = []
 

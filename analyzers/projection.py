@@ -221,8 +221,11 @@ class StepAssembler:
         kinds: Iterable[str] | None = None,
         steps: StepSet | None = None,
         notes: bool = True,
+        note_kinds: Iterable[str] | None = None,
     ) -> None:
         self.kinds = frozenset(KINDS if kinds is None else kinds)
+        # Anomalies of these kinds become notes (an export split by kinds keeps all notes in one part).
+        self.note_kinds = self.kinds if note_kinds is None else frozenset(note_kinds)
         self.steps = steps
         self.notes = notes
         self.resolver = NameResolver()
@@ -283,7 +286,7 @@ class StepAssembler:
         if self.steps is not None and ev.step >= 0 and ev.step not in self.steps:
             return False
         kind = getattr(ev, "kind", "")
-        return not (isinstance(ev, AnomalyDetected) and kind and kind not in self.kinds)
+        return not (isinstance(ev, AnomalyDetected) and kind and kind not in self.note_kinds)
 
     def _end_unclean(self, out: list[Item]) -> None:
         if self._saw_step_end:

@@ -209,7 +209,7 @@ def plan_tasks(runs: list[Run], args, kinds: tuple[str, ...], out: str) -> list[
                     fmt=args.export_format, info=info, rank=r, out_dir=rank_out, kinds=group, steps=args.steps,
                     notes=gi == 0, ndigits=getattr(args, "ndigits", 6),
                     step_count_per_record=getattr(args, "step_count_per_record", 1), tb_suffix=suffix,
-                    task_id=len(tasks),
+                    task_id=len(tasks), note_kinds=tuple(kinds),
                 )
             )
     return tasks

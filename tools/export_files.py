@@ -207,6 +207,7 @@ class ExportTask:
     step_count_per_record: int = 1
     tb_suffix: str = ""
     task_id: int = 0
+    note_kinds: tuple[str, ...] | None = None  # anomalies of these kinds become notes (default: kinds)
 
     @property
     def log_bytes(self) -> int:
@@ -335,7 +336,7 @@ def run_task(task: ExportTask, progress: Callable[[int], None] | None = None) ->
         host = headers[0].host if headers else socket.gethostname()
         path = os.path.join(task.out_dir, tb_file_name(start, host, task.tb_suffix))
         with TbEventFile(path, wall=start) as sink:
-            proj = TbProjector(sink, kinds=task.kinds, steps=task.steps, notes=task.notes)
+            proj = TbProjector(sink, kinds=task.kinds, steps=task.steps, notes=task.notes, note_kinds=task.note_kinds)
             proj.feed_all(stream)
             s = proj.finish(stream.ended_cleanly())
         result.files = [path]
