@@ -275,6 +275,8 @@ class LogReader:
                     continue
                 if crc(mv[start:stop]) != pcrc:
                     inner, _ = self._find_frame(buf, start, stop, False)
+                    if inner is None and self._undecided(buf, start, stop):
+                        break  # a header may start near the end of the data: decide with more bytes
                     nxt = stop if inner is None else inner
                     what = "payload CRC mismatch" if inner is None else "payload CRC mismatch (frame cut short)"
                     self._problem(base + pos, what, nxt - pos)
@@ -336,8 +338,9 @@ class LogReader:
         n = len(buf)
         i = lo
         retry = max(lo, hi - _HDR_SIZE + 1)
+        limit = min(n, hi + len(_MAGIC_BYTES) - 1)  # a magic starting before hi may end after it
         while True:
-            j = buf.find(_MAGIC_BYTES, i, hi)
+            j = buf.find(_MAGIC_BYTES, i, limit)
             if j < 0:
                 return None, retry
             if n - j < _HDR_SIZE:
@@ -354,6 +357,15 @@ class LogReader:
                     if _crc32(buf[j + _HDR_SIZE : end]) == pcrc:
                         return j, retry
             i = j + 1
+
+    @staticmethod
+    def _undecided(buf: bytes, lo: int, hi: int) -> bool:
+        """Whether a frame header could start in ``[lo, hi)`` but runs past the end of ``buf``."""
+        n = len(buf)
+        for j in range(max(lo, n - _HDR_SIZE + 1), min(hi, n)):
+            if _MAGIC_BYTES.startswith(buf[j : min(n, j + 4)]):
+                return True
+        return False
 
     def _problem(self, offset: int, what: str, skipped: int) -> None:
         p = Problem(self.path, offset, what, skipped)
