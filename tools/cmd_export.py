@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -40,7 +39,7 @@ from trainrec.schema import layout
 from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, StepEnded, TensorStatsRecorded
 
-from .export_files import ExportTask, TaskResult, run_task
+from .export_files import ExportTask, TaskResult, pool_context, run_task
 
 MARKER = ".trainrec-export.json"
 FORMATS = {"csv": "CSV files", "tb": "TensorBoard event files"}
@@ -294,8 +293,7 @@ def execute(tasks: list[ExportTask], jobs: int, progress: Progress) -> list[Task
             results.append(run_task(t, progress.advance))
             progress.advance(task_done=True)
         return sorted(results, key=lambda r: r.task_id)
-    method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
+    ctx = pool_context()
     q = ctx.Queue() if progress.enabled else None
     stop = threading.Event()
 

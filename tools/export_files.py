@@ -17,8 +17,10 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import multiprocessing
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ from trainrec.schema.events import FileClosed, FileOpened, NamesInterned
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CsvDirSink", "ExportTask", "TaskResult", "RankStream", "TbEventFile", "masked_crc32c", "run_task", "tb_file_name"]
+__all__ = ["CsvDirSink", "ExportTask", "TaskResult", "RankStream", "TbEventFile", "masked_crc32c", "pool_context", "run_task", "tb_file_name"]
 
 try:  # the C implementation tensorboardX itself uses when present
     from crc32c import crc32c as _crc32c
@@ -43,6 +45,13 @@ except ImportError:  # pragma: no cover - crc32c is a declared dependency
     _crc32c = None
 
 _KEEP = (FileOpened, FileClosed, NamesInterned)
+
+
+def pool_context():
+    """Worker start method: fork (fast, nothing to re-import) when this process has no other thread."""
+    if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
 
 
 # ---------------------------------------------------------------------------------------- CRC32C
