@@ -346,4 +346,7 @@ def find_run(
     for lf in info.all_files:
         if isinstance(lf.error, UnsupportedVersionError):
             raise lf.error
+    errors = [lf.error for lf in info.all_files if lf.error is not None]
+    if errors and len(errors) == len(info.all_files):
+        raise errors[0]  # nothing of this run can be read: say why
     return info
