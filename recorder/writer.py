@@ -1,70 +1,133 @@
 """The per-rank log writer: a background thread that encodes, frames and appends events.
 
-The training thread hands over immutable events (or a callable that builds them later, on the worker,
-e.g. after a device-to-host copy completed) and returns at once. One worker thread encodes, frames and
-writes; it flushes to the OS at least every ``flush_interval`` seconds, so a ``kill -9`` of the
-training process loses at most that much. ``flush()`` waits until everything queued is written.
-``close()`` is idempotent and also runs at interpreter exit. A worker failure (disk full, file
-removed) is raised as :class:`WriterError` on the caller's next call, and the queue keeps being drained
-so no producer is left blocked.
+Modelled on TensorBoard's ``EventFileWriter``. The training thread hands over immutable events (or a
+zero-argument callable that builds them later, on the worker, e.g. after a device-to-host copy has
+completed) and returns at once; handing over costs a queue put (well under a microsecond). One worker
+thread encodes, frames and writes.
 
-When the bounded queue is full the ``on_full`` policy applies: ``"block"`` (default, no loss) waits
-for room; ``"drop"`` drops the record and later writes a :class:`RecordsDropped` event with the count.
+Guarantees:
+
+* Everything handed over is on the OS (so it survives a ``kill -9`` of the training process) at most
+  ``flush_interval`` seconds later (default 0.2 s), and at once after :meth:`LogWriter.flush`, which
+  waits until everything handed over before it is written. ``fsync=True`` adds an fsync per flush.
+* :meth:`LogWriter.close` writes a :class:`FileClosed` record, drains, fsyncs and closes the file. It
+  is idempotent, runs at interpreter exit for every writer still open, and on SIGTERM once
+  :func:`install_sigterm_handler` was called.
+* A worker failure (disk full, file too large, the log file removed or replaced) is raised as
+  :class:`WriterError` on the caller's next call (``write``, ``intern``, ``flush``, ``close``); the
+  worker keeps draining the queue and discards what it takes, so no producer is ever left blocked.
+  A deferred callable that raises, or an event that cannot be encoded, does not stop the writer: it
+  is logged and recorded in the file as a :class:`HookFailed` event.
+* The queue is bounded (``queue_size`` items). When it is full, ``on_full="block"`` (default, no loss)
+  waits for room; ``on_full="drop"`` drops the record, and the worker writes a
+  :class:`RecordsDropped` event with the count; :attr:`FileClosed.dropped` has the total. Name tables
+  (:meth:`LogWriter.intern`), flushes and the closing record are never dropped.
+
+Signal and fork safety: the queue is a C ``SimpleQueue`` (reentrant: a SIGTERM handler may close a
+writer while the interrupted main thread is inside ``write``), and closing takes no lock that the
+training thread might hold. In a child forked from a process with live writers the writers are
+disabled (``write`` raises WriterError, ``close`` does nothing), and the file is unbuffered, so the
+child can never write into the parent's log.
 """
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from typing import BinaryIO
 
 from trainrec.schema import codec, framing, layout
 from trainrec.schema.errors import WriterError
-from trainrec.schema.events import Event, FileClosed, FileOpened, NamesInterned, RecordsDropped
+from trainrec.schema.events import (
+    Event,
+    FileClosed,
+    FileOpened,
+    HookFailed,
+    NamesInterned,
+    RecordsDropped,
+)
 
 log = logging.getLogger(__name__)
 
-__version__ = "0.1.0"
 
-_FLUSH = object()
-_STOP = object()
-_BUFFER_BYTES = 1 << 20
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("trainrec")
+    except Exception:  # noqa: BLE001 - not installed (running from a checkout)
+        return "0.1.0"
+
+
+__version__ = _package_version()
+
+_BUFFER_BYTES = 1 << 20  # write out at once when this much is buffered
+_CLOSE_TIMEOUT = 10.0  # seconds a close at exit or on SIGTERM waits for the worker
+_MAX_ERROR_LOGS = 5  # per writer: encode/callable failures logged at error level
 
 Item = Event | Callable[[], Iterable[Event]]
 
 
-def _torch_version() -> str:
-    try:
-        import torch
+class _Control:
+    """A flush or stop marker travelling through the queue."""
 
-        return str(torch.__version__)
-    except Exception:  # pragma: no cover - torch is a dependency
+    __slots__ = ("kind", "arg")
+
+    def __init__(self, kind: str, arg: object) -> None:
+        self.kind = kind
+        self.arg = arg
+
+
+def _torch_version() -> str:
+    mod = sys.modules.get("torch")  # never import torch here: seconds of start-up
+    if mod is not None:
+        return str(getattr(mod, "__version__", ""))
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:  # noqa: BLE001 - torch absent
         return ""
 
 
-def create_log_file(rank_dir: str) -> tuple[str, object, int]:
-    """Create the next log file of ``rank_dir`` exclusively; returns (path, binary file, index)."""
+def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
+    """Write all of ``data`` to an unbuffered file (raw writes may be partial)."""
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        if n is None:  # pragma: no cover - only for non-blocking files
+            raise OSError("non-blocking write would block")
+        view = view[n:]
+
+
+def create_log_file(rank_dir: str) -> tuple[str, BinaryIO, int]:
+    """Create the next log file of ``rank_dir`` exclusively; returns (path, unbuffered binary file, index)."""
     os.makedirs(rank_dir, exist_ok=True)
-    while True:
+    for _ in range(1000):
         existing = layout.list_logs(rank_dir)
-        index = (layout.log_index(os.path.basename(existing[-1])) + 1) if existing else 0
+        last = layout.log_index(os.path.basename(existing[-1])) if existing else None
+        index = 0 if last is None else last + 1
         path = os.path.join(rank_dir, layout.log_file_name(index))
         try:
-            return path, open(path, "xb"), index  # noqa: SIM115 - owned by the writer
+            return path, open(path, "xb", buffering=0), index  # noqa: SIM115 - owned by the writer
         except FileExistsError:
             continue
+    raise WriterError(f"{rank_dir}: could not create a new log file (too many concurrent creators)")
 
 
 class LogWriter:
     """Append events to a new log file in ``rank_dir`` from a background thread.
 
-    Parameters mirror the FileOpened header; ``header`` fields not given are filled in (host, pid,
+    Parameters mirror the FileOpened header; header fields not given are filled in (host, pid,
     versions, start time). Use as a context manager or call :meth:`close`.
     """
 
@@ -84,30 +147,40 @@ class LogWriter:
     ) -> None:
         if on_full not in ("block", "drop"):
             raise ValueError(f"on_full must be 'block' or 'drop', not {on_full!r}")
+        if not flush_interval > 0:
+            raise ValueError(f"flush_interval must be a positive number of seconds, not {flush_interval!r}")
+        if queue_size < 1:
+            raise ValueError(f"queue_size must be at least 1, not {queue_size!r}")
         self.rank = rank
         self.rank_dir = rank_dir
-        self.path, self._file, index = create_log_file(rank_dir)
-        self._flush_interval = flush_interval
+        try:
+            self.path, self._file, index = create_log_file(rank_dir)
+        except OSError as exc:
+            raise WriterError(f"{rank_dir}: cannot create a log file: {exc}") from exc
+        self._flush_interval = float(flush_interval)
         self._fsync = fsync
-        self._on_full = on_full
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._drop = on_full == "drop"
+        self._maxsize = queue_size
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False
-        self._lock = threading.Lock()
-        self._dropped = 0
+        self._close_once = _thread.allocate_lock()  # acquired once, never released: first close wins
+        self._intern_lock = threading.Lock()
+        self._drop_lock = _thread.allocate_lock()
         self._dropped_total = 0
-        self._records = 0
-        self._names: dict[str, int] = {}
+        self._names: dict = {}
+        self._pid = os.getpid()
+        now = time.time()
         self.header = FileOpened(
             seq=0,
             rank=rank,
             step=-1,
-            wall=time.time(),
+            wall=now,
             run_id=run_id,
             world_size=world_size,
             host=socket.gethostname(),
-            pid=os.getpid(),
-            start_time=time.time(),
+            pid=self._pid,
+            start_time=now,
             trainrec_version=__version__,
             torch_version=_torch_version(),
             format_version=framing.FORMAT_VERSION,
@@ -116,100 +189,121 @@ class LogWriter:
             pp_stage=pp_stage,
             group_mates=tuple(group_mates),
         )
-        self._file.write(framing.encode_file_header())
-        self._file.write(framing.encode_frame(codec.encode(self.header)))
-        self._file.flush()
+        try:
+            _write_all(self._file, framing.encode_file_header() + framing.encode_frame(codec.encode(self.header)))
+            self._identity = _identity(os.fstat(self._file.fileno()))
+        except OSError as exc:
+            self._file.close()
+            raise WriterError(f"{self.path}: cannot write the file header: {exc}") from exc
+        # Worker-owned state.
         self._seq = 1
+        self._last_step = -1
+        self._reported_drops = 0
+        self._error_logs = 0
+        self._buffered = 0
         self._thread = threading.Thread(target=self._run, name=f"trainrec-writer-rank{rank}", daemon=True)
         self._thread.start()
         _live_writers.add(self)
 
     # ------------------------------------------------------------------ training-thread side
     def write(self, item: Item) -> None:
-        """Hand over one event, or a callable returning events to be built on the worker."""
-        self._check()
-        if self._dropped and self._on_full == "drop":
-            try:
-                self._queue.put_nowait(RecordsDropped(rank=self.rank, wall=time.time(), count=self._dropped))
-                self._dropped = 0
-            except queue.Full:
-                self._dropped += 1
-                self._dropped_total += 1
+        """Hand over one event, or a zero-argument callable returning events, built on the worker."""
+        if self._error is not None or self._closed:
+            self._check()
+        q = self._queue
+        if q.qsize() >= self._maxsize:
+            if self._drop:
+                with self._drop_lock:
+                    self._dropped_total += 1
                 return
-        if self._on_full == "block":
-            self._put_blocking(item)
-        else:
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
-                self._dropped += 1
-                self._dropped_total += 1
+            self._wait_for_room()
+        q.put(item)
 
-    def _put_blocking(self, item: object) -> None:
-        while True:
-            try:
-                self._queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                self._check()
-                if not self._thread.is_alive():
-                    raise WriterError(f"{self.path}: the writer thread is gone") from None
+    def _wait_for_room(self) -> None:
+        delay = 5e-5
+        q = self._queue
+        while q.qsize() >= self._maxsize:
+            self._check()
+            if not self._thread.is_alive():
+                raise WriterError(f"{self.path}: the writer thread is gone")
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
 
-    def intern(self, names: Iterable[str], step: int = -1) -> list[int]:
-        """Ids of ``names`` in this file; new names are announced by a NamesInterned event first."""
+    def intern(self, names: Iterable, step: int = -1) -> list[int]:
+        """Ids of ``names`` in this file; new names are announced by a NamesInterned event first.
+
+        Ids are dense, per file, and stable: a name keeps its id for the life of the writer. The
+        announcement is queued before the ids are returned and is never dropped.
+        """
+        if not isinstance(names, (list, tuple)):
+            names = list(names)
         table = self._names
-        out = []
-        new = []
-        for n in names:
-            i = table.get(n)
-            if i is None:
-                i = len(table)
-                table[n] = i
-                new.append(n)
-            out.append(i)
-        if new:
-            self.write(
-                NamesInterned(
-                    rank=self.rank, step=step, wall=time.time(), first_id=len(table) - len(new), names=tuple(new)
+        try:
+            return [table[n] for n in names]
+        except KeyError:
+            pass
+        with self._intern_lock:
+            if self._error is not None or self._closed:
+                self._check()
+            out: list[int] = []
+            new: dict = {}
+            first = len(table)
+            for n in names:
+                i = table.get(n)
+                if i is None:
+                    i = new.get(n)
+                    if i is None:
+                        i = new[n] = first + len(new)
+                out.append(i)
+            if new:
+                self._queue.put(
+                    NamesInterned(rank=self.rank, step=step, wall=time.time(), first_id=first, names=tuple(new))
                 )
-            )
-        return out
+                # Published only after the announcement is queued, so that another thread's fast
+                # path never hands out an id whose NamesInterned would come after its use.
+                table.update(new)
+            return out
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until everything handed over so far is written to the OS."""
-        self._check()
+        """Block until everything handed over so far is written to the OS (a no-op once closed)."""
+        if self._error is not None:
+            self._check()
         if self._closed:
             return
         done = threading.Event()
-        self._put_blocking((_FLUSH, done))
-        if not done.wait(timeout):
-            raise WriterError(f"{self.path}: flush did not finish within {timeout} s")
-        self._check()
+        self._queue.put(_Control("flush", done))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
+            if not self._thread.is_alive():
+                raise WriterError(f"{self.path}: the writer thread is gone")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WriterError(f"{self.path}: flush did not finish within {timeout} s")
+        self._check(allow_closed=True)
 
-    def close(self, reason: str = "close") -> None:
-        """Write FileClosed, drain, and close the file. Idempotent; re-raises a worker failure once."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+    def close(self, reason: str = "close", timeout: float | None = None) -> None:
+        """Write FileClosed, drain, fsync and close the file.
+
+        Idempotent: only the first call does anything (a later one returns at once, or waits for a
+        close in progress on another thread). The first call re-raises a worker failure.
+        """
+        if not self._close_once.acquire(False):
+            if self._thread.is_alive() and threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
+            return
+        self._closed = True
         _live_writers.discard(self)
+        if os.getpid() != self._pid:
+            return  # a forked child: the file belongs to the parent
+        if threading.current_thread() is self._thread:
+            self._queue.put(_Control("stop", reason))  # called from a deferred callable: cannot join
+            return
         if self._thread.is_alive():
-            if self._error is None:
-                self._put_blocking(
-                    FileClosed(
-                        rank=self.rank,
-                        wall=time.time(),
-                        records=self._records,
-                        dropped=self._dropped_total,
-                        reason=reason,
-                    )
-                )
-            self._put_blocking(_STOP)
-            self._thread.join()
-        try:
-            self._file.close()
-        except OSError:
-            pass
+            self._queue.put(_Control("stop", reason))
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise WriterError(f"{self.path}: the writer did not finish closing within {timeout} s")
+        else:  # pragma: no cover - the worker never exits before a stop
+            _close_quietly(self._file)
         self._check(allow_closed=True)
 
     @property
@@ -218,7 +312,13 @@ class LogWriter:
 
     @property
     def error(self) -> BaseException | None:
+        """The worker failure, if any."""
         return self._error
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped so far because the queue was full (``on_full="drop"``)."""
+        return self._dropped_total
 
     def __enter__(self) -> LogWriter:
         return self
@@ -229,54 +329,155 @@ class LogWriter:
     def _check(self, allow_closed: bool = False) -> None:
         err = self._error
         if err is not None:
+            if isinstance(err, WriterError):
+                raise WriterError(str(err)) from err
             raise WriterError(f"{self.path}: log writer failed: {err!r}") from err
         if self._closed and not allow_closed:
             raise WriterError(f"{self.path}: log writer is closed")
 
     # ------------------------------------------------------------------ worker side
     def _run(self) -> None:
-        buf: list[bytes] = []
-        size = 0
-        last_flush = time.monotonic()
-        q = self._queue
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
+            self._fail(exc)
+            _close_quietly(self._file)
+            self._discard_forever()
+
+    def _discard_forever(self) -> None:  # pragma: no cover - only after a bug in _loop
         while True:
-            timeout = max(0.0, self._flush_interval - (time.monotonic() - last_flush)) if buf else None
-            try:
-                item = q.get(timeout=timeout)
-            except queue.Empty:
-                item = None
-            stop = item is _STOP
-            flush_done = None
-            if isinstance(item, tuple) and item and item[0] is _FLUSH:
-                flush_done = item[1]
-            elif item is not None and not stop and self._error is None:
+            item = self._queue.get()
+            if type(item) is _Control:
+                if item.kind == "flush":
+                    item.arg.set()
+                else:
+                    return
+
+    def _loop(self) -> None:
+        q = self._queue
+        buf: list[bytes] = []
+        deadline = 0.0  # when the oldest buffered frame must be on the OS
+        interval = self._flush_interval
+        while True:
+            if buf:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._buffered >= _BUFFER_BYTES:
+                    self._write_out(buf)
+                    continue
                 try:
-                    events = (item,) if isinstance(item, Event) else item()
-                    for ev in events:
-                        frame = framing.encode_frame(codec.encode(ev, seq=self._seq))
-                        self._seq += 1
-                        self._records += 1
-                        buf.append(frame)
-                        size += len(frame)
-                except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
-                    self._fail(exc)
-            due = time.monotonic() - last_flush >= self._flush_interval
-            if (buf or flush_done or stop) and (size >= _BUFFER_BYTES or due or flush_done or stop):
-                if self._error is None:
-                    try:
-                        self._file.write(b"".join(buf))
-                        self._file.flush()
-                        if self._fsync or stop:
-                            os.fsync(self._file.fileno())
-                    except BaseException as exc:  # noqa: BLE001
-                        self._fail(exc)
-                buf.clear()
-                size = 0
-                last_flush = time.monotonic()
-            if flush_done is not None:
-                flush_done.set()
-            if stop:
+                    item = q.get(timeout=remaining)
+                except queue.Empty:
+                    continue
+            else:
+                item = q.get()
+            if type(item) is _Control:
+                if item.kind == "flush":
+                    self._append_drops(buf)
+                    self._write_out(buf)
+                    item.arg.set()
+                    continue
+                self._finish(buf, str(item.arg))
                 return
+            if self._error is not None:
+                continue  # failed: keep draining so that no producer stays blocked
+            was_empty = not buf
+            if self._dropped_total != self._reported_drops:
+                self._append_drops(buf)
+            if isinstance(item, Event):
+                self._frame(item, buf)
+            else:
+                self._run_callable(item, buf)
+            if was_empty and buf:
+                deadline = time.monotonic() + interval
+
+    def _frame(self, ev: Event, buf: list[bytes]) -> None:
+        """Encode and frame one event onto ``buf`` with the next sequence number."""
+        try:
+            frame = framing.encode_frame(codec.encode(ev, seq=self._seq))
+        except Exception as exc:  # noqa: BLE001 - a bad event must not stop the log
+            self._record_failure(f"writer: encoding {type(ev).__name__}", exc, buf)
+            return
+        self._seq += 1
+        if ev.step > self._last_step:
+            self._last_step = ev.step
+        buf.append(frame)
+        self._buffered += len(frame)
+
+    def _run_callable(self, fn: Callable[[], Iterable[Event]], buf: list[bytes]) -> None:
+        try:
+            if not callable(fn):
+                raise TypeError(f"expected an Event or a callable, got {type(fn).__name__}")
+            for ev in fn():
+                if not isinstance(ev, Event):
+                    raise TypeError(f"deferred callable yielded {type(ev).__name__}, not an Event")
+                self._frame(ev, buf)
+        except Exception as exc:  # noqa: BLE001 - a failing hook must not stop the log
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+            self._record_failure(f"writer: deferred {name}", exc, buf)
+
+    def _record_failure(self, where: str, exc: BaseException, buf: list[bytes]) -> None:
+        """Log a bad event or failing callable and record it as HookFailed; the log goes on."""
+        if self._error_logs < _MAX_ERROR_LOGS:
+            self._error_logs += 1
+            log.error("trainrec: %s: %s failed: %r; the log goes on", self.path, where, exc)
+        ev = HookFailed(
+            rank=self.rank, step=self._last_step, wall=time.time(), where=where, error=repr(exc)[:1000]
+        )
+        frame = framing.encode_frame(codec.encode(ev, seq=self._seq))
+        self._seq += 1
+        buf.append(frame)
+        self._buffered += len(frame)
+
+    def _append_drops(self, buf: list[bytes]) -> None:
+        """Record the drops since the last RecordsDropped, if any."""
+        total = self._dropped_total
+        count = total - self._reported_drops
+        if count and self._error is None:
+            self._reported_drops = total
+            self._frame(RecordsDropped(rank=self.rank, step=self._last_step, wall=time.time(), count=count), buf)
+
+    def _write_out(self, buf: list[bytes]) -> None:
+        """Append the buffered frames to the file (discarded once the writer has failed)."""
+        if buf and self._error is None:
+            try:
+                self._check_file()
+                _write_all(self._file, b"".join(buf) if len(buf) > 1 else buf[0])
+                if self._fsync:
+                    os.fsync(self._file.fileno())
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
+                self._fail(exc)
+        buf.clear()
+        self._buffered = 0
+
+    def _check_file(self) -> None:
+        """Fail when the path no longer names our file (removed or replaced: writes would be lost)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise WriterError(f"{self.path}: the log file was removed while being written") from None
+        if _identity(st) != self._identity:
+            raise WriterError(f"{self.path}: the log file was replaced by another file while being written")
+
+    def _finish(self, buf: list[bytes], reason: str) -> None:
+        if self._error is None:
+            self._append_drops(buf)
+            closing = FileClosed(
+                rank=self.rank,
+                step=self._last_step,
+                wall=time.time(),
+                records=self._seq,  # records before this one, FileOpened included
+                dropped=self._dropped_total,
+                reason=reason,
+            )
+            self._frame(closing, buf)
+            self._write_out(buf)
+            if self._error is None:
+                try:
+                    os.fsync(self._file.fileno())
+                except OSError as exc:
+                    self._fail(exc)
+        buf.clear()
+        _close_quietly(self._file)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -284,22 +485,50 @@ class LogWriter:
             log.error("trainrec: log writer for %s failed: %r; training goes on without it", self.path, exc)
 
 
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _close_quietly(f: BinaryIO) -> None:
+    try:
+        f.close()
+    except OSError:
+        pass
+
+
 _live_writers: weakref.WeakSet[LogWriter] = weakref.WeakSet()
 
 
-@atexit.register
-def _close_all() -> None:
+def _close_all(reason: str = "exit") -> None:
+    """Close every writer still open in this process (at exit, on SIGTERM); never raises."""
     for w in list(_live_writers):
         try:
-            w.close(reason="exit")
-        except Exception:  # noqa: BLE001 - never fail interpreter exit
-            pass
+            w.close(reason=reason, timeout=_CLOSE_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - never fail interpreter exit or a signal handler
+            log.error("trainrec: closing %s at %s failed: %r", w.path, reason, exc)
+
+
+atexit.register(_close_all, "exit")
+
+
+def _after_fork_in_child() -> None:
+    for w in list(_live_writers):
+        w._close_once.acquire(False)
+        w._closed = True
+        w._error = WriterError(f"{w.path}: this writer belongs to process {w._pid}, not to its forked child")
+    _live_writers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def install_sigterm_handler() -> bool:
     """Close every live writer on SIGTERM, then hand the signal to the previous handler.
 
-    Only possible from the main thread; returns False elsewhere.
+    With the default previous disposition the process then dies of SIGTERM as it would have. Only
+    possible from the main thread; returns False elsewhere, and when SIGTERM is ignored (nothing is
+    installed then: the process will not stop, so the writers stay open). Installing twice is a no-op.
     """
     import signal
 
@@ -308,9 +537,11 @@ def install_sigterm_handler() -> bool:
     previous = signal.getsignal(signal.SIGTERM)
     if getattr(previous, "_trainrec", False):
         return True
+    if previous == signal.SIG_IGN:
+        return False
 
     def handler(signum, frame):
-        _close_all()
+        _close_all(reason="sigterm")
         if callable(previous):
             previous(signum, frame)
         else:
