@@ -1,0 +1,175 @@
+"""live_export follows a log written concurrently by LogWriter and writes what the offline export writes."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "analyzers"))
+
+from export_logs import PARAMS, rank_dir, stats_record, write_rank_log  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from trainrec.recorder.writer import LogWriter  # noqa: E402
+from trainrec.schema.events import RunResumed, StepBegan, StepEnded  # noqa: E402
+from trainrec.tools.cli import main  # noqa: E402
+from trainrec.tools.live_export import live_export  # noqa: E402
+
+PY = sys.executable
+
+
+def _spawn(*args):
+    return subprocess.Popen(
+        [PY, "-m", "trainrec.tools.live_export", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _end(*procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+        if p.stderr is not None:
+            p.stderr.close()
+
+
+def _wait_for(pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _slow_writer(rdir, steps=6, delay=0.03):
+    """Write a log step by step, as training would, from this test's thread."""
+    w = LogWriter(rdir, rank=0, run_id="live", flush_interval=0.01)
+    for s in range(steps):
+        write_rank_log(rdir, steps=[s], kinds=("actv", "grad_reduced", "param"), close=False, writer=w, seed=s,
+                       anomalies=False)
+        time.sleep(delay)
+    return w
+
+
+def _offline(run_dir, fmt, out):
+    assert main(["export", fmt, str(run_dir), "-o", str(out)]) == 0
+    (name,) = [n for n in os.listdir(out) if not n.startswith(".")]
+    return out / name
+
+
+def _scalars(d):
+    ea = EventAccumulator(str(d), size_guidance={"scalars": 0})
+    ea.Reload()
+    return {t: [(e.step, e.wall_time, e.value if e.value == e.value else "nan") for e in ea.Scalars(t)]
+            for t in ea.Tags()["scalars"]}
+
+
+def test_csv_follows_and_exits_at_file_closed(tmp_path):
+    rdir = rank_dir(tmp_path / "run", 0)
+    out = tmp_path / "live"
+    proc = _spawn("--format", "csv", "--rank-dir", rdir, "--out", str(out), "--poll-interval", "0.02")
+    try:
+        time.sleep(0.2)  # the exporter starts before the log exists, as when the recorder spawns it
+        w = _slow_writer(rdir)
+        # complete steps are written while the log is still open
+        assert _wait_for(lambda: os.path.exists(out / "param_5-5.csv"))
+        assert proc.poll() is None  # the file is not closed yet: still following
+        w.close()
+        proc.wait(timeout=30)
+        assert proc.returncode == 0, proc.stderr.read()
+    finally:
+        _end(proc)
+    offline = _offline(tmp_path / "run", "csv", tmp_path / "offline")
+    files = sorted(os.listdir(offline))
+    assert sorted(os.listdir(out)) == files and len(files) == 3 * 6
+    match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
+    assert not mismatch and not errors
+
+
+def test_tensorboard_follows_into_the_rank_dir(tmp_path):
+    rdir = rank_dir(tmp_path / "run", 0)
+    os.makedirs(rdir)
+    proc = _spawn("--format", "tensorboard", "--rank-dir", rdir, "--poll-interval", "0.02")
+    try:
+        w = _slow_writer(rdir, steps=4)
+        w.close()
+        proc.wait(timeout=30)
+        assert proc.returncode == 0, proc.stderr.read()
+    finally:
+        _end(proc)
+    assert any(n.startswith("events.out.tfevents.") for n in os.listdir(rdir))
+    live = _scalars(rdir)
+    offline = _scalars(_offline(tmp_path / "run", "tb", tmp_path / "offline"))
+    assert live == offline and len(live) > 100
+
+
+def test_parent_gone_exports_what_is_complete(tmp_path):
+    rdir = rank_dir(tmp_path / "run", 0)
+    out = tmp_path / "live"
+    parent = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
+    proc = _spawn("--format", "csv", "--rank-dir", rdir, "--out", str(out), "--poll-interval", "0.02",
+                  "--parent-pid", str(parent.pid))
+    w = LogWriter(rdir, rank=0, run_id="crash", flush_interval=0.01)
+    try:
+        write_rank_log(rdir, steps=range(3), kinds=("param",), close=False, writer=w)
+        ids = list(range(5, 5 + len(PARAMS)))
+        w.write(StepBegan(rank=0, step=3, wall=1.0))
+        w.write(stats_record(0, 3, "param", ids, np.ones((len(ids), 6), np.float32)))  # step 3 never ends
+        w.flush()
+        assert _wait_for(lambda: os.path.exists(out / "param_2-2.csv"))
+        assert proc.poll() is None
+        parent.kill()
+        parent.wait(timeout=10)
+        proc.wait(timeout=30)
+        assert proc.returncode == 0
+        assert "step(s) 3 did not end" in proc.stderr.read()
+    finally:
+        _end(proc, parent)
+        w.close()
+    assert sorted(os.listdir(out)) == [f"param_{s}-{s}.csv" for s in range(3)]
+
+
+def test_resume_rewinds_superseded_csv_rows(tmp_path):
+    """Followed live, a resume removes the rows of superseded steps, even inside a window file."""
+    rdir = rank_dir(tmp_path / "run", 0)
+    with LogWriter(rdir, rank=0, run_id="res", flush_interval=0.01) as w:
+        ids = w.intern(["p"], step=-1)
+        for s in range(5):
+            w.write(stats_record(0, s, "param", ids, np.full((1, 6), s, np.float32)))
+            w.write(StepEnded(rank=0, step=s, wall=1.0))
+    with LogWriter(rdir, rank=0, run_id="res", flush_interval=0.01) as w:
+        w.write(RunResumed(rank=0, step=3, wall=2.0, last_step=2))
+        ids = w.intern(["p"], step=-1)
+        for s in range(3, 7):
+            w.write(stats_record(0, s, "param", ids, np.full((1, 6), 10 * s, np.float32)))
+            w.write(StepEnded(rank=0, step=s, wall=2.0))
+    out = tmp_path / "live"
+    res = live_export(rdir, "csv", str(out), step_count_per_record=2, poll_interval=0.01, idle_timeout=10)
+    assert res.reason == "closed"
+    assert main(["export", "csv", str(tmp_path / "run"), "-o", str(tmp_path / "off"), "--step-count-per-record", "2"]) == 0
+    offline = tmp_path / "off" / os.path.basename(rdir)
+    files = sorted(os.listdir(offline))
+    assert sorted(os.listdir(out)) == files == ["param_0-1.csv", "param_2-3.csv", "param_4-5.csv", "param_6-7.csv"]
+    match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
+    assert not mismatch and not errors
+    assert [line.split(",")[3] for line in (out / "param_2-3.csv").read_text().splitlines()[1:]] == ["2.0", "30.0"]
+
+
+def test_stop_and_bad_arguments(tmp_path):
+    stop = threading.Event()
+    stop.set()
+    res = live_export(str(tmp_path / "never"), "csv", poll_interval=0.01, stop=stop)
+    assert res.reason == "stopped" and res.steps == 0
+    with pytest.raises(ValueError, match="format must be one of"):
+        live_export(str(tmp_path), "parquet")
+    r = subprocess.run([PY, "-m", "trainrec.tools.live_export", "--format", "csv", "--rank-dir", str(tmp_path),
+                        "--step-count-per-record", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "must be >= 1" in r.stderr

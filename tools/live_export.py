@@ -1,0 +1,201 @@
+"""Live CSV/TensorBoard export of one rank directory, following its log while training writes it.
+
+This is what the recorder starts for ``"format": "csv"`` or ``"tensorboard"`` configs, so users who
+want the reference's files during training get them, written by the same projection code as the
+offline ``trainrec export`` (never by a second path in the training hooks)::
+
+    python -m trainrec.tools.live_export --format csv|tensorboard --rank-dir RANK_DIR [--out DIR]
+        [--ndigits N] [--step-count-per-record M] [--parent-pid PID] [--poll-interval S]
+        [--idle-timeout S]
+
+Files go to ``--out`` (default: the rank directory itself, where the reference puts them): the CSV
+window files, or one ``events.out.tfevents.{start}.{host}`` file. A step's rows are written once the
+step is complete. A resume seen in the log rewinds what was written for the superseded steps (CSV rows
+are removed; TensorBoard gets a ``SessionLog.START`` at the resume step).
+
+It stops after it has read ``FileClosed`` of the last log file, or once ``--parent-pid`` is gone and a
+last poll brings no more data (then it exports the steps that are complete), or after
+``--idle-timeout`` seconds without new data, or on SIGTERM/SIGINT. Restarting it re-exports from the
+first log file and rewrites the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from trainrec.analyzers.export_csv import CsvProjector
+from trainrec.analyzers.export_tb import TbProjector
+from trainrec.replay.follow import RunFollower
+from trainrec.schema import layout
+
+from .export_files import CsvDirSink, TbEventFile, tb_file_name
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LiveResult", "live_export", "main"]
+
+FORMATS = ("csv", "tensorboard")
+
+
+@dataclass
+class LiveResult:
+    """How a live export ended."""
+
+    reason: str  # "closed", "parent gone", "idle", "stopped"
+    steps: int
+    files: list[str]
+    dropped_steps: list[int]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_export(
+    rank_dir: str,
+    fmt: str,
+    out: str | None = None,
+    *,
+    ndigits: int | None = 6,
+    step_count_per_record: int = 1,
+    parent_pid: int | None = None,
+    poll_interval: float = 0.5,
+    idle_timeout: float | None = None,
+    stop: threading.Event | None = None,
+) -> LiveResult:
+    """Follow ``rank_dir`` and export until the log is closed (see the module docstring)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if poll_interval <= 0:
+        raise ValueError("poll_interval must be positive")
+    out = out or rank_dir
+    stop = stop or threading.Event()
+    last_data = time.monotonic()
+
+    def parent_gone() -> bool:
+        return parent_pid is not None and not _pid_alive(parent_pid)
+
+    def idle() -> bool:
+        return idle_timeout is not None and time.monotonic() - last_data >= idle_timeout
+
+    # Wait for the first log file (the recorder may start us before its writer creates it).
+    while not layout.list_logs(rank_dir):
+        if stop.is_set() or parent_gone() or idle():
+            reason = "stopped" if stop.is_set() else ("parent gone" if parent_gone() else "idle")
+            return LiveResult(reason, 0, [], [])
+        stop.wait(poll_interval)
+
+    follower = RunFollower(rank_dir)
+    first = follower.poll()
+    sink: CsvDirSink | TbEventFile
+    if fmt == "csv":
+        sink = CsvDirSink(out)
+        proj: CsvProjector | TbProjector = CsvProjector(
+            sink, ndigits=ndigits, step_count_per_record=step_count_per_record, rewind=True
+        )
+    else:
+        header = next((r.header for r in follower.readers.values() if r.header is not None), None)
+        start = header.start_time if header is not None else time.time()
+        host = header.host if header is not None else socket.gethostname()
+        sink = TbEventFile(os.path.join(out, tb_file_name(start, host)), wall=start)
+        proj = TbProjector(sink, rewind=True)
+    reason = "stopped"
+    clean = False
+    try:
+        events = first
+        while True:
+            if events:
+                last_data = time.monotonic()
+                for ev in events:
+                    proj.feed(ev)
+                sink.flush()
+            elif follower.closed:
+                # Every followed file ended with FileClosed; one more look for a file started meanwhile.
+                more = follower.poll()
+                if not more:
+                    reason, clean = "closed", True
+                    break
+                events = more
+                continue
+            elif parent_gone():
+                more = follower.poll()
+                if not more:
+                    reason = "parent gone"
+                    break
+                events = more
+                continue
+            elif idle():
+                reason = "idle"
+                break
+            if stop.is_set():
+                break
+            if not events:
+                stop.wait(poll_interval)
+            events = follower.poll()
+    finally:
+        summary = proj.finish(clean)
+        sink.close()
+    files = sink.files if isinstance(sink, CsvDirSink) else [sink.path]
+    return LiveResult(reason, len(summary.steps), files, list(summary.dropped_steps))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainrec.tools.live_export",
+        description="Follow one rank directory's trainrec log and write the reference's CSV or TensorBoard files.",
+    )
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--rank-dir", required=True, help="the rank directory to follow")
+    p.add_argument("--out", help="output directory (default: the rank directory)")
+    p.add_argument("--ndigits", type=int, default=6, help="CSV decimals (default 6; -1: full precision)")
+    p.add_argument("--step-count-per-record", type=int, default=1, help="steps per CSV file (default 1)")
+    p.add_argument("--parent-pid", type=int, help="stop once this process is gone and no more data comes")
+    p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls (default 0.5)")
+    p.add_argument("--idle-timeout", type=float, help="stop after this many seconds without new data")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="trainrec live_export: %(message)s")
+    if args.step_count_per_record < 1:
+        print("trainrec live_export: --step-count-per-record must be >= 1", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        res = live_export(
+            args.rank_dir, args.format, args.out, ndigits=None if args.ndigits < 0 else args.ndigits,
+            step_count_per_record=args.step_count_per_record, parent_pid=args.parent_pid,
+            poll_interval=args.poll_interval, idle_timeout=args.idle_timeout, stop=stop,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"trainrec live_export: error: {exc}", file=sys.stderr)
+        return 2
+    if res.dropped_steps:
+        log.warning("step(s) %s did not end before the log stopped; not exported", ", ".join(map(str, res.dropped_steps)))
+    log.info("stopped (%s) after %d steps", res.reason, res.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
