@@ -76,6 +76,7 @@ __all__ = [
     "make_rule",
     "reference_entry",
     "reference_key",
+    "rule_arguments",
     "rules_from_config",
     "validate_alert_config",
 ]
@@ -346,6 +347,11 @@ _ARG_SPECS: dict[str, dict[str, tuple[str, bool, float | None, bool]]] = {
         "floor": ("float", False, 0.0, True),
     },
 }
+
+
+def rule_arguments(rule_name: str) -> tuple[str, ...]:
+    """The argument names a rule accepts."""
+    return tuple(_ARG_SPECS[rule_name])
 
 
 def _check_arg(rule: str, name: str, value: Any, key: str, source: str | None) -> Any:

@@ -1,0 +1,267 @@
+"""``trainrec anomalies RUN``: the first anomalies of a run, in execution order across all ranks.
+
+By default it lists the anomalies the recorder detected and wrote to the log (``alert`` config).
+With ``--rule`` it re-detects them from the recorded statistics, with any rule and threshold, without
+rerunning training::
+
+    trainrec anomalies RUN                                   # recorded anomalies, first 8
+    trainrec anomalies RUN -k 20 -s 15-25 -o first.json      # steps 15..25, JSON records to a file
+    trainrec anomalies RUN --rule AnomalyTurbulence --threshold 0.3
+    trainrec anomalies RUN --rule NaNInf --rule ZScore --threshold 5 --kinds actv,actv_grad
+
+Order: step; micro step; forward pass (pipeline stages ascending) before backward (descending), by
+call id; weight-gradient reduction and optimizer state after the last micro step; ties by rank (see
+:mod:`trainrec.analyzers.ranking`). Output: a table, or with ``--json`` the JSON records (the
+reference's anomaly fields plus op, value, baseline, rule, kind, phase). The run may be complete,
+crashed (torn tail) or still being written: everything complete so far is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
+from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
+from trainrec.analyzers.ranking import PHASE_NAMES, phase_of, rank_anomalies
+from trainrec.replay.run import Run, open_run
+from trainrec.schema.errors import ConfigError
+from trainrec.schema.events import AnomalyDetected
+from trainrec.schema.rules import RULES, Rule, make_rule, rule_arguments
+
+__all__ = ["add_parser", "format_table", "parse_step_list", "positive_k", "run", "steps_outside", "write_json"]
+
+
+# ---------------------------------------------------------------------------------------- arguments
+def positive_k(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the top k number must be a positive integer, not {text!r}") from None
+    if k <= 0:
+        raise argparse.ArgumentTypeError(f"the top k number must be greater than 0, not {k}")
+    return k
+
+
+def parse_step_list(text: str) -> StepSet | None:
+    """Steps from ``"[20,21]"`` (the reference's form), ``"20,21"`` or ranges ``"15-25,30"``; None for
+    all steps (``""`` or ``"[]"``). Raises ValueError saying what is wrong."""
+    body = text.strip()
+    if body.startswith("[") and body.endswith("]"):
+        body = body[1:-1]
+    if not body.strip():
+        return None
+    return parse_steps(body, "step")
+
+
+def _steps_arg(text: str) -> StepSet | None:
+    try:
+        return parse_step_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kinds_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_kinds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _rule_arg(text: str) -> str:
+    for name in RULES:
+        if name.lower() == text.lower():
+            return name
+    raise argparse.ArgumentTypeError(f"unknown rule {text!r}; known rules: {', '.join(sorted(RULES))}")
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    low = value.strip().lower()
+    if low in ("true", "false"):
+        return key.strip(), low == "true"
+    try:
+        num = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{key}: expected a number or true/false, not {value!r}") from None
+    return key.strip(), int(num) if num.is_integer() and "." not in value and "e" not in low else num
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "anomalies",
+        help="the first anomalies of a run in execution order (recorded, or re-detected with --rule)",
+        description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run", metavar="RUN", help="output directory, rank directory or log file")
+    p.add_argument("--run-id", help="the run whose id starts with this (default: the latest)")
+    p.add_argument("--time-start", metavar="STAMP", help="the run with a rank directory stamped at or after this")
+    p.add_argument("--time-end", metavar="STAMP", help="... and at or before this stamp")
+    p.add_argument("-k", "--topk", type=positive_k, default=8, metavar="K", help="how many to show (default 8)")
+    p.add_argument("--all", action="store_true", help="show every anomaly (overrides -k)")
+    p.add_argument("-s", "--steps", type=_steps_arg, default=None, metavar="STEPS",
+                   help="only these steps: '[20,21]', '20,21' or '15-25,30'")
+    p.add_argument("-o", "--output", metavar="OUT.json", help="also write the ranked anomalies as JSON records here")
+    p.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+    g = p.add_argument_group("re-detection from the recorded statistics")
+    g.add_argument("--rule", action="append", type=_rule_arg, metavar="NAME",
+                   help=f"re-detect with this rule ({', '.join(sorted(RULES))}); repeatable")
+    g.add_argument("--threshold", type=float, help="the rules' threshold (AnomalyTurbulence: relative; ZScore: sigmas)")
+    g.add_argument("--window", type=int, help="values in the rules' rolling window")
+    g.add_argument("--warmup", type=int, help="values seen before a series can be flagged")
+    g.add_argument("--arg", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+                   help="any other rule argument, e.g. noise=4 or sudden=false; repeatable")
+    g.add_argument("--kinds", type=_kinds_arg, metavar="KINDS", help="re-detect on these stats kinds only, e.g. actv,param")
+    p.set_defaults(func=run)
+
+
+def build_rules(args) -> list[Rule]:
+    """Rules from --rule/--threshold/--window/--warmup/--arg; each option goes to the rules that take it."""
+    if not args.rule:
+        if args.threshold is not None or args.window is not None or args.warmup is not None or args.arg:
+            raise ConfigError("--threshold, --window, --warmup and --arg need --rule", key="--rule")
+        return []
+    given: dict[str, Any] = dict(args.arg)
+    for name in ("threshold", "window", "warmup"):
+        if getattr(args, name) is not None:
+            given[name] = getattr(args, name)
+    rules = []
+    used: set[str] = set()
+    for name in dict.fromkeys(args.rule):
+        accepted = rule_arguments(name)
+        mine = {k: v for k, v in given.items() if k in accepted}
+        used.update(mine)
+        rules.append(make_rule(name, mine, key=f"--rule {name}"))
+    unused = set(given) - used
+    if unused:
+        raise ConfigError(f"no chosen rule takes {', '.join(sorted(unused))}", key="--arg")
+    return rules
+
+
+# ---------------------------------------------------------------------------------------- output
+def _num(x: float) -> str:
+    if isinstance(x, float) and math.isnan(x):
+        return "-"
+    return f"{x:.6g}"
+
+
+def format_table(ranked: Sequence[AnomalyDetected]) -> str:
+    """A fixed-width table: #, rank, step, micro, phase, stage, call, op, value, baseline, rule, tag."""
+    head = ("#", "rank", "step", "micro", "phase", "stage", "call", "op", "value", "baseline", "rule", "tag")
+    rows = [head]
+    for i, ev in enumerate(ranked, 1):
+        stage = f"{ev.pp_stage}" if ev.vpp_stage == 0 else f"{ev.pp_stage}.{ev.vpp_stage}"
+        rows.append((str(i), str(ev.rank), str(ev.step), str(ev.micro_step), PHASE_NAMES[phase_of(ev)], stage,
+                     str(ev.call_id) if ev.call_id >= 0 else "-", ev.op or "?", _num(ev.value), _num(ev.baseline),
+                     ev.rule or "?", ev.tag_name))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
+    right = {0, 1, 2, 3, 5, 6, 8, 9}
+    lines = []
+    for r in rows:
+        cells = [r[c].rjust(widths[c]) if c in right else r[c].ljust(widths[c]) for c in range(len(widths))]
+        lines.append("  ".join(cells) + "  " + r[-1])
+    return "\n".join(lines)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` with orjson (NaN/Inf become null), atomically."""
+    data = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data + b"\n")
+    os.replace(tmp, path)
+
+
+def steps_outside(steps: StepSet, first: int | None, last: int | None) -> list[str]:
+    """The parts of ``steps`` that lie entirely outside ``first..last`` (all of them when nothing was recorded)."""
+    out = []
+    for lo, hi in steps.ranges:
+        part = f"{lo}" if lo == hi else f"{lo}-{'' if hi is None else hi}"
+        if first is None or last is None or lo > last or (hi is not None and hi < first):
+            out.append(part)
+    return out
+
+
+def check_steps(steps: StepSet | None, first: int | None, last: int | None, where: str) -> str | None:
+    """An error text when no requested step was recorded; prints a note for the parts outside."""
+    if steps is None:
+        return None
+    outside = steps_outside(steps, first, last)
+    recorded = "nothing was recorded" if first is None else f"the recorded steps are {first}..{last}"
+    if len(outside) == len(steps.ranges):
+        return f"steps {steps.text()} are outside the recorded range of {where}: {recorded}"
+    if outside:
+        print(f"note: steps {','.join(outside)} are outside the recorded range ({recorded})", file=sys.stderr)
+    return None
+
+
+def _report_damage(run: Run) -> None:
+    for path, err in run.file_errors.items():
+        print(f"note: skipped {path}: {err}", file=sys.stderr)
+    for path, reader in run.readers.items():
+        for problem in reader.problems[:5]:
+            print(f"note: {problem}", file=sys.stderr)
+        if reader.pending_bytes:
+            print(f"note: {path} ends in an incomplete record ({reader.pending_bytes} bytes: still being written, "
+                  "or the run crashed); everything before it is used", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------- command
+def scan_run(run: Run, rules: Sequence[Rule], kinds: Sequence[str] | None = None) -> AnomalyScan:
+    scan = AnomalyScan(rules, kinds)
+    feed = scan.feed
+    for ev in run.events():
+        feed(ev)
+    return scan
+
+
+def run(args) -> int:
+    rules = build_rules(args)
+    if args.kinds and not rules:
+        raise ConfigError("--kinds selects what to re-detect on and needs --rule", key="--kinds")
+    r = open_run(args.run, run_id=args.run_id, time_start=args.time_start, time_end=args.time_end)
+    scan = scan_run(r, rules, args.kinds)
+    _report_damage(r)
+    where = f"run {r.run_id or args.run}"
+    err = check_steps(args.steps, scan.first_step, scan.last_step, where)
+    if err:
+        print(f"trainrec anomalies: error: {err}", file=sys.stderr)
+        return 2
+    what = "re-detected with " + ", ".join(map(repr, rules)) if rules else "recorded"
+    anomalies = scan.anomalies
+    ranked = rank_anomalies(anomalies, None if args.all else args.topk, args.steps)
+    if not ranked:
+        span = "no steps" if scan.first_step is None else f"steps {scan.first_step}..{scan.last_step}"
+        sel = f" at steps {args.steps.text()}" if args.steps is not None else ""
+        hint = "" if rules else "; re-detect from the statistics with e.g. --rule AnomalyTurbulence --threshold 0.5"
+        more = f" ({len(anomalies)} at other steps)" if anomalies and args.steps is not None else ""
+        print(f"no anomalies {what}{sel} in {where} ({span}, ranks {sorted(scan.ranks)}, "
+              f"{scan.stats_records} stats records){more}{hint}", file=sys.stderr)
+        if args.output:
+            write_json(args.output, [])
+        if args.json:
+            sys.stdout.write("[]\n")
+        return 0
+    records = anomaly_records(ranked)
+    if args.output:
+        write_json(args.output, records)
+    if args.json:
+        sys.stdout.write(orjson.dumps(records, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        total = sum(1 for a in anomalies if args.steps is None or a.step in args.steps)
+        print(f"{total} anomalies {what} in {where} (steps {scan.first_step}..{scan.last_step}, ranks "
+              f"{sorted(scan.ranks)}); the first {len(ranked)} in execution order:")
+        print(format_table(ranked))
+    if args.output:
+        print(f"wrote {len(records)} anomalies to {args.output}", file=sys.stderr)
+    return 0
