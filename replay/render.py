@@ -1,0 +1,170 @@
+"""Events as plain JSON-able dicts (what ``trainrec dump`` prints, one per line).
+
+Conventions:
+
+* every dict starts with ``type`` (class name), ``tag``, ``rank``, ``seq``, ``step``, ``wall``,
+  then the event's fields in declaration order;
+* packed columns (``bytes`` fields) become lists of numbers, decoded with their element type
+  (``name_ids``/``call_ids``/``module_ids`` u32, ``micro_steps`` u16, ``slots``/``vpp_stages``/
+  ``directions`` u8); an absent optional column is an empty list;
+* interned ids are resolved: a stats record gets ``names``, a HooksFired record ``modules``;
+  a stats record's ``values`` become a list of rows (one list of ``len(ops)`` values per tensor);
+* floats that are not finite are the strings ``"nan"``, ``"inf"`` and ``"-inf"``, everywhere
+  (JSON has no such numbers, and ``null`` would lose which one it was);
+* other bytes (in dict fields or unknown events) become lists of byte values; dict keys become strings.
+
+:func:`stat_rows` expands a stats record to one dict per (tensor, op) instead, with the columns of
+:mod:`trainrec.replay.rows` (``kind, name, slot, micro_step, call_id, vpp_stage, op, value``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import orjson
+from trainrec.schema.events import SLOTS, Event, HooksFired, TensorStatsRecorded, UnknownEvent
+
+from .names import NameResolver
+from .rows import value_matrix
+
+_COLUMN_TYPES = {
+    "name_ids": "<u4",
+    "call_ids": "<u4",
+    "module_ids": "<u4",
+    "micro_steps": "<u2",
+    "slots": "u1",
+    "vpp_stages": "u1",
+    "directions": "u1",
+}
+_ENVELOPE = ("rank", "seq", "step", "wall")
+
+
+def json_float(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def jsonable(x: Any) -> Any:
+    """Recursively convert to what orjson accepts under the conventions above."""
+    if isinstance(x, float):
+        return json_float(x)
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return list(bytes(x))
+    if isinstance(x, dict):
+        return {str(k) if not isinstance(k, str) else k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return str(x)
+
+
+def _column(data: bytes, dtype: str) -> list:
+    size = np.dtype(dtype).itemsize
+    return np.frombuffer(data, dtype=dtype, count=len(data) // size).tolist()
+
+
+def _float_rows(matrix: np.ndarray) -> list:
+    rows = matrix.astype(np.float64).tolist()
+    if not np.isfinite(matrix).all():
+        rows = [[json_float(v) for v in row] for row in rows]
+    return rows
+
+
+def event_dict(ev: Event, resolver: NameResolver | None = None) -> dict:
+    """One event as a JSON-able dict (see the module docstring)."""
+    cls = type(ev)
+    out: dict[str, Any] = {"type": cls.__name__, "tag": ev.tag if isinstance(ev, UnknownEvent) else cls.TAG}
+    for name in _ENVELOPE:
+        out[name] = jsonable(getattr(ev, name))
+    for f in dataclasses.fields(ev):
+        if f.name in _ENVELOPE:
+            continue
+        v = getattr(ev, f.name)
+        if isinstance(ev, TensorStatsRecorded) and f.name == "values":
+            out["values"] = _float_rows(value_matrix(ev))
+        elif isinstance(v, bytes) and f.name in _COLUMN_TYPES:
+            out[f.name] = _column(v, _COLUMN_TYPES[f.name])
+        else:
+            out[f.name] = jsonable(v)
+    if resolver is not None:
+        if isinstance(ev, TensorStatsRecorded):
+            out["names"] = resolver.names(ev)
+        elif isinstance(ev, HooksFired):
+            out["modules"] = resolver.ids_names(ev.rank, ev.module_ids[: len(ev.module_ids) // 4 * 4])
+    return out
+
+
+def stat_rows(ev: TensorStatsRecorded, names: list[str]) -> Iterator[dict]:
+    """One dict per (tensor, op) of a stats record."""
+    n = len(ev)
+    ops = [str(o) for o in ev.ops]
+    matrix = value_matrix(ev)
+    values = _float_rows(matrix)
+    micro = ev.column("micro_steps").tolist()
+    calls = ev.column("call_ids").tolist()
+    slots = ev.column("slots").tolist()
+    vpps = ev.column("vpp_stages").tolist()
+    base = {"type": "TensorStatsRecorded", "tag": ev.TAG, "rank": ev.rank, "seq": ev.seq, "step": ev.step,
+            "wall": json_float(ev.wall), "kind": ev.kind}
+    for i in range(n):
+        s = slots[i]
+        row = {
+            **base,
+            "name": names[i],
+            "slot": SLOTS[s] if s < len(SLOTS) else str(s),
+            "micro_step": micro[i],
+            "call_id": calls[i],
+            "vpp_stage": vpps[i],
+        }
+        vals = values[i]
+        for j, op in enumerate(ops):
+            yield {**row, "op": op, "value": vals[j]}
+
+
+def _json_number(v: float) -> bytes:
+    if v != v:
+        return b'"nan"'
+    if v in (math.inf, -math.inf):
+        return b'"inf"' if v > 0 else b'"-inf"'
+    return repr(v).encode()
+
+
+def stat_lines(ev: TensorStatsRecorded, names: list[str]) -> list[bytes]:
+    """The JSON lines of :func:`stat_rows`, built directly as bytes (about 5x faster than encoding
+    one dict per line)."""
+    n = len(ev)
+    ops = [str(o) for o in ev.ops]
+    matrix = value_matrix(ev).astype(np.float64)
+    if np.isfinite(matrix).all():
+        values = [[repr(v).encode() for v in row] for row in matrix.tolist()]
+    else:
+        values = [[_json_number(v) for v in row] for row in matrix.tolist()]
+    base = orjson.dumps(
+        {"type": "TensorStatsRecorded", "tag": ev.TAG, "rank": ev.rank, "seq": ev.seq, "step": ev.step,
+         "wall": json_float(ev.wall), "kind": ev.kind}
+    )[:-1]
+    op_parts = [b',"op":' + orjson.dumps(op) + b',"value":' for op in ops]
+    slot_parts = [b',"slot":' + orjson.dumps(s) for s in SLOTS]
+    micro = ev.column("micro_steps").tolist()
+    calls = ev.column("call_ids").tolist()
+    slots = ev.column("slots").tolist()
+    vpps = ev.column("vpp_stages").tolist()
+    out: list[bytes] = []
+    for i in range(n):
+        s = slots[i]
+        head = (
+            base
+            + b',"name":'
+            + orjson.dumps(names[i])
+            + (slot_parts[s] if s < len(slot_parts) else b',"slot":"%d"' % s)
+            + b',"micro_step":%d,"call_id":%d,"vpp_stage":%d' % (micro[i], calls[i], vpps[i])
+        )
+        row = values[i]
+        out.extend([head + op_parts[j] + row[j] + b"}" for j in range(len(ops))])
+    return out

@@ -1,0 +1,273 @@
+"""What a run contains and what is wrong with it: the data behind ``trainrec inspect`` and ``check``.
+
+:func:`summarize` reads every rank once (resume supersession applied) and returns a
+:class:`RunSummary`; :func:`findings` turns its per-file reader state into a list of
+:class:`Finding`. Pure: nothing here prints.
+
+Finding severities:
+
+* ``damage``: bytes that could not be read (bad header, CRC mismatch, cut-short or undecodable
+  frame), frames missing from the sequence numbers, a file that is not a readable log, bytes after
+  a FileClosed record;
+* ``torn``: a file that was not closed cleanly and ends in an incomplete frame (the writer died
+  mid-write, or is still writing);
+* ``unclosed``: a file without FileClosed but ending on a frame boundary (killed after a flush, or
+  still being written); only a failure for ``check --strict``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from trainrec.schema.events import (
+    AnomalyDetected,
+    FileOpened,
+    HookFailed,
+    HooksFired,
+    RecordsDropped,
+    StepBegan,
+    StepEnded,
+    TensorStatsRecorded,
+)
+
+from .reader import Problem, SeqGap
+from .run import Run
+
+_STEP_TYPES = (StepBegan, StepEnded, TensorStatsRecorded, HooksFired)
+
+
+@dataclass
+class FileSummary:
+    path: str
+    size: int
+    format_version: int | None
+    run_id: str | None
+    resume_step: int | None
+    events: int = 0
+    closed_cleanly: bool = False
+    close_reason: str = ""
+    torn_bytes: int = 0
+    end_offset: int = 0  # where the torn tail starts
+    superseded: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    gaps: list[SeqGap] = field(default_factory=list)
+    error: str | None = None
+    first_record_is_header: bool = True
+
+    @property
+    def lost_frames(self) -> int:
+        return sum(g.lost for g in self.gaps)
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "bytes": self.size,
+            "format_version": self.format_version,
+            "run_id": self.run_id,
+            "resume_step": self.resume_step,
+            "events": self.events,
+            "closed_cleanly": self.closed_cleanly,
+            "close_reason": self.close_reason,
+            "torn_bytes": self.torn_bytes,
+            "superseded": self.superseded,
+            "problems": [
+                {"offset": p.offset, "what": p.what, "bytes_skipped": p.skipped} for p in self.problems
+            ],
+            "lost_frames": self.lost_frames,
+            "error": self.error,
+        }
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    dirs: tuple[str, ...]
+    files: list[FileSummary]
+    counts: Counter = field(default_factory=Counter)
+    steps: set[int] = field(default_factory=set)
+    stats_steps: set[int] = field(default_factory=set)
+    stat_values: int = 0
+    anomalies: int = 0
+    dropped_records: int = 0
+    hook_failures: int = 0
+
+    @property
+    def first_step(self) -> int | None:
+        return min(self.steps) if self.steps else None
+
+    @property
+    def last_step(self) -> int | None:
+        return max(self.steps) if self.steps else None
+
+    @property
+    def closed_cleanly(self) -> bool:
+        return bool(self.files) and self.files[-1].closed_cleanly
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank,
+            "dirs": list(self.dirs),
+            "steps": len(self.steps),
+            "steps_with_stats": len(self.stats_steps),
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "events": dict(sorted(self.counts.items())),
+            "stat_values": self.stat_values,
+            "anomalies": self.anomalies,
+            "dropped_records": self.dropped_records,
+            "hook_failures": self.hook_failures,
+            "closed_cleanly": self.closed_cleanly,
+            "torn_bytes": sum(f.torn_bytes for f in self.files),
+            "damage": sum(len(f.problems) for f in self.files),
+            "lost_frames": sum(f.lost_frames for f in self.files),
+            "files": [f.to_json() for f in self.files],
+        }
+
+
+@dataclass
+class RunSummary:
+    path: str
+    run_id: str
+    world_size: int
+    format_versions: list[int]
+    ranks: list[RankSummary]
+
+    @property
+    def anomalies(self) -> int:
+        return sum(r.anomalies for r in self.ranks)
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "run_id": self.run_id,
+            "format_versions": self.format_versions,
+            "world_size": self.world_size,
+            "ranks": [r.rank for r in self.ranks],
+            "anomalies": self.anomalies,
+            "per_rank": [r.to_json() for r in self.ranks],
+        }
+
+
+def summarize(run: Run) -> RunSummary:
+    """Read the whole run once and summarise it per rank and per file."""
+    ranks = []
+    for r in run.ranks:
+        rs = RankSummary(rank=r, dirs=run.rank_dirs.get(r, ()), files=[])
+        counts = rs.counts
+        for ev in run.events(rank=r):
+            t = type(ev)
+            counts[t.__name__] += 1
+            if t in _STEP_TYPES and ev.step >= 0:
+                rs.steps.add(ev.step)
+                if t is TensorStatsRecorded:
+                    rs.stats_steps.add(ev.step)
+                    rs.stat_values += len(ev) * len(ev.ops)
+            elif t is AnomalyDetected:
+                rs.anomalies += 1
+            elif t is RecordsDropped:
+                rs.dropped_records += ev.count
+            elif t is HookFailed:
+                rs.hook_failures += ev.count
+        readers = run.readers
+        for lf in run.log_files(r):
+            try:
+                size = os.path.getsize(lf.path)
+            except OSError:
+                size = 0
+            fs = FileSummary(
+                path=lf.path,
+                size=size,
+                format_version=lf.version,
+                run_id=lf.run_id,
+                resume_step=lf.resume_step,
+                superseded=run.superseded.get(lf.path, 0),
+            )
+            err = run.file_errors.get(lf.path)
+            reader = readers.get(lf.path)
+            if err is not None or reader is None:
+                fs.error = str(err) if err is not None else "not read"
+            else:
+                fs.events = reader.events_read
+                fs.closed_cleanly = reader.closed_cleanly
+                fs.close_reason = reader.closed_event.reason if reader.closed_event else ""
+                fs.torn_bytes = reader.pending_bytes
+                fs.end_offset = reader.offset
+                fs.problems = list(reader.problems)
+                fs.gaps = list(reader.gaps)
+                fs.first_record_is_header = reader.events_read == 0 or isinstance(reader.header, FileOpened)
+            rs.files.append(fs)
+        ranks.append(rs)
+    return RunSummary(
+        path=run.where,
+        run_id=run.run_id,
+        world_size=run.world_size,
+        format_versions=run.format_versions,
+        ranks=ranks,
+    )
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing ``check`` reports: where, what, and how much was lost."""
+
+    severity: str  # "damage", "torn", "unclosed"
+    path: str
+    offset: int | None
+    what: str
+    bytes_skipped: int = 0
+    frames_lost: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "severity": self.severity,
+            "path": self.path,
+            "offset": self.offset,
+            "what": self.what,
+            "bytes_skipped": self.bytes_skipped,
+            "frames_lost": self.frames_lost,
+        }
+
+
+def findings(summary: RunSummary) -> list[Finding]:
+    """Everything wrong with the run's files, in rank and file order, then by offset."""
+    out: list[Finding] = []
+    for rs in summary.ranks:
+        for fs in rs.files:
+            found: list[Finding] = []
+            if fs.error is not None:
+                found.append(Finding("damage", fs.path, None, fs.error))
+                out.extend(found)
+                continue
+            if not fs.first_record_is_header:
+                found.append(Finding("damage", fs.path, None, "first record is not FileOpened (header lost)"))
+            for p in fs.problems:
+                found.append(Finding("damage", fs.path, p.offset, p.what, bytes_skipped=p.skipped))
+            for g in fs.gaps:
+                what = (
+                    f"sequence numbers jump from {g.expected - 1} to {g.got}"
+                    if g.lost
+                    else f"sequence numbers go back from {g.expected - 1} to {g.got}"
+                )
+                found.append(Finding("damage", fs.path, g.offset, what, frames_lost=g.lost))
+            if fs.torn_bytes:
+                if fs.closed_cleanly:
+                    found.append(
+                        Finding("damage", fs.path, fs.end_offset,
+                                f"{fs.torn_bytes} bytes after the FileClosed record", bytes_skipped=fs.torn_bytes)
+                    )
+                else:
+                    found.append(
+                        Finding("torn", fs.path, fs.end_offset,
+                                f"not closed cleanly; torn tail of {fs.torn_bytes} bytes (an incomplete frame)",
+                                bytes_skipped=fs.torn_bytes)
+                    )
+            elif not fs.closed_cleanly:
+                found.append(
+                    Finding("unclosed", fs.path, fs.end_offset,
+                            "not closed cleanly (writer killed after a flush, or still writing); no bytes lost")
+                )
+            found.sort(key=lambda f: (f.offset is not None, f.offset or 0))
+            out.extend(found)
+    return out

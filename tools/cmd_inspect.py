@@ -1,0 +1,103 @@
+"""``trainrec inspect RUN [--json]``: what a run contains, per rank and per file.
+
+Shows the format version, run id, ranks and world size; per rank its directories, files (size,
+closed cleanly or torn tail, damage found), steps recorded with the first and last step, event
+counts by type, statistics and anomalies. ``--json`` prints the same as one JSON object (the
+schema is :meth:`trainrec.replay.summary.RunSummary.to_json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import orjson
+from trainrec.replay.discover import format_ranks
+from trainrec.replay.summary import FileSummary, RankSummary, RunSummary, summarize
+
+from .runarg import add_run_arguments, open_run_from_args
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="summarise a run: ranks, files, steps, event counts, torn tails, damage",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_run_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = summarize(open_run_from_args(args))
+    out = sys.stdout
+    if args.json:
+        out.write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    out.write(render(summary))
+    return 0
+
+
+def _file_state(f: FileSummary) -> str:
+    if f.error is not None:
+        return f"UNREADABLE: {f.error}"
+    if f.closed_cleanly:
+        state = f"closed cleanly ({f.close_reason})"
+        if f.torn_bytes:
+            state += f", {f.torn_bytes} stray bytes after it"
+    elif f.torn_bytes:
+        state = f"NOT closed, torn tail {f.torn_bytes} bytes"
+    else:
+        state = "not closed (killed after a flush, or still being written)"
+    if f.problems:
+        state += f"; DAMAGE: {len(f.problems)} region(s), {sum(p.skipped for p in f.problems)} bytes skipped"
+    if f.lost_frames:
+        state += f", {f.lost_frames} frame(s) lost"
+    if f.resume_step is not None:
+        state += f"; resumes at step {f.resume_step}"
+    if f.superseded:
+        state += f"; {f.superseded} record(s) superseded by a resume"
+    return state
+
+
+def _rank_lines(r: RankSummary) -> list[str]:
+    steps = (
+        f"{len(r.steps)} steps ({r.first_step}..{r.last_step}), {len(r.stats_steps)} with stats"
+        if r.steps
+        else "no steps"
+    )
+    lines = [f"rank {r.rank}: {steps}, {r.stat_values} stat values, {r.anomalies} anomalies"]
+    for d in r.dirs:
+        lines.append(f"  dir {d}")
+    for f in r.files:
+        lines.append(f"  {os.path.basename(f.path)}  {f.size} bytes  {f.events} events  {_file_state(f)}")
+    if r.counts:
+        lines.append("  events: " + ", ".join(f"{k} {v}" for k, v in sorted(r.counts.items())))
+    extra = []
+    if r.dropped_records:
+        extra.append(f"{r.dropped_records} records dropped by the writer (queue full)")
+    if r.hook_failures:
+        extra.append(f"{r.hook_failures} hook failures")
+    if extra:
+        lines.append("  note: " + "; ".join(extra))
+    return lines
+
+
+def render(s: RunSummary) -> str:
+    versions = ", ".join(map(str, s.format_versions)) or "?"
+    lines = [
+        f"run {s.run_id or '(no run id)'}  at {s.path}",
+        f"format version {versions}  world size {s.world_size}  ranks {format_ranks([r.rank for r in s.ranks])}",
+    ]
+    for r in s.ranks:
+        lines.extend(_rank_lines(r))
+    torn = [r.rank for r in s.ranks if any(f.torn_bytes and not f.closed_cleanly for f in r.files)]
+    damaged = [r.rank for r in s.ranks if any(f.problems or f.gaps or f.error for f in r.files)]
+    lines.append(
+        f"anomalies: {s.anomalies}   torn tails: {format_ranks(torn) if torn else 'none'}   "
+        f"damage: {'ranks ' + format_ranks(damaged) + ' (run trainrec check)' if damaged else 'none'}"
+    )
+    return "\n".join(lines) + "\n"
