@@ -1,0 +1,176 @@
+"""trainrec inspect / check / dump through trainrec.tools.cli.main, on real logs."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import orjson
+import pytest
+from trainrec.recorder.writer import LogWriter
+from trainrec.schema.events import (
+    OPS,
+    AnomalyDetected,
+    ConfigApplied,
+    HooksFired,
+    StepBegan,
+    StepEnded,
+    TensorStatsRecorded,
+    pack_array,
+)
+from trainrec.tools.cli import main
+
+STAMP = "Nov30_11-13-33"
+NAMES = ["embed.weight", "head.bias"]
+
+
+def _values(step: int, rank: int) -> list[float]:
+    vals = [float(step * 100 + rank * 10 + i) for i in range(len(NAMES) * len(OPS))]
+    if step == 2 and rank == 1:
+        vals[0] = math.nan
+        vals[1] = math.inf
+        vals[2] = -math.inf
+    return vals
+
+
+def _write_rank(out, rank: int, steps: int = 4, close: bool = True) -> str:
+    w = LogWriter(os.path.join(out, f"{STAMP}-rank{rank}-0000beef"), rank=rank, world_size=2, run_id="cli-run",
+                  flush_interval=0.01)
+    ids = w.intern(NAMES)
+    w.write(ConfigApplied(rank=rank, step=0, config={"ops": ["min"], "eps": 1e-8, 3: "int key"}, start_step=0))
+    for s in range(steps):
+        w.write(StepBegan(rank=rank, step=s))
+        w.write(HooksFired(rank=rank, step=s, module_ids=pack_array("I", ids), directions=bytes([0, 1]),
+                           call_ids=pack_array("I", [0, 1]), micro_steps=pack_array("H", [0, 0])))
+        w.write(TensorStatsRecorded(rank=rank, step=s, kind="actv", ops=OPS, dtype="f",
+                                    name_ids=pack_array("I", ids), values=pack_array("f", _values(s, rank)),
+                                    slots=bytes([1, 2]), call_ids=pack_array("I", [5, 6])))
+        if s == 3:
+            w.write(AnomalyDetected(rank=rank, step=s, op="norm", value=math.nan, baseline=1.0, name="head.bias",
+                                    kind="actv", tag_name="0:head.bias_0/rank0/output"))
+        w.write(StepEnded(rank=rank, step=s, duration=0.1, collected=True))
+    if close:
+        w.close()
+    else:
+        w.flush(timeout=10)
+    return w.path
+
+
+@pytest.fixture()
+def run_dir(tmp_path):
+    out = tmp_path / "monitor_output"
+    for r in (0, 1):
+        _write_rank(str(out), r)
+    return str(out)
+
+
+def _lines(capsys) -> list[dict]:
+    out = capsys.readouterr().out
+    return [orjson.loads(line) for line in out.splitlines() if line]
+
+
+def test_inspect_json_and_text(run_dir, capsys):
+    assert main(["inspect", run_dir, "--json"]) == 0
+    doc = orjson.loads(capsys.readouterr().out)
+    assert doc["run_id"] == "cli-run" and doc["ranks"] == [0, 1] and doc["format_versions"] == [1]
+    assert doc["world_size"] == 2 and doc["anomalies"] == 2
+    r1 = doc["per_rank"][1]
+    assert (r1["steps"], r1["first_step"], r1["last_step"]) == (4, 0, 3)
+    assert r1["events"]["TensorStatsRecorded"] == 4 and r1["events"]["StepBegan"] == 4
+    assert r1["closed_cleanly"] and r1["torn_bytes"] == 0 and r1["damage"] == 0
+    assert r1["stat_values"] == 4 * len(NAMES) * len(OPS)
+    assert r1["files"][0]["path"].endswith("trainrec-00000.trl")
+    assert main(["inspect", run_dir]) == 0
+    text = capsys.readouterr().out
+    assert "run cli-run" in text and "format version 1" in text and "rank 1: 4 steps (0..3)" in text
+    assert "closed cleanly" in text and "anomalies: 2" in text
+
+
+def test_check_clean_damaged_torn_and_unclosed(run_dir, tmp_path, capsys):
+    assert main(["check", run_dir]) == 0
+    assert capsys.readouterr().out.strip().endswith("OK")
+
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(run_dir, damaged)
+    path = os.path.join(damaged, f"{STAMP}-rank1-0000beef", "trainrec-00000.trl")
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[600] ^= 0x40
+        f.seek(0)
+        f.write(data[:-5])  # also tear the FileClosed record
+        f.truncate()
+    assert main(["check", damaged]) == 1
+    report = capsys.readouterr().out
+    assert "FAILED" in report and path in report and "trainrec-00000.trl" in report
+    assert "torn tail of" in report and ("CRC" in report or "header" in report)
+    assert main(["check", damaged, "--json"]) == 1
+    doc = orjson.loads(capsys.readouterr().out)
+    assert not doc["ok"]
+    kinds = {f["severity"] for f in doc["findings"]}
+    assert kinds == {"damage", "torn"}
+    damage = [f for f in doc["findings"] if f["severity"] == "damage"]
+    assert damage[0]["path"] == path and damage[0]["offset"] <= 600 and damage[0]["bytes_skipped"] > 0
+    assert sum(f["frames_lost"] for f in doc["findings"]) == 1
+
+    unclosed = str(tmp_path / "unclosed")
+    _write_rank(unclosed, 0, close=False)
+    assert main(["check", unclosed]) == 0
+    assert "note" in capsys.readouterr().out
+    assert main(["check", unclosed, "--strict"]) == 1
+    assert "not closed cleanly" in capsys.readouterr().out
+
+
+def test_dump_expands_stats_resolves_names_and_filters(run_dir, capsys):
+    assert main(["dump", run_dir, "--rank", "1", "--type", "ts"]) == 0
+    rows = _lines(capsys)
+    assert len(rows) == 4 * len(NAMES) * len(OPS)
+    assert {r["rank"] for r in rows} == {1} and {r["type"] for r in rows} == {"TensorStatsRecorded"}
+    first = rows[0]
+    assert first["name"] == "embed.weight" and first["slot"] == "input" and first["call_id"] == 5
+    assert first["op"] == "min" and first["value"] == 10.0 and first["kind"] == "actv"
+    step2 = [r["value"] for r in rows if r["step"] == 2 and r["name"] == "embed.weight"]
+    assert step2[:3] == ["nan", "inf", "-inf"]
+
+    assert main(["dump", run_dir, "--type", "sb", "--type", "HooksFired"]) == 0
+    evs = _lines(capsys)
+    assert {e["type"] for e in evs} == {"StepBegan", "HooksFired"}
+    assert [(e["step"], e["rank"]) for e in evs if e["type"] == "StepBegan"] == [
+        (s, r) for s in range(4) for r in (0, 1)
+    ]
+    hooks = [e for e in evs if e["type"] == "HooksFired"][0]
+    assert hooks["module_ids"] == [0, 1] and hooks["modules"] == NAMES and hooks["directions"] == [0, 1]
+
+    assert main(["dump", run_dir, "--per-record", "--type", "ts", "--rank", "1"]) == 0
+    recs = _lines(capsys)
+    assert len(recs) == 4 and recs[2]["names"] == NAMES
+    assert recs[2]["values"][0][:3] == ["nan", "inf", "-inf"] and len(recs[2]["values"]) == len(NAMES)
+    assert recs[0]["slots"] == [1, 2] and recs[0]["micro_steps"] == []
+
+    assert main(["dump", run_dir, "--type", "an", "--type", "ca", "--rank", "0"]) == 0
+    evs = _lines(capsys)
+    an = [e for e in evs if e["type"] == "AnomalyDetected"][0]
+    assert an["value"] == "nan" and an["baseline"] == 1.0
+    ca = [e for e in evs if e["type"] == "ConfigApplied"][0]
+    assert ca["config"] == {"ops": ["min"], "eps": 1e-8, "3": "int key"}
+
+
+def test_errors_exit_2_with_a_clear_message(run_dir, tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere" in err and "no such file" in err
+    (tmp_path / "notalog.trl").write_bytes(b"definitely not a log file")
+    assert main(["check", str(tmp_path / "notalog.trl")]) == 2
+    assert "bad magic" in capsys.readouterr().err
+    assert main(["dump", run_dir, "--type", "bogus"]) == 2
+    assert "unknown event type 'bogus'" in capsys.readouterr().err
+    assert main(["dump", run_dir, "--rank", "7"]) == 2
+    assert "rank(s) [7]" in capsys.readouterr().err
+    other = os.path.join(run_dir, "Nov30_12-00-00-rank0-0000cafe")
+    w = LogWriter(other, rank=0, run_id="cli-other", flush_interval=0.01)
+    w.close()
+    assert main(["inspect", run_dir, "--run-id", "cli-"]) == 2
+    err = capsys.readouterr().err
+    assert "2 runs match" in err and "cli-run" in err and "cli-other" in err
+    assert main(["inspect", run_dir, "--time-end", "Nov30_11-59-59", "--json"]) == 0
+    assert orjson.loads(capsys.readouterr().out)["run_id"] == "cli-run"
