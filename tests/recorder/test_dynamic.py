@@ -406,3 +406,30 @@ def test_replayed_log_shows_each_switch_at_its_step(tmp_path):
 
 def test_filesystem_type_of_tmp(tmp_path):
     assert filesystem_type(str(tmp_path)) != ""
+
+
+def test_with_the_recorders_parse_config(make, caplog):
+    from trainrec.recorder.config import MonitorConfig, parse_config
+
+    w, path, events, loop = make(None)
+    src = str(path)
+    write(path, doc(switch=True, ops=["norm"], collect_times=2))
+    w.close()
+    events.clear()
+    w = DynamicConfigWatcher(
+        src, validate=lambda raw: parse_config(raw, src), emit=events.append, rank=0, writes_back=True
+    )
+    w.start()
+    try:
+        loop = Loop(w)
+        u = loop.until_update("the first start")
+        assert isinstance(u.config, MonitorConfig) and u.config.collect_times == 2 and u.config.switch
+        write(path, doc(switch=True, ops=["norm", "bogus"], collect_times=2))
+        loop.until(lambda u: of(events, ConfigRejected), "the rejection")
+        (rej,) = of(events, ConfigRejected)
+        assert rej.keys == ("ops",) and f"{src}: config key 'ops': unknown op 'bogus'" in rej.reason
+        assert rej.reason.endswith("monitoring goes on with the config applied at step 0") and w.active
+        (warning,) = warnings_in(caplog)
+        assert "unknown op 'bogus'" in warning.getMessage()
+    finally:
+        w.close()

@@ -1,0 +1,129 @@
+"""End to end: a real training loop with TrainerMon in DYNAMIC_MONITOR mode, switched by editing config.json.
+
+Start mid-run by an edit, stop after collect_times with switch=false written back into the file,
+restart by a second edit; the replayed log shows every switch and statistics only at the right steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from trainrec.recorder import TrainerMon
+from trainrec.replay.reader import LogReader, read_log
+from trainrec.schema.events import (
+    ConfigApplied,
+    ConfigChanged,
+    ConfigRejected,
+    MonitoringStopped,
+    TensorStatsRecorded,
+)
+
+
+def save(path, doc: dict) -> None:
+    """Save as an editor does: write a temporary file, then rename it over the config."""
+    tmp = str(path) + ".swp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+    os.replace(tmp, path)
+
+
+class Training:
+    def __init__(self, mon: TrainerMon) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        mon.monitor_gnorm_with_ad(self.model, optimizer=self.opt)
+        self.x = torch.randn(32, 8)
+        self.step = 0
+        self.reader = LogReader(mon.log_path)
+        self.events: list = []
+
+    def once(self) -> None:
+        self.opt.zero_grad()
+        self.model(self.x).pow(2).mean().backward()
+        self.opt.step()  # TrainerMon's optimizer hooks end the step and poll the watcher
+        self.step += 1
+        time.sleep(0.002)
+        self.events.extend(self.reader.poll())
+
+    def until(self, pred, what: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.once()
+            if pred():
+                return
+        pytest.fail(f"timed out after {timeout} s waiting for {what} (step {self.step})")
+
+    def count(self, cls) -> int:
+        return sum(isinstance(e, cls) for e in self.events)
+
+
+@pytest.fixture
+def one_thread():
+    """A tiny model on a shared CPU: one intra-op thread is faster and steadier than several."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_dynamic_start_stop_restart_with_trainermon(tmp_path, monkeypatch, one_thread):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    cfg = tmp_path / "config.json"
+    first = {"wg_distribution": True, "ops": ["norm", "max"], "switch": False, "collect_times": 3}
+    cfg.write_text(json.dumps(first, indent=2))
+    mon = TrainerMon(str(cfg), output_dir=str(tmp_path / "out"), live_export=False)
+    try:
+        t = Training(mon)
+        t.until(lambda: t.step >= 5, "a few idle steps")
+        edit1 = t.step
+        save(cfg, {**first, "switch": True})
+        t.until(lambda: json.loads(cfg.read_text())["switch"] is False, "switch=false written back")
+        assert cfg.read_text() == json.dumps(first, indent=2)  # only the value changed, key order kept
+        t.until(lambda: t.count(ConfigChanged) == 3, "the write-back to be seen in the log")
+        assert t.count(ConfigApplied) == 1  # our own write did not restart anything
+        edit2 = t.step
+        # start_step is absolute (as the reference's): far enough ahead that the invalid edit below
+        # is seen while this config is active.
+        second = {**first, "switch": True, "collect_times": 2, "step_interval": 2, "start_step": edit2 + 100}
+        save(cfg, second)
+        t.until(lambda: t.count(ConfigApplied) == 2, "the restart")
+        # An invalid edit while monitoring: rejected, the second config goes on to its end.
+        cfg.write_text(json.dumps({**second, "collect_times": "two"}))
+        t.until(lambda: t.count(ConfigRejected) == 1, "the rejection")
+        t.until(lambda: t.count(MonitoringStopped) == 2, "the second collection to finish")
+    finally:
+        mon.close()
+
+    _, events = read_log(mon.log_path)
+    applied = [e for e in events if isinstance(e, ConfigApplied)]
+    stopped = [e for e in events if isinstance(e, MonitoringStopped)]
+    changed = [e for e in events if isinstance(e, ConfigChanged)]
+    stats_steps = sorted({e.step for e in events if isinstance(e, TensorStatsRecorded)})
+    (rejected,) = [e for e in events if isinstance(e, ConfigRejected)]
+    assert rejected.keys == ("collect_times",) and "goes on with the config applied" in rejected.reason
+
+    # The start: seen and applied at one step after the edit, collected from the next step on.
+    a1, a2 = applied
+    assert a1.step >= edit1 and a1.start_step == a1.step + 1 and a1.config["collect_times"] == 3
+    assert changed[0].step == 0 and changed[1].step == a1.step and changed[1].changed_keys == ("switch",)
+    assert changed[2].changed_keys == ("switch",) and changed[2].step > a1.step + 3  # the write-back, seen
+    # The restart: the second edit, applied at one step; start_step is absolute (0) with step_interval 2.
+    assert a2.step >= edit2 and a2.config["collect_times"] == 2
+    assert changed[3].step == a2.step
+    assert changed[3].changed_keys == ("collect_times", "start_step", "step_interval", "switch")
+    assert rejected.step > a2.step and changed[4].step == rejected.step
+    restart_steps = [edit2 + 100, edit2 + 102]
+    assert stats_steps == [a1.step + 1, a1.step + 2, a1.step + 3, *restart_steps]
+    assert [(s.step, s.reason, s.collections) for s in stopped] == [
+        (a1.step + 3, "collect_times", 3),
+        (restart_steps[-1], "collect_times", 2),
+    ]
+    kinds = {e.kind for e in events if isinstance(e, TensorStatsRecorded) and e.step == a1.step + 1}
+    assert kinds == {"grad_unreduced", "grad_reduced"}
+    # The file holds the user's invalid edit, which the write-back must not overwrite.
+    assert json.loads(cfg.read_text()) == {**second, "collect_times": "two"}
