@@ -22,6 +22,10 @@ Three outcomes are kept apart (see :mod:`trainrec.schema.framing` for the byte l
     (bytes went missing before the end of the file); reading resumes at the valid frame;
   - a frame that checks out but does not decode (``undecodable record``).
 
+  A decision is only taken from bytes that are there: reading a file whole or while it grows gives
+  the same events (one damaged region read over several polls is one problem). So a damaged frame at
+  the very end whose last bytes could begin a frame header is kept pending, like a torn tail.
+
 Frames that could not be read show up as gaps in the writer's per-file sequence numbers
 (:attr:`LogReader.gaps`, :class:`SeqGap`), which is how ``trainrec check`` counts lost frames.
 
@@ -354,7 +358,9 @@ class LogReader:
                     retry = min(retry, j)
                 else:
                     _, _, pcrc, _ = _HDR.unpack_from(buf, j)
-                    if _crc32(buf[j + _HDR_SIZE : end]) == pcrc:
+                    with memoryview(buf) as mv:
+                        ok = _crc32(mv[j + _HDR_SIZE : end]) == pcrc
+                    if ok:
                         return j, retry
             i = j + 1
 
@@ -368,6 +374,11 @@ class LogReader:
         return False
 
     def _problem(self, offset: int, what: str, skipped: int) -> None:
+        last = self.problems[-1] if self.problems else None
+        if last is not None and last.what == what and last.offset + last.skipped == offset:
+            # One damaged region read over several chunks or polls is one problem.
+            self.problems[-1] = Problem(self.path, last.offset, what, last.skipped + skipped)
+            return
         p = Problem(self.path, offset, what, skipped)
         self.problems.append(p)
         log.warning("trainrec: %s", p)

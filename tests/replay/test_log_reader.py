@@ -205,3 +205,19 @@ def test_stats_values_survive(tmp_path):
     exp = [e for e in written if isinstance(e, TensorStatsRecorded)][0]
     assert list(ts.value_array()) == list(exp.value_array())
     assert struct.unpack("<4I", ts.name_ids) == (0, 1, 2, 3)
+
+
+def test_one_damaged_region_read_in_pieces_is_one_problem(tmp_path, log_bytes):
+    data, _ = log_bytes
+    spans = frame_spans(data)
+    cut = spans[2][1]
+    junk = bytes(range(256)) * 40  # no magic inside
+    whole = data[:cut] + junk + data[cut:]
+    p = _write(tmp_path, b"")
+    r = LogReader(p)
+    for i in range(0, len(whole), 1000):
+        with open(p, "ab") as f:
+            f.write(whole[i : i + 1000])
+        r.poll()
+    assert len(r.problems) == 1 and r.problems[0].offset == cut and r.problems[0].skipped == len(junk)
+    assert r.events_read == len(spans)
