@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from trainrec.analyzers.csv_format import prefix_block, render_rows
 from trainrec.analyzers.projection import KindFrame, Note, Rewind, RowLayout, StepAssembler, StepSet
 from trainrec.schema.events import SLOT_INPUT, SLOT_INPUT_GRAD, Event
 
@@ -39,8 +40,8 @@ _SIDES = {"actv": ("input", "output"), "actv_grad": ("input_grad", "output_grad"
 
 
 class CsvSink(Protocol):
-    def append(self, kind: str, start: int, end: int, header: str, text: str, step: int) -> None:
-        """Append ``text`` (whole lines of ``step``) to the window file, creating it with ``header`` first."""
+    def append(self, kind: str, start: int, end: int, header: str, text: bytes, step: int) -> None:
+        """Append ``text`` (whole UTF-8 lines of ``step``) to the window file, creating it with ``header`` first."""
 
     def rewind(self, step: int) -> None:
         """Forget the rows of steps >= ``step`` written by this export."""
@@ -80,7 +81,11 @@ def _quote(text: str) -> str:
 
 
 def format_rows(values: np.ndarray, ndigits: int | None) -> list[str]:
-    """Each row of a 2-D array as comma-separated numbers, formatted like the reference's CSV."""
+    """Each row of a 2-D array as comma-separated numbers, formatted like the reference's CSV.
+
+    The plain, one-``repr``-per-value definition; the export uses the vectorised
+    :func:`~trainrec.analyzers.csv_format.render_rows`, which the tests hold to this.
+    """
     if ndigits is None:
         # Shortest text that reads back to the stored value (float32 stays float32-short).
         return [",".join(row) for row in values.astype(str).tolist()]
@@ -92,6 +97,10 @@ def format_rows(values: np.ndarray, ndigits: int | None) -> list[str]:
 class _CsvLayout:
     prefixes: list[str]  # "vpp,name," per output row
     take: np.ndarray | None  # actv: (m, 2) frame-row index per side, -1 when absent
+    block: tuple = ()  # the prefixes as a byte matrix and mask (csv_format.prefix_block)
+
+    def __post_init__(self) -> None:
+        self.block = prefix_block(self.prefixes)
 
 
 def _csv_layout(lay: RowLayout) -> _CsvLayout:
@@ -182,10 +191,8 @@ class CsvProjector:
                 ok = idx >= 0
                 grouped[ok, side * k : (side + 1) * k] = values[idx[ok]]
             values = grouped
-        step_text = f"{frame.step},"
-        body = [p + step_text + r for p, r in zip(cl.prefixes, format_rows(values, self.ndigits), strict=True)]
-        body.append("")
-        self.sink.append(kind, start, end, csv_header(kind, ops), "\n".join(body), frame.step)
+        body = render_rows(cl.block, f"{frame.step},".encode(), values, self.ndigits)
+        self.sink.append(kind, start, end, csv_header(kind, ops), body, frame.step)
         s = self.summary
         s.rows += len(cl.prefixes)
         s.values += values.size

@@ -50,27 +50,34 @@ def _field_bytes(number: int, payload: bytes) -> bytes:
 
 
 class ScalarTemplate:
-    """The serialized ``Summary`` of ``tags`` (simple values), to be filled with float32 values."""
+    """The serialized ``Summary`` of ``tags`` (simple values), to be filled with float32 values.
 
-    __slots__ = ("tags", "_buf", "_index", "size")
+    Values are laid out grouped by the length of their tag's encoding (the order of values in a
+    Summary carries no meaning), so each group is a regular ``count x (prefix + 4)`` byte matrix and
+    filling a step is one strided copy per group rather than a scatter per byte.
+    """
+
+    __slots__ = ("tags", "_buf", "_groups", "size")
 
     def __init__(self, tags: list[str]) -> None:
         self.tags = tags
-        chunks: list[bytes] = []
-        positions = np.empty(len(tags), dtype=np.int64)
-        pos = 0
+        by_len: dict[int, list[tuple[int, bytes]]] = {}
         for i, tag in enumerate(tags):
             tb = tag.encode("utf-8")
             inner = b"\x0a" + _varint(len(tb)) + tb + b"\x15"  # tag, then simple_value's key
             prefix = b"\x0a" + _varint(len(inner) + 4) + inner  # Summary.value, length-delimited
-            chunks.append(prefix)
-            chunks.append(b"\0\0\0\0")
-            pos += len(prefix)
-            positions[i] = pos
-            pos += 4
+            by_len.setdefault(len(prefix), []).append((i, prefix))
+        chunks: list[bytes] = []
+        groups = []
+        pos = 0
+        for plen, items in sorted(by_len.items()):
+            idx = np.array([i for i, _ in items], dtype=np.int64)
+            chunks.extend(p + b"\0\0\0\0" for _, p in items)
+            groups.append((pos, len(items), plen, idx))
+            pos += len(items) * (plen + 4)
         self._buf = np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
-        self._index = (positions[:, None] + np.arange(4, dtype=np.int64)).ravel()
-        self.size = len(self._buf)
+        self._groups = groups
+        self.size = pos
 
     def __len__(self) -> int:
         return len(self.tags)
@@ -81,7 +88,9 @@ class ScalarTemplate:
         if len(v) != len(self.tags):
             raise ValueError(f"{len(v)} values for {len(self.tags)} tags")
         buf = self._buf
-        buf[self._index] = v.view(np.uint8)
+        for pos, count, plen, idx in self._groups:
+            rows = buf[pos : pos + count * (plen + 4)].reshape(count, plen + 4)
+            rows[:, plen:] = v[idx].view(np.uint8).reshape(count, 4)
         return buf.tobytes()
 
 

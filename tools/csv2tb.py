@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import csv
+import io
 import logging
 import os
 import re
@@ -109,28 +110,39 @@ def _target_dirs(monitor_path: str, time_start, time_end) -> list[tuple[int, str
 
 
 def _read_csv(path: str):
-    """(header, vpp list, name list, step list, values float64 matrix) of one CSV file."""
+    """(value columns, row names, steps int64, values float64 matrix) of one CSV file, or None if empty."""
     with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.reader(f))
-    if not rows:
+        text = f.read()
+    first, _, rest = text.partition("\n")
+    header = next(csv.reader([first]), [])
+    if not header:
         return None
-    header = rows[0]
     if len(header) < 4 or header[0] != "vpp_stage" or header[2] != "step":
         raise ValueError(f"not a monitor CSV (header {','.join(header[:4])}...)")
     start = 4 if header[3] == "micro_step" else 3  # msprobe 1.2.2 added a micro_step column
-    body = [r for r in rows[1:] if r]
-    if any(len(r) != len(header) for r in body):
-        bad = next(i for i, r in enumerate(body, 2) if len(r) != len(header))
-        raise ValueError(f"line {bad} has a different number of fields than the header")
-    names = []
-    for r in body:
-        name = f"vp{r[0]}:{r[1]}"
-        if start == 4:
-            name = f"{name}:micro{r[3]}"
-        names.append(name)
-    steps = [int(float(r[2])) for r in body]
-    values = np.array([r[start:] for r in body], dtype=np.float64).reshape(len(body), len(header) - start)
-    return header[start:], names, steps, values
+    width = len(header) - start
+    if '"' in rest:  # quoted names (with commas): the csv module, row by row
+        body = [r for r in csv.reader(io.StringIO(rest)) if r]
+        heads = [[*r[:start], ",".join(r[start:])] for r in body]
+        for i, r in enumerate(body):
+            if len(r) != len(header):
+                raise ValueError(f"line {i + 2} has {len(r)} fields, the header {len(header)}")
+    else:
+        heads = [line.split(",", start) for line in rest.split("\n") if line.strip()]
+        for i, h in enumerate(heads):
+            if len(h) != start + 1:
+                raise ValueError(f"line {i + 2} has too few fields")
+    if not heads:
+        return tuple(header[start:]), [], np.zeros(0, np.int64), np.zeros((0, width))
+    if start == 4:
+        names = [f"vp{h[0]}:{h[1]}:micro{h[3]}" for h in heads]
+    else:
+        names = [f"vp{h[0]}:{h[1]}" for h in heads]
+    steps = np.array([h[2] for h in heads], dtype=np.float64).astype(np.int64)
+    values = np.loadtxt([h[start] for h in heads], delimiter=",", dtype=np.float64, ndmin=2)
+    if values.shape != (len(heads), width):
+        raise ValueError(f"{values.shape[1]} values per line, the header names {width}")
+    return tuple(header[start:]), names, steps, values
 
 
 def convert_csv_files(task: _Task) -> _Result:
@@ -142,10 +154,8 @@ def convert_csv_files(task: _Task) -> _Result:
         if m:
             files.append((int(m.group(1)), int(m.group(2)), name))
     files.sort()
-    by_step: dict[int, dict[str, float]] = {}
-    cols_of: dict[str, list[str]] = {}
-    duplicates = 0
     problems = []
+    parts = []
     for _s, _e, name in files:
         path = os.path.join(task.csv_dir, name)
         try:
@@ -153,39 +163,62 @@ def convert_csv_files(task: _Task) -> _Result:
         except (ValueError, OSError, UnicodeDecodeError) as exc:
             problems.append(f"{path}: {exc}")
             continue
-        if parsed is None:
-            continue
-        cols, names, steps, values = parsed
-        for i, (n, s) in enumerate(zip(names, steps, strict=True)):  # a repeated (name, step): last wins
-            slot = by_step.setdefault(s, {})
-            if n in slot:
-                duplicates += 1
-            cols_of[n] = cols
-            slot[n] = values[i]
-    out = _Result(task.out_dir, 0, 0, 0, duplicates, problems)
-    if not by_step:
+        if parsed is not None and len(parsed[1]):
+            parts.append(parsed)
+    out = _Result(task.out_dir, len(files), 0, 0, 0, problems)
+    if not parts:
         return out
+    # Rows of the files in order; a repeated (name, step) keeps its last values, at its first place.
+    names = [n for p in parts for n in p[1]]
+    steps = np.concatenate([p[2] for p in parts])
+    cols = [p[0] for p in parts for _ in p[1]]
+    row_file = np.concatenate([np.full(len(p[1]), i) for i, p in enumerate(parts)])
+    row_in_file = np.concatenate([np.arange(len(p[1])) for p in parts])
+    keys = list(zip(steps.tolist(), names, strict=True))
+    take = np.arange(len(keys))
+    if len(set(keys)) != len(keys):
+        last: dict = {}
+        first_order: list = []
+        for i, key in enumerate(keys):
+            if key not in last:
+                first_order.append(key)
+            last[key] = i
+        out.duplicates = len(keys) - len(last)
+        take = np.array([last[key] for key in first_order], dtype=np.int64)
+    order = take[np.argsort(steps[take], kind="stable")]
+    sorted_steps = steps[order]
+    uniq, starts = np.unique(sorted_steps, return_index=True)
+    bounds = [*starts.tolist(), len(order)]
     os.makedirs(task.out_dir, exist_ok=True)
     for old in os.listdir(task.out_dir):
         if old.startswith("events.out.tfevents."):
             os.remove(os.path.join(task.out_dir, old))
             log.warning("existing %s replaced", os.path.join(task.out_dir, old))
+    uniform = all(p[0] == parts[0][0] for p in parts)
+    allvals = np.concatenate([p[3] for p in parts]) if uniform else None
     templates: dict[tuple, ScalarTemplate] = {}
     now = time.time()
     path = os.path.join(task.out_dir, tb_file_name(now, socket.gethostname()))
     with TbEventFile(path, wall=now) as f:
-        for step in sorted(by_step):
-            rows = by_step[step]
-            key = tuple((n, len(v)) for n, v in rows.items())
+        for j, step in enumerate(uniq.tolist()):
+            sel = order[bounds[j] : bounds[j + 1]]
+            rows = sel.tolist()
+            key = (tuple(names[i] for i in rows), parts[0][0] if uniform else tuple(cols[i] for i in rows))
             tmpl = templates.get(key)
             if tmpl is None:
-                tags = [f"{n}/{c}" for n in rows for c in cols_of[n]]
-                tmpl = templates[key] = ScalarTemplate(tags)
-            values = np.concatenate(list(rows.values())) if rows else np.empty(0)
+                if len(templates) > 64:
+                    templates.clear()
+                row_cols = [parts[0][0]] * len(rows) if uniform else key[1]
+                tmpl = templates[key] = ScalarTemplate(
+                    [f"{n}/{c}" for n, cs in zip(key[0], row_cols, strict=True) for c in cs]
+                )
+            if allvals is not None:
+                values = allvals[sel]
+            else:
+                values = np.concatenate([parts[row_file[i]][3][row_in_file[i]] for i in rows])
             f.write(event_bytes(now, step, summary=tmpl.summary(values)))
             out.scalars += len(tmpl)
-    out.files = len(files)
-    out.steps = len(by_step)
+    out.steps = len(uniq)
     return out
 
 

@@ -131,12 +131,12 @@ class CsvDirSink:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
         self._written: dict[tuple[str, int], list] = {}  # (kind, start) -> [path, end, max step]
-        self._open: dict[str, tuple[int, io.TextIOBase]] = {}  # kind -> (start, file)
+        self._open: dict[str, tuple[int, io.BufferedWriter]] = {}  # kind -> (start, file)
 
     def path(self, kind: str, start: int, end: int) -> str:
         return os.path.join(self.directory, f"{kind}_{start}-{end}.csv")
 
-    def append(self, kind: str, start: int, end: int, header: str, text: str, step: int) -> None:
+    def append(self, kind: str, start: int, end: int, header: str, text: bytes, step: int) -> None:
         cur = self._open.get(kind)
         if cur is not None and cur[0] != start:
             cur[1].close()
@@ -146,11 +146,11 @@ class CsvDirSink:
             entry = self._written.get((kind, start))
             if entry is None:
                 path = self.path(kind, start, end)
-                f = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115 - kept open across steps
-                f.write(header + "\n")
+                f = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - kept open across steps
+                f.write(header.encode("utf-8") + b"\n")
                 self._written[(kind, start)] = [path, end, step]
             else:
-                f = open(entry[0], "a", encoding="utf-8", newline="")  # noqa: SIM115
+                f = open(entry[0], "ab", buffering=1 << 20)  # noqa: SIM115
             self._open[kind] = cur = (start, f)
         cur[1].write(text)
         entry = self._written[(kind, start)]

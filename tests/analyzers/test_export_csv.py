@@ -201,3 +201,21 @@ def test_bad_options():
         parse_steps("1-x")
     assert 15 in parse_steps("10-20,30") and 30 in parse_steps("10-20,30") and 21 not in parse_steps("10-20,30")
     assert 10**6 in parse_steps("5-")
+
+
+@pytest.mark.parametrize("ndigits", [0, 1, 4, 5, 6, 8, 9, 12])
+def test_vectorised_text_is_repr_of_the_rounded_double(ndigits):
+    from trainrec.analyzers.csv_format import prefix_block, render_rows, value_chars
+
+    rng = np.random.default_rng(ndigits)
+    v = rng.standard_normal(30000) * 10.0 ** rng.integers(-14, 20, 30000)
+    v[::50], v[::51], v[::52], v[::53], v[::57] = np.nan, -np.inf, np.inf, -1e-12, 0.0
+    v[::59], v[::61], v[::67] = -0.0, 1e16, 9.999999e15
+    v[::71] = np.round(v[::71])
+    for arr in (v, v.astype(np.float32)):
+        chars, mask = value_chars(arr, ndigits)
+        got = [bytes(chars[i][mask[i]]).decode() for i in range(len(arr))]
+        assert got == [repr(x) for x in np.round(arr.astype(np.float64), ndigits).tolist()]
+    m = v[:600].reshape(100, 6)
+    body = render_rows(prefix_block([f"{i % 2},näme{i}," for i in range(100)]), b"42,", m, ndigits)
+    assert body.decode() == "".join(f"{i % 2},näme{i},42,{r}\n" for i, r in enumerate(format_rows(m, ndigits)))
