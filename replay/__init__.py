@@ -17,15 +17,19 @@ from .names import NameResolver
 from .reader import LogReader, Problem, SeqGap, read_head, read_log
 from .rows import rows_from_events, value_matrix
 from .run import Run, open_run, resolve_types
+from .summary import Finding, RunSummary, findings, summarize
 
 __all__ = [
+    "Finding",
     "LogReader",
     "NameResolver",
     "Problem",
     "Run",
     "RunFollower",
     "RunInfo",
+    "RunSummary",
     "SeqGap",
+    "findings",
     "follow",
     "list_runs",
     "open_run",
@@ -33,5 +37,6 @@ __all__ = [
     "read_log",
     "resolve_types",
     "rows_from_events",
+    "summarize",
     "value_matrix",
 ]

@@ -102,9 +102,10 @@ class LogReader:
     before it exists); an unreadable one raises :class:`FormatError` naming the path.
     """
 
-    def __init__(self, path: str, max_frame: int = framing.MAX_FRAME) -> None:
+    def __init__(self, path: str, max_frame: int = framing.MAX_FRAME, chunk_size: int = _CHUNK) -> None:
         self.path = path
         self.max_frame = max_frame
+        self.chunk_size = max(4096, chunk_size)
         self.version: int | None = None
         self.flags = 0
         self.header: FileOpened | None = None
@@ -150,13 +151,13 @@ class LogReader:
     def poll(self) -> list[Event]:
         """Events completed since the last call (possibly none)."""
         out: list[Event] = []
-        for batch in self._batches(_CHUNK, None, None):
+        for batch in self._batches(self.chunk_size, None, None):
             out.extend(batch)
         return out
 
     def __iter__(self) -> Iterator[Event]:
         """Iterate every event currently in the file (from where the reader stands), chunk by chunk."""
-        for batch in self._batches(_CHUNK, None, None):
+        for batch in self._batches(self.chunk_size, None, None):
             yield from batch
 
     def head(self, max_events: int = 4, max_bytes: int = 1 << 20) -> list[Event]:
@@ -166,56 +167,52 @@ class LogReader:
             out.extend(batch)
         return out[:max_events]
 
-    def _open(self):
+    def _read(self, size: int) -> bytes | None:
+        """Up to ``size`` bytes after what was read so far; None when there is nothing (yet).
+
+        The file is opened for each read and closed at once, so a reader paused in the middle of
+        an iteration (e.g. while ranks are merged) holds no file descriptor.
+        """
         try:
-            return open(self.path, "rb")  # noqa: SIM115 - closed by the caller's with-block
+            f = open(self.path, "rb")  # noqa: SIM115 - closed right below
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise FormatError(f"cannot read log file ({exc.strerror or exc})", self.path) from None
+        with f:
+            try:
+                if not self._check_header(f):
+                    return None
+                f.seek(self._pos + len(self._buf))
+                return f.read(size) or None
+            except OSError as exc:
+                raise FormatError(
+                    f"cannot read log file ({exc.strerror or exc})", self.path, self._pos + len(self._buf)
+                ) from None
 
     def _batches(self, chunk: int, max_events: int | None, max_bytes: int | None) -> Iterator[list[Event]]:
-        f = self._open()
-        if f is None:
-            self._eof = True
-            return
-        with f:
-            if not self._check_header(f):
+        got = 0
+        read_bytes = 0
+        self._eof = False
+        while True:
+            data = self._read(max(chunk, self._need))
+            if data is None:
                 self._eof = True
                 return
-            f.seek(self._pos + len(self._buf))
-            got = 0
-            read_bytes = 0
-            self._eof = False
-            while True:
-                try:
-                    data = f.read(max(chunk, self._need))
-                except OSError as exc:
-                    raise FormatError(
-                        f"cannot read log file ({exc.strerror or exc})", self.path, self._pos + len(self._buf)
-                    ) from None
-                if not data:
-                    self._eof = True
-                    return
-                self._buf = self._buf + data if self._buf else data
-                out: list[Event] = []
-                self._consume(out)
-                if out:
-                    got += len(out)
-                    yield out
-                read_bytes += len(data)
-                if (max_events is not None and got >= max_events) or (
-                    max_bytes is not None and read_bytes >= max_bytes
-                ):
-                    return
+            self._buf = self._buf + data if self._buf else data
+            out: list[Event] = []
+            self._consume(out)
+            if out:
+                got += len(out)
+                yield out
+            read_bytes += len(data)
+            if (max_events is not None and got >= max_events) or (max_bytes is not None and read_bytes >= max_bytes):
+                return
 
     def _check_header(self, f) -> bool:
         if self.version is not None:
             return True
-        try:
-            head = f.read(framing.FILE_HEADER_SIZE)
-        except OSError as exc:
-            raise FormatError(f"cannot read log file ({exc.strerror or exc})", self.path) from None
+        head = f.read(framing.FILE_HEADER_SIZE)
         self._short_header = len(head)
         if len(head) < framing.FILE_HEADER_SIZE:
             if head and not framing.FILE_MAGIC.startswith(head[:8]):

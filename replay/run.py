@@ -101,6 +101,8 @@ class Run:
                 if f.resume_step is not None:
                     cut = f.resume_step if cut is None else min(cut, f.resume_step)
         self._readers: dict[str, LogReader] = {}
+        # Merging holds one read chunk per rank: keep their sum bounded (4 MiB each up to 64 ranks).
+        self._chunk = max(64 << 10, min(4 << 20, (256 << 20) // max(1, len(self.ranks))))
 
     def __repr__(self) -> str:
         return f"<Run {self.run_id!r} ranks={self.ranks} files={sum(len(v) for v in self._files.values())}>"
@@ -208,7 +210,7 @@ class Run:
             if path in self.file_errors or (only_unread and path in self._readers):
                 continue
             cut = self.cutoffs.get(path)
-            reader = LogReader(path)
+            reader = LogReader(path, chunk_size=self._chunk)
             dropped = 0
             try:
                 for ev in reader:
