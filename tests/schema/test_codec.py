@@ -1,8 +1,16 @@
+"""The codec: every event type round-trips, garbage is a CorruptRecordError, the wire layout is frozen."""
+
 from __future__ import annotations
 
+import dataclasses
+
+import msgpack
+import numpy as np
 import pytest
-from trainrec.schema import EVENT_TYPES, CorruptRecordError, UnknownEvent, decode, encode
-from trainrec.schema.events import TensorStatsRecorded, pack_array
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trainrec.schema import EVENT_TYPES, CorruptRecordError, UnknownEvent, codec, decode, encode
+from trainrec.schema.events import OPS, AnomalyDetected, StepEnded, TensorStatsRecorded, pack_array
 
 
 def test_every_event_type_round_trips_with_defaults():
@@ -24,8 +32,6 @@ def test_stats_record_round_trips():
 
 
 def test_unknown_tag_is_skippable_and_known_tag_with_bad_field_is_corrupt():
-    import msgpack
-
     unknown = decode(msgpack.packb(["zz", 1, 0, 5, 0.0, "x"]))
     assert isinstance(unknown, UnknownEvent) and unknown.tag == "zz" and unknown.step == 5
     with pytest.raises(CorruptRecordError, match="field 'kind'"):
@@ -35,7 +41,125 @@ def test_unknown_tag_is_skippable_and_known_tag_with_bad_field_is_corrupt():
 
 
 def test_newer_writer_extra_fields_are_ignored():
-    import msgpack
-
     ev = decode(msgpack.packb(["sb", 1, 0, 5, 0.0, "future-field"]))
     assert ev.step == 5
+
+
+_INT = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+_SCALAR = st.one_of(_INT, st.text(max_size=8), st.floats(allow_nan=False), st.booleans())
+_BY_TYPE = {
+    "int": _INT,
+    "float": st.floats(allow_nan=False),
+    "str": st.text(max_size=20),
+    "bytes": st.binary(max_size=40),
+    "bool": st.booleans(),
+    "tuple": st.lists(_SCALAR, max_size=5).map(tuple),
+    "dict": st.dictionaries(st.text(max_size=6), st.one_of(_SCALAR, st.lists(_SCALAR, max_size=3).map(tuple)),
+                            max_size=4),
+}
+
+
+def _event_strategy(cls):
+    if cls is TensorStatsRecorded:
+        return _stats_strategy()
+    fields = {f.name: _BY_TYPE[str(f.type)] for f in dataclasses.fields(cls)}
+    return st.builds(cls, **fields)
+
+
+@st.composite
+def _stats_strategy(draw):
+    n = draw(st.integers(0, 6))
+    ops = tuple(draw(st.lists(st.sampled_from(OPS), min_size=0, max_size=6)))
+    dtype = draw(st.sampled_from("fd"))
+    floats = st.floats(allow_nan=False, width=32 if dtype == "f" else 64)
+    values = draw(st.lists(floats, min_size=n * len(ops), max_size=n * len(ops)))
+
+    def column(typecode, size, bound):
+        return draw(st.one_of(st.just(b""), st.lists(st.integers(0, bound), min_size=n, max_size=n).map(
+            lambda v: pack_array(typecode, v))))
+
+    return TensorStatsRecorded(
+        seq=draw(st.integers(0, 2**32)), rank=draw(st.integers(0, 4096)), step=draw(st.integers(-1, 2**40)),
+        wall=draw(st.floats(allow_nan=False)), kind=draw(st.text(max_size=12)), ops=ops, dtype=dtype,
+        name_ids=pack_array("I", draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n))),
+        values=pack_array(dtype, values), micro_steps=column("H", 2, 2**16 - 1),
+        call_ids=column("I", 4, 2**32 - 1), slots=column("B", 1, 255), vpp_stages=column("B", 1, 255),
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_every_event_type_round_trips_with_arbitrary_values(data):
+    for cls in EVENT_TYPES:
+        ev = data.draw(_event_strategy(cls), label=cls.__name__)
+        assert decode(encode(ev)) == ev
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_payloads_raise_only_corrupt_record_errors(payload):
+    try:
+        ev = decode(payload)
+    except CorruptRecordError:
+        return
+    assert ev.TAG in {cls.TAG for cls in EVENT_TYPES} | {"?"}
+
+
+def test_every_truncation_of_a_payload_is_a_corrupt_record():
+    payload = encode(TensorStatsRecorded(kind="actv", ops=("min",), name_ids=pack_array("I", [1, 2]),
+                                         values=pack_array("f", [1.0, 2.0])))
+    for cut in range(len(payload)):
+        with pytest.raises(CorruptRecordError):
+            decode(payload[:cut])
+
+
+def test_huge_declared_lengths_are_refused_without_allocating():
+    # [ "ts", bin32 of 4 GiB ] in a few bytes
+    payload = b"\x92\xa2ts\xc6\xff\xff\xff\xff"
+    with pytest.raises(CorruptRecordError):
+        decode(payload)
+    with pytest.raises(CorruptRecordError):
+        decode(b"\xdd\xff\xff\xff\xff")  # array32 of 4G elements
+
+
+def test_envelope_and_layout_checks_name_the_field():
+    with pytest.raises(CorruptRecordError, match="envelope field 'step'"):
+        decode(msgpack.packb(["sb", 1, 0, "five", 0.0]))
+    with pytest.raises(CorruptRecordError, match=r"\[tag, seq"):
+        decode(msgpack.packb({"tag": "sb"}))
+    with pytest.raises(CorruptRecordError, match=r"\[tag, seq"):
+        decode(msgpack.packb(["sb", 1, 0]))
+
+
+def test_lenient_types_ints_for_floats_lists_for_tuples():
+    ev = decode(msgpack.packb(["se", 1, 0, 5, 7, 2, 1, 3]))
+    assert ev == StepEnded(seq=1, rank=0, step=5, wall=7.0, duration=2.0, collected=1, micro_steps=3)
+    assert isinstance(ev.wall, float) and isinstance(ev.duration, float)
+
+
+def test_encoder_accepts_numpy_scalars_and_sets_and_refuses_other_objects():
+    ev = AnomalyDetected(value=np.float32(1.5), baseline=np.float64(0.25), call_id=np.int64(3),
+                         group_mates=frozenset({3, 1}))
+    back = decode(encode(ev))
+    assert (back.value, back.baseline, back.call_id, back.group_mates) == (1.5, 0.25, 3, (1, 3))
+    with pytest.raises(TypeError, match="cannot encode object"):
+        encode(AnomalyDetected(message=object()))
+
+
+def test_encode_seq_override_and_wire_layout_is_frozen():
+    ev = StepEnded(seq=4, rank=2, step=9, wall=1.5, duration=0.5, collected=True, micro_steps=2)
+    assert msgpack.unpackb(encode(ev, seq=11)) == ["se", 11, 2, 9, 1.5, 0.5, True, 2]
+    assert encode(ev).hex() == "98a27365040209cb3ff8000000000000cb3fe0000000000000c302"
+
+
+def test_read_time_upgrade_of_an_older_format_version(monkeypatch):
+    """A record written by a (hypothetical) format 0 that stored duration in milliseconds as an int."""
+
+    def upgrade(wire: list) -> list:
+        wire[5] = wire[5] / 1000.0
+        return wire
+
+    monkeypatch.setitem(codec.UPGRADES, (0, "se"), upgrade)
+    old = msgpack.packb(["se", 1, 0, 5, 0.0, 1500])
+    assert decode(old, version=0).duration == 1.5
+    assert decode(old, version=1).duration == 1500.0  # current version: no upgrade
