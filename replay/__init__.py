@@ -15,7 +15,7 @@ from .discover import RunInfo, list_runs
 from .follow import RunFollower, follow
 from .names import NameResolver
 from .reader import LogReader, Problem, SeqGap, read_head, read_log
-from .rows import rows_from_events, value_matrix
+from .rows import execution_order, rows_from_events, value_matrix
 from .run import Run, open_run, resolve_types
 from .summary import Finding, RunSummary, findings, summarize
 
@@ -29,6 +29,7 @@ __all__ = [
     "RunInfo",
     "RunSummary",
     "SeqGap",
+    "execution_order",
     "findings",
     "follow",
     "list_runs",

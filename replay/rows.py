@@ -164,3 +164,18 @@ def rows_from_events(events: Iterable[Event], kinds: Iterable[str] | None = None
     out["op"] = strings.take(np.concatenate(ops_parts))
     out["value"] = np.concatenate([v.astype(np.float64, copy=False) for v in value_parts])
     return {c: out[c] for c in COLUMNS}
+
+
+def execution_order(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """Indices that sort ``rows`` in execution order: step, micro step, call id, rank (stable).
+
+    Rows whose call id is unknown (-1: reduced weight grads, optimizer states, params) were not
+    produced by a hook call; they come after every row of their step with a call id (after the last
+    micro step), in rank order.
+    """
+    call = rows["call_id"]
+    unknown = call < 0
+    big = np.iinfo(np.int64).max
+    call_key = np.where(unknown, big, call)
+    micro_key = np.where(unknown, big, rows["micro_step"].astype(np.int64))
+    return np.lexsort((rows["rank"], call_key, micro_key, rows["step"]))

@@ -13,7 +13,8 @@ Order of :meth:`Run.events`
   FileOpened or NamesInterned, take the step of the record before them). Each rank's own order is
   kept; within one step, rank 0's records come before rank 1's. Stats records batch many rows of
   different micro steps and call ids, so ordering inside a step by ``(micro step, call id)`` is done
-  on rows: :meth:`Run.to_rows` carries both columns.
+  on rows: :meth:`Run.to_rows` carries both columns, and
+  :func:`trainrec.replay.rows.execution_order` sorts them by ``(step, micro step, call id, rank)``.
 
 Resume ("last writer wins")
 ---------------------------

@@ -201,3 +201,23 @@ def test_readers_without_reading_events_first(tmp_path):
     run = open_run(d)
     r = run.readers[p]
     assert not r.closed_cleanly and r.events_read == len(written) and r.pending_bytes == 0
+
+
+def test_rows_in_execution_order_across_ranks(tmp_path):
+    from logbuild import stats as stats_record
+    from trainrec.recorder.writer import LogWriter
+    from trainrec.replay import execution_order
+
+    for r in (0, 1):
+        w = LogWriter(rank_dir(tmp_path, r), rank=r, world_size=2, run_id="x", flush_interval=0.01)
+        ids = w.intern(["m0", "m1"])
+        for micro in (1, 0):  # written out of order on purpose
+            w.write(stats_record(r, 0, ids, kind="actv", micro=micro, call_base=10 * micro + (5 - r)))
+        w.write(stats_record(r, 0, ids, kind="grad_reduced"))  # no call ids: after the rest
+        w.close()
+    rows = open_run(str(tmp_path)).to_rows()
+    order = execution_order(rows)
+    keys = list(zip(rows["micro_step"][order], rows["call_id"][order], rows["rank"][order], strict=True))
+    firsts = [k for i, k in enumerate(keys) if i % 6 == 0]  # one per (tensor row)
+    assert firsts[:4] == [(0, 4, 1), (0, 5, 0), (0, 5, 1), (0, 6, 0)]
+    assert [k[1] for k in firsts[-4:]] == [-1, -1, -1, -1]
