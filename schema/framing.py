@@ -55,13 +55,22 @@ def decode_file_header(data: bytes) -> tuple[int, int] | None:
     return version, flags
 
 
-def encode_frame(payload: bytes) -> bytes:
-    """Frame one payload. Raises ValueError for a payload larger than MAX_FRAME."""
+def frame_header(payload: bytes) -> bytes:
+    """The 16-byte header of the frame of ``payload``: a frame is ``frame_header(p) + p``.
+
+    Lets a writer hand header and payload to ``os.writev`` without copying the payload again.
+    Raises ValueError for a payload larger than MAX_FRAME.
+    """
     n = len(payload)
     if n > MAX_FRAME:
         raise ValueError(f"record of {n} bytes exceeds the frame cap of {MAX_FRAME} bytes")
     prefix = _PREFIX.pack(FRAME_MAGIC, n, _crc32(payload))
-    return prefix + struct.pack("<I", _crc32(prefix)) + payload
+    return prefix + struct.pack("<I", _crc32(prefix))
+
+
+def encode_frame(payload: bytes) -> bytes:
+    """Frame one payload. Raises ValueError for a payload larger than MAX_FRAME."""
+    return frame_header(payload) + payload
 
 
 class Frame(enum.Enum):
