@@ -86,6 +86,12 @@ def _rank_lines(r: RankSummary) -> list[str]:
     return lines
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    if not ranks:
+        return "none"
+    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranks(ranks)
+
+
 def render(s: RunSummary) -> str:
     versions = ", ".join(map(str, s.format_versions)) or "?"
     lines = [
@@ -97,7 +103,7 @@ def render(s: RunSummary) -> str:
     torn = [r.rank for r in s.ranks if any(f.torn_bytes and not f.closed_cleanly for f in r.files)]
     damaged = [r.rank for r in s.ranks if any(f.problems or f.gaps or f.error for f in r.files)]
     lines.append(
-        f"anomalies: {s.anomalies}   torn tails: {format_ranks(torn) if torn else 'none'}   "
-        f"damage: {'ranks ' + format_ranks(damaged) + ' (run trainrec check)' if damaged else 'none'}"
+        f"anomalies: {s.anomalies}   torn tails: {_ranks_text(torn)}   "
+        f"damage: {_ranks_text(damaged) + ' (see trainrec check)' if damaged else 'none'}"
     )
     return "\n".join(lines) + "\n"

@@ -112,6 +112,9 @@ def test_check_clean_damaged_torn_and_unclosed(run_dir, tmp_path, capsys):
     damage = [f for f in doc["findings"] if f["severity"] == "damage"]
     assert damage[0]["path"] == path and damage[0]["offset"] <= 600 and damage[0]["bytes_skipped"] > 0
     assert sum(f["frames_lost"] for f in doc["findings"]) == 1
+    assert main(["inspect", damaged]) == 0
+    text = capsys.readouterr().out
+    assert "NOT closed, torn tail" in text and "torn tails: rank 1" in text and "damage: rank 1" in text
 
     unclosed = str(tmp_path / "unclosed")
     _write_rank(unclosed, 0, close=False)
