@@ -11,14 +11,14 @@ Series
     costs a handful of vectorised operations.
 
 Rules (config ``alert.rules``: ``[{"rule_name": NAME, "args": {...}}]``)
-    ``AnomalyTurbulence(threshold, window=16, warmup=8, noise=8, range_floor=0.05, floor=0, sudden=true, nan=true)``
+    ``AnomalyTurbulence(threshold, window=16, warmup=8, noise=8, range_floor=0.2, floor=0, sudden=true, nan=true)``
         What the reference documents ("relative deviation from the historical mean beyond threshold,
         up or down"), done so that a user can act on it::
 
             baseline  = median of the last `window` finite values of the series
             spread    = median absolute deviation of those values from the baseline
             scale     = max(|baseline|, noise * spread, range_floor * max(|baseline of min|, |baseline of max|)
-                            [for min/max/mean], floor, op floor [zeros 0.05, nans 1])
+                            [for min/max/mean], floor, op floor [zeros 0.2, nans 1])
             change    = |value - baseline|, and with sudden: min(that, |value - previous value|)
             flagged when change / scale > threshold
 
@@ -33,13 +33,15 @@ Rules (config ``alert.rules``: ``[{"rule_name": NAME, "args": {...}}]``)
           spread dwarfs its level (the mean of a gradient) must leave that spread by
           ``threshold * noise`` spreads; the min/max/mean of a tensor are judged against the
           tensor's range (a LayerNorm output's mean of 1e-5 is zero next to values of 3).
-        * NaN/Inf (``nan``): the first non-finite value of a series is flagged, whatever the warm-up;
-          the following ones are not, until a finite value was seen again. Non-finite values never
-          enter the window, so a NaN does not poison the series.
-        * The ``nans`` op (a count) is flagged when it rises from 0 (with ``nan``); no relative rule.
+        * NaN/Inf (``nan``): the first non-finite value after a finite one is flagged, whatever the
+          warm-up; the following ones are not, until a finite value was seen again. Non-finite values
+          never enter the window, so a NaN does not poison the series. A series that is NaN from its
+          first value is not flagged: NaN in every op is how an absent tensor (None) is recorded.
+        * The ``nans`` op (a count) is flagged when it rises from 0, at any step including the first
+          (with ``nan``); it has no relative rule. This is what flags a tensor that has NaN from
+          the start.
     ``NaNInf()``
-        Only the NaN/Inf part above: the first non-finite value of a series, a ``nans`` count rising
-        from 0.
+        Only the NaN/Inf part above: a series turning non-finite, a ``nans`` count rising from 0.
     ``ZScore(threshold=4, window=16, warmup=8, floor=0)``
         ``|value - mean| / max(std, floor, op floor)`` over the last ``window`` finite values.
 
@@ -82,7 +84,7 @@ __all__ = [
 ]
 
 # Default absolute floors of the scale, per op: zeros is a fraction of elements, nans a count.
-OP_FLOORS: dict[str, float] = {"zeros": 0.05, "nans": 1.0}
+OP_FLOORS: dict[str, float] = {"zeros": 0.2, "nans": 1.0}
 NANS_OP = "nans"
 # Ops measured in the tensor's own units, whose scale is floored relative to its range (max |min|, |max|).
 _VALUE_OPS = ("min", "max", "mean")
@@ -102,7 +104,7 @@ class _SeriesState:
         self.pos = np.zeros((0, 0), dtype=np.int32)
         self.count = np.zeros((0, 0), dtype=np.int32)  # finite values in the ring (<= window)
         self.last = np.zeros((0, 0))  # last finite value (0 before any)
-        self.last_ok = np.ones((0, 0), dtype=bool)  # the last observation was finite (or none yet)
+        self.last_ok = np.zeros((0, 0), dtype=bool)  # the last observation was finite
 
     def columns(self, ops: Sequence[str]) -> np.ndarray:
         cols = self.cols
@@ -129,7 +131,7 @@ class _SeriesState:
         self.pos = grow(self.pos, 0)
         self.count = grow(self.count, 0)
         self.last = grow(self.last, 0.0)
-        self.last_ok = grow(self.last_ok, True)
+        self.last_ok = grow(self.last_ok, False)
 
     def index(self, sids: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self.ensure(int(sids.max()) + 1 if len(sids) else 0)
@@ -164,7 +166,10 @@ def _op_floors(ops: Sequence[str], floor: float) -> np.ndarray:
 
 
 def _nan_flags(state: _SeriesState, si, ci, ops, x, finite) -> tuple[np.ndarray, np.ndarray]:
-    """First non-finite value of a series, and a nans count rising from 0; with their baselines."""
+    """A series turning non-finite after a finite value, and a nans count rising from 0 (also at the
+    first observation); with their baselines. A series that is NaN from its start is not flagged: the
+    reference (and the recorder) write NaN for a tensor that is absent (None), and a real NaN tensor
+    shows in its finite ``nans`` count."""
     last_ok = state.last_ok[si, ci]
     last = state.last[si, ci]
     flags = ~finite & last_ok
@@ -234,7 +239,7 @@ class AnomalyTurbulence(Rule):
         floor: float = 0.0,
         nan: bool = True,
         sudden: bool = True,
-        range_floor: float = 0.05,
+        range_floor: float = 0.2,
     ) -> None:
         super().__init__(window=window)
         self.sudden = bool(sudden)

@@ -84,9 +84,13 @@ def test_nan_is_flagged_once_and_does_not_poison():
     assert b[-1] == 1.0
 
 
-def test_nan_as_first_value_is_flagged_despite_warmup():
-    assert flags([NAN, 1, 1], AnomalyTurbulence(0.5)) == [0]
-    assert flags([INF], NaNInf()) == [0]
+def test_nan_right_after_the_start_is_flagged_despite_warmup():
+    assert flags([1, NAN, 1], AnomalyTurbulence(0.5)) == [1]
+    assert flags([1, INF], NaNInf()) == [1]
+    # NaN from the first value on is how an absent tensor (None) is recorded: no anomaly...
+    assert flags([NAN, NAN, NAN], AnomalyTurbulence(0.5)) == []
+    # ...while a real tensor with NaN from the start shows in its (finite) nans count
+    assert flags([4, 4], AnomalyTurbulence(0.5), op="nans") == [0]
 
 
 def test_warmup_and_window():
@@ -234,8 +238,9 @@ def test_detector_event_fields_and_message():
         "mean", 9.0, 1.0, "AnomalyTurbulence", "actv", "2.linear1", "input")
     assert ev.group_mates == (0, 1)
     # unknown call ids (empty column) are -1, as the reference writes for param tags
-    (p,) = Detector([NaNInf()]).observe(rank=0, step=3, kind="param", ops=("norm",), names=["w"],
-                                        values=np.array([[NAN]]))
+    det = Detector([NaNInf()])
+    assert det.observe(rank=0, step=2, kind="param", ops=("norm",), names=["w"], values=np.array([[1.0]])) == []
+    (p,) = det.observe(rank=0, step=3, kind="param", ops=("norm",), names=["w"], values=np.array([[NAN]]))
     assert p.call_id == -1 and p.tag_name == "0:w"
 
 

@@ -117,14 +117,17 @@ def test_alerts_are_rate_limited(tmp_path, caplog):
                       log_limit=3)
     names = [f"t{i}" for i in range(200)]
     with caplog.at_level(logging.WARNING, logger="trainrec.recorder.alerts"):
-        found = feed(eng, 0, np.full((200, 6), np.nan), names)
-        feed(eng, 1, stats_rows(200), names)
+        assert feed(eng, 0, stats_rows(200), names) == []
+        nan_rows = np.full((200, 6), np.nan)
+        nan_rows[:, 5] = 7  # the NaN count
+        found = feed(eng, 1, nan_rows, names)
+        feed(eng, 2, stats_rows(200), names)
         eng.close()
-    assert len(found) == 200 * 6  # every op of every tensor: first NaN
+    assert len(found) == 200 * 6  # every op of every tensor: first NaN, NaN count rising from 0
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) <= 3 + 2
     assert sum("reports anomaly signal" in m for m in lines) == 3
-    assert any("step 0: 1200 anomalies (3 shown above)" in m for m in lines)
+    assert any("step 1: 1200 anomalies (3 shown above)" in m for m in lines)
 
 
 def test_bad_config_is_a_config_error_naming_the_key():
@@ -137,7 +140,8 @@ def test_bad_config_is_a_config_error_naming_the_key():
 def test_no_rules_means_no_work(tmp_path):
     eng = AlertEngine({"rules": [], "dump": True}, rank=0, pp_stage=0, group_mates=(), dump_dir=str(tmp_path))
     assert not eng.enabled
-    assert feed(eng, 0, np.full((2, 6), np.nan), ["a", "b"]) == []
+    assert feed(eng, 0, stats_rows(2), ["a", "b"]) == []
+    assert feed(eng, 1, np.full((2, 6), np.nan), ["a", "b"]) == []
     assert not (tmp_path / "rank0").exists()
 
 
