@@ -108,7 +108,8 @@ class RunFollower:
             if os.path.isfile(self.path):
                 self._mode = "file"
             elif os.path.isdir(self.path):
-                self._mode = "rankdir" if layout.list_logs(self.path) else "output"
+                is_rank_dir = layout.list_logs(self.path) or layout.parse_rank_dir(os.path.basename(self.path))
+                self._mode = "rankdir" if is_rank_dir else "output"
             else:
                 return
         if self._mode == "file":

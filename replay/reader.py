@@ -195,7 +195,10 @@ class LogReader:
         read_bytes = 0
         self._eof = False
         while True:
-            data = self._read(max(chunk, self._need))
+            size = max(chunk, self._need)
+            if max_bytes is not None:
+                size = min(size, max(chunk, max_bytes - read_bytes))
+            data = self._read(size)
             if data is None:
                 self._eof = True
                 return
