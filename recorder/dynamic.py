@@ -8,7 +8,7 @@ Threads and handoff::
 
     watchdog observer thread        loader thread ("trainrec-config")        training thread
     inotify event on the dir  --->  settle, stable read, parse, validate --> poll(step) at each step end:
-    (matching our path only)        publish an immutable _Observation        compare a counter (free),
+    (matching our path only)        publish an immutable FileState          compare a counter (free),
                                     (attribute swap + counter bump)          decide, emit events, return
                                     write "switch": false back on request    ConfigUpdate | None
 
@@ -34,42 +34,31 @@ sync interval adapts to the step time (about ``sync_period`` seconds, the minimu
 rank), so its cost per step is amortised to almost nothing. The first round is synchronous so that
 the first start happens at the same step as in a single process.
 
-When watchdog cannot observe (inotify unavailable or exhausted, the directory missing, a network
-filesystem whose remote changes inotify never sees) the loader thread stats the file every
-``poll_interval`` seconds instead (mtime, size, inode), and says so once. It never runs on the
-training thread. A health check (one ``stat`` of the directory per ``health_interval`` seconds)
-notices a directory that was deleted or replaced and watches the new one.
+Modules: this one decides (training thread); :mod:`.dynfile` watches and reads the file (observer
+and loader threads, stat fallback, write-back); :mod:`.dynsync` runs the agreement rounds;
+:mod:`.jsonedit` rewrites ``"switch"`` in the user's text.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import ConfigChanged, ConfigRejected, Event
 
-from .jsonedit import atomic_write, set_top_level
+from .dynfile import INVALID, MISSING, UNREADABLE, ConfigFileLoader, FileState, content_hash, filesystem_type
+from .dynsync import StepAgreement, resolve_group
+from .jsonedit import set_top_level
+
+__all__ = ["ConfigUpdate", "DynamicConfigWatcher", "filesystem_type"]
 
 log = logging.getLogger(__name__)
 
-VALID = "valid"
-INVALID = "invalid"
-MISSING = "missing"
-UNREADABLE = "unreadable"
-
-_NETWORK_FS = ("nfs", "nfs4", "cifs", "smb", "smb3", "smbfs", "lustre", "gpfs", "ceph", "9p", "afs", "beegfs")
 _NO_SYNC = 1 << 62
-_MASK = (1 << 62) - 1
-_MISSING_ID = 1
 _MISSING_KEY = object()
 
 
@@ -88,57 +77,10 @@ class ConfigUpdate:
     step: int = -1
 
 
-@dataclass(frozen=True)
-class _Observation:
-    """One state of the config file as read by the loader thread (immutable: handed across threads)."""
-
-    kind: str
-    identity: int
-    content_hash: str = ""
-    text: str | None = None
-    raw: dict | None = None
-    config: Any = None
-    switch: bool = False
-    message: str = ""
-    key: str | None = None
-
-
-def _content_hash(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-def _identity(data: bytes, mtime_ns: int) -> int:
-    h = hashlib.blake2b(data, digest_size=8)
-    h.update(mtime_ns.to_bytes(16, "little", signed=True))
-    return (int.from_bytes(h.digest(), "little") & _MASK) | 2  # never 0 (unset) or 1 (missing)
-
-
 def _changed_keys(old: dict | None, new: dict) -> tuple:
     old = old or {}
     keys = set(old) | set(new)
     return tuple(sorted(k for k in keys if old.get(k, _MISSING_KEY) != new.get(k, _MISSING_KEY)))
-
-
-def filesystem_type(path: str) -> str:
-    """The filesystem type of the mount holding ``path`` (from /proc/self/mounts), or "" if unknown."""
-    real = os.path.realpath(path)
-    best, fstype = -1, ""
-    try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > best:
-                    best, fstype = len(mnt), parts[2]
-    except OSError:
-        return ""
-    return fstype
-
-
-def _stat_sig(st: os.stat_result) -> tuple:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class DynamicConfigWatcher:
@@ -177,29 +119,33 @@ class DynamicConfigWatcher:
         group: Any = None,
         settle: float = 0.05,
         invalid_grace: float = 0.3,
-        sync_period: float = 0.5,
+        sync_period: float = 1.0,
         max_sync_interval: int = 1000,
         poll_interval: float = 0.5,
         health_interval: float = 1.0,
         use_watchdog: bool = True,
     ) -> None:
-        self.path = os.path.abspath(path)
-        self._dir = os.path.dirname(self.path)
-        self._validate = validate
+        self._loader = ConfigFileLoader(
+            path,
+            validate=validate,
+            publish=self._publish,
+            on_write_back_failed=self._write_back_failed,
+            rank=rank,
+            settle=settle,
+            invalid_grace=invalid_grace,
+            poll_interval=poll_interval,
+            health_interval=health_interval,
+            use_watchdog=use_watchdog,
+        )
+        self.path = self._loader.path
         self._emit = emit
         self.rank = rank
         self._writes_back = writes_back
         self._group = group
-        self._settle = settle
-        self._grace = invalid_grace
         self._sync_period = sync_period
         self._max_interval = max(1, int(max_sync_interval))
-        self._poll_interval = poll_interval
-        self._health_interval = health_interval
-        self._use_watchdog = use_watchdog
-
         # Loader -> training thread handoff: the loader publishes, then bumps _gen; poll compares.
-        self._latest: _Observation | None = None
+        self._latest: FileState | None = None
         self._notices: collections.deque = collections.deque()
         self._gen = 0
         self._seen = 0
@@ -207,24 +153,13 @@ class DynamicConfigWatcher:
         # Training-thread state.
         self._agreed_identity = 0
         self._last_raw: dict | None = None
-        self._applied: _Observation | None = None
+        self._applied: FileState | None = None
         self._applied_step = -1
         self._active = False
         self._own_hash: str | None = None
-        self._sync: _Agreement | None = None
-        # Loader-thread state.
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._dirty = False
-        self._requests: collections.deque = collections.deque()
-        self._observer: Any = None
-        self._mode = "off"  # "watchdog", "poll" (fallback, re-arms when it can), "poll-only"
-        self._dir_id: tuple | None = None
-        self._dir_gone = False
-        self._last_sig: tuple | None = None
-        self._next_health = 0.0
-        self._next_stat = 0.0
-        self._thread: threading.Thread | None = None
+        self._sync: StepAgreement | None = None
+        self._started = False
+        self._disabled = False
         self._closed = False
         self._emit_failed = False
 
@@ -237,33 +172,17 @@ class DynamicConfigWatcher:
     @property
     def mode(self) -> str:
         """How the file is watched: "watchdog", "poll" (fallback) or "poll-only"."""
-        return self._mode
+        return self._loader.mode
 
     def start(self) -> None:
-        """Start watching: schedule the observer, read the file once, start the loader thread."""
-        if self._thread is not None:
+        """Start watching: agree on a group, schedule the observer, read the file once, start the loader."""
+        if self._started:
             return
-        self._setup_sync()
-        if not self._use_watchdog:
-            self._mode = "poll-only"
-        else:
-            fstype = filesystem_type(self._dir)
-            if fstype.split(".")[0] in _NETWORK_FS or fstype.startswith("fuse."):
-                self._mode = "poll-only"
-                log.warning(
-                    "trainrec: %s is on a %s filesystem, where inotify does not see changes made on other "
-                    "hosts; checking its mtime/size/inode every %.2g s instead",
-                    self.path,
-                    fstype,
-                    self._poll_interval,
-                )
-            elif not self._arm(initial=True):
-                self._mode = "poll"
-        self._load()
-        self._thread = threading.Thread(
-            target=self._run, name=f"trainrec-config-rank{self.rank}", daemon=True
-        )
-        self._thread.start()
+        self._started = True
+        group = resolve_group(self._group)
+        if group is not None:
+            self._sync = StepAgreement(group, self._sync_period, self._max_interval)
+        self._loader.start()
         if self._sync is not None:
             self._next_sync = -_NO_SYNC
 
@@ -285,21 +204,16 @@ class DynamicConfigWatcher:
             log.warning("trainrec: cannot rewrite %s: %s", self.path, exc)
             return
         data = new_text.encode("utf-8")
-        self._own_hash = _content_hash(data)
+        self._own_hash = content_hash(data)
         if self._writes_back:
-            self._requests.append((applied.content_hash, data, step))
-            self._wake.set()
+            self._loader.request_write_back(applied.content_hash, data)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the threads (after any pending write-back) and finish the collective in flight."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._disarm()
+        self._loader.close(timeout)
         if self._sync is not None:
             self._sync.close(timeout)
 
@@ -311,10 +225,32 @@ class DynamicConfigWatcher:
         self.close()
 
     # ------------------------------------------------------------------ training thread
+    def _publish(self, state: FileState) -> None:
+        """Loader thread: hand a new file state over (attribute swap, then the counter poll compares)."""
+        self._latest = state
+        self._gen += 1
+
+    def _write_back_failed(self, reason: str) -> None:
+        """Loader thread: the write-back failed; the training thread records it at the next poll."""
+        self._notices.append(reason)
+        self._gen += 1
+
     def _poll_slow(self, step: int) -> ConfigUpdate | None:
         self._seen = self._gen
         while self._notices:
-            self._send(self._notices.popleft()(step))
+            reason = self._notices.popleft()
+            self._send(
+                ConfigRejected(
+                    rank=self.rank,
+                    step=step,
+                    wall=time.time(),
+                    path=self.path,
+                    reason=reason,
+                    keys=("switch",),
+                )
+            )
+        if self._disabled:
+            return None
         if self._sync is None:
             obs = self._latest
             if obs is None or obs.identity == self._agreed_identity:
@@ -330,16 +266,15 @@ class DynamicConfigWatcher:
                 self.rank,
                 exc,
             )
-            self._sync = None
+            self._disabled = True
             self._next_sync = _NO_SYNC
-            self._latest = None
             return None
         self._next_sync = step + interval
         if obs is None or obs.identity == self._agreed_identity:
             return None
         return self._decide(obs, step)
 
-    def _decide(self, obs: _Observation, step: int) -> ConfigUpdate | None:
+    def _decide(self, obs: FileState, step: int) -> ConfigUpdate | None:
         self._agreed_identity = obs.identity
         if obs.kind in (MISSING, UNREADABLE):
             self._reject(obs, step)
@@ -391,7 +326,7 @@ class DynamicConfigWatcher:
             return ConfigUpdate(obs.config, obs.content_hash, changed, obs.raw, False, step)
         return None
 
-    def _reject(self, obs: _Observation, step: int) -> None:
+    def _reject(self, obs: FileState, step: int) -> None:
         if self._active:
             tail = f"monitoring goes on with the config applied at step {self._applied_step}"
         else:
@@ -421,404 +356,3 @@ class DynamicConfigWatcher:
     def _say(self, level: int, msg: str, *args: Any) -> None:
         # Every rank decides the same thing at the same step; one of them says it at full level.
         log.log(level if self._writes_back or self._sync is None else logging.DEBUG, msg, *args)
-
-    def _setup_sync(self) -> None:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return
-        if not (dist.is_available() and dist.is_initialized()):
-            if self._group is not None:
-                raise ValueError("a group was given but torch.distributed is not initialized")
-            return
-        group = self._group
-        if group is None:
-            if dist.get_world_size() <= 1:
-                return
-            if dist.get_backend() == "gloo":
-                group = dist.group.WORLD
-            else:
-                group = dist.new_group(backend="gloo")
-        if dist.get_world_size(group) <= 1:
-            return
-        self._sync = _Agreement(group, self._sync_period, self._max_interval)
-
-    # ------------------------------------------------------------------ watching (observer + loader)
-    def _arm(self, initial: bool = False) -> bool:
-        """Schedule a watchdog observer on the directory; False (after one message) if impossible."""
-        try:
-            from watchdog.events import (
-                DirDeletedEvent,
-                DirMovedEvent,
-                FileAttribEvent,
-                FileClosedEvent,
-                FileCreatedEvent,
-                FileDeletedEvent,
-                FileModifiedEvent,
-                FileMovedEvent,
-            )
-            from watchdog.observers import Observer
-
-            st = os.stat(self._dir)
-            observer = Observer()
-            observer.schedule(
-                _Handler(self),
-                self._dir,
-                recursive=False,
-                event_filter=[
-                    FileModifiedEvent,
-                    FileClosedEvent,
-                    FileCreatedEvent,
-                    FileDeletedEvent,
-                    FileMovedEvent,
-                    FileAttribEvent,
-                    DirDeletedEvent,
-                    DirMovedEvent,
-                ],
-            )
-            observer.daemon = True
-            observer.start()
-        except Exception as exc:  # noqa: BLE001 - any failure means: fall back to stat polling
-            if initial or self._mode != "poll":
-                log.warning(
-                    "trainrec: cannot watch %s with watchdog (%s); checking its mtime/size/inode every %.2g s "
-                    "instead",
-                    self._dir,
-                    exc,
-                    self._poll_interval,
-                )
-            return False
-        self._observer = observer
-        self._dir_id = (st.st_dev, st.st_ino)
-        self._dir_gone = False
-        self._mode = "watchdog"
-        self._next_health = time.monotonic() + self._health_interval
-        return True
-
-    def _disarm(self) -> None:
-        observer, self._observer = self._observer, None
-        if observer is not None:
-            try:
-                observer.stop()
-                observer.join(2.0)
-            except Exception:  # noqa: BLE001 - an observer whose directory vanished may complain
-                log.debug("trainrec: stopping the config observer failed", exc_info=True)
-
-    def _on_fs_event(self, dir_deleted: bool) -> None:
-        """Observer thread: something happened to our file (or the directory went away)."""
-        if dir_deleted:
-            self._dir_gone = True
-        self._dirty = True
-        self._wake.set()
-
-    def _run(self) -> None:
-        failures = 0
-        while True:
-            timeout = self._health_interval if self._mode == "watchdog" else self._poll_interval
-            self._wake.wait(timeout)
-            stopping = self._stop.is_set()
-            try:
-                self._wake.clear()
-                if self._dirty and not stopping:
-                    self._settle_events()
-                    self._load()
-                while self._requests:
-                    self._write_back(*self._requests.popleft())
-                if stopping:
-                    return
-                self._housekeeping()
-                failures = 0
-            except Exception:  # noqa: BLE001 - the loader must outlive any surprise
-                failures += 1
-                if failures == 1:
-                    log.exception("trainrec: the config loader failed; it keeps going")
-                if stopping:
-                    return
-                self._stop.wait(min(5.0, 0.1 * failures))
-
-    def _settle_events(self) -> None:
-        """Wait until no new event arrived for ``settle`` seconds (at most 20 settle periods)."""
-        deadline = time.monotonic() + 20 * self._settle
-        while time.monotonic() < deadline and not self._stop.is_set():
-            self._dirty = False
-            self._wake.clear()
-            if not self._wake.wait(self._settle) or not self._dirty:
-                return  # quiet for a settle period (or woken by a write-back request, not the file)
-
-    def _housekeeping(self) -> None:
-        now = time.monotonic()
-        if self._mode == "watchdog":
-            if now < self._next_health:
-                return
-            self._next_health = now + self._health_interval
-            try:
-                st = os.stat(self._dir)
-                same = (st.st_dev, st.st_ino) == self._dir_id
-            except OSError:
-                st, same = None, False
-            observer = self._observer
-            alive = (
-                observer is not None and observer.is_alive() and all(e.is_alive() for e in observer.emitters)
-            )
-            if same and alive and not self._dir_gone:
-                return
-            self._disarm()
-            if st is None:
-                log.info(  # the rejection of the missing file is the user's message
-                    "trainrec: the directory of %s was removed; checking every %.2g s until it is back",
-                    self.path,
-                    self._poll_interval,
-                )
-                self._mode = "poll"
-                self._load()
-                return
-            log.warning("trainrec: the directory of %s was replaced; watching the new one", self.path)
-            if not self._arm():
-                self._mode = "poll"
-            self._load()
-        else:
-            if now < self._next_stat:
-                return
-            self._next_stat = now + self._poll_interval
-            if self._mode == "poll" and self._use_watchdog and os.path.isdir(self._dir):
-                if self._arm():
-                    log.info("trainrec: watching %s with watchdog again", self._dir)
-                    self._load()
-                    return
-            try:
-                sig = _stat_sig(os.stat(self.path))
-            except OSError:
-                sig = None
-            if sig != self._last_sig:
-                self._load()
-
-    def _publish(self, obs: _Observation) -> None:
-        self._latest = obs
-        self._gen += 1
-
-    def _load(self) -> None:
-        """Read, parse and validate the file; publish the result if it is a new state."""
-        obs = self._read()
-        if obs is None:
-            return
-        latest = self._latest
-        if latest is not None and latest.identity == obs.identity:
-            return
-        if obs.kind == INVALID and obs.key is None and self._grace > 0:
-            # Possibly half-written (an editor saving in two writes): give the rest a moment.
-            if self._stop.wait(self._grace):
-                return
-            try:
-                sig = _stat_sig(os.stat(self.path))
-            except OSError:
-                sig = None
-            if sig != self._last_sig or self._dirty:
-                self._dirty = True
-                self._wake.set()
-                return
-        self._publish(obs)
-
-    def _read(self) -> _Observation | None:
-        """One stable read of the file (stat, read, stat agree); None if it kept changing."""
-        path = self.path
-        for _ in range(5):
-            try:
-                st1 = os.stat(path)
-                with open(path, "rb") as f:
-                    data = f.read()
-                st2 = os.stat(path)
-            except FileNotFoundError:
-                self._last_sig = None
-                where = "its directory was removed" if not os.path.isdir(self._dir) else "it was deleted"
-                return _Observation(
-                    MISSING, _MISSING_ID, message=f"config file {path} does not exist ({where})"
-                )
-            except IsADirectoryError:
-                self._last_sig = None
-                return _Observation(MISSING, _MISSING_ID, message=f"config file {path} is a directory")
-            except OSError as exc:
-                self._last_sig = None
-                reason = exc.strerror or repr(exc)
-                ident = _identity(reason.encode(), -1)
-                return _Observation(UNREADABLE, ident, message=f"cannot read config file {path}: {reason}")
-            if _stat_sig(st1) == _stat_sig(st2) and len(data) == st2.st_size:
-                self._last_sig = _stat_sig(st2)
-                return self._parse(data, st2.st_mtime_ns)
-            if self._stop.wait(self._settle):
-                return None
-        self._last_sig = None  # still changing: the next event or stat check reads it again
-        return None
-
-    def _parse(self, data: bytes, mtime_ns: int) -> _Observation:
-        path = self.path
-        ident = _identity(data, mtime_ns)
-        chash = _content_hash(data)
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return _Observation(INVALID, ident, chash, message=f"{path}: not UTF-8 text (byte {exc.start})")
-        try:
-            raw = json.loads(text[1:] if text.startswith("\ufeff") else text)
-        except json.JSONDecodeError as exc:
-            return _Observation(
-                INVALID,
-                ident,
-                chash,
-                text,
-                message=f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
-            )
-        except RecursionError:
-            return _Observation(INVALID, ident, chash, text, message=f"{path}: JSON nested too deeply")
-        if not isinstance(raw, dict):
-            return _Observation(
-                INVALID,
-                ident,
-                chash,
-                text,
-                message=f"{path}: expected a JSON object, got {type(raw).__name__}",
-            )
-        switch = raw.get("switch", False)
-        if not isinstance(switch, bool):
-            return _Observation(
-                INVALID,
-                ident,
-                chash,
-                text,
-                raw,
-                message=f"{path}: config key 'switch': expected true or false, got {switch!r}",
-                key="switch",
-            )
-        try:
-            config = self._validate(raw)
-        except ConfigError as exc:
-            message = str(exc) if exc.source else f"{path}: {exc}"
-            return _Observation(INVALID, ident, chash, text, raw, message=message, key=exc.key or "")
-        except Exception as exc:  # noqa: BLE001 - a validator bug must not reach the training loop
-            return _Observation(
-                INVALID, ident, chash, text, raw, message=f"{path}: validating failed: {exc!r}", key=""
-            )
-        return _Observation(VALID, ident, chash, text, raw, config, switch)
-
-    def _write_back(self, applied_hash: str, data: bytes, step: int) -> None:
-        """Loader thread: write ``"switch": false`` back if the file still holds what was applied."""
-        path = self.path
-        try:
-            with open(path, "rb") as f:
-                current = f.read()
-        except FileNotFoundError:
-            log.info("trainrec: %s no longer exists; not writing switch=false back", path)
-            return
-        except OSError as exc:
-            self._write_back_failed(exc, step)
-            return
-        if _content_hash(current) != applied_hash:
-            log.info("trainrec: %s changed since it was applied; leaving it as it is (no switch=false)", path)
-            return
-        try:
-            atomic_write(path, data)
-        except OSError as exc:
-            self._write_back_failed(exc, step)
-            return
-        log.info("trainrec: wrote switch=false back to %s", path)
-
-    def _write_back_failed(self, exc: OSError, step: int) -> None:
-        reason = (
-            f"could not write switch=false back to {self.path}: {exc.strerror or repr(exc)}; "
-            "it still says switch=true, so the next start needs an edit"
-        )
-        log.warning("trainrec: %s", reason)
-        self._notices.append(
-            lambda at: ConfigRejected(
-                rank=self.rank, step=at, wall=time.time(), path=self.path, reason=reason, keys=("switch",)
-            )
-        )
-        self._gen += 1
-
-
-class _Handler:
-    """watchdog handler: wakes the loader for events on our path (or the directory's deletion)."""
-
-    def __init__(self, watcher: DynamicConfigWatcher) -> None:
-        self._w = watcher
-        self._path = watcher.path
-        self._dir = watcher._dir
-
-    def dispatch(self, event: Any) -> None:
-        src = event.src_path
-        if src == self._path or getattr(event, "dest_path", "") == self._path:
-            self._w._on_fs_event(False)
-        elif src == self._dir and event.event_type in ("deleted", "moved"):
-            self._w._on_fs_event(True)
-
-
-class _Agreement:
-    """Rounds of ``all_reduce(MAX, [id, -id, -interval])``: decide a state when all ranks saw it."""
-
-    def __init__(self, group: Any, sync_period: float, max_interval: int) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self._dist = dist
-        self._group = group
-        self._period = sync_period
-        self._max = max_interval
-        self._tensor = torch.zeros(3, dtype=torch.int64)
-        self._values = self._tensor.numpy()
-        self._work: Any = None
-        self._voted: _Observation | None = None
-        self._last_time = 0.0
-        self._last_step = 0
-        self._disagree_since: float | None = None
-        self._warned = False
-
-    def _launch(self, step: int, latest: _Observation | None) -> None:
-        now = time.monotonic()
-        steps = step - self._last_step
-        if self._work is None or steps <= 0:
-            interval = 1
-        else:
-            per_step = (now - self._last_time) / steps
-            interval = self._max if per_step <= 0 else max(1, min(self._max, int(self._period / per_step)))
-        self._last_time, self._last_step = now, step
-        ident = latest.identity if latest is not None else 0
-        self._values[0] = ident
-        self._values[1] = -ident
-        self._values[2] = -interval
-        self._voted = latest
-        self._work = self._dist.all_reduce(
-            self._tensor, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True
-        )
-
-    def round(self, step: int, latest: _Observation | None) -> tuple[_Observation | None, int]:
-        """Harvest the round in flight (the first one synchronously), launch the next one."""
-        if self._work is None:
-            self._launch(step, latest)
-        self._work.wait()
-        hi, neg_lo, neg_interval = (int(v) for v in self._values)
-        voted = self._voted
-        self._launch(step, latest)
-        agreed = hi == -neg_lo and hi != 0
-        if not agreed:
-            now = time.monotonic()
-            if self._disagree_since is None:
-                self._disagree_since = now
-            elif now - self._disagree_since > 30.0 and not self._warned:
-                self._warned = True
-                log.warning(
-                    "trainrec: ranks have read different states of the config file for 30 s; a change applies "
-                    "only once every rank has read it (is the file on a filesystem all hosts share?)"
-                )
-            return None, 1
-        self._disagree_since = None
-        return voted, max(1, -neg_interval)
-
-    def close(self, timeout: float) -> None:
-        work, self._work = self._work, None
-        if work is None:
-            return
-        try:
-            import datetime
-
-            work.wait(datetime.timedelta(seconds=timeout))
-        except Exception:  # noqa: BLE001 - peers may be gone at shutdown
-            log.debug("trainrec: the last config agreement round did not finish", exc_info=True)

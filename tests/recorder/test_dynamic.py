@@ -15,7 +15,7 @@ from trainrec.replay.reader import read_log
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import ConfigChanged, ConfigRejected
 
-LOGGER = "trainrec.recorder.dynamic"
+LOGGER = "trainrec.recorder.dyn"  # dynamic, dynfile, dynsync
 
 
 def validate(raw: dict) -> dict:
@@ -102,7 +102,7 @@ def of(events, cls):
 
 
 def warnings_in(caplog):
-    return [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+    return [r for r in caplog.records if r.name.startswith(LOGGER) and r.levelno >= logging.WARNING]
 
 
 def test_first_start_needs_no_change(make):
@@ -121,7 +121,7 @@ def test_first_start_needs_no_change(make):
 def test_start_stop_rewrite_restart(make, caplog):
     text = '{\n  "ops": ["norm", "max"],\n  "switch": false,\n  "collect_times": 3,\n  "targets": {"a.b": {}}\n}\n'
     w, path, events, loop = make(text)
-    caplog.set_level(logging.INFO, logger=LOGGER)
+    caplog.set_level(logging.INFO, logger="trainrec.recorder")
     loop.steps(10)
     assert loop.updates == [] and not w.active
     edited_at = loop.step
