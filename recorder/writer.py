@@ -9,8 +9,10 @@ Guarantees:
 
 * Everything handed over is on the OS (so it survives a ``kill -9`` of the training process) at most
   ``flush_interval`` seconds later (default 0.2 s), and at once after :meth:`LogWriter.flush`, which
-  waits until everything handed over before it is written. ``fsync=True`` adds an fsync per flush.
-* :meth:`LogWriter.close` writes a :class:`FileClosed` record, drains, fsyncs and closes the file. It
+  waits until everything handed over before it is written. That is what a crash of the process
+  needs; ``fsync=True`` adds an fsync after every write-out (close included) for a crash of the
+  machine, at a cost of milliseconds each (the default, like TensorBoard's writer, leaves it to the OS).
+* :meth:`LogWriter.close` writes a :class:`FileClosed` record, drains and closes the file. It
   is idempotent, runs at interpreter exit for every writer still open, and on SIGTERM once
   :func:`install_sigterm_handler` was called.
 * A worker failure (disk full, file too large, the log file removed or replaced) is raised as
@@ -107,6 +109,41 @@ def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
         if n is None:  # pragma: no cover - only for non-blocking files
             raise OSError("non-blocking write would block")
         view = view[n:]
+
+
+def _iov_max() -> int:
+    try:
+        value = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 16  # the POSIX minimum
+    return 1024 if value <= 0 else min(value, 1024)
+
+
+_IOV_MAX = _iov_max()
+
+
+def _writev_all(fd: int, parts: list[bytes]) -> None:
+    """Write ``parts`` in order with as few system calls as possible (scatter-gather, partial writes resumed)."""
+    if not hasattr(os, "writev"):  # pragma: no cover - not POSIX
+        data = memoryview(b"".join(parts))
+        while data:
+            data = data[os.write(fd, data) :]
+        return
+    i = 0
+    n = len(parts)
+    while i < n:
+        batch = parts[i : i + _IOV_MAX]
+        written = os.writev(fd, batch)
+        if written == sum(map(len, batch)):
+            i += len(batch)
+            continue
+        for part in batch:  # a partial write: resume inside the first part not fully written
+            if written >= len(part):
+                written -= len(part)
+                i += 1
+            else:
+                parts[i] = memoryview(part)[written:]
+                break
 
 
 def create_log_file(rank_dir: str) -> tuple[str, BinaryIO, int]:
@@ -281,7 +318,7 @@ class LogWriter:
         self._check(allow_closed=True)
 
     def close(self, reason: str = "close", timeout: float | None = None) -> None:
-        """Write FileClosed, drain, fsync and close the file.
+        """Write FileClosed, drain and close the file (fsynced first when the writer was made with fsync=True).
 
         Idempotent: only the first call does anything (a later one returns at once, or waits for a
         close in progress on another thread). The first call re-raises a worker failure.
@@ -393,15 +430,17 @@ class LogWriter:
     def _frame(self, ev: Event, buf: list[bytes]) -> None:
         """Encode and frame one event onto ``buf`` with the next sequence number."""
         try:
-            frame = framing.encode_frame(codec.encode(ev, seq=self._seq))
+            payload = codec.encode(ev, seq=self._seq)
+            header = framing.frame_header(payload)
         except Exception as exc:  # noqa: BLE001 - a bad event must not stop the log
             self._record_failure(f"writer: encoding {type(ev).__name__}", exc, buf)
             return
         self._seq += 1
         if ev.step > self._last_step:
             self._last_step = ev.step
-        buf.append(frame)
-        self._buffered += len(frame)
+        buf.append(header)  # header and payload go to os.writev separately: no copy of the payload
+        buf.append(payload)
+        self._buffered += len(payload) + framing.FRAME_HEADER_SIZE
 
     def _run_callable(self, fn: Callable[[], Iterable[Event]], buf: list[bytes]) -> None:
         try:
@@ -441,7 +480,7 @@ class LogWriter:
         if buf and self._error is None:
             try:
                 self._check_file()
-                _write_all(self._file, b"".join(buf) if len(buf) > 1 else buf[0])
+                _writev_all(self._file.fileno(), buf)
                 if self._fsync:
                     os.fsync(self._file.fileno())
             except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
@@ -470,12 +509,7 @@ class LogWriter:
                 reason=reason,
             )
             self._frame(closing, buf)
-            self._write_out(buf)
-            if self._error is None:
-                try:
-                    os.fsync(self._file.fileno())
-                except OSError as exc:
-                    self._fail(exc)
+            self._write_out(buf)  # fsyncs too when asked to (fsync=True)
         buf.clear()
         _close_quietly(self._file)
 

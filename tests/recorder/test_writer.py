@@ -636,3 +636,14 @@ def test_constructor_rejects_bad_arguments_and_unwritable_places(tmp_path):
     blocker.write_bytes(b"")
     with pytest.raises(WriterError, match="a-file"):
         LogWriter(str(blocker / "rank0"))
+
+
+def test_fsync_mode_writes_the_same_log(tmp_path):
+    with LogWriter(_rank_dir(tmp_path), fsync=True) as w:
+        ids = w.intern(["a", "b"])
+        for s in range(5):
+            w.write(_stats(s, ids))
+        w.flush()
+    reader, events = _read(w.path)
+    assert reader.problems == [] and reader.closed_cleanly
+    assert [e.step for e in events if isinstance(e, TensorStatsRecorded)] == list(range(5))
