@@ -43,6 +43,7 @@ MISSING = "missing"
 UNREADABLE = "unreadable"
 
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb", "smb3", "smbfs", "lustre", "gpfs", "ceph", "9p", "afs", "beegfs")
+REARM_BACKOFF = 30.0  # seconds between two attempts to watch with watchdog again after a failure
 _MASK = (1 << 62) - 1
 _MISSING_ID = 1
 
@@ -137,6 +138,7 @@ class ConfigFileLoader:
         self._last_sig: tuple | None = None
         self._next_health = 0.0
         self._next_stat = 0.0
+        self._next_arm = 0.0
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -313,11 +315,17 @@ class ConfigFileLoader:
             if now < self._next_stat:
                 return
             self._next_stat = now + self._poll_interval
-            if self.mode == "poll" and self._use_watchdog and os.path.isdir(self._dir):
+            if (
+                self.mode == "poll"
+                and self._use_watchdog
+                and now >= self._next_arm
+                and os.path.isdir(self._dir)
+            ):
                 if self._arm():
                     log.info("trainrec: watching %s with watchdog again", self._dir)
                     self._load()
                     return
+                self._next_arm = now + REARM_BACKOFF  # e.g. inotify watches exhausted: do not spin
             try:
                 sig = _stat_sig(os.stat(self.path))
             except OSError:
@@ -359,7 +367,7 @@ class ConfigFileLoader:
                 st2 = os.stat(path)
             except FileNotFoundError:
                 self._last_sig = None
-                where = "its directory was removed" if not os.path.isdir(self._dir) else "it was deleted"
+                where = "it was deleted" if os.path.isdir(self._dir) else "its directory does not exist"
                 return FileState(MISSING, _MISSING_ID, message=f"config file {path} does not exist ({where})")
             except IsADirectoryError:
                 self._last_sig = None

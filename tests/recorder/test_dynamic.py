@@ -268,14 +268,14 @@ def test_directory_removed_and_back(make, caplog):
     loop.until_update("the first start")
     shutil.rmtree(path.parent)
     loop.until(lambda u: of(events, ConfigRejected), "the removal to be reported")
-    assert "its directory was removed" in of(events, ConfigRejected)[0].reason
+    assert "its directory does not exist" in of(events, ConfigRejected)[0].reason
     loop.until(lambda u: w.mode == "poll", "the fallback")
     path.parent.mkdir()
     write(path, doc(switch=True, collect_times=4))
     assert loop.until_update("the config in the recreated directory").raw["collect_times"] == 4
     loop.until(lambda u: w.mode == "watchdog", "watchdog to be re-armed")
     (warning,) = warnings_in(caplog)  # one message: the rejection naming the problem
-    assert "its directory was removed" in warning.getMessage()
+    assert "its directory does not exist" in warning.getMessage()
 
 
 def test_switch_false_while_monitoring_stops(make):
@@ -433,3 +433,34 @@ def test_with_the_recorders_parse_config(make, caplog):
         assert "unknown op 'bogus'" in warning.getMessage()
     finally:
         w.close()
+
+
+def test_watchdog_unavailable_falls_back_to_stat_checks(make, monkeypatch, caplog):
+    import errno
+
+    from watchdog.observers import Observer
+
+    def exhausted(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "inotify watch limit reached")
+
+    monkeypatch.setattr(Observer, "schedule", exhausted)
+    w, path, events, loop = make(doc(switch=False))
+    assert w.mode == "poll"
+    write(path, doc(switch=True, collect_times=2))
+    assert loop.until_update("the start seen by stat checks").raw["collect_times"] == 2
+    (warning,) = warnings_in(caplog)  # said once, and the retries to watch again are backed off
+    assert (
+        "inotify watch limit reached" in warning.getMessage() and "mtime/size/inode" in warning.getMessage()
+    )
+
+
+def test_network_filesystem_uses_stat_checks(make, monkeypatch, caplog):
+    from trainrec.recorder import dynfile
+
+    monkeypatch.setattr(dynfile, "filesystem_type", lambda path: "nfs4")
+    w, path, events, loop = make(doc(switch=False))
+    assert w.mode == "poll-only"
+    (warning,) = warnings_in(caplog)
+    assert "nfs4 filesystem" in warning.getMessage()
+    write(path, doc(switch=True))
+    loop.until_update("the start seen by stat checks")
