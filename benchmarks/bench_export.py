@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -53,10 +54,18 @@ def synthesise(run_dir: str, steps: int, tensors: int) -> None:
             w.write(StepEnded(rank=0, step=s, wall=1000.5 + s, duration=0.5, collected=True))
 
 
-def timed(cmd: list[str], env: dict | None = None) -> float:
+CPU: dict[str, float] = {}
+
+
+def timed(cmd: list[str], env: dict | None = None, label: str = "") -> float:
+    """Wall seconds of a command; its CPU seconds (children included) go to CPU[label]."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
-    return time.perf_counter() - t0
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU[label] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall
 
 
 def du(path: str) -> int:
@@ -81,6 +90,7 @@ def main() -> int:
         synthesise(run_dir, args.steps, args.tensors)
         print(f"synthesised {run_dir} in {time.perf_counter() - t:.1f} s")
     log_mb = du(run_dir) / 1e6
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     print(f"run: {args.steps} steps x {args.tensors} tensors x 6 ops x {len(KINDS)} kinds = {values:,} values; "
           f"log {log_mb:.0f} MB")
     trainrec = [PY, "-m", "trainrec.tools.cli"]
@@ -94,9 +104,11 @@ def main() -> int:
     for fmt in ("tb", "csv"):
         for j in (1, 2):
             o = out(f"{fmt}-j{j}")
-            sec = timed([*trainrec, "export", fmt, run_dir, "-o", o, "-j", str(j)])
-            rows.append((f"trainrec export {fmt} -j {j}", sec, values, du(o)))
-            print(f"  {rows[-1][0]:<40} {sec:8.2f} s  {values / sec / 1e6:6.2f} M values/s  {du(o) / 1e6:7.0f} MB")
+            label = f"trainrec export {fmt} -j {j}"
+            sec = timed([*trainrec, "export", fmt, run_dir, "-o", o, "-j", str(j)], label=label)
+            rows.append((label, sec, values, du(o)))
+            print(f"  {label:<40} {sec:8.2f} s wall {CPU[label]:8.2f} s CPU  {values / sec / 1e6:6.2f} M values/s"
+                  f"  {du(o) / 1e6:7.0f} MB")
             if fmt == "tb":
                 shutil.rmtree(o)  # ~1.5 GB each
     csv_dir = os.path.join(args.work, "csv-j1")
@@ -104,9 +116,10 @@ def main() -> int:
         o = out(f"csv2tb-ours-j{j}")
         code = ("import sys; from trainrec.tools.csv2tb import csv2tensorboard_by_step as c; "
                 f"c({csv_dir!r}, None, None, process_num={j}, output_dirpath={o!r}, data_type_list=list({KINDS!r}))")
-        sec = timed([PY, "-c", code])
-        rows.append((f"our csv2tensorboard_by_step, {j} proc", sec, values, du(o)))
-        print(f"  {rows[-1][0]:<40} {sec:8.2f} s  {values / sec / 1e6:6.2f} M values/s")
+        label = f"our csv2tensorboard_by_step, {j} proc"
+        sec = timed([PY, "-c", code], label=label)
+        rows.append((label, sec, values, du(o)))
+        print(f"  {label:<40} {sec:8.2f} s wall {CPU[label]:8.2f} s CPU  {values / sec / 1e6:6.2f} M values/s")
         shutil.rmtree(o)
     if not args.skip_reference:
         if not os.path.exists(REF_PY):
@@ -122,11 +135,12 @@ def main() -> int:
             for s in range(args.ref_steps):
                 shutil.copy(os.path.join(src, f"{kind}_{s}-{s}.csv"), dst)
         ref_values = 2 * args.ref_steps * args.tensors * 6
-        startup = timed([REF_PY, "-c", "from msprobe.pytorch.monitor.csv2tb import csv2tensorboard_by_step"])
+        startup = timed([REF_PY, "-c", "from msprobe.pytorch.monitor.csv2tb import csv2tensorboard_by_step"],
+                        label="ref start-up")
         o = out("ref-tb")
         code = ("from msprobe.pytorch.monitor.csv2tb import csv2tensorboard_by_step as c; "
                 f"c({sub!r}, None, None, process_num=1, output_dirpath={o!r}, data_type_list=list({KINDS!r}))")
-        sec = timed([REF_PY, "-c", code])
+        sec = timed([REF_PY, "-c", code], label="ref")
         work = max(sec - startup, 1e-9)
         per_value = work / ref_values
         full = startup + per_value * values
@@ -135,7 +149,9 @@ def main() -> int:
               f"(extrapolated) = {values / (per_value * values) / 1e6:.3f} M values/s")
         rows.append(("reference csv2tensorboard_by_step (extrapolated)", full, values, 0))
         ours_tb = next(r[1] for r in rows if r[0] == "trainrec export tb -j 1")
+        print(f"  (reference CPU {CPU['ref']:.1f} s for {sec:.1f} s wall)")
         print(f"  speed-up of trainrec export tb -j 1 over the reference: {full / ours_tb:.0f}x")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
     return 0
 
 

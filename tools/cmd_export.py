@@ -40,6 +40,7 @@ from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, StepEnded, TensorStatsRecorded
 
 from .export_files import ExportTask, TaskResult, pool_context, run_task
+from .runarg import add_run_arguments
 
 MARKER = ".trainrec-export.json"
 FORMATS = {"csv": "CSV files", "tb": "TensorBoard event files"}
@@ -95,11 +96,8 @@ def add_parser(subparsers) -> None:
     fsub.required = True
     for fmt, what in FORMATS.items():
         q = fsub.add_parser(fmt, help=f"export {what}")
-        q.add_argument("run", metavar="RUN", help="output directory, rank directory or log file")
+        add_run_arguments(q)
         q.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write (must not exist or be empty)")
-        q.add_argument("--run-id", help="the run whose id starts with this")
-        q.add_argument("--time-start", metavar="STAMP", help="runs with a rank directory stamped at or after e.g. Nov30_11-13-33")
-        q.add_argument("--time-end", metavar="STAMP", help="... and at or before this stamp (inclusive)")
         q.add_argument("--types", type=_types_arg, action="append", metavar="TYPES",
                        help=f"data types, comma separated (default all: {','.join(KINDS)})")
         q.add_argument("--steps", type=_steps_arg("step"), metavar="RANGES", help="steps to export, e.g. 10-20,30")
