@@ -133,50 +133,77 @@ class _SeriesState:
         self.last = grow(self.last, 0.0)
         self.last_ok = grow(self.last_ok, False)
 
-    def index(self, sids: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        self.ensure(int(sids.max()) + 1 if len(sids) else 0)
-        return sids[:, None], cols[None, :]
+    def index(self, sids: np.ndarray, cols: np.ndarray) -> tuple:
+        """A selector of the (rows x ops) block: slices (views, no copies) when the series ids are
+        consecutive and the op columns in order, which is the usual case; index arrays otherwise."""
+        n = len(sids)
+        self.ensure(int(sids.max()) + 1 if n else 0)
+        k = len(cols)
+        c0 = int(cols[0]) if k else 0
+        cs = slice(c0, c0 + k) if k and np.array_equal(cols, np.arange(c0, c0 + k)) else cols[None, :]
+        s0 = int(sids[0]) if n else 0
+        if n and int(sids[-1]) - s0 == n - 1 and (n < 3 or bool((np.diff(sids) == 1).all())):
+            rs = slice(s0, s0 + n)
+        else:
+            rs = sids[:, None]
+        if isinstance(rs, slice) != isinstance(cs, slice):
+            # mixed slice/array indexing moves axes around; use arrays for both
+            rs = sids[:, None] if isinstance(rs, slice) else rs
+            cs = cols[None, :] if isinstance(cs, slice) else cs
+        return rs, cs
 
-    def update(self, si: np.ndarray, ci: np.ndarray, x: np.ndarray, finite: np.ndarray) -> None:
+    def update(self, sel: tuple, x: np.ndarray, finite: np.ndarray) -> None:
         """Push the finite values of ``x`` (rows x ops) into their rings; note the last observation."""
-        s2, c2 = np.broadcast_arrays(si, ci)
-        sf, cf = s2[finite], c2[finite]
-        p = self.pos[sf, cf]
-        self.ring[sf, cf, p] = x[finite]
-        self.pos[sf, cf] = (p + 1) % self.window
-        self.count[sf, cf] = np.minimum(self.count[sf, cf] + 1, self.window)
-        self.last[sf, cf] = x[finite]
-        self.last_ok[si, ci] = finite
+        rs, cs = sel
+        w = self.window
+        view = isinstance(rs, slice)
+        ring = self.ring[rs, cs]
+        pos = self.pos[rs, cs]
+        p = pos[..., None]
+        old = np.take_along_axis(ring, p, axis=-1)[..., 0]
+        np.put_along_axis(ring, p, np.where(finite, x, old)[..., None], axis=-1)
+        if not view:
+            self.ring[rs, cs] = ring
+        self.pos[rs, cs] = np.where(finite, pos + 1, pos) % w
+        self.count[rs, cs] = np.where(finite, np.minimum(self.count[rs, cs] + 1, w), self.count[rs, cs])
+        self.last[rs, cs] = np.where(finite, x, self.last[rs, cs])
+        self.last_ok[rs, cs] = finite
+
+
+def _median_sorted(s: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Median along the last axis of sorted windows holding ``n`` finite values (NaN padding last)."""
+    w = s.shape[-1]
+    if n.size and int(n.min()) == w:
+        return (s[..., (w - 1) // 2] + s[..., w // 2]) * 0.5
+    lo = np.maximum(n - 1, 0) // 2
+    hi = np.minimum(n // 2, w - 1)
+    a = np.take_along_axis(s, lo[..., None], axis=-1)[..., 0]
+    b = np.take_along_axis(s, hi[..., None], axis=-1)[..., 0]
+    med = (a + b) * 0.5
+    med[n == 0] = np.nan
+    return med
 
 
 def _window_median(values: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Median along the last axis of the first ``n`` finite values (NaN padding sorts last)."""
-    s = np.sort(values, axis=-1)
-    lo = np.maximum(n - 1, 0) // 2
-    hi = n // 2
-    a = np.take_along_axis(s, lo[..., None], axis=-1)[..., 0]
-    b = np.take_along_axis(s, np.minimum(hi, values.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-    med = (a + b) * 0.5
-    med[n == 0] = np.nan
-    return med
+    return _median_sorted(np.sort(values, axis=-1), n)
 
 
 def _op_floors(ops: Sequence[str], floor: float) -> np.ndarray:
     return np.array([max(floor, OP_FLOORS.get(op, 0.0)) for op in ops])
 
 
-def _nan_flags(state: _SeriesState, si, ci, ops, x, finite) -> tuple[np.ndarray, np.ndarray]:
+def _nan_flags(state: _SeriesState, sel: tuple, ops, x, finite) -> tuple[np.ndarray, np.ndarray]:
     """A series turning non-finite after a finite value, and a nans count rising from 0 (also at the
     first observation); with their baselines. A series that is NaN from its start is not flagged: the
     reference (and the recorder) write NaN for a tensor that is absent (None), and a real NaN tensor
     shows in its finite ``nans`` count."""
-    last_ok = state.last_ok[si, ci]
-    last = state.last[si, ci]
-    flags = ~finite & last_ok
+    last = state.last[sel]
+    flags = ~finite & state.last_ok[sel]
     if NANS_OP in ops:
         j = ops.index(NANS_OP)
         flags[:, j] |= finite[:, j] & (x[:, j] > 0) & (last[:, j] == 0)
-    return flags, np.where(state.count[si, ci] > 0, last, np.nan)
+    return flags, np.where(state.count[sel] > 0, last, np.nan)
 
 
 # --------------------------------------------------------------------------------------------- rules
@@ -184,7 +211,8 @@ class Rule:
     """A detection rule over series. ``observe`` judges one record and then updates the state.
 
     ``observe(sids, ops, values)``: ``sids`` are unique series ids (one per row), ``values`` a float64
-    ``rows x len(ops)`` matrix. Returns ``(flags, baselines)``, both ``rows x len(ops)``.
+    ``rows x len(ops)`` matrix. Returns ``(flags, baselines)``, both ``rows x len(ops)``; a baseline is
+    only defined where a flag is set (elsewhere it may be NaN).
     """
 
     name = "Rule"
@@ -218,10 +246,10 @@ class NaNInf(Rule):
 
     def observe(self, sids, ops, values):
         st = self._state
-        si, ci = st.index(sids, st.columns(ops))
+        sel = st.index(sids, st.columns(ops))
         finite = np.isfinite(values)
-        flags, base = _nan_flags(st, si, ci, ops, values, finite)
-        st.update(si, ci, values, finite)
+        flags, base = _nan_flags(st, sel, ops, values, finite)
+        st.update(sel, values, finite)
         return flags, base
 
 
@@ -261,37 +289,68 @@ class AnomalyTurbulence(Rule):
 
     def observe(self, sids, ops, values):
         st = self._state
-        si, ci = st.index(sids, st.columns(ops))
+        sel = st.index(sids, st.columns(ops))
         x = values
         finite = np.isfinite(x)
-        hist = st.ring[si, ci]  # rows x ops x W
-        n = st.count[si, ci]
-        med = _window_median(hist, n)
+        hist = st.ring[sel]  # rows x ops x W (a view in the usual case)
+        n = st.count[sel]
+        last = st.last[sel]
+        floors = _op_floors(ops, self.floor)
+        t = self.threshold
+        jmin = ops.index("min") if self.range_floor and "min" in ops and "max" in ops else -1
+        jmax = ops.index("max") if jmin >= 0 else -1
+        value_cols = [ops.index(op) for op in _VALUE_OPS if op in ops] if jmin >= 0 else []
+        flags = np.zeros(x.shape, dtype=bool)
+        base = np.full(x.shape, np.nan)
         with np.errstate(invalid="ignore", divide="ignore"):
-            spread = _window_median(np.abs(hist - med[..., None]), n)
-            scale = np.maximum(np.maximum(np.abs(med), self.noise * spread), _op_floors(ops, self.floor))
-            if self.range_floor and "min" in ops and "max" in ops:
-                absmax = np.maximum(np.abs(med[:, ops.index("min")]), np.abs(med[:, ops.index("max")]))
-                for op in _VALUE_OPS:
-                    if op in ops:
-                        j = ops.index(op)
-                        scale[:, j] = np.fmax(scale[:, j], self.range_floor * absmax)
-            diff = np.abs(x - med)
+            # 1. Candidates, cheaply: the change is at most the distance to the window's extremes
+            #    (and, with sudden, to the previous value); the scale is at least L below. Only
+            #    candidates (a small fraction) get the exact medians, which need sorting.
+            hmin = np.fmin.reduce(hist, axis=-1)
+            hmax = np.fmax.reduce(hist, axis=-1)
+            low = np.where(hmin > 0, hmin, np.where(hmax < 0, -hmax, 0.0))  # <= |median|
+            bound_scale = np.maximum(low, floors)
+            if jmin >= 0:
+                low_abs = np.maximum(low[:, jmin], low[:, jmax])
+                for j in value_cols:
+                    bound_scale[:, j] = np.maximum(bound_scale[:, j], self.range_floor * low_abs)
+            bound = np.maximum(np.abs(x - hmin), np.abs(x - hmax))
             if self.sudden:
-                diff = np.fmin(diff, np.where(n > 0, np.abs(x - st.last[si, ci]), np.nan))
-            dev = diff / scale
-            flags = finite & (n >= max(self.warmup, 1)) & (dev > self.threshold)
-        base = med
-        if NANS_OP in ops:
-            flags[:, ops.index(NANS_OP)] = False
-        if self.nan:
-            nan_flags, last = _nan_flags(st, si, ci, ops, x, finite)
+                bound = np.fmin(bound, np.abs(x - last))
+            cand = finite & (n >= max(self.warmup, 1)) & (bound > t * bound_scale)
             if NANS_OP in ops:
-                j = ops.index(NANS_OP)
-                base = med.copy()
-                base[:, j] = last[:, j]
+                cand[:, ops.index(NANS_OP)] = False
+            rows = np.flatnonzero(cand.any(axis=1))
+            if rows.size:
+                # 2. Exact: median baseline, MAD spread, floors, change, deviation
+                h = hist[rows]
+                nr = n[rows]
+                xr = x[rows]
+                med = _window_median(h, nr)
+                dev_hist = np.abs(h - med[..., None])
+                dev_hist.sort(axis=-1)
+                spread = _median_sorted(dev_hist, nr)
+                scale = np.maximum(np.maximum(np.abs(med), self.noise * spread), floors)
+                if jmin >= 0:
+                    absmax = np.maximum(np.abs(med[:, jmin]), np.abs(med[:, jmax]))
+                    for j in value_cols:
+                        scale[:, j] = np.fmax(scale[:, j], self.range_floor * absmax)
+                diff = np.abs(xr - med)
+                if self.sudden:
+                    diff = np.fmin(diff, np.abs(xr - last[rows]))
+                flags[rows] = cand[rows] & (diff / scale > t)
+                base[rows] = med
+        if self.nan:
+            nan_flags, nan_base = _nan_flags(st, sel, ops, x, finite)
+            nf = np.flatnonzero(nan_flags.any(axis=1))
+            if nf.size:
+                # a NaN's baseline is the window's median; a nans count's is the previous count
+                base[nf] = _window_median(hist[nf], n[nf])
+                if NANS_OP in ops:
+                    j = ops.index(NANS_OP)
+                    base[nf, j] = nan_base[nf, j]
             flags |= nan_flags
-        st.update(si, ci, x, finite)
+        st.update(sel, x, finite)
         return flags, base
 
 
@@ -313,11 +372,11 @@ class ZScore(Rule):
 
     def observe(self, sids, ops, values):
         st = self._state
-        si, ci = st.index(sids, st.columns(ops))
+        sel = st.index(sids, st.columns(ops))
         x = values
         finite = np.isfinite(x)
-        hist = st.ring[si, ci]
-        n = st.count[si, ci]
+        hist = st.ring[sel]
+        n = st.count[sel]
         with np.errstate(invalid="ignore", divide="ignore"):
             ok = np.isfinite(hist)
             h0 = np.where(ok, hist, 0.0)
@@ -326,7 +385,7 @@ class ZScore(Rule):
             scale = np.maximum(np.sqrt(var), _op_floors(ops, self.floor))
             z = np.abs(x - mean) / scale
             flags = finite & (n >= max(self.warmup, 2)) & (z > self.threshold)
-        st.update(si, ci, x, finite)
+        st.update(sel, x, finite)
         return flags, mean
 
 

@@ -80,8 +80,8 @@ def test_nan_is_flagged_once_and_does_not_poison():
     series = LEAD + [NAN, NAN, NAN, 1, 1, 2, 1, INF, -INF, 1, 0.1]
     assert flags(series, rule) == [8, 13, 15, 18]
     # the baseline after the NaNs is still the median of the finite values
-    b = baselines(LEAD + [NAN, NAN, 1.2], AnomalyTurbulence(0.5))
-    assert b[-1] == 1.0
+    b = baselines(LEAD + [NAN, NAN, 3.0], AnomalyTurbulence(0.5))
+    assert b[-1] == 1.0 and b[-3] == 1.0  # the NaN's own baseline too
 
 
 def test_nan_right_after_the_start_is_flagged_despite_warmup():
@@ -219,9 +219,9 @@ def test_ops_order_and_new_ops_between_records():
     rule = AnomalyTurbulence(0.5)
     for _ in range(10):
         rule.observe(np.array([0]), ("min", "max"), np.array([[1.0, 2.0]]))
-    f, b = rule.observe(np.array([0]), ("max", "norm", "min"), np.array([[2.0, 5.0, 1.0]]))
-    assert b[0, 0] == 2.0 and math.isnan(b[0, 1]) and b[0, 2] == 1.0
-    assert not f.any()
+    f, b = rule.observe(np.array([0]), ("max", "norm", "min"), np.array([[20.0, 5.0, 1.0]]))
+    assert f[0].tolist() == [True, False, False]  # norm is a new series, still in its warm-up
+    assert b[0, 0] == 2.0
 
 
 def test_detector_event_fields_and_message():
@@ -305,3 +305,81 @@ def test_alert_config_errors_name_the_key(raw, key, text):
         validate_alert_config(raw, source="monitor.json")
     assert info.value.key == key
     assert str(info.value).startswith(f"monitor.json: config key {key!r}")
+
+
+# ----------------------------------------------------------------------- the documented math, naively
+def naive_turbulence(data, ops, threshold, window=16, warmup=8, noise=8.0, range_floor=0.2, floor=0.0, sudden=True):
+    """AnomalyTurbulence as its docstring states it, one value at a time in plain Python."""
+    import statistics
+
+    floors = {"zeros": 0.2, "nans": 1.0}
+    steps, rows, _ = data.shape
+    hist = {}
+    last = {}
+    last_ok = {}
+    out = set()
+    for t in range(steps):
+        meds = {}
+        for r in range(rows):
+            for op in ops:
+                h = hist.get((r, op), [])
+                meds[(r, op)] = statistics.median(h) if h else math.nan
+        for r in range(rows):
+            for j, op in enumerate(ops):
+                v = float(data[t, r, j])
+                h = hist.setdefault((r, op), [])
+                prev = last.get((r, op), 0.0)
+                if not math.isfinite(v):
+                    if last_ok.get((r, op), False):
+                        out.add((t, r, op))
+                    last_ok[(r, op)] = False
+                    continue
+                if op == "nans":
+                    if v > 0 and prev == 0:
+                        out.add((t, r, op))
+                elif len(h) >= warmup and h:
+                    med = meds[(r, op)]
+                    spread = statistics.median(abs(x - med) for x in h)
+                    scale = max(abs(med), noise * spread, floor, floors.get(op, 0.0))
+                    if op in ("min", "max", "mean") and "min" in ops and "max" in ops:
+                        scale = max(scale, range_floor * max(abs(meds[(r, "min")]), abs(meds[(r, "max")])))
+                    change = abs(v - med)
+                    if sudden:
+                        change = min(change, abs(v - prev))
+                    if change > threshold * scale:
+                        out.add((t, r, op))
+                h.append(v)
+                del h[:-window]
+                last[(r, op)] = v
+                last_ok[(r, op)] = True
+    return out
+
+
+@pytest.mark.parametrize("sudden", [True, False])
+@pytest.mark.parametrize("sigma", [0.1, 0.3])
+def test_vectorised_rule_equals_the_documented_math(sudden, sigma):
+    rng = np.random.default_rng(11)
+    ops = ("min", "max", "norm", "mean", "zeros", "nans")
+    steps, rows = 40, 12
+    mag = 10.0 ** rng.uniform(-6, 2, rows)
+    noise = rng.lognormal(0, sigma, (steps, rows))
+    data = np.stack([-mag * noise, mag * noise * 1.1, 5 * mag * noise, mag * rng.normal(0, 0.05, (steps, rows)),
+                     rng.uniform(0, 0.3, (steps, rows)), np.zeros((steps, rows))], axis=2)
+    data[:, 0, :4] = 0.0  # a tensor that stays exactly zero, then moves
+    data[30:, 0, :4] = 1e-3
+    data[20, 3, :] *= 40  # spikes, up and down
+    data[25, 4, :4] /= 40
+    data[15:18, 5, :5] = np.nan  # NaN for a while, with its count
+    data[15:18, 5, 5] = 12
+    data[22, 6, 2] = np.inf
+    got = set()
+    rule = AnomalyTurbulence(0.5, sudden=sudden)
+    for t in range(steps):
+        f, _ = rule.observe(np.arange(rows), ops, data[t])
+        got.update((t, int(r), ops[j]) for r, j in zip(*np.nonzero(f), strict=True))
+    expected = naive_turbulence(data, ops, 0.5, sudden=sudden)
+    assert got == expected
+    assert len(got) > 20
+    assert {(20, 3, "norm"), (15, 5, "nans"), (15, 5, "mean"), (22, 6, "norm")} <= got
+    if sigma == 0.1:  # a drop cannot leave a noisy series' spread: at sigma 0.3 the noise floor wins
+        assert (25, 4, "norm") in got
