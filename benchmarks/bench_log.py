@@ -5,8 +5,9 @@ Workloads (6 ops per tensor: min, max, norm, mean, zeros, nans; float32 values):
 
 * ``steps``: STEPS steps x TENSORS tensors, one ``TensorStatsRecorded`` per step with every per-row
   column a recorder fills for activations (name ids, call ids, slots, micro steps);
-* ``wide``: 1 step x WIDE tensors per file (a whole file life: create, intern the names, one record,
-  close), repeated WIDE_REPEAT times because one such file is too quick to time.
+* ``wide``: 1 step x WIDE tensors, too quick to time once, so repeated WIDE_REPEAT times in two ways:
+  as WIDE_REPEAT steps of one file, and as WIDE_REPEAT separate files of one step each (a whole file
+  life each time: create, intern every name, one record, close).
 
 trainrec goes through the real :class:`LogWriter` (training thread hands over, worker thread encodes
 and writes; the time runs from creating the writer to ``close()`` returning, i.e. everything flushed
@@ -295,7 +296,20 @@ def main(argv: list[str] | None = None) -> int:
             f"intern() of the {args.tensors} known names: median {np.median(icost):.1f} us"
         )
 
-        # trainrec, wide workload
+        # trainrec, wide workload: WIDE_REPEAT steps in one file
+        wide_steps = Data(args.wide_repeat, args.wide, seed=1)
+        ws, rs = [], []
+        for i in range(args.repeat):
+            res = trainrec_write(wide_steps, os.path.join(base, f"Nov30_11-13-33-rank1-{i:08x}"))
+            ws.append(res["seconds"])
+            rs.append(trainrec_read(res["path"])["seconds"])
+        nw = wide_steps.n_values
+        rows.append((f"trainrec, {args.wide_repeat} steps x {args.wide} tensors, one file",
+                     fmt_rate(nw / min(ws)) + f" (median {fmt_rate(nw / statistics.median(ws))})",
+                     fmt_rate(nw / min(rs)) + f" (median {fmt_rate(nw / statistics.median(rs))})",
+                     f"{res['bytes'] / nw:.2f}", f"{nw:,}"))
+
+        # trainrec, wide workload: WIDE_REPEAT files of one step each
         wides_w, wides_r = [], []
         for i in range(args.repeat):
             ww, wr = trainrec_wide(wide, os.path.join(base, f"wide{i}"), args.wide_repeat)
@@ -305,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         rbest = min(wides_r, key=lambda r: r["seconds"])
         nv = wbest["values"]
         stats_only = nv * 4 + args.wide * (4 + 4 + 1 + 2) * args.wide_repeat
-        rows.append((f"trainrec, 1 step x {args.wide} tensors, {args.wide_repeat} files",
+        rows.append((f"trainrec, 1 step x {args.wide} tensors, {args.wide_repeat} separate files",
                      fmt_rate(nv / wbest["seconds"]), fmt_rate(nv / rbest["seconds"]),
                      f"{wbest['bytes'] / nv:.2f}", f"{nv:,}"))
         notes.append(
