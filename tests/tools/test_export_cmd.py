@@ -180,3 +180,16 @@ def test_resume_supersedes_earlier_steps(tmp_path):
     base = tmp_path / "o" / os.path.basename(rdir)
     mins = {s: (base / f"param_{s}-{s}.csv").read_text().splitlines()[1].split(",")[3] for s in range(6)}
     assert mins == {0: "0.0", 1: "1.0", 2: "2.0", 3: "30.0", 4: "40.0", 5: "50.0"}
+
+
+def test_progress_bar_only_on_a_terminal(two_ranks, tmp_path, capsys):
+    from trainrec.tools.cmd_export import Progress
+
+    assert main(["export", "csv", str(two_ranks), "-o", str(tmp_path / "q"), "-j", "2"]) == 0
+    assert capsys.readouterr().err == ""  # not a terminal: quiet
+    bar = Progress(total=4_000_000, tasks=2, label="export tb", enabled=True)
+    bar.advance(2_000_000)
+    bar.advance(2_000_000, task_done=True)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\rexport tb [" in err and "100%" in err and "1/2 parts" in err and err.endswith("\n")
