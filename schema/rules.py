@@ -95,12 +95,15 @@ REFERENCE_FIELDS = (
 
 # --------------------------------------------------------------------------------------------- state
 class _SeriesState:
-    """Per-(series, op column) arrays: a ring of the last W finite values and the last observation."""
+    """Per-(series, op column) arrays: a ring of the last W finite values and the last observation.
+
+    The ring is stored window-first, ``(W, series, ops)``, so reductions over the window run across
+    contiguous planes (20x faster in numpy than over a short last axis)."""
 
     def __init__(self, window: int) -> None:
         self.window = window
         self.cols: dict[str, int] = {}
-        self.ring = np.full((0, 0, window), np.nan)
+        self.ring = np.full((window, 0, 0), np.nan)
         self.pos = np.zeros((0, 0), dtype=np.int32)
         self.count = np.zeros((0, 0), dtype=np.int32)  # finite values in the ring (<= window)
         self.last = np.zeros((0, 0))  # last finite value (0 before any)
@@ -114,7 +117,7 @@ class _SeriesState:
         return np.fromiter((cols[op] for op in ops), dtype=np.intp, count=len(ops))
 
     def ensure(self, n_series: int) -> None:
-        rows, ncols = self.ring.shape[:2]
+        rows, ncols = self.pos.shape
         want_cols = len(self.cols)
         if n_series <= rows and want_cols <= ncols:
             return
@@ -127,7 +130,9 @@ class _SeriesState:
             b[: a.shape[0], : a.shape[1]] = a
             return b
 
-        self.ring = grow(self.ring, np.nan)
+        ring = np.full((self.window, new_rows, new_cols), np.nan)
+        ring[:, :rows, :ncols] = self.ring
+        self.ring = ring
         self.pos = grow(self.pos, 0)
         self.count = grow(self.count, 0)
         self.last = grow(self.last, 0.0)
@@ -157,17 +162,21 @@ class _SeriesState:
         rs, cs = sel
         w = self.window
         view = isinstance(rs, slice)
-        ring = self.ring[rs, cs]
+        ring = self.ring[:, rs, cs]
         pos = self.pos[rs, cs]
-        p = pos[..., None]
-        old = np.take_along_axis(ring, p, axis=-1)[..., 0]
-        np.put_along_axis(ring, p, np.where(finite, x, old)[..., None], axis=-1)
+        p = pos[None]
+        old = np.take_along_axis(ring, p, axis=0)[0]
+        np.put_along_axis(ring, p, np.where(finite, x, old)[None], axis=0)
         if not view:
-            self.ring[rs, cs] = ring
+            self.ring[:, rs, cs] = ring
         self.pos[rs, cs] = np.where(finite, pos + 1, pos) % w
         self.count[rs, cs] = np.where(finite, np.minimum(self.count[rs, cs] + 1, w), self.count[rs, cs])
         self.last[rs, cs] = np.where(finite, x, self.last[rs, cs])
         self.last_ok[rs, cs] = finite
+
+    def values(self, sel: tuple) -> np.ndarray:
+        """The windows of a selection, ``(W, rows, ops)`` (a view for slice selections)."""
+        return self.ring[(slice(None), *sel)]
 
 
 def _median_sorted(s: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -292,7 +301,7 @@ class AnomalyTurbulence(Rule):
         sel = st.index(sids, st.columns(ops))
         x = values
         finite = np.isfinite(x)
-        hist = st.ring[sel]  # rows x ops x W (a view in the usual case)
+        hist = st.values(sel)  # W x rows x ops (a view in the usual case)
         n = st.count[sel]
         last = st.last[sel]
         floors = _op_floors(ops, self.floor)
@@ -306,8 +315,8 @@ class AnomalyTurbulence(Rule):
             # 1. Candidates, cheaply: the change is at most the distance to the window's extremes
             #    (and, with sudden, to the previous value); the scale is at least L below. Only
             #    candidates (a small fraction) get the exact medians, which need sorting.
-            hmin = np.fmin.reduce(hist, axis=-1)
-            hmax = np.fmax.reduce(hist, axis=-1)
+            hmin = np.fmin.reduce(hist, axis=0)
+            hmax = np.fmax.reduce(hist, axis=0)
             low = np.where(hmin > 0, hmin, np.where(hmax < 0, -hmax, 0.0))  # <= |median|
             bound_scale = np.maximum(low, floors)
             if jmin >= 0:
@@ -323,7 +332,7 @@ class AnomalyTurbulence(Rule):
             rows = np.flatnonzero(cand.any(axis=1))
             if rows.size:
                 # 2. Exact: median baseline, MAD spread, floors, change, deviation
-                h = hist[rows]
+                h = np.moveaxis(hist[:, rows], 0, -1)  # candidates x ops x W
                 nr = n[rows]
                 xr = x[rows]
                 med = _window_median(h, nr)
@@ -345,7 +354,7 @@ class AnomalyTurbulence(Rule):
             nf = np.flatnonzero(nan_flags.any(axis=1))
             if nf.size:
                 # a NaN's baseline is the window's median; a nans count's is the previous count
-                base[nf] = _window_median(hist[nf], n[nf])
+                base[nf] = _window_median(np.moveaxis(hist[:, nf], 0, -1), n[nf])
                 if NANS_OP in ops:
                     j = ops.index(NANS_OP)
                     base[nf, j] = nan_base[nf, j]
@@ -375,13 +384,12 @@ class ZScore(Rule):
         sel = st.index(sids, st.columns(ops))
         x = values
         finite = np.isfinite(x)
-        hist = st.ring[sel]
+        hist = st.values(sel)  # W x rows x ops
         n = st.count[sel]
         with np.errstate(invalid="ignore", divide="ignore"):
             ok = np.isfinite(hist)
-            h0 = np.where(ok, hist, 0.0)
-            mean = h0.sum(axis=-1) / n
-            var = (np.where(ok, hist - mean[..., None], 0.0) ** 2).sum(axis=-1) / n
+            mean = np.where(ok, hist, 0.0).sum(axis=0) / n
+            var = (np.where(ok, hist - mean, 0.0) ** 2).sum(axis=0) / n
             scale = np.maximum(np.sqrt(var), _op_floors(ops, self.floor))
             z = np.abs(x - mean) / scale
             flags = finite & (n >= max(self.warmup, 2)) & (z > self.threshold)
