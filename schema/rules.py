@@ -161,14 +161,12 @@ class _SeriesState:
         """Push the finite values of ``x`` (rows x ops) into their rings; note the last observation."""
         rs, cs = sel
         w = self.window
-        view = isinstance(rs, slice)
-        ring = self.ring[:, rs, cs]
+        _, nrows, ncols = self.ring.shape
+        r = np.arange(rs.start, rs.stop)[:, None] if isinstance(rs, slice) else rs
+        c = np.arange(cs.start, cs.stop)[None, :] if isinstance(cs, slice) else cs
         pos = self.pos[rs, cs]
-        p = pos[None]
-        old = np.take_along_axis(ring, p, axis=0)[0]
-        np.put_along_axis(ring, p, np.where(finite, x, old)[None], axis=0)
-        if not view:
-            self.ring[:, rs, cs] = ring
+        flat = (pos * nrows + r) * ncols + c  # where each value goes in the (W, series, ops) ring
+        self.ring.reshape(-1)[flat[finite]] = x[finite]
         self.pos[rs, cs] = np.where(finite, pos + 1, pos) % w
         self.count[rs, cs] = np.where(finite, np.minimum(self.count[rs, cs] + 1, w), self.count[rs, cs])
         self.last[rs, cs] = np.where(finite, x, self.last[rs, cs])
