@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{r['median_base_us']:.1f} us without, {r['median_us']:.1f} us with; paired difference "
                         f"{r['diff_mean_us']:+.2f} us (stdev {r['diff_stdev_us']:.2f}; baseline stdev "
                         f"{r['base_block_stdev_us']:.2f}); inside poll() {r['in_poll_per_step_us']:.2f} us/step; "
-                        f"{r['rounds_per_block']:.1f} rounds per {args.steps} steps"
+                        f"{r['rounds_per_block']:.1f} rounds per {args.steps} steps "
+                        f"({r['in_poll_per_step_us'] * args.steps / max(r['rounds_per_block'], 1e-9):.0f} us per round)"
                     )
     return 0
 
