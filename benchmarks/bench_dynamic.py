@@ -61,8 +61,10 @@ class _Model:
         self.opt.step()
 
 
-def _block(model: _Model, watcher, start: int, n: int, reduce: bool) -> tuple[list[float], float]:
-    """Run ``n`` steps; per-step times and the total time spent in poll()."""
+def _block(
+    model: _Model, watcher, start: int, n: int, reduce: bool, polls: list | None = None
+) -> tuple[list[float], float]:
+    """Run ``n`` steps; per-step times and the total time spent in poll() (each one into ``polls``)."""
     times = []
     in_poll = 0.0
     pc = time.perf_counter
@@ -72,7 +74,10 @@ def _block(model: _Model, watcher, start: int, n: int, reduce: bool) -> tuple[li
         if watcher is not None:
             t1 = pc()
             watcher.poll(step)
-            in_poll += pc() - t1
+            d = pc() - t1
+            in_poll += d
+            if polls is not None:
+                polls.append(d)
         times.append(pc() - t0)
     return times, in_poll
 
@@ -115,7 +120,7 @@ def bench_single(directory: str, blocks: int, steps: int) -> dict:
     torch.set_num_threads(1)
     model = _Model()
     path = _config_file(directory)
-    base, watched, in_poll = [], [], 0.0
+    base, watched, in_poll, polls = [], [], 0.0, []
     step = 0
     _block(model, None, 0, 50, False)  # warm-up
     for _ in range(blocks):
@@ -126,13 +131,18 @@ def bench_single(directory: str, blocks: int, steps: int) -> dict:
         w.start()
         w.poll(step - 1)  # the initial state (switch false): not part of the idle cost
         time.sleep(0.3)  # let the observer threads finish starting: start-up is not the idle cost
-        times, p = _block(model, w, step, steps, False)
+        times, p = _block(model, w, step, steps, False, polls)
         w.close()
         watched.append(times)
         in_poll += p
         step += steps
     out = _summary(base, watched)
     out["in_poll_per_step_us"] = in_poll / (blocks * steps) * 1e6
+    polls.sort()
+    out["poll_p50_us"] = polls[len(polls) // 2] * 1e6
+    out["poll_p99_us"] = polls[int(len(polls) * 0.99)] * 1e6
+    out["poll_max_us"] = polls[-1] * 1e6
+    out["polls_over_1ms"] = sum(d > 1e-3 for d in polls)
     return out
 
 
@@ -213,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             f"1 process, {args.blocks} x {args.steps} steps: median step {s['median_base_us']:.1f} us without, "
             f"{s['median_us']:.1f} us with the watcher; paired difference {s['diff_mean_us']:+.2f} us "
             f"(stdev over blocks {s['diff_stdev_us']:.2f} us; baseline block-to-block stdev "
-            f"{s['base_block_stdev_us']:.2f} us); time inside poll() {s['in_poll_per_step_us']:.3f} us/step"
+            f"{s['base_block_stdev_us']:.2f} us); time inside poll() {s['in_poll_per_step_us']:.3f} us/step "
+            f"(timed with perf_counter around it: p50 {s['poll_p50_us']:.2f} us, p99 {s['poll_p99_us']:.2f} us, "
+            f"max {s['poll_max_us']:.0f} us, {s['polls_over_1ms']} of {args.blocks * args.steps} over 1 ms)"
         )
         if args.ranks > 1:
             for o in bench_ranks(d, args.ranks, args.blocks, args.steps):
