@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -55,16 +56,20 @@ def synthesise(run_dir: str, steps: int, tensors: int) -> None:
 
 
 CPU: dict[str, float] = {}
+PARTS: dict[str, list[float]] = {}
+_PART_RE = re.compile(r"^part \d+: .*: ([0-9.]+) s wall, ([0-9.]+) s CPU$", re.M)
 
 
 def timed(cmd: list[str], env: dict | None = None, label: str = "") -> float:
-    """Wall seconds of a command; its CPU seconds (children included) go to CPU[label]."""
+    """Wall seconds of a command; its CPU seconds (children included) go to CPU[label], and the CPU
+    seconds of each export part (``trainrec -v export`` logs them) to PARTS[label]."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    r = subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     CPU[label] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    PARTS[label] = [float(m.group(2)) for m in _PART_RE.finditer(r.stderr)]
     return wall
 
 
@@ -93,7 +98,7 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     print(f"run: {args.steps} steps x {args.tensors} tensors x 6 ops x {len(KINDS)} kinds = {values:,} values; "
           f"log {log_mb:.0f} MB")
-    trainrec = [PY, "-m", "trainrec.tools.cli"]
+    trainrec = [PY, "-m", "trainrec.tools.cli", "-v"]
     rows = []
 
     def out(name: str) -> str:
@@ -107,8 +112,9 @@ def main() -> int:
             label = f"trainrec export {fmt} -j {j}"
             sec = timed([*trainrec, "export", fmt, run_dir, "-o", o, "-j", str(j)], label=label)
             rows.append((label, sec, values, du(o)))
+            parts = PARTS[label]
             print(f"  {label:<40} {sec:8.2f} s wall {CPU[label]:8.2f} s CPU  {values / sec / 1e6:6.2f} M values/s"
-                  f"  {du(o) / 1e6:7.0f} MB")
+                  f"  {du(o) / 1e6:7.0f} MB; parts' CPU {' + '.join(f'{p:.2f}' for p in parts)} s")
             if fmt == "tb":
                 shutil.rmtree(o)  # ~1.5 GB each
     csv_dir = os.path.join(args.work, "csv-j1")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import logging
 import os
 import shutil
 import sys
@@ -41,6 +42,8 @@ from trainrec.schema.events import KINDS, StepEnded, TensorStatsRecorded
 
 from .export_files import ExportTask, TaskResult, pool_context, run_task
 from .runarg import add_run_arguments
+
+log = logging.getLogger(__name__)
 
 MARKER = ".trainrec-export.json"
 FORMATS = {"csv": "CSV files", "tb": "TensorBoard event files"}
@@ -367,6 +370,8 @@ def run(args) -> int:
 def report(results: list[TaskResult], runs: list[Run], fmt: str, out: str, elapsed: float, args) -> int:
     seen: set[str] = set()
     for res in results:
+        log.info("part %d: rank %d [%s]: %.2f s wall, %.2f s CPU", res.task_id, res.rank, ",".join(res.kinds),
+                 res.seconds, res.cpu_seconds)
         for msg in res.messages:
             if msg not in seen:
                 seen.add(msg)

@@ -245,6 +245,7 @@ class TaskResult:
     messages: list[str] = field(default_factory=list)  # what the user should know (unclosed, torn, damage)
     still_running: bool = False
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
 
 def _pid_alive(host: str, pid: int) -> bool:
@@ -324,6 +325,7 @@ class RankStream:
 def run_task(task: ExportTask, progress: Callable[[int], None] | None = None) -> TaskResult:
     """Export one task; safe to call in a worker process."""
     t0 = time.perf_counter()
+    c0 = time.process_time()
     result = TaskResult(task.task_id, task.rank, task.out_dir, task.kinds)
     stream = RankStream(task, result, progress)
     if task.fmt == "csv":
@@ -356,4 +358,5 @@ def run_task(task: ExportTask, progress: Callable[[int], None] | None = None) ->
     result.dropped_steps = list(s.dropped_steps)
     result.bad_records = s.bad_records
     result.seconds = time.perf_counter() - t0
+    result.cpu_seconds = time.process_time() - c0
     return result
