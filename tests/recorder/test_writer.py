@@ -647,3 +647,27 @@ def test_fsync_mode_writes_the_same_log(tmp_path):
     reader, events = _read(w.path)
     assert reader.problems == [] and reader.closed_cleanly
     assert [e.step for e in events if isinstance(e, TensorStatsRecorded)] == list(range(5))
+
+
+def test_flush_with_a_timeout_reports_a_stalled_worker(tmp_path):
+    w = LogWriter(_rank_dir(tmp_path))
+    release = _stall(w)
+    try:
+        with pytest.raises(WriterError, match="did not finish within"):
+            w.flush(timeout=0.05)
+    finally:
+        release.set()
+    w.flush()
+    w.close()
+    assert read_log(w.path)[0].closed_cleanly
+
+
+def test_sigterm_handler_is_not_installed_over_an_ignored_sigterm():
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        from trainrec.recorder.writer import install_sigterm_handler
+
+        assert install_sigterm_handler() is False
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
