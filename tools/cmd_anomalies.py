@@ -29,10 +29,12 @@ import orjson
 from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
 from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
 from trainrec.analyzers.ranking import PHASE_NAMES, phase_of, rank_anomalies
-from trainrec.replay.run import Run, open_run
+from trainrec.replay.run import Run
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.rules import RULES, Rule, make_rule, rule_arguments
+
+from .runarg import add_run_arguments, open_run_from_args
 
 __all__ = ["add_parser", "format_table", "parse_step_list", "positive_k", "run", "steps_outside", "write_json"]
 
@@ -98,13 +100,10 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "anomalies",
         help="the first anomalies of a run in execution order (recorded, or re-detected with --rule)",
-        description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+        description=__doc__.split("\n\nOrder:")[0].replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run", metavar="RUN", help="output directory, rank directory or log file")
-    p.add_argument("--run-id", help="the run whose id starts with this (default: the latest)")
-    p.add_argument("--time-start", metavar="STAMP", help="the run with a rank directory stamped at or after this")
-    p.add_argument("--time-end", metavar="STAMP", help="... and at or before this stamp")
+    add_run_arguments(p)
     p.add_argument("-k", "--topk", type=positive_k, default=8, metavar="K", help="how many to show (default 8)")
     p.add_argument("--all", action="store_true", help="show every anomaly (overrides -k)")
     p.add_argument("-s", "--steps", type=_steps_arg, default=None, metavar="STEPS",
@@ -229,7 +228,7 @@ def run(args) -> int:
     rules = build_rules(args)
     if args.kinds and not rules:
         raise ConfigError("--kinds selects what to re-detect on and needs --rule", key="--kinds")
-    r = open_run(args.run, run_id=args.run_id, time_start=args.time_start, time_end=args.time_end)
+    r = open_run_from_args(args)
     scan = scan_run(r, rules, args.kinds)
     _report_damage(r)
     where = f"run {r.run_id or args.run}"
