@@ -194,6 +194,16 @@ def _parse_alert(raw: Any, source: str | None) -> tuple:
     return tuple(out)
 
 
+def _validate_alert(raw: Any, source: str | None) -> tuple:
+    """The alert section, checked by the anomaly rules' own validator when it is available."""
+    try:
+        from trainrec.schema.rules import validate_alert_config
+    except ImportError:
+        return _parse_alert(raw, source)
+    norm = validate_alert_config(raw, source=source)
+    return tuple(AlertRule(r["rule_name"], float(r["args"].get("threshold", 0.5))) for r in norm["rules"])
+
+
 def _parse_cc(raw: Any, source: str | None) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"expected an object, got {type(raw).__name__}", "cc_distribution", source)
@@ -267,8 +277,8 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     targets = _parse_targets(raw.get("targets"), source)
     kw["targets"] = targets
     if "alert" in raw:
-        kw["alert"] = dict(raw["alert"])
-        kw["alert_rules"] = _parse_alert(raw["alert"], source)
+        kw["alert"] = dict(raw["alert"]) if isinstance(raw["alert"], dict) else raw["alert"]
+        kw["alert_rules"] = _validate_alert(raw["alert"], source)
     if "cc_distribution" in raw:
         kw["cc_distribution"] = _parse_cc(raw["cc_distribution"], source)
     if kw.get("forward_only") and kw.get("backward_only"):

@@ -175,7 +175,8 @@ class TrainerMon:
             return
         dump_dir = os.path.join(self.output_dir, "anomaly_detected") if cfg.alert.get("dump") else None
         self._alerts = AlertEngine(cfg.alert, rank=self.rank, pp_stage=self.pp_stage,
-                                   group_mates=self.group_mates, dump_dir=dump_dir)
+                                   group_mates=self.group_mates, dump_dir=dump_dir,
+                                   resume=bool(cfg.append_output))
 
     def _start_watcher(self) -> None:
         try:
@@ -342,12 +343,12 @@ class TrainerMon:
                                  content_hash=content_hash, config=dict(config.raw),
                                  start_step=max(config.start_step, step + 1), reason=reason))
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, notify_watcher: bool = True) -> None:
         self._monitoring = False
         self._detach()
         self._emit(MonitoringStopped(rank=self.rank, step=self._step, wall=time.time(), reason=reason,
                                      collections=self._collections))
-        if self._watcher is not None:
+        if self._watcher is not None and notify_watcher:
             try:
                 self._watcher.collection_finished(self._step)
             except Exception as exc:  # noqa: BLE001
@@ -533,7 +534,10 @@ class TrainerMon:
                 update = None
                 self._hook_failed("dynamic config watcher", exc)
             if update is not None:
-                self._apply_config(update.config, finished, update.content_hash)
+                if getattr(update, "switch", True):
+                    self._apply_config(update.config, finished, update.content_hash)
+                elif self._monitoring:
+                    self._stop("switch_off", notify_watcher=False)
         self._begin_step()
 
     def step(self) -> None:
