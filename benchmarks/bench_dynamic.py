@@ -120,11 +120,11 @@ def bench_single(directory: str, blocks: int, steps: int) -> dict:
     torch.set_num_threads(1)
     model = _Model()
     path = _config_file(directory)
-    base, watched, in_poll, polls = [], [], 0.0, []
+    base, watched, in_poll, polls, empty_polls = [], [], 0.0, [], []
     step = 0
     _block(model, None, 0, 50, False)  # warm-up
     for _ in range(blocks):
-        times, _ = _block(model, None, step, steps, False)
+        times, _ = _block(model, _Empty(), step, steps, False, empty_polls)  # no watcher, same timers
         base.append(times)
         step += steps
         w = DynamicConfigWatcher(path, validate=_validate, emit=lambda e: None, rank=0, writes_back=True)
@@ -138,12 +138,20 @@ def bench_single(directory: str, blocks: int, steps: int) -> dict:
         step += steps
     out = _summary(base, watched)
     out["in_poll_per_step_us"] = in_poll / (blocks * steps) * 1e6
-    polls.sort()
-    out["poll_p50_us"] = polls[len(polls) // 2] * 1e6
-    out["poll_p99_us"] = polls[int(len(polls) * 0.99)] * 1e6
-    out["poll_max_us"] = polls[-1] * 1e6
-    out["polls_over_1ms"] = sum(d > 1e-3 for d in polls)
+    for key, ds in (("poll", polls), ("empty", empty_polls)):
+        ds.sort()
+        out[f"{key}_p50_us"] = ds[len(ds) // 2] * 1e6
+        out[f"{key}_p99_us"] = ds[int(len(ds) * 0.99)] * 1e6
+        out[f"{key}_max_us"] = ds[-1] * 1e6
+        out[f"{key}_over_1ms"] = sum(d > 1e-3 for d in ds)
     return out
+
+
+class _Empty:
+    """Stands in for a watcher: the baseline blocks time an empty call the same way."""
+
+    def poll(self, step: int) -> None:
+        return None
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, blocks: int, steps: int, q) -> None:
@@ -225,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(stdev over blocks {s['diff_stdev_us']:.2f} us; baseline block-to-block stdev "
             f"{s['base_block_stdev_us']:.2f} us); time inside poll() {s['in_poll_per_step_us']:.3f} us/step "
             f"(timed with perf_counter around it: p50 {s['poll_p50_us']:.2f} us, p99 {s['poll_p99_us']:.2f} us, "
-            f"max {s['poll_max_us']:.0f} us, {s['polls_over_1ms']} of {args.blocks * args.steps} over 1 ms)"
+            f"max {s['poll_max_us']:.0f} us, {s['poll_over_1ms']} of {args.blocks * args.steps} over 1 ms; "
+            f"an empty call in the baseline blocks: p50 {s['empty_p50_us']:.2f} us, p99 {s['empty_p99_us']:.2f} us, "
+            f"max {s['empty_max_us']:.0f} us, {s['empty_over_1ms']} over 1 ms)"
         )
         if args.ranks > 1:
             for o in bench_ranks(d, args.ranks, args.blocks, args.steps):
