@@ -201,6 +201,7 @@ class LogWriter:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False
+        self._stop_sent = False
         self._close_once = _thread.allocate_lock()  # acquired once, never released: first close wins
         self._intern_lock = threading.Lock()
         self._drop_lock = _thread.allocate_lock()
@@ -320,28 +321,33 @@ class LogWriter:
     def close(self, reason: str = "close", timeout: float | None = None) -> None:
         """Write FileClosed, drain and close the file (fsynced first when the writer was made with fsync=True).
 
-        Idempotent: only the first call does anything (a later one returns at once, or waits for a
-        close in progress on another thread). The first call re-raises a worker failure.
+        Idempotent: only the first call closes and re-raises a worker failure; a later call returns
+        once the close is done (or ``timeout`` passed). A close interrupted by a signal whose handler
+        closes again (SIGTERM) still completes: whichever call comes first hands the stop over.
         """
-        if not self._close_once.acquire(False):
-            if self._thread.is_alive() and threading.current_thread() is not self._thread:
-                self._thread.join(timeout)
-            return
-        self._closed = True
-        _live_writers.discard(self)
+        first = self._close_once.acquire(False)
+        if first:
+            self._closed = True
+            _live_writers.discard(self)
         if os.getpid() != self._pid:
             return  # a forked child: the file belongs to the parent
+        stop = _Control("stop", reason)
         if threading.current_thread() is self._thread:
-            self._queue.put(_Control("stop", reason))  # called from a deferred callable: cannot join
+            self._queue.put(stop)  # called from a deferred callable: cannot join itself
             return
         if self._thread.is_alive():
-            self._queue.put(_Control("stop", reason))
+            if not self._stop_sent:
+                self._stop_sent = True
+                self._queue.put(stop)  # a second STOP, if two callers race here, is never read
             self._thread.join(timeout)
             if self._thread.is_alive():
-                raise WriterError(f"{self.path}: the writer did not finish closing within {timeout} s")
-        else:  # pragma: no cover - the worker never exits before a stop
+                if first:
+                    raise WriterError(f"{self.path}: the writer did not finish closing within {timeout} s")
+                return
+        elif first:  # pragma: no cover - the worker never exits before a stop
             _close_quietly(self._file)
-        self._check(allow_closed=True)
+        if first:
+            self._check(allow_closed=True)
 
     @property
     def closed(self) -> bool:
