@@ -79,10 +79,11 @@ class StepState:
     """What the hooks of one collected step accumulate."""
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
-                 "grad_count", "pending", "pending_set", "last_unreduced")
+                 "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire")
 
-    def __init__(self, step: int, ops: tuple) -> None:
+    def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
+        self.on_first_fire = on_first_fire  # called once, at the step's first hook firing
         self.stats = StepStats(ops)
         self.call = 0
         self.mod_ids = array("I")
@@ -99,6 +100,9 @@ class StepState:
     def fire(self, mod_id: int, direction: int, micro: int) -> int:
         c = self.call
         self.call = c + 1
+        if self.on_first_fire is not None:
+            cb, self.on_first_fire = self.on_first_fire, None
+            cb()
         self.mod_ids.append(mod_id)
         self.dirs.append(direction)
         self.call_ids.append(c)

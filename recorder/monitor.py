@@ -115,6 +115,8 @@ class TrainerMon:
         self._state: StepState | None = None
         self._step = 0
         self._step_t0 = time.perf_counter()
+        self._step_wall0 = time.time()
+        self._began = False
         self._collections = 0
         self._monitoring = False
         self._first_step = 0
@@ -434,15 +436,23 @@ class TrainerMon:
                 h.remove()
             self._global_handles.clear()
         self._step_t0 = time.perf_counter()
-        self._emit(StepBegan(rank=self.rank, step=self._step, wall=time.time()))
+        self._step_wall0 = time.time()
+        self._began = False
         if self._collects(self._step):
             if not self._step_handles:
                 self._attach()
-            self._state = StepState(self._step, self.config.ops)
+            self._state = StepState(self._step, self.config.ops, self._mark_began)
         else:
             if self._step_handles:
                 self._detach()
             self._state = None
+
+    def _mark_began(self) -> None:
+        """StepBegan is written at the step's first sign of life (a hook firing, an optimizer step),
+        with the wall time of the step's start, so a run that ends between steps has no dangling step."""
+        if not self._began:
+            self._began = True
+            self._emit(StepBegan(rank=self.rank, step=self._step, wall=self._step_wall0))
 
     def _attach(self) -> None:
         t = self._targets
@@ -496,6 +506,7 @@ class TrainerMon:
     def _pre_step(self, opt, args, kwargs) -> None:
         if self._struct is not None and not self._closed:
             self._print_struct_and_exit()
+        self._mark_began()
         st = self._state
         if st is None:
             return
@@ -513,6 +524,7 @@ class TrainerMon:
     def _post_step(self, opt, args, kwargs) -> None:
         finished = self._step
         st = self._state
+        self._mark_began()
         try:
             if st is not None:
                 self._optimizer_rows(st)

@@ -1,0 +1,163 @@
+"""Recorded statistics equal statistics computed independently (float64, torch) on the same tensors.
+
+Covers weight gradients per micro step (unreduced) and at the optimizer step (reduced), parameters
+(before the update), Adam exp_avg/exp_avg_sq and update/ratio (after the update), activations and
+activation gradients, with gradient accumulation of 2 and 3 micro steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from trainmon_util import (
+    ALL_OPS,
+    assert_close,
+    events_of,
+    loss_of,
+    make,
+    ref_stats,
+    stats_table,
+    write_config,
+)
+from trainrec.recorder import TrainerMon
+from trainrec.recorder.names import squash_all
+
+
+def run_and_observe(tmp_path, monkeypatch, grad_acc: int, steps: int = 2):
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    cfg = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
+           "mv_distribution": True, "ur_distribution": True, "ops": ALL_OPS, "format": "csv"}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt)
+    pnames = squash_all([n for n, _ in model.named_parameters()])
+    mnames = squash_all([n for n, _ in model.named_modules()])
+    seen: dict = {}
+    acts: list = []
+
+    def fwd(mod, args, output, name):
+        x = args[0]
+        y = output[0] if isinstance(output, tuple) else output
+        acts.append(("fwd", name, x.detach().clone() if torch.is_tensor(x) else None, y.detach().clone()))
+
+    def bwd(mod, gin, gout, name):
+        acts.append(("bwd", name, gin[0].detach().clone() if gin[0] is not None else None,
+                     gout[0].detach().clone()))
+
+    for n, m in model.named_modules():
+        if n in ("layers.1", "pair", "head", "layers.0.0"):
+            m.register_forward_hook(lambda mod, a, o, n=n: fwd(mod, a, o, mnames[n]))
+            m.register_full_backward_hook(lambda mod, gi, go, n=n: bwd(mod, gi, go, mnames[n]))
+    for step in range(steps):
+        acts.clear()
+        for micro in range(grad_acc):
+            loss_of(model, step * 10 + micro).backward()
+            for n, p in model.named_parameters():
+                seen[("unreduced", step, pnames[n], micro)] = p.grad.detach().clone()
+            for kind, name, a, b in acts:
+                seen[(kind, step, name, micro)] = (a, b)
+            acts.clear()
+        for n, p in model.named_parameters():
+            seen[("reduced", step, pnames[n])] = p.grad.detach().clone()
+            seen[("param", step, pnames[n])] = p.detach().clone()
+        opt.step()
+        for n, p in model.named_parameters():
+            st = opt.state[p]
+            seen[("mv", step, pnames[n])] = (st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"]))
+        opt.zero_grad()
+    mon.close()
+    return events_of(out), seen, pnames, mnames
+
+
+@pytest.mark.parametrize("grad_acc", [2, 3])
+def test_recorded_values_equal_independent_statistics(tmp_path, monkeypatch, grad_acc):
+    events, seen, pnames, mnames = run_and_observe(tmp_path, monkeypatch, grad_acc)
+    unred = stats_table(events, "grad_unreduced")
+    red = stats_table(events, "grad_reduced")
+    par = stats_table(events, "param")
+    ea = stats_table(events, "exp_avg")
+    eas = stats_table(events, "exp_avg_sq")
+    upd = stats_table(events, "update")
+    rat = stats_table(events, "ratio")
+    actv = stats_table(events, "actv")
+    actg = stats_table(events, "actv_grad")
+    checked = 0
+    for step in range(2):
+        for name in pnames.values():
+            for micro in range(grad_acc):
+                want = ref_stats(seen[("unreduced", step, name, micro)])
+                assert_close(unred[(step, name, "", micro)], want, what=f"unreduced {name} step {step} micro {micro}")
+                checked += 1
+            assert_close(red[(step, name, "", 0)], ref_stats(seen[("reduced", step, name)]), what=f"reduced {name}")
+            assert_close(par[(step, name, "", 0)], ref_stats(seen[("param", step, name)]), what=f"param {name}")
+            m, v, t = seen[("mv", step, name)]
+            assert_close(ea[(step, name, "", 0)], ref_stats(m), what=f"exp_avg {name}")
+            assert_close(eas[(step, name, "", 0)], ref_stats(v), rtol=1e-3, atol=1e-12, what=f"exp_avg_sq {name}")
+            b1, b2, eps = 0.9, 0.999, 1e-8
+            m_hat = m.double() / (1 - b1**t)
+            v_hat = v.double() / (1 - b2**t)
+            assert_close(upd[(step, name, "", 0)], ref_stats(m_hat / (v_hat.sqrt() + eps)), rtol=1e-3, what=f"update {name}")
+            want_ratio = ref_stats(m_hat / v_hat.sqrt())
+            got_ratio = rat[(step, name, "", 0)]
+            if not math.isnan(want_ratio["norm"]):
+                assert_close(got_ratio, want_ratio, rtol=1e-3, what=f"ratio {name}")
+            checked += 6
+        for micro in range(grad_acc):
+            for mod in ("1", "pair", "head", "0.0"):
+                x, y = seen[("fwd", step, mod, micro)]
+                assert_close(actv[(step, mod, "input", micro)], ref_stats(x), what=f"input {mod}")
+                assert_close(actv[(step, mod, "output", micro)], ref_stats(y), what=f"output {mod}")
+                gi, go = seen[("bwd", step, mod, micro)]
+                assert_close(actg[(step, mod, "output_grad", micro)], ref_stats(go), what=f"output_grad {mod}")
+                if gi is not None:
+                    assert_close(actg[(step, mod, "input_grad", micro)], ref_stats(gi), what=f"input_grad {mod}")
+                checked += 4
+    assert checked > 100
+    # every module that runs is recorded, the root ("") included (a ModuleList is never called);
+    # the embedding's input grads (int tokens) are NaN rows
+    assert {k[1] for k in actv} == set(mnames.values()) - {"layers"}
+    assert math.isnan(actg[(0, "embed", "input_grad", 0)]["norm"])
+
+
+def test_reduced_gradients_reuse_unchanged_rows_and_see_in_place_changes(tmp_path, monkeypatch):
+    """Without a reduction between backward and step, reduced == last unreduced; a clip (in place) is seen."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    loss_of(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    mon.close()
+    events = events_of(tmp_path / "out")
+    unred, red = stats_table(events, "grad_unreduced"), stats_table(events, "grad_reduced")
+    pn = squash_all([n for n, _ in model.named_parameters()])
+    for n, short in pn.items():
+        assert red[(0, short, "", 0)] == unred[(0, short, "", 0)]
+        assert_close(red[(1, short, "", 0)], ref_stats(clipped[n]), what=f"clipped {short}")
+        assert red[(1, short, "", 0)]["norm"] < unred[(1, short, "", 0)]["norm"]
+
+
+def test_main_grad_is_used_for_reduced_when_present(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}), params_have_main_grad=True,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    loss_of(model, 0).backward()
+    for p in model.parameters():
+        p.main_grad = torch.full_like(p, 2.0)
+    opt.step()
+    mon.close()
+    red = stats_table(events_of(tmp_path / "out"), "grad_reduced")
+    for n, p in model.named_parameters():
+        short = squash_all([m for m, _ in model.named_parameters()])[n]
+        assert red[(0, short, "", 0)]["norm"] == pytest.approx(2.0 * math.sqrt(p.numel()), rel=1e-5)

@@ -1,0 +1,118 @@
+"""Shared helpers of the TrainerMon tests: small CPU models, config files, reading a rank's log back."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+from trainrec.replay.names import NameResolver
+from trainrec.replay.reader import read_log
+from trainrec.schema.events import SLOTS, TensorStatsRecorded
+
+ALL_OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
+
+
+class Pair(nn.Module):
+    """A module with two inputs and a tuple output (for tuple selectors)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, y):
+        h = self.proj(x) + y
+        return h, h.detach() * 0
+
+
+class TinyNet(nn.Module):
+    """embed -> layers.0 (Linear+ReLU) -> layers.1 (Linear) -> pair(x, x) -> head."""
+
+    def __init__(self, vocab: int = 32, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.ReLU()), nn.Linear(d, d)])
+        self.pair = Pair(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        h, _ = self.pair(h, h)
+        return self.head(h)
+
+
+def make(seed: int = 0, opt_cls=torch.optim.AdamW):
+    torch.manual_seed(seed)
+    model = TinyNet()
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def batch(i: int):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randint(0, 32, (4, 5), generator=g), torch.randint(0, 32, (4, 5), generator=g)
+
+
+def loss_of(model, i: int):
+    x, y = batch(i)
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def write_config(tmp_path, cfg: dict, name: str = "config.json") -> str:
+    path = os.path.join(str(tmp_path), name)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def rank_dirs(out_dir) -> list[str]:
+    return sorted(d for d in glob.glob(os.path.join(str(out_dir), "*-rank*-*")) if os.path.isdir(d))
+
+
+def events_of(out_dir_or_log) -> list:
+    p = str(out_dir_or_log)
+    if not p.endswith(".trl"):
+        dirs = rank_dirs(p) if not os.path.basename(p).count("-rank") else [p]
+        logs = sorted(glob.glob(os.path.join(dirs[-1], "*.trl")))
+        p = logs[-1]
+    reader, events = read_log(p)
+    assert reader.problems == []
+    return events
+
+
+def stats_table(events, kind: str) -> dict:
+    """{(step, name, slot, micro_step): {op: value}} for every row of ``kind``."""
+    res = NameResolver()
+    out: dict = {}
+    for ev in events:
+        res.feed(ev)
+        if isinstance(ev, TensorStatsRecorded) and ev.kind == kind:
+            vals = np.frombuffer(ev.values, dtype="<f4").reshape(len(ev), len(ev.ops))
+            names = res.names(ev)
+            slots = ev.column("slots")
+            micro = ev.column("micro_steps")
+            for r, name in enumerate(names):
+                out[(ev.step, name, SLOTS[slots[r]], micro[r])] = dict(zip(ev.ops, vals[r].tolist(), strict=True))
+    return out
+
+
+def ref_stats(t: torch.Tensor, eps: float = 1e-8) -> dict:
+    """The six statistics computed independently, in float64."""
+    d = t.detach().to(torch.float64)
+    return {
+        "min": d.min().item(), "max": d.max().item(), "norm": d.norm().item(), "mean": d.mean().item(),
+        "zeros": (d.abs() < eps).double().mean().item(), "nans": torch.isnan(d).sum().item(),
+    }
+
+
+def assert_close(got: dict, want: dict, rtol: float = 2e-4, atol: float = 1e-6, what: str = "") -> None:
+    for op, v in want.items():
+        if op not in got:
+            continue
+        g = got[op]
+        assert abs(g - v) <= atol + rtol * abs(v), f"{what} {op}: recorded {g}, expected {v}"
