@@ -161,10 +161,19 @@ class _SeriesState:
         """Push the finite values of ``x`` (rows x ops) into their rings; note the last observation."""
         rs, cs = sel
         w = self.window
+        pos = self.pos[rs, cs]
+        if isinstance(rs, slice) and pos.size and finite.all() and pos.min() == pos.max():
+            # the usual case: every series of the block advances together, one plane copy
+            p = int(pos.flat[0])
+            self.ring[p, rs, cs] = x
+            self.pos[rs, cs] = (p + 1) % w
+            self.count[rs, cs] = np.minimum(self.count[rs, cs] + 1, w)
+            self.last[rs, cs] = x
+            self.last_ok[rs, cs] = True
+            return
         _, nrows, ncols = self.ring.shape
         r = np.arange(rs.start, rs.stop)[:, None] if isinstance(rs, slice) else rs
         c = np.arange(cs.start, cs.stop)[None, :] if isinstance(cs, slice) else cs
-        pos = self.pos[rs, cs]
         flat = (pos * nrows + r) * ncols + c  # where each value goes in the (W, series, ops) ring
         self.ring.reshape(-1)[flat[finite]] = x[finite]
         self.pos[rs, cs] = np.where(finite, pos + 1, pos) % w
