@@ -155,7 +155,11 @@ def main() -> int:
               f"(extrapolated) = {values / (per_value * values) / 1e6:.3f} M values/s")
         rows.append(("reference csv2tensorboard_by_step (extrapolated)", full, values, 0))
         ours_tb = next(r[1] for r in rows if r[0] == "trainrec export tb -j 1")
-        print(f"  (reference CPU {CPU['ref']:.1f} s for {sec:.1f} s wall)")
+        ref_cpu = max(CPU["ref"] - CPU["ref start-up"], 1e-9) / ref_values
+        ours_cpu = CPU["trainrec export tb -j 1"] / values
+        print(f"  reference CPU {CPU['ref']:.1f} s (start-up {CPU['ref start-up']:.1f} s) for {sec:.1f} s wall -> "
+              f"{ref_cpu * 1e6:.1f} us CPU/value; trainrec export tb: {ours_cpu * 1e6:.3f} us CPU/value "
+              f"(start-up included) -> {ref_cpu / ours_cpu:.0f}x less CPU")
         print(f"  speed-up of trainrec export tb -j 1 over the reference: {full / ours_tb:.0f}x")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     return 0

@@ -361,6 +361,8 @@ def run(args) -> int:
     progress = Progress(sum(t.log_bytes for t in tasks), len(tasks), f"export {fmt}")
     try:
         results = execute(tasks, args.process_num, progress)
+    except OSError as exc:
+        raise TrainrecError(f"export to {out} failed: {exc}") from exc
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0
