@@ -1,0 +1,374 @@
+"""Every config option and API behaviour of TrainerMon, on a tiny CPU model, read back from the log."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from trainmon_util import ALL_OPS, events_of, loss_of, make, rank_dirs, stats_table, write_config
+from trainrec.recorder import TrainerMon
+from trainrec.recorder.monitor import PRINT_STRUCT_EXIT
+from trainrec.schema.errors import ConfigError
+from trainrec.schema.events import (
+    ConfigApplied,
+    HookFailed,
+    HooksFired,
+    ModuleStructureRecorded,
+    MonitoringStopped,
+    RunResumed,
+    StepBegan,
+    StepEnded,
+    TensorStatsRecorded,
+)
+
+
+@pytest.fixture
+def out(tmp_path, monkeypatch):
+    d = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(d))
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    return d
+
+
+def train(tmp_path, cfg: dict, steps: int = 3, grad_acc: int = 1, close: bool = True, **kw):
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt, **kw)
+    for s in range(steps):
+        for m in range(grad_acc):
+            loss_of(model, s * 7 + m).backward()
+        opt.step()
+        opt.zero_grad()
+    if close:
+        mon.close()
+    return mon, model, opt
+
+
+def steps_with(events, kind: str) -> list[int]:
+    return sorted({e.step for e in events if isinstance(e, TensorStatsRecorded) and e.kind == kind})
+
+
+def test_start_step_step_interval_collect_times(tmp_path, out):
+    cfg = {"wg_distribution": True, "start_step": 1, "step_interval": 2, "collect_times": 2}
+    train(tmp_path, cfg, steps=8)
+    ev = events_of(out)
+    assert steps_with(ev, "grad_reduced") == [1, 3]
+    stops = [e for e in ev if isinstance(e, MonitoringStopped)]
+    assert len(stops) == 1 and stops[0].reason == "collect_times" and stops[0].collections == 2
+    ended = {e.step: e.collected for e in ev if isinstance(e, StepEnded)}
+    assert ended == {0: False, 1: True, 2: False, 3: True, 4: False, 5: False, 6: False, 7: False}
+    assert [e.step for e in ev if isinstance(e, HooksFired)] == [1, 3]
+    assert sorted({e.step for e in ev if isinstance(e, StepBegan)}) == list(range(8))
+
+
+def test_start_iteration_offsets_the_step_counter(tmp_path, out):
+    train(tmp_path, {"wg_distribution": True, "start_step": 11}, steps=3, start_iteration=10)
+    assert steps_with(events_of(out), "grad_reduced") == [11, 12]
+
+
+def test_ops_eps_and_full_precision(tmp_path, out):
+    cfg = {"param_distribution": True, "ops": ["zeros", "max"], "eps": 0.5, "ndigits": 2}
+    _, model, _ = train(tmp_path, cfg, steps=1)
+    ev = events_of(out)
+    recs = [e for e in ev if isinstance(e, TensorStatsRecorded)]
+    assert {e.ops for e in recs} == {("zeros", "max")}
+    par = stats_table(ev, "param")
+    torch.manual_seed(0)
+    fresh, _ = make()
+    w = fresh.head.weight.detach().double()
+    got = par[(0, "head.weight", "", 0)]
+    assert got["zeros"] == pytest.approx((w.abs() < 0.5).double().mean().item(), abs=1e-6)
+    # ndigits only affects exports: the log keeps float32 precision
+    assert got["max"] == pytest.approx(w.max().item(), rel=1e-6) and round(got["max"], 2) != got["max"]
+
+
+def test_ops_setter_validates(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True}), live_export=False)
+    mon.ops = ["max", "min"]
+    assert mon.ops == ["max", "min"]
+    with pytest.raises(ConfigError, match="unknown op"):
+        mon.ops = ["nope"]
+    mon.close()
+
+
+def test_targets_select_params_on_segment_boundaries(tmp_path, out):
+    model, _ = make()
+    model.layers.append(torch.nn.Identity())  # layers.2 has no params; layers.1 must not match layers.1x
+    cfg = {"wg_distribution": True, "targets": {"layers.1": {}}}
+    mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert sorted(p.full for p in mon._params) == ["layers.1.bias", "layers.1.weight"]
+    mon.close()
+
+
+def test_target_that_matches_nothing_fails_before_training(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "targets": {"layer.0": {}}}),
+                     live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError, match="matches no module") as ei:
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    assert ei.value.key == "targets.layer.0"
+    mon.close()
+
+
+def test_squash_name_switch(tmp_path, out):
+    train(tmp_path, {"wg_distribution": True, "squash_name": False}, steps=1)
+    names = {k[1] for k in stats_table(events_of(out), "grad_reduced")}
+    assert "layers.1.weight" in names and "1.weight" not in names
+
+
+def test_selectors_tuple_and_tensor_on_one_tuple(tmp_path, out):
+    cfg = {"xy_distribution": True,
+           "targets": {"pair": {"input": "tuple[2]:1", "output": "tuple[2]:1", "output_grad": "tuple[2]:0"},
+                       "head": {"input": "tensor", "output": "tensor", "input_grad": "tensor"}}}
+    train(tmp_path, cfg, steps=1)
+    ev = events_of(out)
+    actv = stats_table(ev, "actv")
+    assert {k[1] for k in actv} == {"pair", "head"}
+    assert actv[(0, "pair", "output", 0)]["norm"] == 0.0  # element 1 of the output is zeros
+    assert actv[(0, "head", "input", 0)]["norm"] > 0  # "tensor" accepted for the 1-tuple of inputs
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+
+
+def test_selector_mismatch_is_reported_once_and_training_goes_on(tmp_path, out, caplog):
+    cfg = {"xy_distribution": True, "targets": {"pair": {"input": "tensor"}}}
+    train(tmp_path, cfg, steps=3)
+    fails = [e for e in events_of(out) if isinstance(e, HookFailed)]
+    assert fails and "targets.pair.input" in fails[0].error and "tuple[2]" in fails[0].error
+    assert sum("forward hook of 'pair'" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_exception_in_a_hook_is_recorded_and_training_continues(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "xy_distribution": True}), live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+
+    def boom(tensors):
+        raise RuntimeError("injected failure")
+
+    mon._engine.compute = boom
+    before = model.head.weight.detach().clone()
+    for s in range(2):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert not torch.equal(before, model.head.weight)
+    fails = [e for e in events_of(out) if isinstance(e, HookFailed)]
+    assert fails and all("injected failure" in e.error for e in fails)
+    assert {e.where.split(" of ")[0] for e in fails} >= {"forward hook", "backward hook"}
+
+
+def test_forward_only_and_backward_only(tmp_path, out):
+    train(tmp_path, {"xy_distribution": True, "forward_only": True}, steps=1)
+    ev = events_of(out)
+    assert steps_with(ev, "actv") == [0] and steps_with(ev, "actv_grad") == []
+
+
+def test_backward_only(tmp_path, out):
+    train(tmp_path, {"xy_distribution": True, "backward_only": True}, steps=1)
+    ev = events_of(out)
+    assert steps_with(ev, "actv") == [] and steps_with(ev, "actv_grad") == [0]
+
+
+def test_module_ranks_excludes_this_rank(tmp_path, out):
+    train(tmp_path, {"xy_distribution": True, "wg_distribution": True, "module_ranks": [1]}, steps=1)
+    ev = events_of(out)
+    assert steps_with(ev, "actv") == [] and steps_with(ev, "grad_reduced") == [0]
+
+
+def test_mv_and_ur_on_plain_adam_without_opt_ty(tmp_path, out):
+    mon, model, opt = train(tmp_path, {"mv_distribution": True, "ur_distribution": True, "format": "csv"}, steps=2,
+                            close=False)
+    mon.close()
+    ev = events_of(out)
+    for kind in ("exp_avg", "exp_avg_sq", "update", "ratio"):
+        assert steps_with(ev, kind) == [0, 1], kind
+    assert len(stats_table(ev, "exp_avg")) == 2 * len(list(model.parameters()))
+
+
+def test_print_struct_writes_module_struct_and_stops(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"print_struct": True}), live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    loss_of(model, 0).backward()
+    with pytest.raises(Exception, match=PRINT_STRUCT_EXIT):
+        opt.step()
+    before = model.head.weight.detach().clone()
+    assert torch.equal(before, model.head.weight)  # raised before the update
+    with open(out / "module_struct.json") as f:
+        struct = json.load(f)
+    assert struct["0:pair"]["input"] == {"config": "tuple[2]", "0": "size=(4, 5, 8), dtype=torch.float32",
+                                         "1": "size=(4, 5, 8), dtype=torch.float32"}
+    assert struct["0:head"]["output"]["config"] == "tensor"
+    assert struct["0:pair"]["output_grad"]["config"] == "tuple[2]"
+    ev = events_of(out)
+    ms = [e for e in ev if isinstance(e, ModuleStructureRecorded)]
+    assert ms[-1].io_specs["pair"]["input"]["config"] == "tuple[2]"
+    assert "layers.0.0" in ms[0].names and ms[0].classes[ms[0].names.index("layers.0.0")] == "Linear"
+    assert mon._step_handles == [] and mon._struct_handles == []
+
+
+def test_format_api_writes_nothing_and_returns_metrics(tmp_path, out):
+    cfg = {"format": "api", "wg_distribution": True, "xy_distribution": True, "ops": ALL_OPS}
+    mon, model, _ = train(tmp_path, cfg, steps=2, close=False)
+    reduced, unreduced = mon.generate_wgrad_metrics()
+    actv, actv_grad = mon.generate_xy_metrics()
+    mon.close()
+    assert not out.exists()
+    assert "0:head.weight/rank0/post_grad" in reduced and "0:head.weight/rank0/acc_grad" in unreduced
+    assert "0:pair_0/rank0/input" in actv and "0:head_0/rank0/output_grad" in actv_grad
+    m = reduced["0:head.weight/rank0/post_grad"]
+    assert set(m) == set(ALL_OPS) and all(torch.is_tensor(v) and v.dim() == 0 for v in m.values())
+    g = model.head.weight.grad  # zero_grad(set_to_none) ran; compare norms via a fresh computation instead
+    assert g is None and float(m["norm"]) > 0
+
+
+def test_hooks_removed_on_close(tmp_path, out):
+    cfg = {"xy_distribution": True, "wg_distribution": True}
+    mon, model, opt = train(tmp_path, cfg, steps=1, close=False)
+    assert any(m._forward_hooks for m in model.modules())
+    mon.close()
+    for m in model.modules():
+        assert not m._forward_hooks and not m._backward_hooks and not m._forward_pre_hooks
+    for p in model.parameters():
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    mon.close()  # idempotent
+
+
+def test_second_optimizer_instance_does_not_disturb(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True}), live_export=False)
+    model, opt = make()
+    other_model, other_opt = make(seed=1)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for s in range(3):
+        loss_of(other_model, s).backward()
+        other_opt.step()
+    loss_of(model, 0).backward()
+    opt.step()
+    mon.close()
+    ev = events_of(out)
+    assert steps_with(ev, "grad_reduced") == [0]
+    assert [e.step for e in ev if isinstance(e, StepEnded)] == [0]
+
+
+def test_optimizer_none_binds_the_optimizer_of_the_model(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True}), live_export=False)
+    model, opt = make()
+    other_model, other_opt = make(seed=1)
+    mon.monitor_gnorm_with_ad(model, optimizer=None)
+    loss_of(other_model, 0).backward()
+    other_opt.step()  # not ours: ignored
+    for s in range(2):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    assert mon._opt is opt and mon._global_handles == []
+    mon.close()
+    assert steps_with(events_of(out), "grad_reduced") == [0, 1]
+
+
+def test_set_wrapped_optimizer_follows_dot_optimizer(tmp_path, out):
+    class Wrapper:  # like DeepSpeed / Megatron mixed-precision wrappers
+        def __init__(self, inner):
+            self.optimizer = inner
+
+        def step(self):
+            self.optimizer.step()
+
+    model, opt = make()
+    wrapper = Wrapper(opt)
+    TrainerMon.set_wrapped_optimizer(wrapper)
+    try:
+        mon = TrainerMon(write_config(tmp_path, {"mv_distribution": True}), live_export=False)
+        mon.monitor_gnorm_with_ad(model, optimizer=None)
+        loss_of(model, 0).backward()
+        wrapper.step()
+        mon.close()
+    finally:
+        TrainerMon.set_wrapped_optimizer(None)
+    assert steps_with(events_of(out), "exp_avg") == [0]
+
+
+def test_append_output_resumes_into_the_matching_rank_dir(tmp_path, out):
+    train(tmp_path, {"wg_distribution": True}, steps=2)
+    (first,) = rank_dirs(out)
+    stamp = os.path.basename(first).split("-rank")[0]
+    train(tmp_path, {"wg_distribution": True, "append_output": [stamp, stamp]}, steps=2, start_iteration=2)
+    assert rank_dirs(out) == [first]
+    assert sorted(os.listdir(first)) == ["trainrec-00000.trl", "trainrec-00001.trl"]
+    ev = events_of(os.path.join(first, "trainrec-00001.trl"))
+    rr = [e for e in ev if isinstance(e, RunResumed)]
+    assert rr and rr[0].previous_files == ("trainrec-00000.trl",) and rr[0].last_step == 1
+    assert steps_with(ev, "grad_reduced") == [2, 3]
+
+
+def test_append_output_without_a_match_is_a_clear_error(tmp_path, out):
+    with pytest.raises(ConfigError, match="no rank directory of rank 0") as ei:
+        TrainerMon(write_config(tmp_path, {"append_output": ["Jan01_00-00-00", "Jan01_00-00-01"]}))
+    assert ei.value.key == "append_output"
+
+
+def test_config_applied_and_structure_at_start(tmp_path, out):
+    cfg = {"wg_distribution": True, "step_count_per_record": 5, "mg_direction": False,
+           "cc_distribution": {"enable": False}, "switch": False}
+    train(tmp_path, cfg, steps=1)
+    ev = events_of(out)
+    ca = [e for e in ev if isinstance(e, ConfigApplied)]
+    assert len(ca) == 1 and ca[0].config == cfg and ca[0].start_step == 0 and ca[0].content_hash
+    assert [e.vpp_stage for e in ev if isinstance(e, ModuleStructureRecorded)] == [0]
+
+
+def test_hooks_fired_lists_every_firing_with_call_ids_and_micro_steps(tmp_path, out):
+    train(tmp_path, {"xy_distribution": True, "wg_distribution": True}, steps=1, grad_acc=2)
+    (hf,) = [e for e in events_of(out) if isinstance(e, HooksFired)]
+    rows = list(hf.rows())
+    calls = [r[2] for r in rows]
+    assert calls == list(range(len(rows)))
+    assert {r[3] for r in rows} == {0, 1}
+    assert {r[1] for r in rows} == {0, 1}
+
+
+def test_alert_engine_runs_on_the_writer_thread(tmp_path, out):
+    cfg = {"wg_distribution": True, "ops": ["norm"],
+           "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}], "dump": False}}
+    train(tmp_path, cfg, steps=4)
+    ev = events_of(out)
+    assert steps_with(ev, "grad_reduced") == [0, 1, 2, 3]
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+
+
+def test_native_record_with_chunks_and_manual_steps(tmp_path, out):
+    from trainrec.recorder import record
+
+    model, _ = make()
+    chunks = [model.layers[0], model.layers[1]]
+    with record(chunks, config={"param_distribution": True, "xy_distribution": True, "ops": ["norm"]},
+                output_dir=str(tmp_path / "native")) as rec:
+        for s in range(2):
+            loss_of(model, s).backward()
+            rec.step()
+        assert rec.step_count == 2
+    ev = events_of(tmp_path / "native")
+    par = stats_table(ev, "param")
+    assert {(k[0], k[1]) for k in par} >= {(0, "0.weight"), (1, "weight")}
+    ms = [e.vpp_stage for e in ev if isinstance(e, ModuleStructureRecorded)]
+    assert ms == [0, 1]
+    vpps = {v for e in ev if isinstance(e, TensorStatsRecorded) for v in e.column("vpp_stages")}
+    assert vpps == {0, 1}
+
+
+def test_native_record_detects_steps_through_the_optimizer(tmp_path, out):
+    from trainrec.recorder import record
+
+    model, opt = make()
+    with record(model, opt, output_dir=str(tmp_path / "native")) as rec:
+        loss_of(model, 0).backward()
+        opt.step()
+        with pytest.raises(RuntimeError):
+            rec.step()
+    ev = events_of(tmp_path / "native")
+    assert steps_with(ev, "grad_reduced") == [0] and steps_with(ev, "param") == [0]
