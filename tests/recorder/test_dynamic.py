@@ -211,13 +211,14 @@ def test_replaced_by_rename_like_an_editor(make):
 
 
 def test_half_written_file_is_not_rejected(make):
-    w, path, events, loop = make(doc(switch=False))
+    # A generous grace (default 0.3 s) so that a loaded machine oversleeping the pause cannot flake.
+    w, path, events, loop = make(doc(switch=False), invalid_grace=1.0)
     loop.steps(5)
     full = doc(switch=True, collect_times=3, ops=["norm", "min", "max"])
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
     try:
         os.write(fd, full[:20].encode())  # an editor saving in two writes, with a pause
-        time.sleep(0.15)  # longer than the settle time, shorter than the grace for unparsable text
+        time.sleep(0.2)  # longer than the settle time (0.05 s): the first half is read and does not parse
         os.write(fd, full[20:].encode())
     finally:
         os.close(fd)
