@@ -30,11 +30,12 @@ _POW10 = [10**i for i in range(20)]
 
 
 def _tiny_table(d: int) -> np.ndarray:
-    """``repr(k / 10**d)`` for k < 10**(d-4), as fixed-width bytes."""
+    """``repr(k / 10**d)`` for 0 <= k < 10**(d-4), then ``repr(-k / 10**d)``, as fixed-width bytes."""
     t = _tiny_tables.get(d)
     if t is None:
         n = _POW10[d - 4] if d > 4 else 1
-        t = np.array([repr(k / _POW10[d]).encode() for k in range(n)], dtype=f"S{_FALLBACK_WIDTH}")
+        pos = [repr(k / _POW10[d]).encode() for k in range(n)]
+        t = np.array(pos + [b"-" + p for p in pos], dtype=f"S{_FALLBACK_WIDTH}")
         _tiny_tables[d] = t
     return t
 
@@ -42,7 +43,6 @@ def _tiny_table(d: int) -> np.ndarray:
 _DIGITS4 = np.frombuffer(b"".join(f"{i:04d}".encode() for i in range(10000)), dtype=np.uint32)
 _TZ4 = np.array([4 if i == 0 else len(f"{i:04d}") - len(f"{i:04d}".rstrip("0")) for i in range(10000)], np.int64)
 _INT_GROUPS = 5  # 20 integer digits, more than the 16 a simple value can have
-_POW10_ARR = np.array(_POW10[:17], dtype=np.float64)
 
 
 def value_chars(values: np.ndarray, ndigits: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -73,20 +73,24 @@ def value_chars(values: np.ndarray, ndigits: int | None) -> tuple[np.ndarray, np
     # sign
     words[:, 0] = ord("-")
     mask[:, 0] = neg
-    # integer digits, most significant group first; keep the last ndig of the 20
+    # integer digits, least significant group last; only as many groups as the largest value needs
+    top = int(ip.max())
+    n_int = len(str(top))
     rem = ip
-    for g in range(_INT_GROUPS - 1, -1, -1):
+    for g in range(_INT_GROUPS - 1, _INT_GROUPS - 1 - -(-n_int // 4), -1):
         rem, grp = np.divmod(rem, 10000)
         words[:, 1 + g] = _DIGITS4[grp]
-    ndig = np.maximum(1, np.searchsorted(_POW10_ARR, ip.astype(np.float64), side="right"))
-    mask[:, 4 : 4 + 4 * _INT_GROUPS] = np.arange(4 * _INT_GROUPS)[None, :] >= (4 * _INT_GROUPS - ndig)[:, None]
+    last = 4 + 4 * _INT_GROUPS - 1  # the units digit, always shown
+    mask[:, last] = True
+    for j in range(1, n_int):  # the digit for 10**j is shown when the value has one
+        mask[:, last - j] = ip >= _POW10[j]
     dot = 4 * (1 + _INT_GROUPS)
     words[:, dot // 4] = ord(".")
     mask[:, dot] = True
     # fraction digits, padded on the right to whole groups; keep them up to the last non-zero one
     if d == 0:
         words[:, dot // 4 + 1] = _DIGITS4[0]
-        keep = np.ones(m, dtype=np.int64)
+        mask[:, dot + 4] = True
     else:
         fpp = fp * _POW10[4 * groups - d]
         tz = np.zeros(m, dtype=np.int64)
@@ -99,7 +103,9 @@ def value_chars(values: np.ndarray, ndigits: int | None) -> tuple[np.ndarray, np
             tz += np.where(done, 0, t)
             done |= t < 4
         keep = np.maximum(1, 4 * groups - tz)
-    mask[:, dot + 4 :] = np.arange(4 * groups)[None, :] < keep[:, None]
+        mask[:, dot + 4] = True
+        for j in range(1, min(d, 4 * groups)):
+            mask[:, dot + 4 + j] = keep > j
     chars = words.view(np.uint8).reshape(m, width)
     # ---- the rest: tiny values from a table, everything else through repr
     rest = np.flatnonzero(~simple)
@@ -111,12 +117,9 @@ def value_chars(values: np.ndarray, ndigits: int | None) -> tuple[np.ndarray, np
             with np.errstate(invalid="ignore"):
                 tiny = np.isfinite(xr) & (axr > 0) & (axr < 1e-4)
             if tiny.any():
-                kt = scaled[rest][tiny].astype(np.int64)
-                txt = _tiny_table(d)[kt]
-                negs = neg[rest][tiny]
-                if negs.any():
-                    txt = np.where(negs, np.char.add(b"-", txt), txt).astype(out.dtype)
-                out[tiny] = txt
+                table = _tiny_table(d)
+                kt = scaled[rest][tiny].astype(np.int64) + neg[rest][tiny] * (len(table) // 2)
+                out[tiny] = table[kt]
             other = np.flatnonzero(~tiny)
         else:
             other = np.arange(len(rest))

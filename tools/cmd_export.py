@@ -326,7 +326,7 @@ def execute(tasks: list[ExportTask], jobs: int, progress: Progress) -> list[Task
 def _ranges(steps: list[int]) -> str:
     if not steps:
         return "none"
-    return f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
+    return f"{steps[0]}..{steps[-1]} ({len(steps)} step{'' if len(steps) == 1 else 's'})"
 
 
 def run(args) -> int:
