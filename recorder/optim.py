@@ -96,31 +96,31 @@ class AdamState:
 
 @torch.no_grad()
 def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool):
-    """Stats rows of ``update`` and ``ratio`` for ``lookup`` entries, via ``compute(list) -> rows``.
+    """Stats rows of ``update`` and ``ratio`` for ``lookup`` entries, via ``compute(list, scales) -> rows``.
 
-    Temporaries are freed as soon as their statistics are taken (at most three full-size copies).
+    With ``c = sqrt(1 - b2^t) / (1 - b1^t)``: ``ratio = c * m / sqrt(v)`` and
+    ``update = c * m / (sqrt(v) + eps * sqrt(1 - b2^t))``. The bias corrections are folded into a
+    per-tensor scale of the statistics instead of extra passes over the tensors, so this costs one
+    ``sqrt`` and one division per tensor for each of the two (two full-size temporaries, reused).
     """
     if not entries:
         return None, None
     ms = [e[1] for e in entries]
     vs = [e[2] for e in entries]
-    bc1, sqrt_bc2, eps = [], [], []
+    scales, shifts = [], []
     for _, _, _, step, group in entries:
         b1, b2 = group.get("betas", (0.9, 0.999))
         t = max(step, 1.0)
-        bc1.append(1.0 - b1**t)
-        sqrt_bc2.append(math.sqrt(1.0 - b2**t))
-        eps.append(float(group.get("eps", 1e-8)))
-    m_hat = torch._foreach_div(ms, bc1)
+        sqrt_bc2 = math.sqrt(1.0 - b2**t)
+        scales.append(sqrt_bc2 / (1.0 - b1**t))
+        shifts.append(float(group.get("eps", 1e-8)) * sqrt_bc2)
     denom = torch._foreach_sqrt(vs)
-    torch._foreach_div_(denom, sqrt_bc2)
-    ratio_rows = update_rows = None
-    if want_ratio:
-        ratio = torch._foreach_div(m_hat, denom)
-        ratio_rows = compute(ratio)
-        del ratio
+    quot = torch._foreach_div(ms, denom)
+    ratio_rows = compute(quot, scales) if want_ratio else None
+    update_rows = None
     if want_update:
-        torch._foreach_add_(denom, eps)
-        torch._foreach_div_(m_hat, denom)
-        update_rows = compute(m_hat)
+        torch._foreach_add_(denom, shifts)
+        for m, d, q in zip(ms, denom, quot, strict=True):
+            torch.div(m, d, out=q)
+        update_rows = compute(quot, scales)
     return update_rows, ratio_rows

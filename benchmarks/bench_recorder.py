@@ -1,0 +1,175 @@
+"""Recorder overhead: median step time with no monitor, with trainrec, and with mindstudio-probe's TrainerMon.
+
+The model is the reference's benchmark model (``msprobe-monitor.md``): embedding (4096 x 256),
+4 TransformerEncoderLayers (d=256, 4 heads, ff=1024), linear head, 5.3M parameters; AdamW;
+batch 8 x 32; CPU. Each (implementation, config) runs in its own process (the reference patches the
+optimizer's class), several rounds interleaved so that drifting machine load hits all alike.
+
+Configs (ops: min, max, norm, mean, zeros, nans; format csv):
+  a     wg_distribution
+  b     everything: xy_distribution + all_xy, wg, param, mv (+ ur for trainrec; the reference fails
+        ur with csv, and needs opt_ty="Megatron_FP32Optimizer" for mv on a plain AdamW)
+  skip  config b with step_interval=10; the median over the skipped steps only
+
+mindstudio-probe runs in its own venv: ``python3 -m venv benchmarks/.venv-msprobe &&
+benchmarks/.venv-msprobe/bin/pip install torch==2.13.0 mindstudio-probe==1.2.1``.
+
+Usage: ``.venv/bin/python benchmarks/bench_recorder.py [--steps 20] [--warmup 3] [--rounds 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MSPROBE_PY = os.path.join(HERE, ".venv-msprobe", "bin", "python")
+OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
+CONFIGS = {
+    "a": {"wg_distribution": True},
+    "b": {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
+          "mv_distribution": True, "ur_distribution": True},
+    "skip": {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
+             "mv_distribution": True, "ur_distribution": True, "step_interval": 10},
+}
+
+
+def build_model():
+    import torch
+    import torch.nn as nn
+
+    class TinyTransformer(nn.Module):
+        def __init__(self, vocab=4096, d=256, layers=4, ff=1024, heads=4):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.1, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, x):
+            return self.head(self.encoder(self.embed(x)))
+
+    torch.manual_seed(0)
+    return TinyTransformer()
+
+
+def worker(impl: str, config: str, steps: int, warmup: int, fmt: str) -> dict:
+    """Two identical models in one process, stepped alternately: model A is monitored (its optimizer
+    is a subclass of its own, so a class-level patch cannot reach model B's), model B is the baseline.
+    Pairing the steps cancels the drift of a shared machine's load."""
+    import torch
+
+    class MonitoredAdamW(torch.optim.AdamW):
+        pass
+
+    model_a, model_b = build_model(), build_model()
+    opt_a = MonitoredAdamW(model_a.parameters(), lr=1e-4)
+    opt_b = torch.optim.AdamW(model_b.parameters(), lr=1e-4)
+    x = torch.randint(0, 4096, (8, 32))
+    y = torch.randint(0, 4096, (8, 32))
+    out_dir = tempfile.mkdtemp(prefix=f"bench-{impl}-{config}-")
+    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
+    mon = None
+    if impl != "none":
+        cfg = dict(CONFIGS[config])
+        cfg["ops"] = OPS
+        cfg["format"] = fmt
+        if impl == "msprobe":
+            cfg.pop("ur_distribution", None)  # AttributeError 'add_image' with csv in 1.2.1
+        path = os.path.join(out_dir, "config.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        if impl == "trainrec":
+            from trainrec.recorder import TrainerMon
+
+            mon = TrainerMon(path, params_have_main_grad=False)
+        else:
+            from msprobe.pytorch.monitor.module_hook import TrainerMon
+
+            mon = TrainerMon(path, params_have_main_grad=False, opt_ty="Megatron_FP32Optimizer")
+        mon.monitor_gnorm_with_ad(model_a, grad_acc_steps=1, optimizer=opt_a)
+
+    def step(model, opt):
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    mon_t, base_t = [], []
+    for i in range(warmup + steps):
+        ta = step(model_a, opt_a)
+        tb = step(model_b, opt_b)
+        if i >= warmup and (config != "skip" or i % 10 != 0):
+            mon_t.append(ta)
+            base_t.append(tb)
+    if impl == "trainrec" and mon is not None:
+        mon.close()
+    return {"monitored_s": statistics.median(mon_t), "baseline_s": statistics.median(base_t), "n": len(mon_t),
+            "torch_threads": torch.get_num_threads()}
+
+
+def run_worker(python: str, impl: str, config: str, args) -> dict:
+    cmd = [python, os.path.abspath(__file__), "--worker", impl, "--config", config, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--format", args.format]
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"{impl}/{config} failed:\n{res.stderr[-3000:]}")
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1]
+    return json.loads(line)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", choices=["none", "trainrec", "msprobe"])
+    p.add_argument("--config", default="a", choices=list(CONFIGS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--format", default="csv", choices=["csv", "api", "tensorboard"])
+    p.add_argument("--configs", default="a,b,skip")
+    p.add_argument("--no-msprobe", action="store_true")
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.config, args.steps, args.warmup, args.format)))
+        return 0
+    have_ms = os.path.exists(MSPROBE_PY) and not args.no_msprobe
+    configs = args.configs.split(",")
+    added: dict[tuple, list[float]] = {}
+    base: dict[tuple, list[float]] = {}
+    for _ in range(args.rounds):
+        for cfg in configs:
+            runs = [("trainrec", sys.executable)] + ([("msprobe", MSPROBE_PY)] if have_ms else [])
+            for impl, py in runs:
+                r = run_worker(py, impl, cfg, args)
+                added.setdefault((impl, cfg), []).append(r["monitored_s"] / r["baseline_s"] - 1)
+                base.setdefault((impl, cfg), []).append(r["baseline_s"])
+                print(f"  {cfg:5s} {impl:9s} monitored {r['monitored_s'] * 1e3:8.1f} ms  "
+                      f"baseline {r['baseline_s'] * 1e3:8.1f} ms", file=sys.stderr, flush=True)
+    print(f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} format={args.format}")
+    print("| config | baseline step | trainrec added | mindstudio-probe 1.2.1 added | trainrec / reference |")
+    print("|---|---|---|---|---|")
+    for cfg in configs:
+        b = statistics.median(base[("trainrec", cfg)])
+        tr = statistics.median(added[("trainrec", cfg)])
+        row = f"| {cfg} | {b * 1e3:.0f} ms | {100 * tr:+.1f}% |"
+        if have_ms:
+            ms = statistics.median(added[("msprobe", cfg)])
+            row += f" {100 * ms:+.1f}% | {tr / ms:.3f} |" if ms > 0 else f" {100 * ms:+.1f}% | n/a |"
+        else:
+            row += " n/a | n/a |"
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
