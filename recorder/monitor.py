@@ -35,7 +35,7 @@ import weakref
 import numpy as np
 import torch
 from trainrec.schema import layout
-from trainrec.schema.errors import ConfigError
+from trainrec.schema.errors import ConfigError, WriterError
 from trainrec.schema.events import (
     KIND_EXP_AVG,
     KIND_EXP_AVG_SQ,
@@ -138,6 +138,7 @@ class TrainerMon:
         self._rank_dir: str | None = None
         self._resumed_from: tuple = ()
         self._struct: dict | None = None
+        self._manual_steps = False
         self._closed = False
         if self.config.format != "api":
             self._open_output()
@@ -198,8 +199,13 @@ class TrainerMon:
         self._watcher.start()
 
     def _emit(self, event) -> None:
-        if self._writer is not None and not self._writer.closed:
-            self._writer.write(event)
+        """Hand an event to the writer; a failed writer is reported once and never raised into training."""
+        w = self._writer
+        if w is not None and not w.closed:
+            try:
+                w.write(event)
+            except WriterError as exc:
+                _warn_once(f"writer-{id(w)}", f"trainrec: the log writer failed ({exc}); monitoring records nothing more")
 
     @property
     def rank_dir(self) -> str | None:
@@ -397,6 +403,8 @@ class TrainerMon:
 
     # ------------------------------------------------------------------ optimizer binding
     def _bind_optimizer(self, optimizer) -> None:
+        if self._manual_steps:
+            return  # the native Recorder without an optimizer: steps come from step()
         wrapped = optimizer if optimizer is not None else (self._wrapped or type(self)._wrapped_optimizer)
         opt = torch_optimizer_of(wrapped) if wrapped is not None else None
         if wrapped is not None and opt is None:
@@ -652,7 +660,7 @@ class TrainerMon:
         self._collections += 1
         self._last = {"hs": hs}
         wall = time.time()
-        if writer is not None:
+        if writer is not None and not writer.closed and writer.error is None:
             self._sync_names()
             fids = self._file_ids
             if len(st.mod_ids):

@@ -62,9 +62,7 @@ class Recorder:
         self.monitor = TrainerMon(cfg, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
                                   live_export=live)
         self._manual = optimizer is None
-        if self._manual:
-            # No optimizer to hook: steps come from step(); bind nothing globally.
-            self.monitor._bind_optimizer = lambda _opt: None  # type: ignore[method-assign]
+        self.monitor._manual_steps = self._manual  # no optimizer to hook: steps come from step()
         self.monitor.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
                                            start_iteration=start_step)
 

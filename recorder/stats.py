@@ -99,12 +99,20 @@ class StatsEngine:
         return out
 
     def _group(self, xs: list[torch.Tensor], device: torch.device, scales: Sequence[float] | None) -> torch.Tensor:
-        """Rows for tensors of one device and dtype."""
+        """Rows for tensors of one device and dtype.
+
+        Per tensor only the reductions run (aminmax, sum, dot, and the zero count); their scalars go
+        into one ``[n, fields]`` matrix and the columns (mean, norm, zeros, scaling) are derived with a
+        handful of vectorised ops per call, so a hook measuring two tensors pays for few dispatches.
+        """
         eps = self.eps
         cpu = device.type == "cpu"
-        mins, maxs, sums, sqs, nonzero = [], [], [], [], []
+        minmax, want_sum, want_norm = self._minmax, self._sum, self._norm
+        want_zeros = self._zeros and eps > 0
+        flat_vals: list[torch.Tensor] = []
         prepared = []
         numels = []
+        sq_is_norm = []  # True where the "sq" field holds a norm (not a sum of squares)
         threads = torch.get_num_threads() if cpu else 1
         single = False
         for k, x in enumerate(xs):
@@ -113,76 +121,87 @@ class StatsEngine:
             if want_single != single:
                 torch.set_num_threads(1 if want_single else threads)
                 single = want_single
-            if x.dtype not in _FLOATS and x.dtype not in _LOW:
-                x = x.to(torch.float32)  # integer / bool inputs (token ids, masks): small
-            elif x.dtype is torch.float16 and self._zeros:
-                x = x.to(torch.float32)  # x / eps overflows half: divide in float32
+            if x.dtype is not torch.float32 and x.dtype is not torch.float64 and (
+                x.dtype not in _LOW or (x.dtype is torch.float16 and want_zeros)
+            ):
+                x = x.to(torch.float32)  # ints/bools (token ids, masks), or half (x / eps overflows half)
             prepared.append(x)
             numels.append(numel)
-            if self._minmax:
-                mn, mx = torch.aminmax(x)
-                mins.append(mn)
-                maxs.append(mx)
-            fast = cpu and x.dtype is torch.float32 and x.is_contiguous()
+            f32 = x.dtype is torch.float32
+            fast = cpu and f32
             if fast:
-                flat = x.view(-1)
-                if self._sum:
-                    sums.append(torch.sum(flat))
-                if self._norm:
-                    sqs.append(torch.dot(flat, flat))
-            else:
-                if self._sum:
-                    sums.append(torch.sum(x, dtype=torch.float32))
-                if self._norm:
-                    sqs.append(torch.linalg.vector_norm(x, dtype=torch.float32))
-            if self._zeros and eps > 0:
+                flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
+            if minmax:
+                mn, mx = torch.aminmax(x)
+                if not f32:
+                    mn, mx = mn.float(), mx.float()
+                flat_vals.append(mn)
+                flat_vals.append(mx)
+            if want_sum:
+                flat_vals.append(torch.sum(flat) if fast else torch.sum(x, dtype=torch.float32))
+            if want_norm:
+                if fast:
+                    flat_vals.append(torch.dot(flat, flat))
+                else:
+                    flat_vals.append(torch.linalg.vector_norm(x, dtype=torch.float32))
+                sq_is_norm.append(not fast)
+            if want_zeros:
                 # |x| < eps  <=>  trunc(x / eps) == 0. On CPU the count of the rest is the dot product of
                 # trunc(x / eps) clamped to [-1, 1] with itself (BLAS), in a reused buffer: 3 cheap
                 # passes, about 2x faster than abs/compare/count_nonzero. Values within an ulp of eps
                 # itself may round the other way. A NaN poisons that dot product; such rows (their
                 # sum is not finite) are counted exactly afterwards.
                 e = eps / scales[k] if scales else eps
-                if cpu:
+                if fast:
                     vb, _ = self._buffers(x)
-                    q = torch.div(x, e, rounding_mode="trunc", out=vb[:numel].view(x.shape))
-                    q = q.view(-1) if q.is_contiguous() else q.reshape(-1)
+                    q = torch.div(flat, e, rounding_mode="trunc", out=vb[:numel])
                     q.clamp_(-1.0, 1.0)
-                    nonzero.append(torch.dot(q, q) if q.dtype is torch.float32 else q.abs().sum(dtype=torch.float32))
+                    flat_vals.append(torch.dot(q, q))
                 else:
-                    nonzero.append(torch.count_nonzero(torch.div(x, e, rounding_mode="trunc")))
+                    flat_vals.append(torch.count_nonzero(torch.div(x, e, rounding_mode="trunc")).float())
         if single:
             torch.set_num_threads(threads)
+        n = len(xs)
+        raw = torch.stack(flat_vals).view(n, -1) if flat_vals else None
         numel_t = torch.tensor(numels, dtype=torch.float32)
+        scale_t = torch.tensor(list(scales), dtype=torch.float32) if scales else None
         if not cpu:
             numel_t = numel_t.pin_memory().to(device, non_blocking=True)
-        scale_t = None
-        if scales:
-            scale_t = torch.tensor(list(scales), dtype=torch.float32)
-            if not cpu:
+            if scale_t is not None:
                 scale_t = scale_t.pin_memory().to(device, non_blocking=True)
         cols: dict[str, torch.Tensor] = {}
-        if self._minmax:
-            if "min" in self.ops:
-                cols["min"] = torch.stack(mins).to(torch.float32)
-            if "max" in self.ops:
-                cols["max"] = torch.stack(maxs).to(torch.float32)
-        means = torch.stack(sums).to(torch.float32).div_(numel_t) if self._sum else None
-        if self._norm:
-            sq = torch.stack(sqs).to(torch.float32)
-            cols["norm"] = sq.sqrt_() if fast_all(prepared, cpu) else _norms(sq, prepared, cpu)
-        if means is not None and "mean" in self.ops:
+        j = 0
+        if minmax:
+            cols["min"], cols["max"] = raw[:, 0], raw[:, 1]
+            j = 2
+        means = None
+        if want_sum:
+            means = raw[:, j] / numel_t
             cols["mean"] = means
+            j += 1
+        if want_norm:
+            sq = raw[:, j]
+            if any(sq_is_norm):
+                if all(sq_is_norm):
+                    cols["norm"] = sq
+                else:
+                    is_norm = torch.tensor(sq_is_norm, device=raw.device)
+                    cols["norm"] = torch.where(is_norm, sq, sq.clamp(min=0).sqrt())
+            else:
+                cols["norm"] = sq.sqrt()
+            j += 1
         if scale_t is not None:
             for op in ("min", "max", "norm", "mean"):
                 if op in cols:
                     cols[op] = cols[op] * scale_t
-        nan_counts = None
+        bad: list = []
         if self._nans or self._zeros:
             nan_counts, bad = self._nan_counts(prepared, means, cpu)
+            if self._nans:
+                cols["nans"] = nan_counts
         if self._zeros:
-            if eps > 0:
-                nz = torch.stack(nonzero).to(torch.float32)
-                zeros = (numel_t - nz).div_(numel_t)
+            if want_zeros:
+                zeros = (numel_t - raw[:, j]) / numel_t
                 if cpu and bad:
                     for i in bad:  # a NaN made the fast count NaN: count exactly
                         e = eps / scales[i] if scales else eps
@@ -190,33 +209,21 @@ class StatsEngine:
             else:
                 zeros = torch.zeros_like(numel_t)  # |x| < 0 never holds
             cols["zeros"] = zeros
-        if self._nans:
-            cols["nans"] = nan_counts
         return torch.stack([cols[op] for op in self.ops], dim=1)
 
     def _nan_counts(self, xs: list[torch.Tensor], means: torch.Tensor, cpu: bool) -> tuple[torch.Tensor, list]:
         """NaN counts, computed only for tensors whose sum is not finite; and those rows (CPU)."""
-        finite = torch.isfinite(means)
         if cpu:
             counts = torch.zeros(len(xs), dtype=torch.float32)
-            if bool(finite.all()):
+            if math.isfinite(float(means.sum())):  # one host-side check for the whole batch
                 return counts, []
-            bad = torch.nonzero(~finite).flatten().tolist()
+            bad = torch.nonzero(~torch.isfinite(means)).flatten().tolist()
             for i in bad:
                 counts[i] = torch.isnan(xs[i]).sum()
             return counts, bad
+        finite = torch.isfinite(means)
         nan_counts = torch.stack([torch.isnan(x).sum() for x in xs]).to(torch.float32)
         return torch.where(finite, torch.zeros_like(nan_counts), nan_counts), []
-
-
-def fast_all(xs: list[torch.Tensor], cpu: bool) -> bool:
-    """Whether every norm entry is a sum of squares (the dot path) rather than a norm."""
-    return cpu and all(x.dtype is torch.float32 and x.is_contiguous() for x in xs)
-
-
-def _norms(sq: torch.Tensor, xs: list[torch.Tensor], cpu: bool) -> torch.Tensor:
-    is_sq = torch.tensor([cpu and x.dtype is torch.float32 and x.is_contiguous() for x in xs], device=sq.device)
-    return torch.where(is_sq, sq.clamp(min=0).sqrt(), sq)
 
 
 @dataclass
