@@ -137,13 +137,18 @@ class StatsEngine:
                     mn, mx = mn.float(), mx.float()
                 flat_vals.append(mn)
                 flat_vals.append(mx)
+            f64 = x.dtype is torch.float64
             if want_sum:
-                flat_vals.append(torch.sum(flat) if fast else torch.sum(x, dtype=torch.float32))
+                if fast:
+                    flat_vals.append(torch.sum(flat))
+                else:
+                    flat_vals.append(torch.sum(x).float() if f64 else torch.sum(x, dtype=torch.float32))
             if want_norm:
                 if fast:
                     flat_vals.append(torch.dot(flat, flat))
                 else:
-                    flat_vals.append(torch.linalg.vector_norm(x, dtype=torch.float32))
+                    flat_vals.append(torch.linalg.vector_norm(x).float() if f64
+                                     else torch.linalg.vector_norm(x, dtype=torch.float32))
                 sq_is_norm.append(not fast)
             if want_zeros:
                 # |x| < eps  <=>  trunc(x / eps) == 0. On CPU the count of the rest is the dot product of

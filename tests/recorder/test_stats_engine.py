@@ -1,0 +1,100 @@
+"""StatsEngine: each op equals an independent float64 computation, for every dtype and layout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from trainrec.recorder.stats import SMALL_NUMEL, StatsEngine, StatsPart, StepStats, build_stats_events
+from trainrec.schema.events import unpack_array
+
+OPS = ("min", "max", "norm", "mean", "zeros", "nans")
+
+
+def ref(t: torch.Tensor, eps: float) -> list[float]:
+    d = t.detach().to(torch.float64)
+    return [d.min().item(), d.max().item(), d.norm().item(), d.mean().item(),
+            (d.abs() < eps).double().mean().item(), float(torch.isnan(d).sum())]
+
+
+def close(a: float, b: float, rtol: float = 1e-4) -> bool:
+    if math.isnan(b):
+        return math.isnan(a)
+    return abs(a - b) <= 1e-6 + rtol * abs(b)
+
+
+def cases():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 70, generator=g)
+    x[x.abs() < 0.3] = 0
+    big = torch.randn(SMALL_NUMEL + 5, generator=g) * 1e-9  # runs with the intra-op pool; many |x| < eps
+    return [
+        ("f32", x),
+        ("f32 transposed", x.t()),
+        ("f32 slice", x[::3, 5:]),
+        ("f32 big", big),
+        ("f64", torch.randn(50, generator=g, dtype=torch.float64)),
+        ("bf16", torch.randn(1000, generator=g).to(torch.bfloat16)),
+        ("f16", torch.randn(1000, generator=g).to(torch.float16)),
+        ("int64 tokens", torch.randint(0, 50, (4, 9), generator=g)),
+        ("bool", torch.rand(40, generator=g) > 0.5),
+        ("scalar", torch.tensor(3.5)),
+        ("inf", torch.tensor([1.0, float("inf"), 0.0])),
+        ("nan", torch.tensor([1.0, float("nan"), 0.0, float("nan"), 2e-9])),
+    ]
+
+
+@pytest.mark.parametrize("eps", [1e-8, 0.25])
+def test_every_op_matches_float64_reference(eps):
+    eng = StatsEngine(OPS, eps)
+    named = cases()
+    rows = eng.compute([t for _, t in named])
+    assert rows.dtype is torch.float32 and rows.shape == (len(named), 6)
+    for (name, t), row in zip(named, rows.tolist(), strict=True):
+        for op, got, want in zip(OPS, row, ref(t, eps), strict=True):
+            if name == "inf" and op in ("norm", "mean", "max"):
+                assert got == math.inf, (name, op)
+                continue
+            rtol = 1e-2 if name in ("bf16", "f16") and op in ("norm", "mean") else 1e-4
+            assert close(got, want, rtol), f"{name} {op}: {got} vs {want}"
+
+
+def test_none_and_empty_give_nan_rows_and_only_requested_ops():
+    eng = StatsEngine(("max", "zeros"), 1e-8)
+    rows = eng.compute([None, torch.empty(0), torch.tensor([0.0, 2.0])])
+    assert torch.isnan(rows[:2]).all()
+    assert rows[2].tolist() == [2.0, 0.5]
+
+
+def test_scales_give_statistics_of_the_scaled_tensor():
+    eng = StatsEngine(OPS, 1e-3)
+    x = torch.tensor([0.0, 1e-4, -2e-3, 5.0])
+    got = eng.compute([x], scales=[3.0])[0].tolist()
+    want = ref(x * 3.0, 1e-3)
+    assert all(close(a, b) for a, b in zip(got, want, strict=True)), (got, want)
+
+
+def test_thread_count_is_restored():
+    before = torch.get_num_threads()
+    StatsEngine(OPS).compute([torch.randn(10), torch.randn(SMALL_NUMEL), torch.randn(10)])
+    assert torch.get_num_threads() == before
+
+
+def test_step_stats_one_host_matrix_and_events_per_kind():
+    eng = StatsEngine(("norm", "max"))
+    st = StepStats(("norm", "max"))
+    st.add(StatsPart("param", eng.compute([torch.ones(4)]), [3], (), (), (), [1]))
+    st.add(StatsPart("actv", eng.compute([torch.ones(1), torch.zeros(2)]), [0, 1], (0, 1), (7, 8), (1, 2), (0, 0)))
+    st.add(StatsPart("param", eng.compute([torch.full((9,), 2.0)]), [4], (), (), (), [0]))
+    hs = st.finish(step=5)
+    assert [k for k, _, _ in hs.kinds] == ["actv", "param"]
+    import numpy as np
+
+    evs = build_stats_events(hs, rank=2, file_ids=np.array([10, 11, 12, 13, 14], dtype=np.uint32), wall=1.0)
+    actv, param = evs
+    assert (actv.kind, actv.step, actv.rank, len(actv)) == ("actv", 5, 2, 2)
+    assert list(unpack_array("I", actv.name_ids)) == [10, 11]
+    assert list(actv.column("call_ids")) == [7, 8] and list(actv.column("slots")) == [1, 2]
+    assert list(param.column("call_ids")) == [-1, -1] and list(param.column("vpp_stages")) == [1, 0]
+    assert list(param.value_array()) == [2.0, 1.0, 6.0, 2.0]
