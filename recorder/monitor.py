@@ -37,16 +37,12 @@ import torch
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError, WriterError
 from trainrec.schema.events import (
-    KIND_EXP_AVG,
-    KIND_EXP_AVG_SQ,
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
     KIND_PARAM,
-    KIND_RATIO,
-    KIND_UPDATE,
     ConfigApplied,
+    ConfigRejected,
     HookFailed,
-    HooksFired,
     ModuleStructureRecorded,
     MonitoringStopped,
     RunResumed,
@@ -55,10 +51,11 @@ from trainrec.schema.events import (
 )
 
 from . import runinfo
+from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
 from .hooks import StepState, make_chunk_pre_hook, make_grad_hook
-from .optim import KNOWN_OPT_TYPES, AdamState, torch_optimizer_of, update_and_ratio
-from .stats import StatsEngine, StatsPart, build_stats_events
+from .optim import KNOWN_OPT_TYPES, AdamState, torch_optimizer_of
+from .stats import StatsEngine
 from .targets import ParamInfo, Targets, build_targets, module_structure
 from .writer import LogWriter
 
@@ -72,7 +69,7 @@ def _content_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class TrainerMon:
+class TrainerMon(StepCollector):
     """Drop-in for ``msprobe.pytorch.monitor.module_hook.TrainerMon`` (1.2.1).
 
     ``config_file_path`` may also be a config dict or a :class:`MonitorConfig` (native use);
@@ -140,6 +137,8 @@ class TrainerMon:
         self._struct: dict | None = None
         self._manual_steps = False
         self._closed = False
+        if self.config.mg_direction or self.config.cc_distribution.get("enable"):
+            log.warning("trainrec: mg_direction and cc_distribution are accepted for compatibility but not recorded")
         if self.config.format != "api":
             self._open_output()
         if self.dynamic:
@@ -332,15 +331,23 @@ class TrainerMon:
         ``collect_times`` counted from here.
         """
         old = self.config
+        if self._chunks and (config is not old):
+            try:
+                targets, params = self._select(config)  # may raise ConfigError: nothing changed yet
+            except ConfigError as exc:
+                log.warning("trainrec: config not applied at step %d: %s", step, exc)
+                self._emit(ConfigRejected(rank=self.rank, step=step, wall=time.time(), content_hash=content_hash,
+                                          path=os.fspath(self.config_file_path) if self.config_file_path else "",
+                                          reason=str(exc), keys=(exc.key,) if exc.key else ()))
+                return
+            attached = bool(self._step_handles)
+            self._detach()
+            self._targets, self._params = targets, params
+            if attached:
+                self._attach()
         self.config = config
         if config.ops != old.ops or config.eps != old.eps:
             self._engine = StatsEngine(config.ops, config.eps)
-        if self._chunks and (config is not old):
-            attached = bool(self._step_handles)
-            self._detach()
-            self._targets = self._build(config)
-            if attached:
-                self._attach()
         if config.alert != old.alert:
             self._make_alerts(config)
         self._collections = 0
@@ -384,16 +391,20 @@ class TrainerMon:
         self._file_ids = np.concatenate([self._file_ids, np.asarray(ids, dtype=np.uint32)])
 
     def _build(self, cfg: MonitorConfig) -> Targets:
+        targets, self._params = self._select(cfg)
+        return targets
+
+    def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
+        """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
         targets = build_targets(self._chunks, cfg, self.rank, self._intern)
-        self._params = targets.params
         self._sync_names()
         if self._tp_group is not None and self._distributed:
             import torch.distributed as dist
 
             tp_first = dist.get_rank(group=self._tp_group) == 0
-            for p in self._params:
+            for p in targets.params:
                 p.tp_duplicate = not tp_first and not getattr(p.param, "tensor_model_parallel", False)
-        return targets
+        return targets, targets.params
 
     def _write_structure(self) -> None:
         for vpp, chunk in enumerate(self._chunks):
@@ -565,135 +576,6 @@ class TrainerMon:
         self._pre_step(None, (), {})
         self._post_step(None, (), {})
 
-    # ------------------------------------------------------------------ gradients and optimizer state
-    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        if self.params_have_main_grad:
-            g = getattr(p, "main_grad", None)
-            if g is not None:
-                return g
-        return p.grad
-
-    def _on_grad_accumulated(self, index: int) -> None:
-        st = self._state
-        if index in st.pending_set:
-            self._flush_grads()
-        n = st.grad_count.get(index, 0)
-        st.grad_count[index] = n + 1
-        micro = n % self._grad_acc
-        info = self._params[index]
-        call = st.fire(info.name_id, 1, micro)
-        st.pending.append((index, micro, call))
-        st.pending_set.add(index)
-        if len(st.pending) >= len(self._params):
-            self._flush_grads()
-
-    def _flush_grads(self) -> None:
-        st = self._state
-        pend = st.pending
-        st.pending = []
-        st.pending_set = set()
-        if not pend:
-            return
-        grads = [self._grad_of(self._params[i].param) for i, _, _ in pend]
-        rows = self._engine.compute(grads)
-        st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _ in pend],
-                               [m for _, m, _ in pend], [c for _, _, c in pend], (),
-                               [self._params[i].vpp for i, _, _ in pend]))
-        for r, ((i, _, _), g) in enumerate(zip(pend, grads, strict=True)):
-            if g is not None:
-                st.last_unreduced[i] = (rows, r, g, g._version)
-
-    def _reduced_grads(self, st: StepState) -> None:
-        if self._dp_duplicate:
-            return
-        reuse_rows, reuse_idx, todo, todo_idx = [], [], [], []
-        for i, info in enumerate(self._params):
-            if info.tp_duplicate:
-                continue
-            g = self._grad_of(info.param)
-            if g is None:
-                continue
-            last = st.last_unreduced.get(i)
-            if last is not None and last[2] is g and last[3] == g._version:
-                reuse_rows.append(last[0][last[1]])
-                reuse_idx.append(i)
-            else:
-                todo.append(g)
-                todo_idx.append(i)
-        if reuse_rows:
-            self._add_rows(st, KIND_GRAD_REDUCED, torch.stack(reuse_rows), reuse_idx)
-        if todo:
-            self._add_rows(st, KIND_GRAD_REDUCED, self._engine.compute(todo), todo_idx)
-
-    def _param_rows(self, st: StepState, kind: str, tensors, indices) -> None:
-        tensors = list(tensors)
-        if tensors:
-            self._add_rows(st, kind, self._engine.compute(tensors), list(indices))
-
-    def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
-        c0 = st.call
-        st.call += len(indices)
-        st.stats.add(StatsPart(kind, rows, [self._params[i].name_id for i in indices], (),
-                               range(c0, c0 + len(indices)), (), [self._params[i].vpp for i in indices]))
-
-    def _optimizer_rows(self, st: StepState) -> None:
-        cfg = self.config
-        if not (cfg.mv_distribution or cfg.ur_distribution) or self._adam is None:
-            return
-        entries = self._adam.lookup([p.param for p in self._params])
-        if not entries:
-            return
-        idx = [e[0] for e in entries]
-        if cfg.mv_distribution:
-            self._add_rows(st, KIND_EXP_AVG, self._engine.compute([e[1] for e in entries]), idx)
-            self._add_rows(st, KIND_EXP_AVG_SQ, self._engine.compute([e[2] for e in entries]), idx)
-        if cfg.ur_distribution:
-            upd, ratio = update_and_ratio(entries, self._engine.compute, True, True)
-            self._add_rows(st, KIND_UPDATE, upd, idx)
-            self._add_rows(st, KIND_RATIO, ratio, idx)
-
-    def _finish_step(self, st: StepState) -> None:
-        if st.pending:
-            self._flush_grads()
-        writer = self._writer
-        hs = st.stats.finish(st.step, to_host=writer is not None)
-        self._collections += 1
-        self._last = {"hs": hs}
-        wall = time.time()
-        if writer is not None and not writer.closed and writer.error is None:
-            self._sync_names()
-            fids = self._file_ids
-            if len(st.mod_ids):
-                mod = fids[np.frombuffer(st.mod_ids, dtype=np.uint32)].astype("<u4")
-                writer.write(HooksFired(rank=self.rank, step=st.step, wall=wall, module_ids=mod.tobytes(),
-                                        directions=st.dirs.tobytes(), call_ids=st.call_ids.tobytes(),
-                                        micro_steps=st.micro.tobytes()))
-            if hs.kinds:
-                writer.write(_deferred_stats(hs, self.rank, fids, wall, self._alerts, self._names))
-        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
-                             duration=time.perf_counter() - self._step_t0, collected=True,
-                             micro_steps=max([self._grad_acc, *st.fwd_count.values()]) if st.fwd_count
-                             else self._grad_acc))
-
-    # ------------------------------------------------------------------ api metrics
-    def _metrics(self, kind: str) -> dict:
-        from trainrec.schema.naming import reference_tag
-
-        last = self._last.get("hs")
-        if last is None:
-            return {}
-        out: dict = {}
-        vals = last.values
-        for k, a, b in last.kinds:
-            if k != kind:
-                continue
-            for r in range(a, b):
-                name = self._names[int(last.name_ids[r])]
-                tag = reference_tag(kind, name, int(last.slots[r]), int(last.micro_steps[r]), self.rank,
-                                    int(last.vpp_stages[r]))
-                out[tag] = {op: vals[r, j] for j, op in enumerate(last.ops)}
-        return out
-
     # ------------------------------------------------------------------ failures
     def _hook_failed(self, where: str, exc: BaseException) -> None:
         n = self._failures.get(where, 0) + 1
@@ -717,30 +599,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(message)
-
-
-def _deferred_stats(hs, rank: int, file_ids: np.ndarray, wall: float, alerts, names: list[str]):
-    """The callable run on the writer thread: host values -> TensorStatsRecorded (+ anomalies)."""
-
-    def build() -> list:
-        events = build_stats_events(hs, rank, file_ids, wall)
-        if alerts is None:
-            return events
-        out = []
-        arr = hs.values.numpy()
-        for ev, (kind, a, b) in zip(events, hs.kinds, strict=True):
-            out.append(ev)
-            try:
-                out.extend(alerts.observe(
-                    step=hs.step, kind=kind, ops=list(hs.ops), names=[names[int(i)] for i in hs.name_ids[a:b]],
-                    values=arr[a:b], micro_steps=hs.micro_steps[a:b], call_ids=hs.call_ids[a:b],
-                    slots=hs.slots[a:b], vpp_stages=hs.vpp_stages[a:b],
-                ))
-            except Exception as exc:  # noqa: BLE001 - anomaly detection never stops recording
-                _warn_once("alerts-observe", f"trainrec: anomaly detection failed: {exc!r}")
-        return out
-
-    return build
 
 
 def _close_at_exit(ref) -> None:

@@ -372,3 +372,22 @@ def test_native_record_detects_steps_through_the_optimizer(tmp_path, out):
             rec.step()
     ev = events_of(tmp_path / "native")
     assert steps_with(ev, "grad_reduced") == [0] and steps_with(ev, "param") == [0]
+
+
+def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_config_goes_on(tmp_path, out):
+    from trainrec.recorder.config import parse_config
+    from trainrec.schema.events import ConfigRejected
+
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True}), live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    loss_of(model, 0).backward()
+    opt.step()
+    mon._apply_config(parse_config({"wg_distribution": True, "targets": {"nothing.here": {}}}), 0, "abc")
+    loss_of(model, 1).backward()
+    opt.step()
+    mon.close()
+    ev = events_of(out)
+    rej = [e for e in ev if isinstance(e, ConfigRejected)]
+    assert rej and rej[0].keys == ("targets.nothing.here",) and rej[0].content_hash == "abc"
+    assert steps_with(ev, "grad_reduced") == [0, 1]

@@ -1,0 +1,199 @@
+"""What a collected step records besides the module hooks: weight gradients, parameters, Adam state,
+and the end of the step (one host copy, HooksFired, the deferred TensorStatsRecorded build).
+
+A mixin of :class:`~trainrec.recorder.monitor.TrainerMon`; it uses the monitor's ``_state``
+(:class:`~trainrec.recorder.hooks.StepState`), ``_engine``, ``_params``, ``_writer`` and name tables.
+
+Weight gradients: the post-accumulate-grad hook of each monitored parameter queues it; the queue is
+measured in one batch when every monitored parameter has fired in this micro step, when the next
+micro step's forward begins (a forward pre-hook on each model chunk), or at the optimizer pre-step,
+whichever comes first, so ``.grad`` is measured before the next micro step accumulates into it.
+Reduced gradients (optimizer pre-step) reuse the last unreduced row of a parameter whose gradient is
+the same tensor with the same version counter (no reduction or clipping happened in between), and are
+measured again otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from trainrec.schema.events import (
+    KIND_EXP_AVG,
+    KIND_EXP_AVG_SQ,
+    KIND_GRAD_REDUCED,
+    KIND_GRAD_UNREDUCED,
+    KIND_RATIO,
+    KIND_UPDATE,
+    HooksFired,
+    StepEnded,
+)
+from trainrec.schema.naming import reference_tag
+
+from .hooks import StepState
+from .optim import update_and_ratio
+from .stats import StatsPart, build_stats_events
+
+log = logging.getLogger(__name__)
+
+
+class StepCollector:
+    """Gradient, parameter and optimizer-state rows of a collected step, and the step's end."""
+
+    # ------------------------------------------------------------------ gradients and optimizer state
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        if self.params_have_main_grad:
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                return g
+        return p.grad
+
+    def _on_grad_accumulated(self, index: int) -> None:
+        st = self._state
+        if index in st.pending_set:
+            self._flush_grads()
+        n = st.grad_count.get(index, 0)
+        st.grad_count[index] = n + 1
+        micro = n % self._grad_acc
+        info = self._params[index]
+        call = st.fire(info.name_id, 1, micro)
+        st.pending.append((index, micro, call))
+        st.pending_set.add(index)
+        if len(st.pending) >= len(self._params):
+            self._flush_grads()
+
+    def _flush_grads(self) -> None:
+        st = self._state
+        pend = st.pending
+        st.pending = []
+        st.pending_set = set()
+        if not pend:
+            return
+        grads = [self._grad_of(self._params[i].param) for i, _, _ in pend]
+        rows = self._engine.compute(grads)
+        st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _ in pend],
+                               [m for _, m, _ in pend], [c for _, _, c in pend], (),
+                               [self._params[i].vpp for i, _, _ in pend]))
+        for r, ((i, _, _), g) in enumerate(zip(pend, grads, strict=True)):
+            if g is not None:
+                st.last_unreduced[i] = (rows, r, g, g._version)
+
+    def _reduced_grads(self, st: StepState) -> None:
+        if self._dp_duplicate:
+            return
+        reuse_rows, reuse_idx, todo, todo_idx = [], [], [], []
+        for i, info in enumerate(self._params):
+            if info.tp_duplicate:
+                continue
+            g = self._grad_of(info.param)
+            if g is None:
+                continue
+            last = st.last_unreduced.get(i)
+            if last is not None and last[2] is g and last[3] == g._version:
+                reuse_rows.append(last[0][last[1]])
+                reuse_idx.append(i)
+            else:
+                todo.append(g)
+                todo_idx.append(i)
+        if reuse_rows:
+            self._add_rows(st, KIND_GRAD_REDUCED, torch.stack(reuse_rows), reuse_idx)
+        if todo:
+            self._add_rows(st, KIND_GRAD_REDUCED, self._engine.compute(todo), todo_idx)
+
+    def _param_rows(self, st: StepState, kind: str, tensors, indices) -> None:
+        tensors = list(tensors)
+        if tensors:
+            self._add_rows(st, kind, self._engine.compute(tensors), list(indices))
+
+    def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
+        c0 = st.call
+        st.call += len(indices)
+        st.stats.add(StatsPart(kind, rows, [self._params[i].name_id for i in indices], (),
+                               range(c0, c0 + len(indices)), (), [self._params[i].vpp for i in indices]))
+
+    def _optimizer_rows(self, st: StepState) -> None:
+        cfg = self.config
+        if not (cfg.mv_distribution or cfg.ur_distribution) or self._adam is None:
+            return
+        entries = self._adam.lookup([p.param for p in self._params])
+        if not entries:
+            return
+        idx = [e[0] for e in entries]
+        if cfg.mv_distribution:
+            self._add_rows(st, KIND_EXP_AVG, self._engine.compute([e[1] for e in entries]), idx)
+            self._add_rows(st, KIND_EXP_AVG_SQ, self._engine.compute([e[2] for e in entries]), idx)
+        if cfg.ur_distribution:
+            upd, ratio = update_and_ratio(entries, self._engine.compute, True, True)
+            self._add_rows(st, KIND_UPDATE, upd, idx)
+            self._add_rows(st, KIND_RATIO, ratio, idx)
+
+    def _finish_step(self, st: StepState) -> None:
+        if st.pending:
+            self._flush_grads()
+        writer = self._writer
+        hs = st.stats.finish(st.step, to_host=writer is not None)
+        self._collections += 1
+        self._last = {"hs": hs}
+        wall = time.time()
+        if writer is not None and not writer.closed and writer.error is None:
+            self._sync_names()
+            fids = self._file_ids
+            if len(st.mod_ids):
+                mod = fids[np.frombuffer(st.mod_ids, dtype=np.uint32)].astype("<u4")
+                writer.write(HooksFired(rank=self.rank, step=st.step, wall=wall, module_ids=mod.tobytes(),
+                                        directions=st.dirs.tobytes(), call_ids=st.call_ids.tobytes(),
+                                        micro_steps=st.micro.tobytes()))
+            if hs.kinds:
+                writer.write(deferred_stats(hs, self.rank, fids, wall, self._alerts, self._names))
+        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
+                             duration=time.perf_counter() - self._step_t0, collected=True,
+                             micro_steps=max([self._grad_acc, *st.fwd_count.values()]) if st.fwd_count
+                             else self._grad_acc))
+
+    # ------------------------------------------------------------------ api metrics
+    def _metrics(self, kind: str) -> dict:
+        last = self._last.get("hs")
+        if last is None:
+            return {}
+        out: dict = {}
+        vals = last.values
+        for k, a, b in last.kinds:
+            if k != kind:
+                continue
+            for r in range(a, b):
+                name = self._names[int(last.name_ids[r])]
+                tag = reference_tag(kind, name, int(last.slots[r]), int(last.micro_steps[r]), self.rank,
+                                    int(last.vpp_stages[r]))
+                out[tag] = {op: vals[r, j] for j, op in enumerate(last.ops)}
+        return out
+
+
+_warned: list = []
+
+
+def deferred_stats(hs, rank: int, file_ids: np.ndarray, wall: float, alerts, names: list[str]):
+    """The callable run on the writer thread: host values -> TensorStatsRecorded (+ anomalies)."""
+
+    def build() -> list:
+        events = build_stats_events(hs, rank, file_ids, wall)
+        if alerts is None:
+            return events
+        out = []
+        arr = hs.values.numpy()
+        for ev, (kind, a, b) in zip(events, hs.kinds, strict=True):
+            out.append(ev)
+            try:
+                out.extend(alerts.observe(
+                    step=hs.step, kind=kind, ops=list(hs.ops), names=[names[int(i)] for i in hs.name_ids[a:b]],
+                    values=arr[a:b], micro_steps=hs.micro_steps[a:b], call_ids=hs.call_ids[a:b],
+                    slots=hs.slots[a:b], vpp_stages=hs.vpp_stages[a:b],
+                ))
+            except Exception as exc:  # noqa: BLE001 - anomaly detection never stops recording
+                if not _warned:
+                    _warned.append(True)
+                    log.warning("trainrec: anomaly detection failed: %r", exc)
+        return out
+
+    return build
