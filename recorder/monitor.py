@@ -19,6 +19,16 @@ Life of a step (``step`` counts optimizer steps from ``start_iteration``):
 ``optimizer=None``: the optimizer set with :meth:`set_wrapped_optimizer` is used; failing that, global
 optimizer step hooks wait for the first optimizer stepping over the model's parameters, bind to that
 instance, and are removed at the next step boundary.
+
+Recorded per collected step: HooksFired (every module hook firing and every gradient-accumulation
+hook firing, with its call id in execution order and micro step), TensorStatsRecorded per kind, and
+StepBegan/StepEnded for every step (StepBegan is written at the step's first sign of life).
+
+Known limits: a step skipped by ``torch.amp.GradScaler`` (no ``optimizer.step()``) is merged into the
+next one (the reference has the same counter); a selector that does not fit a module's real
+input/output is reported at its first collected call (HookFailed naming the key), not before
+training; ``mg_direction`` and ``cc_distribution`` are accepted but not recorded; Adam state sharded by
+a distributed optimizer (Megatron DistributedOptimizer, ZeRO) is not mapped back to parameters.
 """
 
 from __future__ import annotations
