@@ -391,3 +391,22 @@ def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_con
     rej = [e for e in ev if isinstance(e, ConfigRejected)]
     assert rej and rej[0].keys == ("targets.nothing.here",) and rej[0].content_hash == "abc"
     assert steps_with(ev, "grad_reduced") == [0, 1]
+
+
+def test_reload_xy_switches_activation_hooks_without_stacking(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "wg_distribution": True}), live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    n_hooks = sum(len(m._forward_hooks) for m in model.modules())
+    mon.reload_xy()
+    mon.reload_xy()
+    assert sum(len(m._forward_hooks) for m in model.modules()) == n_hooks
+    loss_of(model, 0).backward()
+    opt.step()
+    mon.reload_xy(False)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+    loss_of(model, 1).backward()
+    opt.step()
+    mon.close()
+    ev = events_of(out)
+    assert steps_with(ev, "actv") == [0] and steps_with(ev, "grad_reduced") == [0, 1]

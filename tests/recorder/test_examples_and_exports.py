@@ -1,0 +1,52 @@
+"""The examples run as documented, and format csv starts the live projection with the config's settings."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+from trainmon_util import events_of, loss_of, make, rank_dirs, write_config
+from trainrec.recorder import TrainerMon
+from trainrec.schema.events import TensorStatsRecorded
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize(("script", "args"), [("plain_loop.py", ["--steps", "3", "--grad-acc", "2"]),
+                                              ("hf_trainer_callback.py", ["--steps", "2"])])
+def test_examples_record_a_run(tmp_path, script, args):
+    env = dict(os.environ, MONITOR_OUTPUT_DIR=str(tmp_path / "out"))
+    env.pop("DYNAMIC_MONITOR", None)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ev = events_of(tmp_path / "out")
+    kinds = {e.kind for e in ev if isinstance(e, TensorStatsRecorded)}
+    assert {"actv", "actv_grad", "grad_unreduced", "grad_reduced", "param", "exp_avg", "update"} <= kinds
+    assert ev[-1].__class__.__name__ == "FileClosed"
+
+
+def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
+    pytest.importorskip("trainrec.tools.live_export")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = {"wg_distribution": True, "ops": ["norm", "max"], "format": "csv", "ndigits": 3,
+           "step_count_per_record": 2}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for s in range(4):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()  # waits for the projection to read FileClosed and exit
+    (d,) = rank_dirs(tmp_path / "out")
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "grad_reduced_*.csv")))
+    assert files == ["grad_reduced_0-1.csv", "grad_reduced_2-3.csv"]
+    with open(os.path.join(d, "grad_reduced_0-1.csv")) as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["vpp_stage", "param_name", "step", "norm", "max"]
+    assert all(len(v.split(".")[-1]) <= 3 for r in rows[1:] for v in r[3:] if "." in v)
