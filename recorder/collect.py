@@ -9,8 +9,8 @@ measured in one batch when every monitored parameter has fired in this micro ste
 micro step's forward begins (a forward pre-hook on each model chunk), or at the optimizer pre-step,
 whichever comes first, so ``.grad`` is measured before the next micro step accumulates into it.
 Reduced gradients (optimizer pre-step) reuse the last unreduced row of a parameter whose gradient is
-the same tensor with the same version counter (no reduction or clipping happened in between), and are
-measured again otherwise.
+the same tensor with the same version counter and the same norm (recomputed: one dot product), i.e.
+no reduction, clipping or unscaling happened in between; they are measured again otherwise.
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ class StepCollector:
     def _reduced_grads(self, st: StepState) -> None:
         if self._dp_duplicate:
             return
-        reuse_rows, reuse_idx, todo, todo_idx = [], [], [], []
+        eng = self._engine
+        cand_rows, cand_idx, cand_g, todo, todo_idx = [], [], [], [], []
+        can_reuse = "norm" in eng.ops
         for i, info in enumerate(self._params):
             if info.tp_duplicate:
                 continue
@@ -91,16 +93,29 @@ class StepCollector:
             if g is None:
                 continue
             last = st.last_unreduced.get(i)
-            if last is not None and last[2] is g and last[3] == g._version:
-                reuse_rows.append(last[0][last[1]])
-                reuse_idx.append(i)
+            if can_reuse and last is not None and last[2] is g and last[3] == g._version and g.device.type == "cpu":
+                cand_rows.append(last[0][last[1]])
+                cand_idx.append(i)
+                cand_g.append(g)
             else:
                 todo.append(g)
                 todo_idx.append(i)
-        if reuse_rows:
-            self._add_rows(st, KIND_GRAD_REDUCED, torch.stack(reuse_rows), reuse_idx)
+        if cand_rows:
+            # Same tensor, same version counter: unchanged, unless a kernel wrote it without bumping the
+            # counter (AMP's unscale, apex/Megatron fused scaling do). The norm, recomputed exactly as the
+            # engine computes it (one dot product per tensor, bitwise reproducible), must match too.
+            rows = torch.stack(cand_rows)
+            same = (eng.norms(cand_g) == rows[:, eng.ops.index("norm")]).tolist()
+            keep = [k for k, ok in enumerate(same) if ok]
+            if keep:
+                self._add_rows(st, KIND_GRAD_REDUCED, rows[keep] if len(keep) < len(same) else rows,
+                               [cand_idx[k] for k in keep])
+            for k, ok in enumerate(same):
+                if not ok:
+                    todo.append(cand_g[k])
+                    todo_idx.append(cand_idx[k])
         if todo:
-            self._add_rows(st, KIND_GRAD_REDUCED, self._engine.compute(todo), todo_idx)
+            self._add_rows(st, KIND_GRAD_REDUCED, eng.compute(todo), todo_idx)
 
     def _param_rows(self, st: StepState, kind: str, tensors, indices) -> None:
         tensors = list(tensors)

@@ -410,3 +410,26 @@ def test_reload_xy_switches_activation_hooks_without_stacking(tmp_path, out):
     mon.close()
     ev = events_of(out)
     assert steps_with(ev, "actv") == [0] and steps_with(ev, "grad_reduced") == [0, 1]
+
+
+def test_autocast_bf16_and_grad_scaler(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "wg_distribution": True, "ops": ALL_OPS}),
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for s in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(model, s)
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # unscales the grads in place, then steps
+        scaler.update()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    actv = stats_table(ev, "actv")
+    assert actv[(1, "head", "output", 0)]["norm"] > 0
+    un, red = stats_table(ev, "grad_unreduced"), stats_table(ev, "grad_reduced")
+    key = (1, "head.weight", "", 0)
+    # unreduced grads are the scaled ones; the optimizer saw them unscaled (in place: measured again)
+    assert un[key]["norm"] == pytest.approx(red[key]["norm"] * 1024.0, rel=1e-3)
