@@ -254,7 +254,11 @@ class TrainerMon(StepCollector):
             import torch.distributed as dist
 
             self._dp_duplicate = dist.get_rank(group=dp_group) != 0
-        self._targets = self._build(self.config)  # raises ConfigError before any training
+        try:
+            self._targets = self._build(self.config)  # raises ConfigError before any training
+        except ConfigError:
+            self._chunks = []  # nothing installed: the caller may fix the config and call again
+            raise
         self._write_structure()
         self._bind_optimizer(optimizer)
         if self._resumed_from:
