@@ -53,20 +53,19 @@ from trainrec.schema.events import (
     ConfigApplied,
     ConfigRejected,
     HookFailed,
-    ModuleStructureRecorded,
     MonitoringStopped,
     RunResumed,
     StepBegan,
     StepEnded,
 )
 
-from . import runinfo
+from . import runinfo, structure
 from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
 from .hooks import StepState, make_chunk_pre_hook, make_grad_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, torch_optimizer_of
 from .stats import StatsEngine
-from .targets import ParamInfo, Targets, build_targets, module_structure
+from .targets import ParamInfo, Targets, build_targets
 from .writer import LogWriter
 
 log = logging.getLogger(__name__)
@@ -421,10 +420,8 @@ class TrainerMon(StepCollector):
         return targets, targets.params
 
     def _write_structure(self) -> None:
-        for vpp, chunk in enumerate(self._chunks):
-            names, classes, parents, counts = module_structure(chunk)
-            self._emit(ModuleStructureRecorded(rank=self.rank, step=self._step, wall=time.time(), vpp_stage=vpp,
-                                               names=names, classes=classes, parents=parents, param_counts=counts))
+        for ev in structure.structure_events(self._chunks, None, None, self.rank, self._step):
+            self._emit(ev)
 
     # ------------------------------------------------------------------ optimizer binding
     def _bind_optimizer(self, optimizer) -> None:
@@ -508,31 +505,13 @@ class TrainerMon(StepCollector):
         self._step_handles = []
 
     def _attach_struct_hooks(self) -> None:
-        from .hooks import make_struct_hooks
-
-        self._struct = {}
         warnings.filterwarnings("ignore", message=_FULL_HOOK_WARNING, category=UserWarning)
-        for vpp, chunk in enumerate(self._chunks):
-            short = self._targets.module_short[vpp] if self._targets else {}
-            for full, mod in chunk.named_modules():
-                fwd, bwd = make_struct_hooks(self._struct, f"{vpp}:{short.get(full, full)}")
-                self._struct_handles.append(mod.register_forward_hook(fwd))
-                self._struct_handles.append(mod.register_full_backward_hook(bwd))
+        self._struct, self._struct_handles = structure.attach_struct_hooks(self._chunks, self._targets)
 
     def _print_struct_and_exit(self) -> None:
-        struct = self._struct or {}
-        os.makedirs(self.output_dir, exist_ok=True)
-        path = os.path.join(self.output_dir, "module_struct.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(struct, f, indent=2)
-        log.info("trainrec: module structure written to %s", path)
-        for vpp, chunk in enumerate(self._chunks):
-            names, classes, parents, counts = module_structure(chunk)
-            short = self._targets.module_short[vpp] if self._targets else {}
-            specs = {n: struct.get(f"{vpp}:{short.get(n, n)}", {}) for n in names}
-            self._emit(ModuleStructureRecorded(rank=self.rank, step=self._step, wall=time.time(), vpp_stage=vpp,
-                                               names=names, classes=classes, parents=parents, param_counts=counts,
-                                               io_specs=specs))
+        structure.write_module_struct(self._struct or {}, self.output_dir)
+        for ev in structure.structure_events(self._chunks, self._targets, self._struct or {}, self.rank, self._step):
+            self._emit(ev)
         self.close()
         raise Exception(PRINT_STRUCT_EXIT)  # noqa: TRY002 - the reference's documented behaviour
 

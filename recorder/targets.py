@@ -94,17 +94,3 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                 f"targets.{t}",
             )
     return out
-
-
-def module_structure(chunk: torch.nn.Module) -> tuple[tuple, tuple, tuple, tuple]:
-    """(full names, class names, parent indices, own parameter counts) of a module tree."""
-    names, classes, parents, counts = [], [], [], []
-    index: dict[str, int] = {}
-    for full, module in chunk.named_modules():
-        index[full] = len(names)
-        names.append(full)
-        classes.append(type(module).__name__)
-        parent = full.rsplit(".", 1)[0] if "." in full else ("" if full else None)
-        parents.append(index.get(parent, -1) if parent is not None else -1)
-        counts.append(sum(p.numel() for p in module.parameters(recurse=False)))
-    return tuple(names), tuple(classes), tuple(parents), tuple(counts)

@@ -1,0 +1,75 @@
+"""The model's module tree: the ModuleStructureRecorded events and ``print_struct``.
+
+At ``monitor_gnorm_with_ad`` one ModuleStructureRecorded per model chunk (full module names, class
+names, parent indices, own parameter counts). With ``print_struct: true`` every module gets forward and
+full backward hooks that describe its inputs, outputs and their gradients the way the reference's
+``module_struct.json`` does (``{"config": "tuple[2]", "0": "size=(8, 32, 256), dtype=torch.float32"}``;
+``config`` is the selector to put in ``targets``); at the first optimizer step the file is written to
+``$MONITOR_OUTPUT_DIR/module_struct.json``, the events are repeated with those descriptions as
+``io_specs``, and the run stops as documented.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+from trainrec.schema.events import ModuleStructureRecorded
+
+from .hooks import make_struct_hooks
+
+log = logging.getLogger(__name__)
+
+
+def module_structure(chunk: torch.nn.Module) -> tuple[tuple, tuple, tuple, tuple]:
+    """(full names, class names, parent indices, own parameter counts) of a module tree."""
+    names, classes, parents, counts = [], [], [], []
+    index: dict[str, int] = {}
+    for full, module in chunk.named_modules():
+        index[full] = len(names)
+        names.append(full)
+        classes.append(type(module).__name__)
+        parent = full.rsplit(".", 1)[0] if "." in full else ("" if full else None)
+        parents.append(index.get(parent, -1) if parent is not None else -1)
+        counts.append(sum(p.numel() for p in module.parameters(recurse=False)))
+    return tuple(names), tuple(classes), tuple(parents), tuple(counts)
+
+
+def _key(targets, vpp: int, full: str) -> str:
+    short = targets.module_short[vpp] if targets is not None else {}
+    return f"{vpp}:{short.get(full, full)}"
+
+
+def attach_struct_hooks(chunks: list, targets) -> tuple[dict, list]:
+    """Hooks on every module that fill ``struct`` (keyed ``"{vpp}:{name}"``); returns (struct, handles)."""
+    struct: dict = {}
+    handles = []
+    for vpp, chunk in enumerate(chunks):
+        for full, mod in chunk.named_modules():
+            fwd, bwd = make_struct_hooks(struct, _key(targets, vpp, full))
+            handles.append(mod.register_forward_hook(fwd))
+            handles.append(mod.register_full_backward_hook(bwd))
+    return struct, handles
+
+
+def write_module_struct(struct: dict, output_dir: str) -> str:
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "module_struct.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(struct, f, indent=2)
+    log.info("trainrec: module structure written to %s", path)
+    return path
+
+
+def structure_events(chunks: list, targets, struct: dict | None, rank: int, step: int) -> list:
+    """One ModuleStructureRecorded per chunk (with io_specs when ``struct`` is given)."""
+    out = []
+    for vpp, chunk in enumerate(chunks):
+        names, classes, parents, counts = module_structure(chunk)
+        specs = {n: struct.get(_key(targets, vpp, n), {}) for n in names} if struct is not None else {}
+        out.append(ModuleStructureRecorded(rank=rank, step=step, wall=time.time(), vpp_stage=vpp, names=names,
+                                           classes=classes, parents=parents, param_counts=counts, io_specs=specs))
+    return out
