@@ -433,3 +433,32 @@ def test_autocast_bf16_and_grad_scaler(tmp_path, out):
     key = (1, "head.weight", "", 0)
     # unreduced grads are the scaled ones; the optimizer saw them unscaled (in place: measured again)
     assert un[key]["norm"] == pytest.approx(red[key]["norm"] * 1024.0, rel=1e-3)
+
+
+def test_recomputation_under_activation_checkpointing_is_not_recorded_twice(tmp_path, out):
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "forward_only": True}), live_export=False)
+    model, opt = make()
+    model.layers[1] = Ckpt(model.layers[1])
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    loss_of(model, 0).backward()
+    opt.step()
+    mon.close()
+    ev = events_of(out)
+    from trainrec.replay.names import NameResolver
+
+    res = NameResolver()
+    for e in ev:
+        res.feed(e)
+    (hf,) = [e for e in ev if isinstance(e, HooksFired)]
+    fired = res.ids_names(hf.rank, hf.module_ids)
+    assert fired.count("1.inner") == 1 and fired.count("1") == 1
