@@ -2,7 +2,8 @@
 
 An output directory holds one rank directory per rank per launch (``Nov30_11-13-33-rank0-4700973a``,
 see :mod:`trainrec.schema.layout`), each with log files ``trainrec-00000.trl``, ``-00001.trl``, ...
-Only the first few records of each file are read here (:func:`~trainrec.replay.reader.read_head`).
+Only the first records of each file, up to the first that is not preamble, are read here
+(:meth:`~trainrec.replay.reader.LogReader.head_while`).
 
 Grouping into runs (launches):
 
@@ -36,12 +37,12 @@ from trainrec.schema.events import (
     RunResumed,
 )
 
-from .reader import read_head
+from .reader import LogReader
 
 log = logging.getLogger(__name__)
 
-_HEAD_EVENTS = 8
-# Records that may come before a RunResumed at the start of a file.
+# Records that may come before a RunResumed at the start of a file (one ModuleStructureRecorded per
+# virtual-pipeline chunk, so their number is not bounded).
 _PREAMBLE = (FileOpened, NamesInterned, ModuleStructureRecorded, ConfigApplied, ConfigChanged, ConfigRejected)
 
 
@@ -98,7 +99,8 @@ def scan_file(path: str, dir_stamp: str | None = None, dir_rank: int | None = No
             dir_stamp, dir_rank = parsed
     lf = LogFile(path=path, dir=d, index=layout.log_index(name) or 0, stamp=dir_stamp, dir_rank=dir_rank)
     try:
-        reader, head = read_head(path, _HEAD_EVENTS)
+        reader = LogReader(path)
+        head = reader.head_while(lambda ev: isinstance(ev, _PREAMBLE))
     except FormatError as exc:
         lf.error = exc
         return lf

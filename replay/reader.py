@@ -167,6 +167,17 @@ class LogReader:
             out.extend(batch)
         return out[:max_events]
 
+    def head_while(self, keep_going, max_bytes: int = 64 << 20) -> list[Event]:
+        """Events from the start up to and including the first for which ``keep_going(event)`` is
+        false, reading the file lazily in small chunks (at most about ``max_bytes``)."""
+        out: list[Event] = []
+        for batch in self._batches(_HEAD_CHUNK, None, max_bytes):
+            for ev in batch:
+                out.append(ev)
+                if not keep_going(ev):
+                    return out
+        return out
+
     def _read(self, size: int) -> bytes | None:
         """Up to ``size`` bytes after what was read so far; None when there is nothing (yet).
 

@@ -6,11 +6,21 @@ import os
 
 import pandas as pd
 import pytest
-from logbuild import rank_dir, same, value, write_rank
+from logbuild import rank_dir, same, stats, value, write_rank
+from trainrec.recorder.writer import LogWriter
 from trainrec.replay import list_runs, open_run
 from trainrec.schema import framing
 from trainrec.schema.errors import FormatError, NotALogError, NotARunError, UnsupportedVersionError
-from trainrec.schema.events import FileClosed, FileOpened, NamesInterned, StepBegan, TensorStatsRecorded
+from trainrec.schema.events import (
+    FileClosed,
+    FileOpened,
+    ModuleStructureRecorded,
+    NamesInterned,
+    RunResumed,
+    StepBegan,
+    StepEnded,
+    TensorStatsRecorded,
+)
 
 
 def _launch(out, run_id, stamp, ranks=(0, 1), steps=range(4)):
@@ -221,3 +231,23 @@ def test_rows_in_execution_order_across_ranks(tmp_path):
     firsts = [k for i, k in enumerate(keys) if i % 6 == 0]  # one per (tensor row)
     assert firsts[:4] == [(0, 4, 1), (0, 5, 0), (0, 5, 1), (0, 6, 0)]
     assert [k[1] for k in firsts[-4:]] == [-1, -1, -1, -1]
+
+
+def test_a_resume_after_many_structure_records_is_still_recognised(tmp_path):
+    # One ModuleStructureRecorded per virtual-pipeline chunk can precede RunResumed in a resumed file.
+    d = rank_dir(tmp_path, 0)
+    p0, _ = write_rank(d, run_id="vpp", steps=range(6))
+    w = LogWriter(d, rank=0, run_id="vpp", flush_interval=0.05)
+    for chunk in range(12):
+        w.write(ModuleStructureRecorded(rank=0, vpp_stage=chunk, names=("", "layer"), classes=("M", "L"),
+                                        parents=(-1, 0)))
+    w.write(RunResumed(rank=0, step=4, last_step=3, reason="test"))
+    ids = w.intern(["layer0.weight"])
+    for s in (4, 5, 6):
+        w.write(StepBegan(rank=0, step=s))
+        w.write(stats(0, s, ids))
+        w.write(StepEnded(rank=0, step=s, collected=True))
+    w.close()
+    run = open_run(d)
+    assert run.cutoffs == {p0: 4}
+    assert [e.step for e in run.events() if isinstance(e, StepBegan)] == [0, 1, 2, 3, 4, 5, 6]
