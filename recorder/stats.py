@@ -127,11 +127,30 @@ class StatsEngine:
         if len(groups) == 1 and sum(len(v) for v in groups.values()) == n:
             (key, idx), = groups.items()
             return self._group(list(tensors), key[0], scales)
-        out = self.nan_rows(n, device)
-        for (dev, _dtype), idx in groups.items():
-            rows = self._group([tensors[i] for i in idx], dev, [scales[i] for i in idx] if scales else None)
-            out[torch.tensor(idx, device=device)] = rows.to(device, non_blocking=True)
-        return out
+        # Several dtypes/devices, or None/empty tensors (an Embedding's int64 ids and float output, a
+        # kwargs-only module, int targets): compute each group, then concatenate runs of consecutive
+        # rows in the original order. No index tensor is built, so nothing is copied host-to-device.
+        owner: list = [None] * n
+        pos = [0] * n
+        results = {}
+        for key, idx in groups.items():
+            rows = self._group([tensors[i] for i in idx], key[0], [scales[i] for i in idx] if scales else None)
+            results[key] = rows if rows.device == device else rows.to(device, non_blocking=True)
+            for k, i in enumerate(idx):
+                owner[i], pos[i] = key, k
+        pieces = []
+        i = 0
+        while i < n:
+            key = owner[i]
+            j = i + 1
+            while j < n and owner[j] == key:
+                j += 1
+            # consecutive indices of one group have consecutive positions in it
+            pieces.append(self.nan_rows(j - i, device) if key is None else results[key][pos[i]:pos[i] + j - i])
+            i = j
+        if not pieces:
+            return self.nan_rows(0, device)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def _group(self, xs: list[torch.Tensor], device: torch.device, scales: Sequence[float] | None) -> torch.Tensor:
         """Rows for tensors of one device and dtype.
