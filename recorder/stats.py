@@ -16,9 +16,16 @@ as ``count_nonzero(trunc(x / eps))`` into a scratch buffer, and about half again
 kernel, BLAS is not); ``histc`` (one pass, no allocation) 24 ms; ``cat`` + ``segment_reduce`` 168 ms;
 ``_foreach_norm`` 2.4 ms; numba and ``torch.compile`` single-pass kernels 1.4-1.6 ms per 1M values
 against ~1.0 ms for this path. So on CPU each tensor costs ``aminmax`` + ``sum`` + ``dot`` + the
-zero count; the per-call columns (mean, norm, zeros) come from one stacked matrix. NaNs are counted only for
-tensors whose sum is not finite: on CPU by one host-side check of the stacked sums per batch (free,
-the values are already in host memory); on other devices with ``torch.where`` so nothing syncs.
+zero count; the per-call columns (mean, norm, zeros) come from one stacked matrix. NaNs are counted
+only when ``nans`` is requested. On CPU only for tensors whose sum is not finite, found by one
+host-side check of the stacked sums per batch (free, the values are already in host memory). On other
+devices that check would be a sync, and eager PyTorch has no sync-free way to skip a kernel, so there
+``isnan(x).sum()`` runs for every tensor: one extra read pass per tensor, paid only with ``nans``
+(the zero count there needs no NaN fix-up: ``count_nonzero(trunc(x / eps))`` counts a NaN as nonzero).
+The sum itself is computed on other devices only for ``mean``.
+
+``StatsEngine.host_paths = False`` makes CPU tensors take the code other devices take (tests use it
+to check that code against float64 references on a machine without an accelerator).
 
 :class:`StepStats` gathers the rows of one step (per kind, with name ids, micro steps, call ids,
 slots and vpp stages), concatenates them into a single tensor and moves it to the host once
@@ -53,11 +60,13 @@ class StatsEngine:
         self.ops = tuple(ops)
         self.eps = float(eps)
         self._minmax = "min" in self.ops or "max" in self.ops
+        self._mean = "mean" in self.ops
         self._sum = "mean" in self.ops or "nans" in self.ops or "zeros" in self.ops
         self._norm = "norm" in self.ops
         self._zeros = "zeros" in self.ops
         self._nans = "nans" in self.ops
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.host_paths = True  # CPU tensors use the CPU fast paths; False: the other devices' code
 
     # ------------------------------------------------------------------ helpers
     def _buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +92,7 @@ class StatsEngine:
     def norms(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         """The ``norm`` column :meth:`compute` gives for ``xs``, computed the same way (bitwise equal
         for unchanged tensors on CPU): a cheap fingerprint of a tensor already measured."""
-        cpu = all(x.device.type == "cpu" for x in xs)
+        cpu = self.host_paths and all(x.device.type == "cpu" for x in xs)
         threads = torch.get_num_threads() if cpu else 1
         single = False
         vals, is_norm = [], []
@@ -160,8 +169,9 @@ class StatsEngine:
         handful of vectorised ops per call, so a hook measuring two tensors pays for few dispatches.
         """
         eps = self.eps
-        cpu = device.type == "cpu"
-        minmax, want_sum, want_norm = self._minmax, self._sum, self._norm
+        cpu = device.type == "cpu" and self.host_paths
+        minmax, want_norm = self._minmax, self._norm
+        want_sum = self._sum if cpu else self._mean  # on CPU the sums also find the rows with NaNs
         want_zeros = self._zeros and eps > 0
         flat_vals: list[torch.Tensor] = []
         prepared = []
@@ -224,7 +234,7 @@ class StatsEngine:
         raw = torch.stack(flat_vals).view(n, -1) if flat_vals else None
         numel_t = torch.tensor(numels, dtype=torch.float32)
         scale_t = torch.tensor(list(scales), dtype=torch.float32) if scales else None
-        if not cpu:
+        if device.type != "cpu":
             numel_t = numel_t.pin_memory().to(device, non_blocking=True)
             if scale_t is not None:
                 scale_t = scale_t.pin_memory().to(device, non_blocking=True)
@@ -253,11 +263,9 @@ class StatsEngine:
             for op in ("min", "max", "norm", "mean"):
                 if op in cols:
                     cols[op] = cols[op] * scale_t
-        bad: list = []
-        if self._nans or self._zeros:
-            nan_counts, bad = self._nan_counts(prepared, means, cpu)
-            if self._nans:
-                cols["nans"] = nan_counts
+        bad = self._nonfinite_rows(means) if cpu and (self._nans or want_zeros) else []
+        if self._nans:
+            cols["nans"] = self._nan_counts(prepared, bad, cpu)
         if self._zeros:
             if want_zeros:
                 zeros = (numel_t - raw[:, j]) / numel_t
@@ -270,19 +278,23 @@ class StatsEngine:
             cols["zeros"] = zeros
         return torch.stack([cols[op] for op in self.ops], dim=1)
 
-    def _nan_counts(self, xs: list[torch.Tensor], means: torch.Tensor, cpu: bool) -> tuple[torch.Tensor, list]:
-        """NaN counts, computed only for tensors whose sum is not finite; and those rows (CPU)."""
+    @staticmethod
+    def _nonfinite_rows(means: torch.Tensor) -> list[int]:
+        """Rows whose sum is not finite (CPU: the values are in host memory, nothing syncs)."""
+        if math.isfinite(float(means.sum())):  # one check for the whole batch
+            return []
+        return torch.nonzero(~torch.isfinite(means)).flatten().tolist()
+
+    @staticmethod
+    def _nan_counts(xs: list[torch.Tensor], bad: list[int], cpu: bool) -> torch.Tensor:
+        """NaN counts: on CPU only the ``bad`` rows (non-finite sum) are counted, the rest are 0; on other
+        devices every tensor is counted (skipping finite ones would need a host sync)."""
         if cpu:
             counts = torch.zeros(len(xs), dtype=torch.float32)
-            if math.isfinite(float(means.sum())):  # one host-side check for the whole batch
-                return counts, []
-            bad = torch.nonzero(~torch.isfinite(means)).flatten().tolist()
             for i in bad:
                 counts[i] = torch.isnan(xs[i]).sum()
-            return counts, bad
-        finite = torch.isfinite(means)
-        nan_counts = torch.stack([torch.isnan(x).sum() for x in xs]).to(torch.float32)
-        return torch.where(finite, torch.zeros_like(nan_counts), nan_counts), []
+            return counts
+        return torch.stack([torch.isnan(x).sum() for x in xs]).to(torch.float32)
 
 
 @dataclass

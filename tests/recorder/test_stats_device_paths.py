@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
-from test_stats_engine import OPS
+from test_stats_engine import OPS, cases, close, ref
 from trainrec.recorder.stats import StatsEngine
 
 
@@ -18,8 +19,10 @@ def same_row(got: list[float], want: list[float]) -> bool:
     return all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(got, want, strict=True))
 
 
-def test_mixed_dtypes_and_none_keep_their_order(monkeypatch):
+@pytest.mark.parametrize("host_paths", [True, False])
+def test_mixed_dtypes_and_none_keep_their_order(host_paths, monkeypatch):
     eng = StatsEngine(OPS, 1e-8)
+    eng.host_paths = host_paths
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 50, (4, 9), generator=g)
     emb = torch.randn(4, 9, 8, generator=g)
@@ -47,3 +50,49 @@ def test_only_none_and_empty():
     eng = StatsEngine(OPS)
     assert torch.isnan(eng.compute([None, torch.empty(0)])).all()
     assert eng.compute([]).shape == (0, len(OPS))
+
+
+@pytest.mark.parametrize("eps", [1e-8, 0.25])
+def test_device_path_matches_float64_reference(eps):
+    eng = StatsEngine(OPS, eps)
+    eng.host_paths = False
+    named = cases()
+    rows = eng.compute([t for _, t in named])
+    for (name, t), row in zip(named, rows.tolist(), strict=True):
+        for op, got, want in zip(OPS, row, ref(t, eps), strict=True):
+            if name == "inf" and op in ("norm", "mean", "max"):
+                assert got == math.inf, (name, op)
+                continue
+            rtol = 1e-2 if name in ("bf16", "f16") and op in ("norm", "mean") else 1e-4
+            assert close(got, want, rtol), f"{name} {op}: {got} vs {want}"
+
+
+@pytest.mark.parametrize("host_paths", [True, False])
+@pytest.mark.parametrize("ops", [("min", "max", "norm", "mean", "zeros"), ("zeros",), ("norm", "nans")])
+def test_nan_counting_passes(host_paths, ops, monkeypatch):
+    """NaNs are counted only with "nans"; on CPU only for the tensors whose sum is not finite."""
+    eng = StatsEngine(ops, 0.25)
+    eng.host_paths = host_paths
+    nan = torch.tensor([1.0, float("nan"), 0.1, float("nan")])
+    xs = [torch.randn(100), nan, torch.zeros(7)]
+    counted = []
+    real_isnan = torch.isnan
+
+    def spy(x):
+        counted.append(x.numel())
+        return real_isnan(x)
+
+    monkeypatch.setattr(torch, "isnan", spy)
+    rows = eng.compute(xs)
+    monkeypatch.setattr(torch, "isnan", real_isnan)
+    if "nans" not in ops:
+        assert counted == []
+    elif host_paths:
+        assert counted == [4]
+    else:
+        assert sorted(counted) == [4, 7, 100]
+    if "nans" in ops:
+        assert rows[:, ops.index("nans")].tolist() == [0.0, 2.0, 0.0]
+    if "zeros" in ops:
+        zeros = rows[:, ops.index("zeros")].tolist()
+        assert zeros[1:] == [0.25, 1.0]  # the NaNs are not zeros, 0.1 is
