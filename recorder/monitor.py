@@ -66,7 +66,7 @@ from .hooks import StepState, make_chunk_pre_hook, make_grad_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, torch_optimizer_of
 from .stats import StatsEngine
 from .targets import ParamInfo, Targets, build_targets
-from .writer import LogWriter
+from .writer import LogWriter, install_sigterm_handler
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ class TrainerMon(StepCollector):
         os.makedirs(self._rank_dir, mode=0o750, exist_ok=True)
         self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
                                  pp_stage=self.pp_stage, group_mates=self.group_mates)
+        install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread
         if cfg.format in ("csv", "tensorboard") and self._live_export_enabled:
             self._live = runinfo.LiveExport(cfg.format, self._rank_dir, cfg.ndigits, cfg.step_count_per_record)
         self._make_alerts(cfg)

@@ -1,0 +1,54 @@
+"""SIGTERM (SLURM/elastic preemption) closes the TrainerMon log: the file ends with FileClosed."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from trainrec.replay.reader import read_log
+from trainrec.schema.events import FileClosed, StepEnded
+
+SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    from trainrec.recorder import TrainerMon
+    mon = TrainerMon({"xy_distribution": True, "wg_distribution": True, "format": "csv"}, live_export=False,
+                     output_dir=sys.argv[1])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    deadline = time.monotonic() + 60
+    step = 0
+    while time.monotonic() < deadline:
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if step == 3:
+            print("ready", flush=True)
+        time.sleep(0.01)
+""")
+
+
+def test_sigterm_closes_the_log(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+    assert rc == -signal.SIGTERM  # the default disposition still ends the process
+    (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
+    reader, events = read_log(log_path)
+    assert reader.problems == []
+    assert isinstance(events[-1], FileClosed) and reader.closed_cleanly
+    assert events[-1].reason == "sigterm"
+    assert sum(isinstance(e, StepEnded) for e in events) >= 3
