@@ -6,7 +6,10 @@ in the same process is not affected. Wrappers (Megatron's mixed-precision optimi
 ZeRO optimizers, accelerate's ``AcceleratedOptimizer``, HF's ``optimizer.optimizer``) are followed
 through their ``.optimizer`` attribute down to a ``torch.optim.Optimizer``.
 
-Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) is read from that optimizer's ``state``. A model
+Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) is read from that optimizer's ``state``. The step
+count is read per parameter where torch keeps it on the CPU (plain Adam/AdamW); fused/capturable Adam
+keep it on the device, and there it is read once per param group (one sync per group and collected
+step, not per parameter), from the group's first parameter with state. A model
 parameter is found there directly (plain torch Adam/AdamW, no ``opt_ty`` needed) or, for Megatron's
 ``Float16OptimizerWithFloat16Params`` style wrappers, through the fp32 master copy that sits at the
 same position in ``fp32_from_float16_groups`` as the model parameter in ``float16_groups``.
@@ -77,21 +80,36 @@ class AdamState:
         out = []
         state = self.torch_opt.state
         missing = 0
+        device_steps: dict[int, float] = {}  # id(param group) -> step read from a device tensor
         for i, p in enumerate(params):
             sp = self.state_param(p)
             st = state.get(sp)
             if not st or "exp_avg" not in st or "exp_avg_sq" not in st:
                 missing += 1
                 continue
+            group = self._group_of.get(id(sp), {})
             step = st.get("step", 0)
             if isinstance(step, torch.Tensor):
-                step = float(step)  # a CPU scalar for non-capturable Adam: no device sync
-            out.append((i, st["exp_avg"], st["exp_avg_sq"], float(step), self._group_of.get(id(sp), {})))
+                if step.device.type == "cpu":
+                    step = float(step)  # plain Adam/AdamW: a CPU scalar, read exactly per parameter
+                else:
+                    # fused/capturable Adam keep it on the device: reading it syncs, so read the
+                    # group's first one only (a group's parameters step together in practice)
+                    gid = id(group)
+                    if gid not in device_steps:
+                        device_steps[gid] = _read_device_step(step)
+                    step = device_steps[gid]
+            out.append((i, st["exp_avg"], st["exp_avg_sq"], float(step), group))
         if missing == len(params) and params and not self._warned and state:
             self._warned = True
             log.warning("trainrec: no Adam state (exp_avg/exp_avg_sq) found for the monitored parameters in %s; "
                         "mv_distribution/ur_distribution record nothing for them", type(self.torch_opt).__name__)
         return out
+
+
+def _read_device_step(step: torch.Tensor) -> float:
+    """The value of a step counter kept on an accelerator (one device sync)."""
+    return float(step)
 
 
 @torch.no_grad()

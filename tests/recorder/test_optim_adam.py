@@ -1,0 +1,44 @@
+"""Adam state lookup and the update/ratio statistics (recorder/optim.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from trainrec.recorder import optim
+from trainrec.recorder.optim import AdamState
+
+
+def stepped_adamw(groups: int = 2, per_group: int = 3):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5)) for _ in range(groups * per_group)]
+    opt = torch.optim.AdamW([{"params": params[g * per_group:(g + 1) * per_group]} for g in range(groups)], lr=1e-2)
+    for _ in range(2):
+        sum((p * p).sum() for p in params).backward()
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+def test_cpu_step_counters_are_read_per_parameter(monkeypatch):
+    params, opt = stepped_adamw()
+    opt.state[params[1]]["step"] = torch.tensor(7.0)  # e.g. a parameter that missed steps
+    monkeypatch.setattr(optim, "_read_device_step", lambda t: (_ for _ in ()).throw(AssertionError("synced")))
+    entries = AdamState(opt, opt).lookup(params)
+    assert [e[3] for e in entries] == [2.0, 7.0, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_device_step_counters_are_read_once_per_group(monkeypatch):
+    params, opt = stepped_adamw()
+    for k, p in enumerate(params):  # as fused/capturable Adam keep them: on the device
+        opt.state[p]["step"] = torch.tensor(float(10 + k), device="meta")
+    reads = []
+
+    def read(t):
+        reads.append(t)
+        return 10.0 + len(reads)
+
+    monkeypatch.setattr(optim, "_read_device_step", read)
+    entries = AdamState(opt, opt).lookup(params)
+    assert len(reads) == 2  # one per param group, not one per parameter
+    assert [e[3] for e in entries] == [11.0] * 3 + [12.0] * 3
+    assert [e[0] for e in entries] == list(range(6))
