@@ -164,8 +164,7 @@ class StepCollector:
                 writer.write(deferred_stats(hs, self.rank, fids, wall, self._alerts, self._names))
         self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
                              duration=time.perf_counter() - self._step_t0, collected=True,
-                             micro_steps=max([self._grad_acc, *st.fwd_count.values()]) if st.fwd_count
-                             else self._grad_acc))
+                             micro_steps=max([self._grad_acc, *(st.chunk_fwd or st.fwd_count).values()])))
 
     # ------------------------------------------------------------------ api metrics
     def _metrics(self, kind: str) -> dict:

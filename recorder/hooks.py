@@ -80,7 +80,7 @@ class StepState:
     """What the hooks of one collected step accumulate."""
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
-                 "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo")
+                 "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -98,6 +98,18 @@ class StepState:
         self.pending_set: set[int] = set()
         self.last_unreduced: dict[int, tuple] = {}  # param index -> (rows tensor, row, grad id, version)
         self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)
+        self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
+
+    def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
+        """The micro step of a module call: its chunk's forward count, so a module called several
+        times in one forward (weight sharing) keeps the micro step; the module's own call count
+        (``counts``) only when the chunk's forward was not seen (the chunk called by other means)."""
+        c = self.chunk_fwd.get(vpp)
+        if c:
+            return (c - 1) % grad_acc
+        n = counts.get(mid, 0)
+        counts[mid] = n + 1
+        return n % grad_acc
 
     def fire(self, mod_id: int, direction: int, micro: int) -> int:
         c = self.call
@@ -173,9 +185,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget):
         if st is None or not module.training or in_backward():
             return
         try:
-            n = st.fwd_count.get(mid, 0)
-            st.fwd_count[mid] = n + 1
-            micro = n % mon._grad_acc
+            micro = st.micro_of(vpp, mid, st.fwd_count, mon._grad_acc)
             call = st.fire(mid, DIR_FORWARD, micro)
             xs = (select(args, sel_in, key_in), select(output, sel_out, key_out))
             rows = rows_for(mon, st, xs)
@@ -200,9 +210,7 @@ def make_backward_hook(mon: TrainerMon, t: ModuleTarget):
         if st is None:
             return None
         try:
-            n = st.bwd_count.get(mid, 0)
-            st.bwd_count[mid] = n + 1
-            micro = n % mon._grad_acc
+            micro = st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc)
             call = st.fire(mid, DIR_BACKWARD, micro)
             xs = (select(grad_input, sel_in, key_in), select(grad_output, sel_out, key_out))
             rows = rows_for(mon, st, xs)
@@ -229,10 +237,14 @@ def make_grad_hook(mon: TrainerMon, index: int):
     return hook
 
 
-def make_chunk_pre_hook(mon: TrainerMon):
-    """Forward pre-hook on a model chunk: a new micro step begins, so close the gradient batch."""
+def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
+    """Forward pre-hook on model chunk ``vpp``: a new micro step begins, so count it (module hooks take
+    their micro step from this count) and close the gradient batch."""
 
     def hook(module, args):
+        st = mon._state
+        if st is not None and module.training and not in_backward():
+            st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
         if mon._state is not None and mon._state.pending:
             try:
                 mon._flush_grads()

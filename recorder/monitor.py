@@ -497,8 +497,9 @@ class TrainerMon(StepCollector):
         if self.config.wg_distribution:
             for i, p in enumerate(self._params):
                 self._step_handles.append(p.param.register_post_accumulate_grad_hook(make_grad_hook(self, i)))
-            for chunk in self._chunks:
-                self._step_handles.append(chunk.register_forward_pre_hook(make_chunk_pre_hook(self)))
+        if self.config.wg_distribution or t.modules:  # micro step counter (module hooks), gradient batches
+            for vpp, chunk in enumerate(self._chunks):
+                self._step_handles.append(chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp)))
 
     def _detach(self) -> None:
         for h in self._step_handles:
