@@ -30,6 +30,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# update/ratio temporaries are made for at most this many state elements at a time (64M: 2 x 256 MB
+# of float32 temporaries at the peak, enough for the foreach kernels to batch well)
+CHUNK_NUMEL = 1 << 26
+
 KNOWN_OPT_TYPES = (
     "Megatron_DistributedOptimizer",
     "Megatron_Float16OptimizerWithFloat16Params",
@@ -113,18 +117,20 @@ def _read_device_step(step: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool):
+def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chunk_numel: int = CHUNK_NUMEL):
     """Stats rows of ``update`` and ``ratio`` for ``lookup`` entries, via ``compute(list, scales) -> rows``.
 
     With ``c = sqrt(1 - b2^t) / (1 - b1^t)``: ``ratio = c * m / sqrt(v)`` and
     ``update = c * m / (sqrt(v) + eps * sqrt(1 - b2^t))``. The bias corrections are folded into a
     per-tensor scale of the statistics instead of extra passes over the tensors, so this costs one
     ``sqrt`` and one division per tensor for each of the two (two full-size temporaries, reused).
+    The tensors are processed in chunks of at most ``chunk_numel`` elements (a larger tensor is a chunk
+    of its own), so the temporaries add at most about ``2 * chunk_numel`` elements (2 x 256 MB in
+    float32 by default, or twice the largest state tensor if that is larger) to the memory peak,
+    not twice the whole optimizer state.
     """
     if not entries:
         return None, None
-    ms = [e[1] for e in entries]
-    vs = [e[2] for e in entries]
     scales, shifts = [], []
     for _, _, _, step, group in entries:
         b1, b2 = group.get("betas", (0.9, 0.999))
@@ -132,13 +138,38 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool):
         sqrt_bc2 = math.sqrt(1.0 - b2**t)
         scales.append(sqrt_bc2 / (1.0 - b1**t))
         shifts.append(float(group.get("eps", 1e-8)) * sqrt_bc2)
-    denom = torch._foreach_sqrt(vs)
-    quot = torch._foreach_div(ms, denom)
-    ratio_rows = compute(quot, scales) if want_ratio else None
-    update_rows = None
-    if want_update:
-        torch._foreach_add_(denom, shifts)
-        for m, d, q in zip(ms, denom, quot, strict=True):
-            torch.div(m, d, out=q)
-        update_rows = compute(quot, scales)
-    return update_rows, ratio_rows
+    update_parts, ratio_parts = [], []
+    for a, b in _chunks([e[2].numel() for e in entries], chunk_numel):
+        ms = [e[1] for e in entries[a:b]]
+        vs = [e[2] for e in entries[a:b]]
+        denom = torch._foreach_sqrt(vs)
+        quot = torch._foreach_div(ms, denom)
+        if want_ratio:
+            ratio_parts.append(compute(quot, scales[a:b]))
+        if want_update:
+            torch._foreach_add_(denom, shifts[a:b])
+            for m, d, q in zip(ms, denom, quot, strict=True):
+                torch.div(m, d, out=q)
+            update_parts.append(compute(quot, scales[a:b]))
+        del denom, quot  # freed before the next chunk's temporaries are made
+    return _cat(update_parts), _cat(ratio_parts)
+
+
+def _chunks(numels: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """``[a, b)`` ranges of consecutive tensors with at most ``limit`` elements together (or one tensor)."""
+    out = []
+    a, total = 0, 0
+    for i, n in enumerate(numels):
+        if i > a and total + n > limit:
+            out.append((a, i))
+            a, total = i, 0
+        total += n
+    if a < len(numels):
+        out.append((a, len(numels)))
+    return out
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

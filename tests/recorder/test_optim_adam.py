@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from trainrec.recorder import optim
-from trainrec.recorder.optim import AdamState
+from trainrec.recorder.optim import AdamState, update_and_ratio
+from trainrec.recorder.stats import StatsEngine
 
 
 def stepped_adamw(groups: int = 2, per_group: int = 3):
@@ -42,3 +43,31 @@ def test_device_step_counters_are_read_once_per_group(monkeypatch):
     assert len(reads) == 2  # one per param group, not one per parameter
     assert [e[3] for e in entries] == [11.0] * 3 + [12.0] * 3
     assert [e[0] for e in entries] == list(range(6))
+
+
+def test_chunks_cover_every_tensor_once_and_respect_the_limit():
+    numels = [5, 5, 20, 1, 1, 1, 9, 0]
+    ranges = optim._chunks(numels, 10)
+    assert ranges == [(0, 2), (2, 3), (3, 6), (6, 8)]
+    assert [i for a, b in ranges for i in range(a, b)] == list(range(len(numels)))
+    assert all(sum(numels[a:b]) <= 10 or b - a == 1 for a, b in ranges)
+    assert optim._chunks([], 10) == []
+
+
+def test_update_and_ratio_in_chunks_equal_one_pass(monkeypatch):
+    params, opt = stepped_adamw(groups=2, per_group=4)
+    entries = AdamState(opt, opt).lookup(params)
+    eng = StatsEngine(("min", "max", "norm", "mean", "zeros", "nans"))
+    whole = update_and_ratio(entries, eng.compute, True, True)
+    sizes = []
+    real_sqrt = torch._foreach_sqrt
+
+    def spy(vs):
+        sizes.append(sum(v.numel() for v in vs))
+        return real_sqrt(vs)
+
+    monkeypatch.setattr(torch, "_foreach_sqrt", spy)
+    chunked = update_and_ratio(entries, eng.compute, True, True, chunk_numel=12)
+    assert sizes == [10, 10, 10, 10]  # 5-element tensors, two per chunk: never all 40 at once
+    for w, c in zip(whole, chunked, strict=True):
+        assert torch.equal(w, c)
