@@ -1,16 +1,29 @@
 """Hook closures installed on modules and parameters, and the per-step state they fill.
 
 Every hook is registered through a public torch API and its handle is kept by the monitor:
-``Module.register_forward_hook`` / ``register_full_backward_hook`` for activations,
+``Module.register_forward_pre_hook`` / ``register_forward_hook`` for activations,
+``Tensor.register_hook`` (on a monitored call's input and output tensors) for activation gradients,
 ``Tensor.register_post_accumulate_grad_hook`` for weight gradients, ``Module.register_forward_pre_hook``
-on each model chunk to close a micro step's gradient batch. Hooks observe and never change tensors.
+on each model chunk to count micro steps and close a micro step's gradient batch. Hooks observe and
+never change tensors.
+
+No full backward hooks: they make torch wrap module inputs and outputs in BackwardHookFunction, and
+an in-place operation on such a tensor (``ReLU(inplace=True)`` after a Linear, a residual ``x += y``)
+then raises in the user's forward. Instead the forward pre-hook registers a gradient hook on the
+selected input tensor (if it requires grad) and the forward hook one on the selected output tensor
+(registered before any later in-place change, so it receives the gradient of the value the module
+produced). Difference from the reference: ``input_grad`` is the gradient of the input *tensor*, i.e.
+the sum over all its uses; it equals the reference's gradient w.r.t. the module's input whenever the
+tensor is consumed by this module only (the usual case; not for a tensor also used by a residual
+branch, or passed to the module twice). A gradient hook on a *view* is lost when that view is later
+modified in place (torch drops it), so such a call records no row for that slot. The backward firing
+of a call (HooksFired) is recorded at its first gradient, with the forward call's micro step.
 
 These hooks are attached only for steps that are collected (the monitor detaches them otherwise, so
-a skipped step pays nothing, not even the autograd wrapping of full backward hooks). On a collected
-step a hook resolves nothing by name (ids are prepared once), appends its firing to columnar arrays,
-and computes the statistics of its few tensors at once, keeping the results on the device. An
-exception inside a hook is caught and reported to the monitor (HookFailed), never raised into
-training.
+a skipped step pays nothing). On a collected step a hook resolves nothing by name (ids are prepared
+once), appends its firing to columnar arrays, and computes the statistics of its few tensors at once,
+keeping the results on the device. An exception inside a hook is caught and reported to the monitor
+(HookFailed), never raised into training.
 """
 
 from __future__ import annotations
@@ -80,7 +93,8 @@ class StepState:
     """What the hooks of one collected step accumulate."""
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
-                 "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd")
+                 "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
+                 "open_calls")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -99,6 +113,7 @@ class StepState:
         self.last_unreduced: dict[int, tuple] = {}  # param index -> (rows tensor, row, grad id, version)
         self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)
         self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
+        self.open_calls: dict[int, list] = {}  # module id -> GradCall of forwards between pre-hook and hook
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -172,17 +187,100 @@ class ModuleTarget:
         self.sel = sel
 
 
-def make_forward_hook(mon: TrainerMon, t: ModuleTarget):
+class GradCall:
+    """One monitored forward call waiting for its activation gradients."""
+
+    __slots__ = ("mid", "micro", "vpp", "call", "in_hooked", "out_hooked")
+
+    def __init__(self, mid: int, micro: int, vpp: int, in_hooked: bool) -> None:
+        self.mid = mid
+        self.micro = micro
+        self.vpp = vpp
+        self.call: int | None = None  # the backward firing's call id, set at the first gradient
+        self.in_hooked = in_hooked
+        self.out_hooked = False
+
+
+def _needs_grad(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+def _make_grad_cb(mon: TrainerMon, st: StepState, gc: GradCall, slot: int, name: str):
+    def cb(grad):
+        if mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
+            return None
+        try:
+            if gc.call is None:
+                gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)
+            other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
+            if other_hooked:
+                xs: tuple = (grad,)
+                slots: tuple = (slot,)
+            else:  # the other slot gets no gradient: a NaN row, as the reference's None
+                xs = (grad, None) if slot == SLOT_INPUT_GRAD else (None, grad)
+                slots = (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+            n = len(xs)
+            rows = rows_for(mon, st, xs)
+            st.stats.add(StatsPart(KIND_ACTV_GRAD, rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
+                                   slots, (gc.vpp,) * n))
+        except Exception as exc:  # noqa: BLE001
+            mon._hook_failed(f"backward hook of {name!r}", exc)
+        return None
+
+    return cb
+
+
+def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
+    """Forward pre-hook (activation gradients): a gradient hook on the selected input tensor."""
+    sel_in = t.sel.get("input_grad")
+    key_in = f"targets.{t.name}.input_grad"
+    mid = t.name_id
+    vpp = t.vpp
+
+    def hook(module, args):
+        st = mon._state
+        if st is None or not module.training or not torch.is_grad_enabled():
+            return
+        try:
+            x = select(args, sel_in, key_in)
+            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x))
+            st.open_calls.setdefault(mid, []).append(gc)
+            if gc.in_hooked:
+                x.register_hook(_make_grad_cb(mon, st, gc, SLOT_INPUT_GRAD, t.name))
+        except Exception as exc:  # noqa: BLE001
+            mon._hook_failed(f"backward hook of {t.name!r}", exc)
+
+    return hook
+
+
+def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, backward: bool = True):
+    """Forward hook: activation statistics (``forward``), and the gradient hook on the selected output
+    tensor of the call opened by :func:`make_pre_hook` (``backward``)."""
     sel_in = t.sel.get("input")
     sel_out = t.sel.get("output")
+    sel_gout = t.sel.get("output_grad")
     key_in = f"targets.{t.name}.input"
     key_out = f"targets.{t.name}.output"
+    key_gout = f"targets.{t.name}.output_grad"
     mid = t.name_id
     vpp = t.vpp
 
     def hook(module, args, output):
         st = mon._state
-        if st is None or not module.training or in_backward():
+        if st is None or not module.training:
+            return
+        if backward:  # also in a recomputation (reentrant checkpointing: its gradients flow from there)
+            opened = st.open_calls.get(mid)
+            if opened:
+                gc = opened.pop()
+                try:
+                    y = select(output, sel_gout, key_gout)
+                    if _needs_grad(y):
+                        gc.out_hooked = True
+                        y.register_hook(_make_grad_cb(mon, st, gc, SLOT_OUTPUT_GRAD, t.name))
+                except Exception as exc:  # noqa: BLE001
+                    mon._hook_failed(f"backward hook of {t.name!r}", exc)
+        if not forward or in_backward():
             return
         try:
             micro = st.micro_of(vpp, mid, st.fwd_count, mon._grad_acc)
@@ -193,32 +291,6 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget):
                                    (SLOT_INPUT, SLOT_OUTPUT), (vpp, vpp)))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed(f"forward hook of {t.name!r}", exc)
-
-    return hook
-
-
-def make_backward_hook(mon: TrainerMon, t: ModuleTarget):
-    sel_in = t.sel.get("input_grad")
-    sel_out = t.sel.get("output_grad")
-    key_in = f"targets.{t.name}.input_grad"
-    key_out = f"targets.{t.name}.output_grad"
-    mid = t.name_id
-    vpp = t.vpp
-
-    def hook(module, grad_input, grad_output):
-        st = mon._state
-        if st is None:
-            return None
-        try:
-            micro = st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc)
-            call = st.fire(mid, DIR_BACKWARD, micro)
-            xs = (select(grad_input, sel_in, key_in), select(grad_output, sel_out, key_out))
-            rows = rows_for(mon, st, xs)
-            st.stats.add(StatsPart(KIND_ACTV_GRAD, rows, (mid, mid), (micro, micro), (call, call),
-                                   (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD), (vpp, vpp)))
-        except Exception as exc:  # noqa: BLE001
-            mon._hook_failed(f"backward hook of {t.name!r}", exc)
-        return None
 
     return hook
 

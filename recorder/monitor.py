@@ -302,11 +302,10 @@ class TrainerMon(StepCollector):
             return
         self._closed = True
         self._detach()
-        for h in self._opt_handles + self._global_handles + self._struct_handles:
-            h.remove()
-        self._opt_handles.clear()
-        self._global_handles.clear()
-        self._struct_handles.clear()
+        for handles in (self._opt_handles, self._global_handles, self._struct_handles):
+            for h in handles:
+                h.remove()
+            handles.clear()
         self._state = None
         if self._watcher is not None:
             try:
@@ -454,8 +453,7 @@ class TrainerMon(StepCollector):
         self._opt = opt
         self._wrapped = wrapped
         self._adam = AdamState(wrapped, opt)
-        self._opt_handles.append(opt.register_step_pre_hook(self._pre_step))
-        self._opt_handles.append(opt.register_step_post_hook(self._post_step))
+        self._opt_handles += [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
 
     # ------------------------------------------------------------------ step boundaries
     def _collects(self, step: int) -> bool:
@@ -489,10 +487,6 @@ class TrainerMon(StepCollector):
         t = self._targets
         if t is None:
             return
-        if t.modules and t.backward:
-            # torch warns when a full backward hook's module has no input requiring grad (the root,
-            # an embedding); that is expected here and must not turn into an error in the user's loop.
-            warnings.filterwarnings("ignore", message=_FULL_HOOK_WARNING, category=UserWarning)
         self._step_handles = t.attach(self)
         if self.config.wg_distribution:
             for i, p in enumerate(self._params):

@@ -17,7 +17,7 @@ import torch
 from trainrec.schema.errors import ConfigError
 
 from .config import MonitorConfig
-from .hooks import ModuleTarget, make_backward_hook, make_forward_hook
+from .hooks import ModuleTarget, make_forward_hook, make_pre_hook
 from .names import module_matches, param_matches, squash_all
 
 
@@ -40,12 +40,13 @@ class Targets:
     backward: bool = True
 
     def attach(self, mon) -> list:
+        """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working."""
         handles = []
         for module, t in self.modules:
-            if self.forward:
-                handles.append(module.register_forward_hook(make_forward_hook(mon, t)))
             if self.backward:
-                handles.append(module.register_full_backward_hook(make_backward_hook(mon, t)))
+                handles.append(module.register_forward_pre_hook(make_pre_hook(mon, t)))
+            if self.forward or self.backward:
+                handles.append(module.register_forward_hook(make_forward_hook(mon, t, self.forward, self.backward)))
         return handles
 
 

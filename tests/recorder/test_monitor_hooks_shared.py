@@ -4,9 +4,10 @@ in-place operations after hooked modules (ReLU(inplace=True), a residual ``x += 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
-from trainmon_util import events_of
+from trainmon_util import ALL_OPS, assert_close, events_of, ref_stats, stats_table
 from trainrec.recorder import TrainerMon
 from trainrec.replay.names import NameResolver
 from trainrec.schema.events import DIR_BACKWARD, DIR_FORWARD, HooksFired, StepEnded
@@ -60,3 +61,69 @@ def test_module_called_twice_per_forward_keeps_its_micro_step(tmp_path):
         assert fired[(step, DIR_BACKWARD)] == [0, 0, 1, 1]
     ended = [e for e in ev if isinstance(e, StepEnded)]
     assert [e.micro_steps for e in ended] == [2, 2]
+
+
+class Resid(nn.Module):
+    """Linear -> ReLU(inplace=True) -> Linear, then a residual added in place (``h += r``)."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=inplace), nn.Linear(8, 4))
+        self.side = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.net(x)
+        r = self.side(x)
+        if self.inplace:
+            h += r
+        else:
+            h = h + r
+        return self.out(h)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # the reference model's hooks
+def test_in_place_ops_after_hooked_modules_train_and_record_activation_grads(tmp_path):
+    torch.manual_seed(0)
+    model = Resid(inplace=True)
+    ref = Resid(inplace=False)
+    ref.load_state_dict(model.state_dict())
+    names = {"net.0": "net.0", "net.1": "net.1", "net.2": "net.2", "out": "out"}
+    want: dict = {}
+
+    def capture(step, name):
+        def bwd(mod, gin, gout):
+            want[(step[0], name, "output_grad")] = gout[0].detach().clone()
+            if gin[0] is not None:
+                want[(step[0], name, "input_grad")] = gin[0].detach().clone()
+        return bwd
+
+    step = [0]
+    for full, short in names.items():
+        ref.get_submodule(full).register_full_backward_hook(capture(step, short))
+    out = tmp_path / "out"
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "format": "csv"},
+                     live_export=False, output_dir=str(out))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for s in range(2):
+        step[0] = s
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(s))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    mon.close()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(a, b)  # the monitored model trained exactly as the unmonitored one
+    ev = events_of(out)
+    got = stats_table(ev, "actv_grad")
+    checked = 0
+    for (s, name, slot), g in want.items():
+        assert_close(got[(s, name, slot, 0)], ref_stats(g), what=f"step {s} {name} {slot}")
+        checked += 1
+    assert checked >= 14
+    assert np.isnan(got[(0, "net.0", "input_grad", 0)]["norm"])  # the input needs no grad: a NaN row
+    assert not [e for e in ev if type(e).__name__ == "HookFailed"]

@@ -44,8 +44,9 @@ def run_and_observe(tmp_path, monkeypatch, grad_acc: int, steps: int = 2):
         acts.append(("fwd", name, x.detach().clone() if torch.is_tensor(x) else None, y.detach().clone()))
 
     def bwd(mod, gin, gout, name):
-        acts.append(("bwd", name, gin[0].detach().clone() if gin[0] is not None else None,
-                     gout[0].detach().clone()))
+        # input_grad is the gradient of the input tensor (all its uses): pair gets h twice, pair(h, h)
+        gi = gin[0] + gin[1] if name == "pair" else gin[0]
+        acts.append(("bwd", name, gi.detach().clone() if gi is not None else None, gout[0].detach().clone()))
 
     for n, m in model.named_modules():
         if n in ("layers.1", "pair", "head", "layers.0.0"):
