@@ -17,7 +17,9 @@ Optimizers that shard the state across ranks (Megatron's DistributedOptimizer, Z
 flat buffers we do not map: parameters without a found state get no rows (a warning says so once).
 
 ``update`` is the bias-corrected Adam direction ``m̂ / (sqrt(v̂) + eps)`` and ``ratio`` is ``m̂ / sqrt(v̂)``,
-as the reference defines them.
+as the reference defines them, except that ``ratio`` is 0 where ``v̂ == 0`` (``m̂`` is 0 there too: an
+embedding row that never got a gradient), where the reference gives 0/0 = NaN and so reports NaNs for
+healthy runs. NaN or inf in the state itself still shows.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
     ``update = c * m / (sqrt(v) + eps * sqrt(1 - b2^t))``. The bias corrections are folded into a
     per-tensor scale of the statistics instead of extra passes over the tensors, so this costs one
     ``sqrt`` and one division per tensor for each of the two (two full-size temporaries, reused).
+    ``ratio`` is 0 (not 0/0 = NaN) where ``v == 0``: the ``sqrt(v)`` temporary is clamped in place to
+    the dtype's smallest normal number, which changes no other value (see the module docstring).
     The tensors are processed in chunks of at most ``chunk_numel`` elements (a larger tensor is a chunk
     of its own), so the temporaries add at most about ``2 * chunk_numel`` elements (2 x 256 MB in
     float32 by default, or twice the largest state tensor if that is larger) to the memory peak,
@@ -143,6 +147,9 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
         ms = [e[1] for e in entries[a:b]]
         vs = [e[2] for e in entries[a:b]]
         denom = torch._foreach_sqrt(vs)
+        # 0 -> the dtype's smallest normal, so 0/0 gives ratio 0 where v == 0. Exact elsewhere: for
+        # v > 0, sqrt(v) >= sqrt(smallest subnormal), far above it. One in-place pass; NaNs stay.
+        torch._foreach_clamp_min_(denom, [torch.finfo(d.dtype).tiny for d in denom])
         quot = torch._foreach_div(ms, denom)
         if want_ratio:
             ratio_parts.append(compute(quot, scales[a:b]))

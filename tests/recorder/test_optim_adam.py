@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from trainrec.recorder import optim
+from trainmon_util import (
+    ALL_OPS,
+    assert_close,
+    events_of,
+    loss_of,
+    make,
+    ref_stats,
+    stats_table,
+    write_config,
+)
+from trainrec.recorder import TrainerMon, optim
+from trainrec.recorder.names import squash_all
 from trainrec.recorder.optim import AdamState, update_and_ratio
 from trainrec.recorder.stats import StatsEngine
 
@@ -71,3 +82,40 @@ def test_update_and_ratio_in_chunks_equal_one_pass(monkeypatch):
     assert sizes == [10, 10, 10, 10]  # 5-element tensors, two per chunk: never all 40 at once
     for w, c in zip(whole, chunked, strict=True):
         assert torch.equal(w, c)
+
+
+def test_unused_embedding_rows_give_ratio_zero_not_nan(tmp_path, monkeypatch):
+    """A real AdamW run through TrainerMon: TinyNet's 32-row Embedding sees only some ids, so part of its
+    exp_avg_sq is exactly 0. No ratio NaNs are recorded, and update/ratio equal a float64 computation
+    (with ratio 0 where v == 0)."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    cfg = {"ur_distribution": True, "ops": ALL_OPS, "format": "csv"}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=1, optimizer=opt)
+    pnames = squash_all([n for n, _ in model.named_parameters()])
+    seen = {}
+    for step in range(2):
+        loss_of(model, step).backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            st = opt.state[p]
+            seen[(step, pnames[n])] = (st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"]))
+        opt.zero_grad()
+    mon.close()
+    events = events_of(out)
+    upd, rat = stats_table(events, "update"), stats_table(events, "ratio")
+    unused = 0
+    for (step, name), (m, v, t) in seen.items():
+        b1, b2, eps = 0.9, 0.999, 1e-8
+        m_hat, v_hat = m.double() / (1 - b1**t), v.double() / (1 - b2**t)
+        ratio = torch.where(v_hat == 0, torch.zeros_like(m_hat), m_hat / v_hat.sqrt())
+        unused += int((v == 0).sum())
+        got = rat[(step, name, "", 0)]
+        assert got["nans"] == 0, f"ratio NaNs recorded for {name} step {step}"
+        assert_close(got, ref_stats(ratio), rtol=1e-3, what=f"ratio {name} step {step}")
+        assert_close(upd[(step, name, "", 0)], ref_stats(m_hat / (v_hat.sqrt() + eps)), rtol=1e-3,
+                     what=f"update {name} step {step}")
+    assert unused > 0  # the case this test is about did occur
+    assert len(seen) == len(rat) == len(upd)
