@@ -28,8 +28,21 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-bench: setup
-	$(PY) benchmarks/run_all.py
+MSPROBE_VENV := benchmarks/.venv-msprobe
+
+# The reference (mindstudio-probe 1.2.1) in its own venv, for the side-by-side benchmarks.
+$(MSPROBE_VENV)/.installed:
+	$(PYTHON) -m venv $(MSPROBE_VENV)
+	$(MSPROBE_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" mindstudio-probe==1.2.1
+	touch $@
+
+# Every benchmark, side by side with the reference; figures go to benchmarks/RESULTS.md by hand.
+bench: setup $(MSPROBE_VENV)/.installed
+	$(PY) benchmarks/bench_log.py --markdown
+	$(PY) benchmarks/bench_recorder.py --steps 20 --warmup 3 --rounds 2
+	$(PY) benchmarks/bench_dynamic.py --blocks 10 --steps 300
+	$(PY) benchmarks/bench_anomalies.py --steps 1000 --tensors 2000
+	$(PY) benchmarks/bench_export.py --steps 1000 --tensors 2000 --ref-steps 10
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build *.egg-info
