@@ -28,7 +28,15 @@ from typing import Protocol
 
 import numpy as np
 from trainrec.analyzers.csv_format import prefix_block, render_rows
-from trainrec.analyzers.projection import KindFrame, Note, Rewind, RowLayout, StepAssembler, StepSet
+from trainrec.analyzers.projection import (
+    KindFrame,
+    Note,
+    Projector,
+    Rewind,
+    RowLayout,
+    StepAssembler,
+    StepSet,
+)
 from trainrec.schema.events import SLOT_INPUT, SLOT_INPUT_GRAD, Event
 
 log = logging.getLogger(__name__)
@@ -120,7 +128,7 @@ def _csv_layout(lay: RowLayout) -> _CsvLayout:
     return _CsvLayout(prefixes, np.array(pairs, dtype=np.int64).reshape(-1, 2))
 
 
-class CsvProjector:
+class CsvProjector(Projector):
     """Feeds events of one rank, appends CSV rows to ``sink`` as steps complete."""
 
     def __init__(
@@ -145,21 +153,6 @@ class CsvProjector:
         self.summary = CsvSummary()
         self._window_ops: dict[tuple[str, int], tuple[str, ...]] = {}
         self._warned: set = set()
-
-    def feed(self, ev: Event) -> None:
-        for item in self.assembler.feed(ev):
-            self._item(item)
-
-    def feed_all(self, events: Iterable[Event]) -> None:
-        for ev in events:
-            self.feed(ev)
-
-    def finish(self, clean: bool = True) -> CsvSummary:
-        for item in self.assembler.finish(clean):
-            self._item(item)
-        self.summary.dropped_steps = list(self.assembler.dropped_steps)
-        self.summary.bad_records = self.assembler.bad_records
-        return self.summary
 
     def _item(self, item) -> None:
         if isinstance(item, KindFrame):

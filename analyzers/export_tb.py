@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from trainrec.analyzers.projection import KindFrame, Note, Rewind, StepAssembler, StepSet
+from trainrec.analyzers.projection import KindFrame, Note, Projector, Rewind, StepAssembler, StepSet
 from trainrec.analyzers.tb_encode import ScalarTemplate, event_bytes, text_summary
 from trainrec.schema.events import Event
 from trainrec.schema.naming import reference_tag
@@ -60,7 +60,7 @@ def frame_tags(frame: KindFrame) -> list[str]:
     return tags
 
 
-class TbProjector:
+class TbProjector(Projector):
     """Feeds events of one rank, writes TensorBoard events to ``sink`` as steps complete."""
 
     def __init__(
@@ -79,21 +79,8 @@ class TbProjector:
         self.summary = TbSummary()
         self._pending_notes: list[Note] = []
 
-    def feed(self, ev: Event) -> None:
-        for item in self.assembler.feed(ev):
-            self._item(item)
-
-    def feed_all(self, events: Iterable[Event]) -> None:
-        for ev in events:
-            self.feed(ev)
-
-    def finish(self, clean: bool = True) -> TbSummary:
-        for item in self.assembler.finish(clean):
-            self._item(item)
+    def _finished(self) -> None:
         self._flush_notes()
-        self.summary.dropped_steps = list(self.assembler.dropped_steps)
-        self.summary.bad_records = self.assembler.bad_records
-        return self.summary
 
     # ------------------------------------------------------------------ items
     def _item(self, item) -> None:

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "KindFrame",
     "Note",
+    "Projector",
     "Rewind",
     "RowLayout",
     "StepAssembler",
@@ -429,3 +430,33 @@ def _merge_layouts(kind: str, lays: list[RowLayout]) -> tuple[RowLayout, list[li
             slots=merged.slots[take],
         )
     return merged, col_maps, take
+
+
+class Projector:
+    """Base of the CSV and TensorBoard projectors: events go through a :class:`StepAssembler` and
+    each item it completes goes to :meth:`_item`; :meth:`finish` drains it and fills ``summary``."""
+
+    assembler: StepAssembler
+    summary: object
+
+    def feed(self, ev: Event) -> None:
+        for item in self.assembler.feed(ev):
+            self._item(item)
+
+    def feed_all(self, events: Iterable[Event]) -> None:
+        for ev in events:
+            self.feed(ev)
+
+    def finish(self, clean: bool = True):
+        for item in self.assembler.finish(clean):
+            self._item(item)
+        self._finished()
+        self.summary.dropped_steps = list(self.assembler.dropped_steps)
+        self.summary.bad_records = self.assembler.bad_records
+        return self.summary
+
+    def _item(self, item) -> None:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+    def _finished(self) -> None:
+        """Hook run after the last item, before the summary is filled."""

@@ -249,8 +249,12 @@ class TaskResult:
 
 
 def _pid_alive(host: str, pid: int) -> bool:
-    if not pid or host != socket.gethostname():
-        return False
+    """Whether the process that wrote a log is still running (only knowable on its own host)."""
+    return bool(pid) and host == socket.gethostname() and pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

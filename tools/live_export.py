@@ -36,7 +36,7 @@ from trainrec.analyzers.export_tb import TbProjector
 from trainrec.replay.follow import RunFollower
 from trainrec.schema import layout
 
-from .export_files import CsvDirSink, TbEventFile, tb_file_name
+from .export_files import CsvDirSink, TbEventFile, pid_alive, tb_file_name
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +53,6 @@ class LiveResult:
     steps: int
     files: list[str]
     dropped_steps: list[int]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def live_export(
@@ -87,7 +77,7 @@ def live_export(
     last_data = time.monotonic()
 
     def parent_gone() -> bool:
-        return parent_pid is not None and not _pid_alive(parent_pid)
+        return parent_pid is not None and not pid_alive(parent_pid)
 
     def idle() -> bool:
         return idle_timeout is not None and time.monotonic() - last_data >= idle_timeout
