@@ -33,7 +33,7 @@ from trainrec.schema.events import (
 from trainrec.schema.naming import reference_tag
 
 from .hooks import StepState
-from .optim import update_and_ratio
+from .optim import fused_adam_rows, update_and_ratio
 from .stats import StatsPart, build_stats_events
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,14 @@ class StepCollector:
         if not entries:
             return
         idx = [e[0] for e in entries]
+        eng = self._engine
+        rows = fused_adam_rows(entries, eng.ops, eng.eps, cfg.mv_distribution, cfg.ur_distribution) \
+            if eng.fused and eng.host_paths else None
+        if rows is not None:  # one read of each state pair for all four (CPU, float32 state)
+            for kind, r in zip((KIND_EXP_AVG, KIND_EXP_AVG_SQ, KIND_UPDATE, KIND_RATIO), rows, strict=True):
+                if r is not None:
+                    self._add_rows(st, kind, r, idx)
+            return
         if cfg.mv_distribution:
             self._add_rows(st, KIND_EXP_AVG, self._engine.compute([e[1] for e in entries]), idx)
             self._add_rows(st, KIND_EXP_AVG_SQ, self._engine.compute([e[2] for e in entries]), idx)

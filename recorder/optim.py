@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import fused
+
 log = logging.getLogger(__name__)
 
 # update/ratio temporaries are made for at most this many state elements at a time (64M: 2 x 256 MB
@@ -135,13 +137,7 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
     """
     if not entries:
         return None, None
-    scales, shifts = [], []
-    for _, _, _, step, group in entries:
-        b1, b2 = group.get("betas", (0.9, 0.999))
-        t = max(step, 1.0)
-        sqrt_bc2 = math.sqrt(1.0 - b2**t)
-        scales.append(sqrt_bc2 / (1.0 - b1**t))
-        shifts.append(float(group.get("eps", 1e-8)) * sqrt_bc2)
+    scales, shifts = bias_corrections(entries)
     update_parts, ratio_parts = [], []
     for a, b in _chunks([e[2].numel() for e in entries], chunk_numel):
         ms = [e[1] for e in entries[a:b]]
@@ -160,6 +156,36 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
             update_parts.append(compute(quot, scales[a:b]))
         del denom, quot  # freed before the next chunk's temporaries are made
     return _cat(update_parts), _cat(ratio_parts)
+
+
+def bias_corrections(entries) -> tuple[list[float], list[float]]:
+    """Per entry: the scale ``c = sqrt(1 - b2^t) / (1 - b1^t)`` of update and ratio, and the shift
+    ``eps * sqrt(1 - b2^t)`` added to ``sqrt(v)`` in the update's denominator."""
+    scales, shifts = [], []
+    for _, _, _, step, group in entries:
+        b1, b2 = group.get("betas", (0.9, 0.999))
+        t = max(step, 1.0)
+        sqrt_bc2 = math.sqrt(1.0 - b2**t)
+        scales.append(sqrt_bc2 / (1.0 - b1**t))
+        shifts.append(float(group.get("eps", 1e-8)) * sqrt_bc2)
+    return scales, shifts
+
+
+def fused_adam_rows(entries, ops: Sequence[str], eps: float, want_mv: bool, want_ur: bool):
+    """``(exp_avg, exp_avg_sq, update, ratio)`` rows from one read of each state pair with the fused
+    kernel (the pairs not wanted are None), or None where the kernel does not take this state (not
+    float32 CPU tensors, or the kernel is not built). Values as :func:`update_and_ratio` defines them."""
+    ms = [e[1] for e in entries]
+    vs = [e[2] for e in entries]
+    if not fused.AVAILABLE or not fused.adam_supported(ms, vs):
+        return None
+    scales, shifts = bias_corrections(entries)
+    thresholds = []
+    for c in scales:
+        thresholds += [eps, eps, eps / c, eps / c]
+    out = fused.adam(ms, vs, thresholds, shifts, scales, ops, want_mv, want_ur)
+    return (out[:, 0] if want_mv else None, out[:, 1] if want_mv else None,
+            out[:, 2] if want_ur else None, out[:, 3] if want_ur else None)
 
 
 def _chunks(numels: Sequence[int], limit: int) -> list[tuple[int, int]]:

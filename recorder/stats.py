@@ -24,6 +24,12 @@ devices that check would be a sync, and eager PyTorch has no sync-free way to sk
 (the zero count there needs no NaN fix-up: ``count_nonzero(trunc(x / eps))`` counts a NaN as nonzero).
 The sum itself is computed on other devices only for ``mean``.
 
+On CPU the one-pass kernel (``fused.py``, built from ``_fused.c``) replaces all of the above for
+every dtype but float64: one read of each tensor gives all six statistics (0.3-0.5 ns per value against
+1.5-2 ns for the torch reductions here), NaNs included, with no scratch buffer and no second pass.
+The torch reductions remain for float64, for accelerators, and where the kernel is not built
+(``StatsEngine.fused = False``, or ``TRAINREC_FUSED=0``).
+
 ``StatsEngine.host_paths = False`` makes CPU tensors take the code other devices take (tests use it
 to check that code against float64 references on a machine without an accelerator).
 
@@ -43,6 +49,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from trainrec.schema.events import KINDS, TensorStatsRecorded
+
+from . import fused
 
 # CPU tensors below this many elements get their reductions on the calling thread only: a fork/join of
 # the intra-op pool costs more than the work there, and far more when the cores are oversubscribed
@@ -67,6 +75,8 @@ class StatsEngine:
         self._nans = "nans" in self.ops
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.host_paths = True  # CPU tensors use the CPU fast paths; False: the other devices' code
+        self.fused = fused.AVAILABLE  # CPU tensors go through the one-pass kernel (fused.py)
+        self._codes = fused.op_codes(self.ops)
 
     # ------------------------------------------------------------------ helpers
     def _buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +103,9 @@ class StatsEngine:
         """The ``norm`` column :meth:`compute` gives for ``xs``, computed the same way (bitwise equal
         for unchanged tensors on CPU): a cheap fingerprint of a tensor already measured."""
         cpu = self.host_paths and all(x.device.type == "cpu" for x in xs)
+        if cpu and self.fused and all(fused.supports(x) for x in xs):
+            # the same kernel as compute(), whose results do not depend on the batch: bitwise equal
+            return fused.stats(xs, [self.eps] * len(xs), b"\x03")[:, 0]
         threads = torch.get_num_threads() if cpu else 1
         single = False
         vals, is_norm = [], []
@@ -170,6 +183,9 @@ class StatsEngine:
         """
         eps = self.eps
         cpu = device.type == "cpu" and self.host_paths
+        if cpu and self.fused and fused.supports(xs[0]):
+            # one read of each tensor for all six statistics (see fused.py)
+            return fused.stats(xs, [eps / s for s in scales] if scales else [eps] * len(xs), self._codes, scales)
         minmax, want_norm = self._minmax, self._norm
         want_sum = self._sum if cpu else self._mean  # on CPU the sums also find the rows with NaNs
         want_zeros = self._zeros and eps > 0

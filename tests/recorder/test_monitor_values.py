@@ -21,7 +21,7 @@ from trainmon_util import (
     stats_table,
     write_config,
 )
-from trainrec.recorder import TrainerMon
+from trainrec.recorder import TrainerMon, fused
 from trainrec.recorder.names import squash_all
 
 
@@ -73,8 +73,12 @@ def run_and_observe(tmp_path, monkeypatch, grad_acc: int, steps: int = 2):
     return events_of(out), seen, pnames, mnames
 
 
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
 @pytest.mark.parametrize("grad_acc", [2, 3])
-def test_recorded_values_equal_independent_statistics(tmp_path, monkeypatch, grad_acc):
+def test_recorded_values_equal_independent_statistics(tmp_path, monkeypatch, grad_acc, kernel):
+    if kernel == "fused" and not fused.AVAILABLE:
+        pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
+    monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
     events, seen, pnames, mnames = run_and_observe(tmp_path, monkeypatch, grad_acc)
     unred = stats_table(events, "grad_unreduced")
     red = stats_table(events, "grad_reduced")

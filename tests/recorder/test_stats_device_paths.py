@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_stats_engine import OPS, cases, close, ref
+from test_stats_engine import OPS, cases, close, engine, ref
 from trainrec.recorder.stats import StatsEngine
 
 
@@ -19,10 +19,10 @@ def same_row(got: list[float], want: list[float]) -> bool:
     return all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("host_paths", [True, False])
-def test_mixed_dtypes_and_none_keep_their_order(host_paths, monkeypatch):
-    eng = StatsEngine(OPS, 1e-8)
-    eng.host_paths = host_paths
+@pytest.mark.parametrize("path", ["fused", "torch", "device"])
+def test_mixed_dtypes_and_none_keep_their_order(path, monkeypatch):
+    eng = engine(OPS, 1e-8, "torch" if path == "device" else path)
+    eng.host_paths = path != "device"
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 50, (4, 9), generator=g)
     emb = torch.randn(4, 9, 8, generator=g)
@@ -67,12 +67,14 @@ def test_device_path_matches_float64_reference(eps):
             assert close(got, want, rtol), f"{name} {op}: {got} vs {want}"
 
 
-@pytest.mark.parametrize("host_paths", [True, False])
+@pytest.mark.parametrize("path", ["fused", "torch", "device"])
 @pytest.mark.parametrize("ops", [("min", "max", "norm", "mean", "zeros"), ("zeros",), ("norm", "nans")])
-def test_nan_counting_passes(host_paths, ops, monkeypatch):
-    """NaNs are counted only with "nans"; on CPU only for the tensors whose sum is not finite."""
-    eng = StatsEngine(ops, 0.25)
-    eng.host_paths = host_paths
+def test_nan_counting_passes(path, ops, monkeypatch):
+    """NaNs are counted only with "nans"; on CPU only for the tensors whose sum is not finite; the
+    one-pass kernel counts them in its single read (no torch.isnan pass at all)."""
+    eng = engine(ops, 0.25, "torch" if path == "device" else path)
+    eng.host_paths = path != "device"
+    host_paths = path == "torch"
     nan = torch.tensor([1.0, float("nan"), 0.1, float("nan")])
     xs = [torch.randn(100), nan, torch.zeros(7)]
     counted = []
@@ -85,7 +87,7 @@ def test_nan_counting_passes(host_paths, ops, monkeypatch):
     monkeypatch.setattr(torch, "isnan", spy)
     rows = eng.compute(xs)
     monkeypatch.setattr(torch, "isnan", real_isnan)
-    if "nans" not in ops:
+    if "nans" not in ops or path == "fused":
         assert counted == []
     elif host_paths:
         assert counted == [4]

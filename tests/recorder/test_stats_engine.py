@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from trainrec.recorder import fused
 from trainrec.recorder.stats import SMALL_NUMEL, StatsEngine, StatsPart, StepStats, build_stats_events
 from trainrec.schema.events import unpack_array
 
@@ -16,6 +17,18 @@ def ref(t: torch.Tensor, eps: float) -> list[float]:
     d = t.detach().to(torch.float64)
     return [d.min().item(), d.max().item(), d.norm().item(), d.mean().item(),
             (d.abs() < eps).double().mean().item(), float(torch.isnan(d).sum())]
+
+
+KERNELS = ["fused", "torch"]
+
+
+def engine(ops, eps: float = 1e-8, kernel: str = "fused") -> StatsEngine:
+    """A StatsEngine on the one-pass kernel or on the torch reductions (CPU)."""
+    if kernel == "fused" and not fused.AVAILABLE:
+        pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
+    eng = StatsEngine(ops, eps)
+    eng.fused = kernel == "fused"
+    return eng
 
 
 def close(a: float, b: float, rtol: float = 1e-4) -> bool:
@@ -45,9 +58,10 @@ def cases():
     ]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("eps", [1e-8, 0.25])
-def test_every_op_matches_float64_reference(eps):
-    eng = StatsEngine(OPS, eps)
+def test_every_op_matches_float64_reference(eps, kernel):
+    eng = engine(OPS, eps, kernel)
     named = cases()
     rows = eng.compute([t for _, t in named])
     assert rows.dtype is torch.float32 and rows.shape == (len(named), 6)
@@ -60,24 +74,27 @@ def test_every_op_matches_float64_reference(eps):
             assert close(got, want, rtol), f"{name} {op}: {got} vs {want}"
 
 
-def test_none_and_empty_give_nan_rows_and_only_requested_ops():
-    eng = StatsEngine(("max", "zeros"), 1e-8)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_none_and_empty_give_nan_rows_and_only_requested_ops(kernel):
+    eng = engine(("max", "zeros"), 1e-8, kernel)
     rows = eng.compute([None, torch.empty(0), torch.tensor([0.0, 2.0])])
     assert torch.isnan(rows[:2]).all()
     assert rows[2].tolist() == [2.0, 0.5]
 
 
-def test_scales_give_statistics_of_the_scaled_tensor():
-    eng = StatsEngine(OPS, 1e-3)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_scales_give_statistics_of_the_scaled_tensor(kernel):
+    eng = engine(OPS, 1e-3, kernel)
     x = torch.tensor([0.0, 1e-4, -2e-3, 5.0])
     got = eng.compute([x], scales=[3.0])[0].tolist()
     want = ref(x * 3.0, 1e-3)
     assert all(close(a, b) for a, b in zip(got, want, strict=True)), (got, want)
 
 
-def test_thread_count_is_restored():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_thread_count_is_restored(kernel):
     before = torch.get_num_threads()
-    StatsEngine(OPS).compute([torch.randn(10), torch.randn(SMALL_NUMEL), torch.randn(10)])
+    engine(OPS, kernel=kernel).compute([torch.randn(10), torch.randn(SMALL_NUMEL), torch.randn(10)])
     assert torch.get_num_threads() == before
 
 

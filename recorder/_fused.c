@@ -1,0 +1,430 @@
+/* One-pass statistics of CPU tensors: the recorder's hot loop.
+ *
+ * For each tensor, one read of its memory gives min, max, sum, sum of squares, the count of |x| < eps
+ * and the count of NaNs (the six ops need four to five separate passes, plus temporaries, with torch's
+ * kernels). For Adam, one read of exp_avg and exp_avg_sq gives the statistics of both and of the two
+ * quotients the monitor records (ratio m / max(sqrt(v), FLT_MIN) and update m / (max(sqrt(v), FLT_MIN)
+ * + shift)), where torch needs a sqrt pass, a clamp pass and two division passes into full-size
+ * temporaries before the statistics. The quotients are computed exactly as the torch path does (IEEE
+ * single sqrt, max, add and divide are correctly rounded), so their values are bitwise the same.
+ *
+ * Accumulation: float lanes within blocks of BLOCK elements (vectorised), block totals in double.
+ * Counts within a block are exact in float (at most BLOCK per lane). min/max ignore NaNs here; the
+ * caller reports NaN for min/max where the NaN count is not zero (torch's aminmax propagates NaN).
+ *
+ * No Python objects are touched while computing: the GIL is released, and with threads > 1 the
+ * chunks of CHUNK elements are dealt out to that many POSIX threads; chunk results are merged in a
+ * fixed order, so results do not depend on the thread count or on scheduling.
+ *
+ * Built as the optional extension trainrec.recorder._fused (setuptools ext-modules, optional=true):
+ * without a C compiler trainrec installs and runs the torch path instead.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <float.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 4096
+#define NF 6 /* min, max, sum, sumsq, zeros (|x| < eps), nans */
+#define MAX_THREADS 64
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__INTEL_COMPILER)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+typedef struct {
+    double mn, mx, s, ss, z, nan;
+} acc_t;
+
+static inline void acc_init(acc_t *a) {
+    a->mn = INFINITY;
+    a->mx = -INFINITY;
+    a->s = a->ss = a->z = a->nan = 0.0;
+}
+
+static inline void acc_merge(acc_t *a, const acc_t *b) {
+    if (b->mn < a->mn) a->mn = b->mn;
+    if (b->mx > a->mx) a->mx = b->mx;
+    a->s += b->s;
+    a->ss += b->ss;
+    a->z += b->z;
+    a->nan += b->nan;
+}
+
+static inline float bf16_to_f32(uint16_t u) {
+    uint32_t w = (uint32_t)u << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------------ plain statistics */
+
+#define STATS_BLOCK(LOAD)                                                                          \
+    for (int64_t b = lo; b < hi; b += BLOCK) {                                                     \
+        int64_t e = b + BLOCK < hi ? b + BLOCK : hi;                                               \
+        float s = 0.f, ss = 0.f, z = 0.f, nn = 0.f, mn = INFINITY, mx = -INFINITY;                 \
+        _Pragma("omp simd reduction(+ : s, ss, z, nn) reduction(min : mn) reduction(max : mx)")   \
+        for (int64_t i = b; i < e; i++) {                                                          \
+            float v = LOAD;                                                                        \
+            s += v;                                                                                \
+            ss += v * v;                                                                           \
+            z += fabsf(v) < eps ? 1.f : 0.f;                                                       \
+            nn += v != v ? 1.f : 0.f;                                                              \
+            mn = v < mn ? v : mn;                                                                  \
+            mx = v > mx ? v : mx;                                                                  \
+        }                                                                                          \
+        a->s += s;                                                                                 \
+        a->ss += ss;                                                                               \
+        a->z += z;                                                                                 \
+        a->nan += nn;                                                                              \
+        if (mn < a->mn) a->mn = mn;                                                                \
+        if (mx > a->mx) a->mx = mx;                                                                \
+    }
+
+CLONES static void stats_f32(const float *x, int64_t lo, int64_t hi, float eps, acc_t *a) {
+    STATS_BLOCK(x[i])
+}
+
+CLONES static void stats_bf16(const uint16_t *x, int64_t lo, int64_t hi, float eps, acc_t *a) {
+    STATS_BLOCK(bf16_to_f32(x[i]))
+}
+
+/* ------------------------------------------------------------------ Adam state, update and ratio */
+
+/* want: bit 0 = stats of m and v, bit 1 = stats of update and ratio.
+ * a[0..3] = m, v, update, ratio. eps[0..3] likewise (the zero thresholds, already divided by the scales). */
+#define ADAM_BODY(WANT_MV, WANT_UR)                                                                 \
+    for (int64_t b = lo; b < hi; b += BLOCK) {                                                      \
+        int64_t e = b + BLOCK < hi ? b + BLOCK : hi;                                                \
+        float s0 = 0.f, q0 = 0.f, z0 = 0.f, n0 = 0.f, lo0 = INFINITY, hi0 = -INFINITY;              \
+        float s1 = 0.f, q1 = 0.f, z1 = 0.f, n1 = 0.f, lo1 = INFINITY, hi1 = -INFINITY;              \
+        float s2 = 0.f, q2 = 0.f, z2 = 0.f, n2 = 0.f, lo2 = INFINITY, hi2 = -INFINITY;              \
+        float s3 = 0.f, q3 = 0.f, z3 = 0.f, n3 = 0.f, lo3 = INFINITY, hi3 = -INFINITY;              \
+        _Pragma("omp simd reduction(+ : s0, q0, z0, n0, s1, q1, z1, n1, s2, q2, z2, n2, s3, q3, z3, n3) \
+                 reduction(min : lo0, lo1, lo2, lo3) reduction(max : hi0, hi1, hi2, hi3)")          \
+        for (int64_t i = b; i < e; i++) {                                                           \
+            float mm = m[i], vv = v[i];                                                             \
+            if (WANT_MV) {                                                                          \
+                s0 += mm; q0 += mm * mm; z0 += fabsf(mm) < e0 ? 1.f : 0.f;                          \
+                n0 += mm != mm ? 1.f : 0.f; lo0 = mm < lo0 ? mm : lo0; hi0 = mm > hi0 ? mm : hi0;   \
+                s1 += vv; q1 += vv * vv; z1 += fabsf(vv) < e1 ? 1.f : 0.f;                          \
+                n1 += vv != vv ? 1.f : 0.f; lo1 = vv < lo1 ? vv : lo1; hi1 = vv > hi1 ? vv : hi1;   \
+            }                                                                                       \
+            if (WANT_UR) {                                                                          \
+                float d = sqrtf(vv);                                                                \
+                d = d < FLT_MIN ? FLT_MIN : d; /* NaN stays NaN: the comparison is false */         \
+                float u = mm / (d + shift), r = mm / d;                                             \
+                s2 += u; q2 += u * u; z2 += fabsf(u) < e2 ? 1.f : 0.f;                              \
+                n2 += u != u ? 1.f : 0.f; lo2 = u < lo2 ? u : lo2; hi2 = u > hi2 ? u : hi2;         \
+                s3 += r; q3 += r * r; z3 += fabsf(r) < e3 ? 1.f : 0.f;                              \
+                n3 += r != r ? 1.f : 0.f; lo3 = r < lo3 ? r : lo3; hi3 = r > hi3 ? r : hi3;         \
+            }                                                                                       \
+        }                                                                                           \
+        float S[4] = {s0, s1, s2, s3}, Q[4] = {q0, q1, q2, q3}, Z[4] = {z0, z1, z2, z3};            \
+        float N[4] = {n0, n1, n2, n3}, L[4] = {lo0, lo1, lo2, lo3}, H[4] = {hi0, hi1, hi2, hi3};    \
+        for (int k = 0; k < 4; k++) {                                                               \
+            a[k].s += S[k]; a[k].ss += Q[k]; a[k].z += Z[k]; a[k].nan += N[k];                      \
+            if (L[k] < a[k].mn) a[k].mn = L[k];                                                     \
+            if (H[k] > a[k].mx) a[k].mx = H[k];                                                     \
+        }                                                                                           \
+    }
+
+CLONES static void adam_mv(const float *m, const float *v, int64_t lo, int64_t hi, float shift,
+                           const float *eps, acc_t *a) {
+    float e0 = eps[0], e1 = eps[1], e2 = eps[2], e3 = eps[3];
+    (void)shift; (void)e2; (void)e3;
+    ADAM_BODY(1, 0)
+}
+
+CLONES static void adam_ur(const float *m, const float *v, int64_t lo, int64_t hi, float shift,
+                           const float *eps, acc_t *a) {
+    float e0 = eps[0], e1 = eps[1], e2 = eps[2], e3 = eps[3];
+    (void)e0; (void)e1;
+    ADAM_BODY(0, 1)
+}
+
+CLONES static void adam_all(const float *m, const float *v, int64_t lo, int64_t hi, float shift,
+                            const float *eps, acc_t *a) {
+    float e0 = eps[0], e1 = eps[1], e2 = eps[2], e3 = eps[3];
+    ADAM_BODY(1, 1)
+}
+
+/* ------------------------------------------------------------------ work split between threads */
+
+/* Each tensor is cut into chunks of CHUNK elements; a chunk's statistics are accumulated in element
+ * order and the chunks of a tensor are merged in chunk order, whichever thread computed them, so the
+ * result does not depend on the number of threads (a norm recomputed later is bitwise the same). */
+#define CHUNK (64 * BLOCK)
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_ADAM = 2 };
+
+typedef struct {
+    int kind, want, nthreads, tid;
+    Py_ssize_t n;              /* tensors */
+    const uint64_t *a, *b;     /* data addresses (b: exp_avg_sq for Adam) */
+    const int64_t *numel;
+    const double *eps;         /* per tensor (Adam: 4 per tensor) */
+    const double *shift;       /* Adam: per tensor */
+    const int64_t *first;      /* first chunk of each tensor; first[n] = total chunks */
+    const int64_t *owner;      /* tensor of each chunk */
+    acc_t *parts;              /* per chunk (Adam: 4 per chunk) */
+} job_t;
+
+static void run_chunk(const job_t *j, int64_t c) {
+    int per = j->kind == KIND_ADAM ? 4 : 1;
+    int64_t t = j->owner[c];
+    int64_t lo = (c - j->first[t]) * CHUNK, hi = lo + CHUNK < j->numel[t] ? lo + CHUNK : j->numel[t];
+    acc_t *acc = j->parts + c * per;
+    for (int k = 0; k < per; k++) acc_init(&acc[k]);
+    if (j->kind == KIND_F32) {
+        stats_f32((const float *)(uintptr_t)j->a[t], lo, hi, (float)j->eps[t], acc);
+    } else if (j->kind == KIND_BF16) {
+        stats_bf16((const uint16_t *)(uintptr_t)j->a[t], lo, hi, (float)j->eps[t], acc);
+    } else {
+        float e[4];
+        for (int k = 0; k < 4; k++) e[k] = (float)j->eps[4 * t + k];
+        const float *m = (const float *)(uintptr_t)j->a[t], *v = (const float *)(uintptr_t)j->b[t];
+        float shift = (float)j->shift[t];
+        if (j->want == 1) adam_mv(m, v, lo, hi, shift, e, acc);
+        else if (j->want == 2) adam_ur(m, v, lo, hi, shift, e, acc);
+        else adam_all(m, v, lo, hi, shift, e, acc);
+    }
+}
+
+static void *thread_main(void *arg) {
+    const job_t *j = (const job_t *)arg;
+    int64_t total = j->first[j->n];
+    for (int64_t c = j->tid; c < total; c += j->nthreads) run_chunk(j, c);
+    return NULL;
+}
+
+/* Runs the job on nthreads threads (the caller's one included); res: [n * per][NF]. */
+static int run_parallel(job_t *base, int nthreads, double *res) {
+    int per = base->kind == KIND_ADAM ? 4 : 1;
+    Py_ssize_t n = base->n;
+    int64_t *first = (int64_t *)PyMem_RawMalloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (first == NULL) return -1;
+    int64_t total = 0;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        first[t] = total;
+        total += base->numel[t] > 0 ? (base->numel[t] + CHUNK - 1) / CHUNK : 0;
+    }
+    first[n] = total;
+    int64_t *owner = (int64_t *)PyMem_RawMalloc(sizeof(int64_t) * (size_t)(total > 0 ? total : 1));
+    acc_t *parts = (acc_t *)PyMem_RawMalloc(sizeof(acc_t) * (size_t)(total > 0 ? total : 1) * (size_t)per);
+    if (owner == NULL || parts == NULL) {
+        PyMem_RawFree(first); PyMem_RawFree(owner); PyMem_RawFree(parts);
+        return -1;
+    }
+    for (Py_ssize_t t = 0; t < n; t++)
+        for (int64_t c = first[t]; c < first[t + 1]; c++) owner[c] = t;
+    if (nthreads > total) nthreads = total > 0 ? (int)total : 1;
+    job_t jobs[MAX_THREADS];
+    pthread_t th[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < nthreads; t++) {
+        jobs[t] = *base;
+        jobs[t].nthreads = nthreads;
+        jobs[t].tid = t;
+        jobs[t].first = first;
+        jobs[t].owner = owner;
+        jobs[t].parts = parts;
+    }
+    for (int t = 1; t < nthreads; t++)
+        started[t] = pthread_create(&th[t], NULL, thread_main, &jobs[t]) == 0;
+    for (int t = 1; t < nthreads; t++) /* a thread that did not start: do its share here */
+        if (!started[t]) thread_main(&jobs[t]);
+    thread_main(&jobs[0]);
+    for (int t = 1; t < nthreads; t++)
+        if (started[t]) pthread_join(th[t], NULL);
+    for (Py_ssize_t t = 0; t < n; t++) {
+        for (int k = 0; k < per; k++) {
+            acc_t a;
+            acc_init(&a);
+            for (int64_t c = first[t]; c < first[t + 1]; c++) acc_merge(&a, &parts[c * per + k]);
+            double *o = res + (t * per + k) * NF;
+            o[0] = a.mn; o[1] = a.mx; o[2] = a.s; o[3] = a.ss; o[4] = a.z; o[5] = a.nan;
+        }
+    }
+    PyMem_RawFree(first); PyMem_RawFree(owner); PyMem_RawFree(parts);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ rows of the requested ops */
+
+enum { OP_MIN = 0, OP_MAX = 1, OP_MEAN = 2, OP_NORM = 3, OP_ZEROS = 4, OP_NANS = 5 };
+
+/* One float32 row of the requested ops from a raw row (min, max, sum, sumsq, zeros, nans). min/max are
+ * NaN where the tensor has a NaN (as torch's aminmax); min, max, norm and mean are multiplied by scale. */
+static void finish_row(const double *r, int64_t numel, double scale, const unsigned char *ops, Py_ssize_t nops,
+                       float *out) {
+    int nan = r[5] > 0;
+    double n = (double)numel;
+    for (Py_ssize_t k = 0; k < nops; k++) {
+        double v;
+        switch (ops[k]) {
+        case OP_MIN: v = nan ? NAN : r[0] * scale; break;
+        case OP_MAX: v = nan ? NAN : r[1] * scale; break;
+        case OP_MEAN: v = r[2] / n * scale; break;
+        case OP_NORM: v = sqrt(r[3]) * scale; break;
+        case OP_ZEROS: v = r[4] / n; break;
+        default: v = r[5]; break;
+        }
+        out[k] = (float)v;
+    }
+}
+
+/* ------------------------------------------------------------------ Python interface */
+
+static int get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t count, const char *what,
+                   int writable) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    if (view->len != itemsize * count) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd bytes, got %zd", what, itemsize * count, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_ops(const Py_buffer *ops) {
+    for (Py_ssize_t k = 0; k < ops->len; k++)
+        if (((const unsigned char *)ops->buf)[k] > OP_NANS) {
+            PyErr_Format(PyExc_ValueError, "unknown op code %d", ((const unsigned char *)ops->buf)[k]);
+            return -1;
+        }
+    return 0;
+}
+
+#define RELEASE_ALL()                                                                                  \
+    do {                                                                                               \
+        for (int q = 0; q < got; q++) PyBuffer_Release(&bufs[q]);                                      \
+    } while (0)
+
+PyDoc_STRVAR(stats_doc,
+"stats(kind, addrs, numels, eps, scales, ops, out, threads)\n\n"
+"kind 0 = float32, 1 = bfloat16. addrs: n uint64 data addresses of contiguous CPU tensors; numels: n int64;\n"
+"eps: n float64 zero thresholds; scales: n float64 factors of min, max, norm, mean; ops: op codes (bytes,\n"
+"0 min, 1 max, 2 mean, 3 norm, 4 zeros, 5 nans); out: writable n x len(ops) float32.\n"
+"The caller keeps the tensors alive and unchanged during the call.");
+
+static PyObject *py_stats(PyObject *self, PyObject *args) {
+    int kind, threads;
+    PyObject *o[6];
+    Py_buffer bufs[6];
+    int got = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOOOOOOi", &kind, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &threads))
+        return NULL;
+    if (kind != KIND_F32 && kind != KIND_BF16) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
+    if (PyObject_GetBuffer(o[0], &bufs[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    got = 1;
+    Py_ssize_t n = bufs[0].len / 8;
+    if (bufs[0].len % 8) { PyErr_SetString(PyExc_ValueError, "addrs: not uint64"); RELEASE_ALL(); return NULL; }
+    if (get_buf(o[1], &bufs[1], 8, n, "numels", 0) < 0) { RELEASE_ALL(); return NULL; }
+    got = 2;
+    if (get_buf(o[2], &bufs[2], 8, n, "eps", 0) < 0) { RELEASE_ALL(); return NULL; }
+    got = 3;
+    if (get_buf(o[3], &bufs[3], 8, n, "scales", 0) < 0) { RELEASE_ALL(); return NULL; }
+    got = 4;
+    if (PyObject_GetBuffer(o[4], &bufs[4], PyBUF_C_CONTIGUOUS) < 0) { RELEASE_ALL(); return NULL; }
+    got = 5;
+    Py_ssize_t nops = bufs[4].len;
+    if (check_ops(&bufs[4]) < 0) { RELEASE_ALL(); return NULL; }
+    if (get_buf(o[5], &bufs[5], 4, n * nops, "out", 1) < 0) { RELEASE_ALL(); return NULL; }
+    got = 6;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    const int64_t *numel = (const int64_t *)bufs[1].buf;
+    const double *scale = (const double *)bufs[3].buf;
+    const unsigned char *ops = (const unsigned char *)bufs[4].buf;
+    float *out = (float *)bufs[5].buf;
+    job_t job = {kind, 0, threads, 0, n, (const uint64_t *)bufs[0].buf, NULL, numel,
+                 (const double *)bufs[2].buf, NULL, NULL, NULL, NULL};
+    double *res = (double *)PyMem_RawMalloc(sizeof(double) * NF * (size_t)(n > 0 ? n : 1));
+    int rc = res == NULL ? -1 : 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (rc == 0) rc = run_parallel(&job, threads, res);
+    if (rc == 0)
+        for (Py_ssize_t t = 0; t < n; t++) finish_row(res + t * NF, numel[t], scale[t], ops, nops, out + t * nops);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(res);
+    RELEASE_ALL();
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(adam_doc,
+"adam(want, m_addrs, v_addrs, numels, eps, shifts, scales, ops, out, threads)\n\n"
+"float32 exp_avg / exp_avg_sq pairs. want: 1 = rows of m and v, 2 = of update and ratio, 3 = all four.\n"
+"eps: n x 4 float64 zero thresholds (m, v, update, ratio); shifts: n float64; scales: n float64 factors of\n"
+"update and ratio; ops as stats(); out: writable n x 4 x len(ops) float32 (m, v, update, ratio).\n"
+"update = scale * m / (max(sqrt(v), FLT_MIN) + shift), ratio = scale * m / max(sqrt(v), FLT_MIN).");
+
+static PyObject *py_adam(PyObject *self, PyObject *args) {
+    int want, threads;
+    PyObject *o[9];
+    Py_buffer bufs[9];
+    int got = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOOOOOOOOi", &want, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+                          &threads))
+        return NULL;
+    if (want < 1 || want > 3) return PyErr_Format(PyExc_ValueError, "want must be 1, 2 or 3, not %d", want);
+    if (PyObject_GetBuffer(o[0], &bufs[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    got = 1;
+    Py_ssize_t n = bufs[0].len / 8;
+    if (bufs[0].len % 8) { PyErr_SetString(PyExc_ValueError, "m_addrs: not uint64"); RELEASE_ALL(); return NULL; }
+    static const char *names[] = {"m_addrs", "v_addrs", "numels", "eps", "shifts", "scales"};
+    static const Py_ssize_t per[] = {1, 1, 1, 4, 1, 1};
+    for (int q = 1; q < 6; q++) {
+        if (get_buf(o[q], &bufs[q], 8, n * per[q], names[q], 0) < 0) { RELEASE_ALL(); return NULL; }
+        got = q + 1;
+    }
+    if (PyObject_GetBuffer(o[6], &bufs[6], PyBUF_C_CONTIGUOUS) < 0) { RELEASE_ALL(); return NULL; }
+    got = 7;
+    Py_ssize_t nops = bufs[6].len;
+    if (check_ops(&bufs[6]) < 0) { RELEASE_ALL(); return NULL; }
+    if (get_buf(o[7], &bufs[7], 4, n * 4 * nops, "out", 1) < 0) { RELEASE_ALL(); return NULL; }
+    got = 8;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    const int64_t *numel = (const int64_t *)bufs[2].buf;
+    const double *scale = (const double *)bufs[5].buf;
+    const unsigned char *ops = (const unsigned char *)bufs[6].buf;
+    float *out = (float *)bufs[7].buf;
+    job_t job = {KIND_ADAM, want, threads, 0, n, (const uint64_t *)bufs[0].buf, (const uint64_t *)bufs[1].buf,
+                 numel, (const double *)bufs[3].buf, (const double *)bufs[4].buf, NULL, NULL, NULL};
+    double *res = (double *)PyMem_RawMalloc(sizeof(double) * NF * 4 * (size_t)(n > 0 ? n : 1));
+    int rc = res == NULL ? -1 : 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (rc == 0) rc = run_parallel(&job, threads, res);
+    if (rc == 0)
+        for (Py_ssize_t t = 0; t < n; t++)
+            for (int k = 0; k < 4; k++)
+                finish_row(res + (t * 4 + k) * NF, numel[t], k < 2 ? 1.0 : scale[t], ops, nops,
+                           out + (t * 4 + k) * nops);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(res);
+    RELEASE_ALL();
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"stats", py_stats, METH_VARARGS, stats_doc},
+    {"adam", py_adam, METH_VARARGS, adam_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused",
+                                    "One-pass tensor statistics for the recorder (see _fused.c).", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&module); }

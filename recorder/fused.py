@@ -1,0 +1,120 @@
+"""The one-pass CPU statistics kernel (``_fused.c``) behind a small Python face.
+
+:func:`stats` gives the recorder's float32 ``[tensors x ops]`` statistics (min, max, mean, norm, zeros,
+nans) from one read of each tensor's memory; :func:`adam` gives those of exp_avg, exp_avg_sq, update
+and ratio from one read of each state pair.
+
+The extension is optional (built by ``pip install`` where a C compiler exists). ``AVAILABLE`` says
+whether it loaded; ``TRAINREC_FUSED=0`` in the environment turns it off (the torch path runs then),
+which is also how the tests check both paths.
+
+Measured on the development machine (2-core AMD EPYC, AVX2): 0.46 ns per float32 value on one thread
+for tensors larger than the caches (the memory bandwidth), 0.19 ns for values in L2, 0.33 ns with two
+threads; torch's separate reductions for the same six ops cost 1.5-2 ns per value with every trick in
+``stats.py`` and 2.7-7.5 ns written plainly. Adam state: 1.2 ns per element for all four statistics
+sets, against about 9 ns for torch's sqrt/divide passes and four sets of reductions.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Sequence
+
+import torch
+
+try:
+    from . import _fused  # type: ignore[attr-defined]
+except ImportError:  # no C compiler at install time: the torch path runs
+    _fused = None
+
+AVAILABLE = _fused is not None and os.environ.get("TRAINREC_FUSED", "1") != "0"
+
+# Calls with fewer values than this run on the calling thread only (starting threads costs ~30 us).
+PARALLEL_NUMEL = 1 << 18
+_KIND = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether :func:`stats` takes ``x`` (a CPU tensor of any dtype but float64/complex)."""
+    return x.device.type == "cpu" and x.dtype is not torch.float64 and not x.is_complex()
+
+
+def _threads(total: int) -> int:
+    return torch.get_num_threads() if total >= PARALLEL_NUMEL else 1
+
+
+def _prepare(xs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """Contiguous tensors of one kernel dtype (float32, or bfloat16 when all are bfloat16)."""
+    kind = 1 if all(x.dtype is torch.bfloat16 for x in xs) else 0
+    want = torch.bfloat16 if kind else torch.float32
+    out = []
+    for x in xs:
+        if x.dtype is not want:
+            x = x.to(want)  # float16, ints, bools (token ids, masks); bfloat16 mixed with float32
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out.append(x)
+    return out, kind
+
+
+_OP_CODES = {"min": 0, "max": 1, "mean": 2, "norm": 3, "zeros": 4, "nans": 5}
+
+
+def op_codes(ops: Sequence[str]) -> bytes:
+    """The kernel's op codes for ``ops`` (names as in the monitor config)."""
+    return bytes(_OP_CODES[op] for op in ops)
+
+
+def stats(xs: Sequence[torch.Tensor], eps: Sequence[float], ops: Sequence[str] | bytes,
+          scales: Sequence[float] | None = None) -> torch.Tensor:
+    """float32 ``[len(xs), len(ops)]`` statistics from one read of each tensor.
+
+    ``eps`` is one zero threshold per tensor (``|x| < eps`` counts as zero). ``scales`` multiply min,
+    max, norm and mean (the statistics of ``scale * x``; divide the thresholds by them yourself).
+    min and max are NaN where the tensor holds a NaN, as torch's ``aminmax`` gives. The sums run in
+    float32 within blocks of 4096 values and in float64 across blocks.
+    """
+    codes = ops if isinstance(ops, bytes) else op_codes(ops)
+    n = len(xs)
+    out = torch.empty((n, len(codes)), dtype=torch.float32)
+    if not n:
+        return out
+    prepared, kind = _prepare(xs)
+    numels = array("q", [x.numel() for x in prepared])
+    _fused.stats(kind, array("Q", [x.data_ptr() for x in prepared]), numels, array("d", eps),
+                 array("d", scales) if scales is not None else array("d", [1.0]) * n, codes, out.numpy(),
+                 _threads(sum(numels)))
+    return out
+
+
+def adam(ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], eps: Sequence[float], shifts: Sequence[float],
+         scales: Sequence[float], ops: Sequence[str] | bytes, want_mv: bool, want_ur: bool) -> torch.Tensor:
+    """float32 ``[n, 4, len(ops)]`` statistics of (exp_avg, exp_avg_sq, update, ratio) per state pair,
+    from one read of each pair (the blocks not wanted are left unset).
+
+    ``eps``: 4 zero thresholds per pair, flat (already divided by the scale for update and ratio).
+    update = scale * m / (max(sqrt(v), FLT_MIN) + shift), ratio = scale * m / max(sqrt(v), FLT_MIN), with
+    the quotients computed exactly as torch's float32 sqrt, clamp, add and div give them. float32 only.
+    """
+    codes = ops if isinstance(ops, bytes) else op_codes(ops)
+    n = len(ms)
+    out = torch.empty((n, 4, len(codes)), dtype=torch.float32)
+    if not n:
+        return out
+    ms = [m if m.is_contiguous() else m.contiguous() for m in ms]
+    vs = [v if v.is_contiguous() else v.contiguous() for v in vs]
+    numels = array("q", [m.numel() for m in ms])
+    want = (1 if want_mv else 0) | (2 if want_ur else 0)
+    _fused.adam(want, array("Q", [m.data_ptr() for m in ms]), array("Q", [v.data_ptr() for v in vs]), numels,
+                array("d", eps), array("d", shifts), array("d", scales), codes, out.numpy(),
+                _threads(sum(numels) * 2))
+    return out
+
+
+def adam_supported(ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> bool:
+    return all(
+        m.device.type == "cpu" and m.dtype is torch.float32 and v.dtype is torch.float32
+        and v.device.type == "cpu" and m.shape == v.shape
+        for m, v in zip(ms, vs, strict=True)
+    )

@@ -1,0 +1,162 @@
+"""The one-pass statistics kernel (recorder/_fused.c via recorder/fused.py) against float64 torch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_stats_engine import OPS, close, ref
+from trainrec.recorder import fused, optim
+from trainrec.recorder.stats import StatsEngine
+
+pytestmark = pytest.mark.skipif(not fused.AVAILABLE, reason="the one-pass kernel (recorder/_fused.c) is not built")
+
+
+def rows_ref(xs, eps):
+    return [ref(x, eps) for x in xs]
+
+
+def assert_rows(got: torch.Tensor, xs, eps, rtol=1e-5):
+    for i, (row, want) in enumerate(zip(got.tolist(), rows_ref(xs, eps), strict=True)):
+        for op, a, b in zip(OPS, row, want, strict=True):
+            if math.isinf(b):
+                assert a == b, (i, op, a, b)
+            else:
+                assert close(a, b, rtol), f"tensor {i} {op}: {a} vs {b}"
+
+
+def test_chunks_blocks_and_tails_match_float64():
+    """Sizes around the kernel's block (4096) and chunk (262144) edges, split over several threads."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [1, 7, 4095, 4096, 4097, 262143, 262144, 262145, 3 * 262144 + 11]
+    xs = [torch.randn(n, generator=g) * 3 + 0.5 for n in sizes]
+    for x in xs:
+        x[:: 5] = 0.0
+    got = fused.stats(xs, [1e-8] * len(xs), OPS)
+    assert got.shape == (len(xs), 6) and got.dtype is torch.float32
+    assert_rows(got, xs, 1e-8)
+
+
+def test_results_do_not_depend_on_the_thread_count(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(1_000_003, generator=g), torch.randn(70_000, generator=g)]
+    monkeypatch.setattr(fused, "PARALLEL_NUMEL", 0)
+    results = []
+    for threads in (1, 2, 3, 8):
+        monkeypatch.setattr(fused, "_threads", lambda total, t=threads: t)
+        results.append(fused.stats(xs, [1e-8, 1e-8], OPS))
+    for r in results[1:]:
+        assert torch.equal(r, results[0])  # bitwise: chunks are merged in a fixed order
+
+
+def test_nan_inf_and_all_nan():
+    nan, inf = float("nan"), float("inf")
+    xs = [torch.tensor([1.0, nan, -3.0, 0.0]), torch.tensor([nan, nan]), torch.tensor([-inf, 2.0, inf]),
+          torch.tensor([5.0])]
+    got = fused.stats(xs, [0.5] * 4, OPS).tolist()
+    mn, mx, norm, mean, zeros, nans = zip(*got, strict=True)
+    assert math.isnan(mn[0]) and math.isnan(mx[0]) and nans[0] == 1 and zeros[0] == 0.25
+    assert math.isnan(mn[1]) and nans[1] == 2 and zeros[1] == 0.0
+    assert mn[2] == -inf and mx[2] == inf and norm[2] == inf and math.isnan(mean[2]) and nans[2] == 0
+    assert got[3] == [5.0, 5.0, 5.0, 5.0, 0.0, 0.0]
+
+
+def test_dtypes_layouts_and_op_subsets():
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(64, 33, generator=g)
+    xs = [base.t(), base[::2, 1:], base.to(torch.float16), torch.randint(-3, 4, (50,), generator=g),
+          torch.rand(30, generator=g) > 0.5]
+    assert_rows(fused.stats(xs, [0.25] * len(xs), OPS), xs, 0.25, rtol=1e-4)
+    bf = [base.to(torch.bfloat16), (base * 2).to(torch.bfloat16)]  # all bfloat16: read as bfloat16
+    assert_rows(fused.stats(bf, [0.25, 0.25], OPS), bf, 0.25, rtol=1e-4)
+    sub = fused.stats([base], [0.25], ("zeros", "max"))
+    assert sub.tolist() == [[pytest.approx(ref(base, 0.25)[4]), base.max().item()]]
+
+
+def test_scales():
+    x = torch.tensor([0.0, 1e-4, -2e-3, 5.0])
+    got = fused.stats([x], [1e-3 / 3.0], OPS, scales=[3.0])[0].tolist()
+    want = ref(x * 3.0, 1e-3)
+    assert all(close(a, b) for a, b in zip(got, want, strict=True)), (got, want)
+
+
+def test_engine_norms_are_bitwise_the_compute_norms():
+    """The reduced-gradient reuse compares a recomputed norm with the recorded one for equality."""
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(n, generator=g) for n in (10, 300_000, 5000)]
+    eng = StatsEngine(OPS)
+    rows = eng.compute(xs)
+    assert torch.equal(eng.norms(xs[1:2]), rows[1:2, OPS.index("norm")])
+    assert torch.equal(eng.norms(xs), rows[:, OPS.index("norm")])
+
+
+def stepped_adam_state(n: int = 5000, zero_rows: bool = True):
+    g = torch.Generator().manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(n, generator=g))
+    q = torch.nn.Parameter(torch.randn(40, 7, generator=g))
+    opt = torch.optim.AdamW([p, q], lr=1e-2, betas=(0.8, 0.95))
+    for k in range(3):
+        loss = (p * torch.randn(n, generator=g)).sum() + (q**2).sum() * k
+        loss.backward()
+        if zero_rows:
+            p.grad[:100] = 0.0  # never a gradient: exp_avg_sq stays exactly 0 there
+        opt.step()
+        opt.zero_grad()
+    return opt, [p, q]
+
+
+@pytest.mark.parametrize("mv,ur", [(True, True), (True, False), (False, True)])
+def test_adam_rows_equal_the_torch_path(mv, ur):
+    opt, params = stepped_adam_state()
+    entries = optim.AdamState(opt, opt).lookup(params)
+    eng = StatsEngine(OPS)
+    eng.fused = False
+    m_rows = eng.compute([e[1] for e in entries])
+    v_rows = eng.compute([e[2] for e in entries])
+    upd, rat = optim.update_and_ratio(entries, eng.compute, True, True)
+    got = optim.fused_adam_rows(entries, OPS, eng.eps, mv, ur)
+    want = (m_rows if mv else None, v_rows if mv else None, upd if ur else None, rat if ur else None)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if g is None:
+            continue
+        # min/max/nans/zeros: the quotients are the same float32 values (same IEEE operations)
+        for j in (0, 1, 4, 5):
+            assert torch.equal(g[:, j], w[:, j]), (OPS[j], g[:, j], w[:, j])
+        assert torch.allclose(g[:, 2], w[:, 2], rtol=1e-5, atol=0)  # norm
+        # mean: float32 sums of both paths cancel differently; compare relative to the RMS value
+        numel = torch.tensor([e[1].numel() for e in entries], dtype=torch.float32)
+        assert ((g[:, 3] - w[:, 3]).abs() <= 1e-5 * w[:, 2] / numel.sqrt()).all(), (g[:, 3], w[:, 3])
+
+
+def test_adam_nan_in_state_shows_and_zero_v_gives_ratio_zero():
+    opt, params = stepped_adam_state()
+    st = opt.state[params[0]]
+    st["exp_avg"][7] = float("nan")
+    entries = optim.AdamState(opt, opt).lookup(params)
+    m, v, u, r = optim.fused_adam_rows(entries, OPS, 1e-8, True, True)
+    nans = OPS.index("nans")
+    assert m[0, nans] == 1 and v[0, nans] == 0 and u[0, nans] == 1 and r[0, nans] == 1
+    st["exp_avg"][7] = 0.0
+    entries = optim.AdamState(opt, opt).lookup(params)
+    _, _, _, r = optim.fused_adam_rows(entries, OPS, 1e-8, True, True)
+    assert r[0, nans] == 0  # v == 0 rows: ratio 0, not 0/0
+
+
+def test_bad_arguments_are_errors_not_crashes():
+    from array import array
+
+    x = torch.ones(4)
+    out = torch.empty((1, 2), dtype=torch.float32).numpy()
+    addr, numel, one = array("Q", [x.data_ptr()]), array("q", [4]), array("d", [1.0])
+    with pytest.raises(ValueError, match="numels"):
+        fused._fused.stats(0, addr, array("q", [4, 4]), one, one, b"\x00\x01", out, 1)
+    with pytest.raises(ValueError, match="op code"):
+        fused._fused.stats(0, addr, numel, one, one, b"\x00\x09", out, 1)
+    with pytest.raises(ValueError, match="out"):
+        fused._fused.stats(0, addr, numel, one, one, b"\x00\x01\x02", out, 1)
+    with pytest.raises(ValueError, match="kind"):
+        fused._fused.stats(7, addr, numel, one, one, b"\x00\x01", out, 1)
+    fused._fused.stats(0, addr, numel, one, one, b"\x00\x01", out, 1)
+    assert out.tolist() == [[1.0, 1.0]]
