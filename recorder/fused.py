@@ -21,6 +21,7 @@ import os
 from array import array
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 try:
@@ -77,15 +78,44 @@ def stats(xs: Sequence[torch.Tensor], eps: Sequence[float], ops: Sequence[str] |
     """
     codes = ops if isinstance(ops, bytes) else op_codes(ops)
     n = len(xs)
-    out = torch.empty((n, len(codes)), dtype=torch.float32)
+    out = np.empty((n, len(codes)), dtype=np.float32)
     if not n:
-        return out
+        return torch.from_numpy(out)
     prepared, kind = _prepare(xs)
     numels = array("q", [x.numel() for x in prepared])
     _fused.stats(kind, array("Q", [x.data_ptr() for x in prepared]), numels, array("d", eps),
-                 array("d", scales) if scales is not None else array("d", [1.0]) * n, codes, out.numpy(),
+                 array("d", scales) if scales is not None else array("d", [1.0]) * n, codes, out,
                  _threads(sum(numels)))
-    return out
+    return torch.from_numpy(out)
+
+
+def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
+              scales: Sequence[float] | None = None) -> torch.Tensor | None:
+    """:func:`stats` for the common case, with the least Python per call: every tensor a non-empty,
+    contiguous float32 CPU tensor (else None: the caller takes the general path). ``eps`` is one
+    threshold for all (divided by each scale here)."""
+    ptrs = array("Q")
+    numels = array("q")
+    total = 0
+    f32 = torch.float32
+    for x in xs:
+        if x is None or x.dtype is not f32 or not x.is_cpu or not x.is_contiguous():
+            return None
+        k = x.numel()
+        if not k:
+            return None
+        ptrs.append(x.data_ptr())
+        numels.append(k)
+        total += k
+    n = len(ptrs)
+    out = np.empty((n, len(codes)), dtype=np.float32)
+    if scales is None:
+        _fused.stats(0, ptrs, numels, array("d", (eps,)) * n, array("d", (1.0,)) * n, codes, out,
+                     torch.get_num_threads() if total >= PARALLEL_NUMEL else 1)
+    else:
+        _fused.stats(0, ptrs, numels, array("d", [eps / s for s in scales]), array("d", scales), codes, out,
+                     torch.get_num_threads() if total >= PARALLEL_NUMEL else 1)
+    return torch.from_numpy(out)
 
 
 def adam(ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], eps: Sequence[float], shifts: Sequence[float],

@@ -132,13 +132,22 @@ class StatsEngine:
             return sq
         return torch.where(torch.tensor(is_norm, device=sq.device), sq, sq.clamp(min=0).sqrt())
 
-    @torch.no_grad()
     def compute(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None) -> torch.Tensor:
         """Statistics of each tensor (None or empty -> a NaN row), on the first tensor's device.
 
         ``scales`` (positive, one per tensor) gives the statistics of ``scale * tensor`` without
         materialising it: min/max/norm/mean are scaled and zeros uses ``eps / scale``.
         """
+        if self.fused and self.host_paths:
+            # the hooks' common case, kept lean (it runs for every monitored call): non-empty float32
+            # CPU tensors straight to the one-pass kernel, which reads memory and records no autograd
+            rows = fused.stats_f32(tensors, self.eps, self._codes, scales)
+            if rows is not None:
+                return rows
+        return self._compute(tensors, scales)
+
+    @torch.no_grad()
+    def _compute(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None) -> torch.Tensor:
         n = len(tensors)
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         groups: dict[tuple, list[int]] = {}

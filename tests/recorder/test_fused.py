@@ -160,3 +160,20 @@ def test_bad_arguments_are_errors_not_crashes():
         fused._fused.stats(7, addr, numel, one, one, b"\x00\x01", out, 1)
     fused._fused.stats(0, addr, numel, one, one, b"\x00\x01", out, 1)
     assert out.tolist() == [[1.0, 1.0]]
+
+
+def test_hook_fast_path_equals_general_path_and_declines_the_rest():
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(8, 32, 64, generator=g), torch.randn(300_000, generator=g)]
+    fast = fused.stats_f32(xs, 1e-3, fused.op_codes(OPS))
+    assert torch.equal(fast, fused.stats(xs, [1e-3, 1e-3], OPS))
+    scaled = fused.stats_f32(xs, 1e-3, fused.op_codes(OPS), [2.0, 0.5])
+    assert torch.equal(scaled, fused.stats(xs, [1e-3 / 2.0, 1e-3 / 0.5], OPS, [2.0, 0.5]))
+    x = xs[0]
+    for other in (None, torch.empty(0), x.transpose(0, 1), x.double(), x.to(torch.bfloat16), torch.ones(3, dtype=torch.int64)):
+        assert fused.stats_f32([x, other], 1e-3, fused.op_codes(OPS)) is None
+    # the engine takes the general path for those, with the same results for the float32 tensor
+    eng = StatsEngine(OPS, 1e-3)
+    rows = eng.compute([x, x.transpose(0, 1), None])
+    assert torch.equal(rows[0], fast[0]) and torch.isnan(rows[2]).all()
+    assert torch.allclose(rows[1], fast[0], rtol=1e-6)
