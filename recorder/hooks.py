@@ -338,19 +338,32 @@ def io_struct(value: Any) -> dict:
     return {"config": f"{type(value)}"}
 
 
-def make_struct_hooks(struct: dict, key: str):
-    """Forward and full backward hooks that record the io structure of a module (print_struct)."""
+def make_struct_hook(struct: dict, key: str):
+    """A forward hook that records the io structure of a module (print_struct): its inputs and outputs,
+    and the gradients a full backward hook would be given, derived from the forward's tensors (a
+    gradient has its tensor's size and dtype), so no full backward hook is needed (those break in-place
+    ops on module outputs; see the module docstring).
+
+    As torch's full backward hooks give them: ``input_grad`` has one entry per positional argument, a
+    gradient for every floating-point tensor argument when any argument requires grad (None for the
+    rest, and all None when none does); ``output_grad`` one per top-level output element, a gradient
+    where it is a tensor that requires grad. Nothing is recorded for them when no output requires grad
+    (a full backward hook never fires then)."""
 
     def fwd(module, args, output):
         entry = struct.setdefault(key, {})
         if "input" not in entry:
             entry["input"] = io_struct(args)
             entry["output"] = io_struct(output)
+        if "output_grad" in entry or not torch.is_grad_enabled():
+            return
+        outs = output if isinstance(output, tuple) else (output,)
+        out_req = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+        if not any(out_req):
+            return
+        in_req = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        entry["input_grad"] = io_struct(tuple(
+            a if in_req and isinstance(a, torch.Tensor) and a.is_floating_point() else None for a in args))
+        entry["output_grad"] = io_struct(tuple(o if r else None for o, r in zip(outs, out_req, strict=True)))
 
-    def bwd(module, grad_input, grad_output):
-        entry = struct.setdefault(key, {})
-        if "input_grad" not in entry:
-            entry["input_grad"] = io_struct(grad_input)
-            entry["output_grad"] = io_struct(grad_output)
-
-    return fwd, bwd
+    return fwd

@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import time
-import warnings
 import weakref
 
 import numpy as np
@@ -71,7 +70,6 @@ from .writer import LogWriter, install_sigterm_handler
 log = logging.getLogger(__name__)
 
 PRINT_STRUCT_EXIT = "exit after first monitor step when print model struct"
-_FULL_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 
 def _content_hash(raw: dict) -> str:
@@ -501,7 +499,6 @@ class TrainerMon(StepCollector):
         self._step_handles = []
 
     def _attach_struct_hooks(self) -> None:
-        warnings.filterwarnings("ignore", message=_FULL_HOOK_WARNING, category=UserWarning)
         self._struct, self._struct_handles = structure.attach_struct_hooks(self._chunks, self._targets)
 
     def _print_struct_and_exit(self) -> None:

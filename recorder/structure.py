@@ -1,8 +1,9 @@
 """The model's module tree: the ModuleStructureRecorded events and ``print_struct``.
 
 At ``monitor_gnorm_with_ad`` one ModuleStructureRecorded per model chunk (full module names, class
-names, parent indices, own parameter counts). With ``print_struct: true`` every module gets forward and
-full backward hooks that describe its inputs, outputs and their gradients the way the reference's
+names, parent indices, own parameter counts). With ``print_struct: true`` every module gets a forward
+hook that describes its inputs, outputs and their gradients (derived from the forward's tensors, with no
+full backward hook) the way the reference's
 ``module_struct.json`` does (``{"config": "tuple[2]", "0": "size=(8, 32, 256), dtype=torch.float32"}``;
 ``config`` is the selector to put in ``targets``); at the first optimizer step the file is written to
 ``$MONITOR_OUTPUT_DIR/module_struct.json``, the events are repeated with those descriptions as
@@ -19,7 +20,7 @@ import time
 import torch
 from trainrec.schema.events import ModuleStructureRecorded
 
-from .hooks import make_struct_hooks
+from .hooks import make_struct_hook
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,7 @@ def attach_struct_hooks(chunks: list, targets) -> tuple[dict, list]:
     handles = []
     for vpp, chunk in enumerate(chunks):
         for full, mod in chunk.named_modules():
-            fwd, bwd = make_struct_hooks(struct, _key(targets, vpp, full))
-            handles.append(mod.register_forward_hook(fwd))
-            handles.append(mod.register_full_backward_hook(bwd))
+            handles.append(mod.register_forward_hook(make_struct_hook(struct, _key(targets, vpp, full))))
     return struct, handles
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -462,3 +463,64 @@ def test_recomputation_under_activation_checkpointing_is_not_recorded_twice(tmp_
     (hf,) = [e for e in ev if isinstance(e, HooksFired)]
     fired = res.ids_names(hf.rank, hf.module_ids)
     assert fired.count("1.inner") == 1 and fired.count("1") == 1
+
+
+class _InPlace(torch.nn.Module):
+    """A Linear whose output a ReLU(inplace=True) modifies, and a module with mixed arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.mix = _Mixed()
+
+    def forward(self, x, mask):
+        h = self.act(self.lin(x))
+        y, (s, k) = self.mix(h, mask, 3)
+        return y + s + k
+
+
+class _Mixed(torch.nn.Module):
+    def forward(self, a, mask, n):
+        return a * mask, (a.sum(), mask.sum())
+
+
+def test_print_struct_grads_match_full_backward_hooks_and_allow_in_place_ops(tmp_path, out):
+    """module_struct.json's input_grad/output_grad equal what torch's full backward hooks receive (taken
+    on a twin model without in-place ops), and an in-place ReLU on a hooked Linear's output still runs
+    (full backward hooks make it raise)."""
+    def describe(grads):
+        return {"config": f"tuple[{len(grads)}]", **{
+            str(i): "<class 'NoneType'>" if g is None else f"size={tuple(g.shape)}, dtype={g.dtype}"
+            for i, g in enumerate(grads)}}
+
+    torch.manual_seed(0)
+    twin = _InPlace()
+    twin.act = torch.nn.ReLU()
+    seen = {}
+    def capture(name):
+        def hook(module, grad_input, grad_output):
+            seen.setdefault(name, (describe(grad_input), describe(grad_output)))
+        return hook
+
+    for name in ("lin", "mix"):
+        getattr(twin, name).register_full_backward_hook(capture(name))
+    x, mask = torch.randn(4, 8), torch.ones(4, 8)
+    with warnings.catch_warnings():  # torch warns that lin's hook fires for outputs only (x needs no grad)
+        warnings.simplefilter("ignore", UserWarning)
+        twin(x, mask).sum().backward()
+
+    mon = TrainerMon(write_config(tmp_path, {"print_struct": True}), live_export=False)
+    model = _InPlace()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    model(x, mask).sum().backward()  # would raise with a full backward hook on lin
+    with pytest.raises(Exception, match=PRINT_STRUCT_EXIT):
+        opt.step()
+    with open(out / "module_struct.json") as f:
+        struct = json.load(f)
+    for name in ("lin", "mix"):
+        gi, go = seen[name]
+        assert struct[f"0:{name}"]["input_grad"] == gi, name
+        assert struct[f"0:{name}"]["output_grad"] == go, name
+    assert struct["0:mix"]["input_grad"]["2"] == "<class 'NoneType'>"  # the int argument
