@@ -118,6 +118,12 @@ def find_append_dir(output_dir: str, rank: int, time_range: tuple) -> str:
     return os.path.join(output_dir, found[-1][2])
 
 
+# The live projection is background work: at niceness +10 the scheduler gives training's threads the
+# cores when they compete (a 2-core machine: torch's two intra-op threads), and the export catches up
+# when they idle. It only ever lags; it never drops anything (it follows the log).
+LIVE_EXPORT_NICE = 10
+
+
 class LiveExport:
     """The live CSV/TensorBoard projection process that follows this rank's log (exports teammate)."""
 
@@ -143,6 +149,7 @@ class LiveExport:
             "--format", "csv" if fmt == "csv" else "tensorboard",
             "--rank-dir", rank_dir, "--ndigits", str(ndigits),
             "--step-count-per-record", str(step_count_per_record), "--parent-pid", str(os.getpid()),
+            "--nice", str(LIVE_EXPORT_NICE),
         ]
         try:
             self._out = open(os.path.join(rank_dir, "live_export.out"), "ab")  # noqa: SIM115

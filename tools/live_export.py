@@ -6,7 +6,7 @@ offline ``trainrec export`` (never by a second path in the training hooks)::
 
     python -m trainrec.tools.live_export --format csv|tensorboard --rank-dir RANK_DIR [--out DIR]
         [--ndigits N] [--step-count-per-record M] [--parent-pid PID] [--poll-interval S]
-        [--idle-timeout S]
+        [--idle-timeout S] [--nice N]
 
 Files go to ``--out`` (default: the rank directory itself, where the reference puts them): the CSV
 window files, or one ``events.out.tfevents.{start}.{host}`` file. A step's rows are written once the
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-pid", type=int, help="stop once this process is gone and no more data comes")
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls (default 0.5)")
     p.add_argument("--idle-timeout", type=float, help="stop after this many seconds without new data")
+    p.add_argument("--nice", type=int, default=0,
+                   help="raise this process's niceness by N first (the recorder passes 10: the export yields the "
+                        "CPU to training where cores are short, and still runs where they are idle)")
     return p
 
 
@@ -165,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_count_per_record < 1:
         print("trainrec live_export: --step-count-per-record must be >= 1", file=sys.stderr)
         return 2
+    if args.nice > 0 and hasattr(os, "nice"):
+        try:
+            os.nice(args.nice)
+        except OSError as exc:
+            log.warning("could not lower the priority: %s", exc)
     stop = threading.Event()
 
     def on_signal(signum, frame) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 
 import pytest
@@ -524,3 +525,19 @@ def test_print_struct_grads_match_full_backward_hooks_and_allow_in_place_ops(tmp
         assert struct[f"0:{name}"]["input_grad"] == gi, name
         assert struct[f"0:{name}"]["output_grad"] == go, name
     assert struct["0:mix"]["input_grad"]["2"] == "<class 'NoneType'>"  # the int argument
+
+
+def test_live_export_runs_at_lower_priority(tmp_path, out):
+    """format csv starts the live projection process niced by +10 (background work on short cores)."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "csv"}), params_have_main_grad=False)
+    try:
+        proc = mon._live.proc
+        assert proc is not None
+        want = min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
+        deadline = time.monotonic() + 20
+        while os.getpriority(os.PRIO_PROCESS, proc.pid) != want and time.monotonic() < deadline:
+            assert proc.poll() is None, "the live export exited early"
+            time.sleep(0.05)  # it renices itself right after start-up
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == want
+    finally:
+        mon.close()
