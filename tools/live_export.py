@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls (default 0.5)")
     p.add_argument("--idle-timeout", type=float, help="stop after this many seconds without new data")
     p.add_argument("--nice", type=int, default=0,
-                   help="raise this process's niceness by N first (the recorder passes 10: the export yields the "
+                   help="raise this process's niceness by N first (the recorder passes 19: the export yields the "
                         "CPU to training where cores are short, and still runs where they are idle)")
     return p
 

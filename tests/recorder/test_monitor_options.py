@@ -12,6 +12,7 @@ import torch
 from trainmon_util import ALL_OPS, events_of, loss_of, make, rank_dirs, stats_table, write_config
 from trainrec.recorder import TrainerMon
 from trainrec.recorder.monitor import PRINT_STRUCT_EXIT
+from trainrec.recorder.runinfo import LIVE_EXPORT_NICE
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
     ConfigApplied,
@@ -528,12 +529,12 @@ def test_print_struct_grads_match_full_backward_hooks_and_allow_in_place_ops(tmp
 
 
 def test_live_export_runs_at_lower_priority(tmp_path, out):
-    """format csv starts the live projection process niced by +10 (background work on short cores)."""
+    """format csv starts the live projection process at the lowest priority (background work)."""
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "csv"}), params_have_main_grad=False)
     try:
         proc = mon._live.proc
         assert proc is not None
-        want = min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
+        want = min(os.getpriority(os.PRIO_PROCESS, 0) + LIVE_EXPORT_NICE, 19)
         deadline = time.monotonic() + 20
         while os.getpriority(os.PRIO_PROCESS, proc.pid) != want and time.monotonic() < deadline:
             assert proc.poll() is None, "the live export exited early"
