@@ -8,9 +8,12 @@ Weight gradients: the post-accumulate-grad hook of each monitored parameter queu
 measured in one batch when every monitored parameter has fired in this micro step, when the next
 micro step's forward begins (a forward pre-hook on each model chunk), or at the optimizer pre-step,
 whichever comes first, so ``.grad`` is measured before the next micro step accumulates into it.
-Reduced gradients (optimizer pre-step) reuse the last unreduced row of a parameter whose gradient is
-the same tensor with the same version counter and the same norm (recomputed: one dot product), i.e.
-no reduction, clipping or unscaling happened in between; they are measured again otherwise.
+Reduced gradients (optimizer pre-step) are measured again where the one-pass kernel measures them
+(CPU, any dtype but float64): the check below would read the whole gradient too, so a second
+measurement costs the same and depends on nothing. Elsewhere (the torch reductions) they reuse the
+last unreduced row of a parameter whose gradient is the same tensor with the same version counter
+and the same norm (recomputed: one dot product), i.e. no reduction, clipping or unscaling happened
+in between; they are measured again otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from trainrec.schema.events import (
 )
 from trainrec.schema.naming import reference_tag
 
+from . import fused
 from .hooks import StepState
 from .optim import fused_adam_rows, update_and_ratio
 from .stats import StatsPart, build_stats_events
@@ -93,7 +97,8 @@ class StepCollector:
             if g is None:
                 continue
             last = st.last_unreduced.get(i)
-            if can_reuse and last is not None and last[2] is g and last[3] == g._version and g.device.type == "cpu":
+            if (can_reuse and last is not None and last[2] is g and last[3] == g._version and g.device.type == "cpu"
+                    and not (eng.fused and fused.supports(g))):
                 cand_rows.append(last[0][last[1]])
                 cand_idx.append(i)
                 cand_g.append(g)
