@@ -95,6 +95,7 @@ class TrainerMon(StepCollector):
         else:
             self.config = load_config(config_file_path)
         self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None
+        _warn_unrecorded(self.config)
         self.process_group = process_group
         self.params_have_main_grad = params_have_main_grad
         if opt_ty is not None and opt_ty not in KNOWN_OPT_TYPES:
@@ -357,6 +358,7 @@ class TrainerMon(StepCollector):
             if attached:
                 self._attach()
         self.config = config
+        _warn_unrecorded(config)
         if config.ops != old.ops or config.eps != old.eps:
             self._engine = StatsEngine(config.ops, config.eps)
         if config.alert != old.alert:
@@ -579,6 +581,16 @@ class TrainerMon(StepCollector):
 
 _MAX_FAILURE_EVENTS = 10
 _warned: set[str] = set()
+
+
+def _warn_unrecorded(cfg: MonitorConfig) -> None:
+    """Say once that the options trainrec accepts (for config compatibility) but does not record are on."""
+    if cfg.mg_direction:
+        _warn_once("mg_direction", "trainrec: mg_direction is accepted for compatibility with msprobe's config but "
+                   "not recorded; nothing is written for it")
+    if cfg.cc_distribution.get("enable"):
+        _warn_once("cc_distribution", "trainrec: cc_distribution is accepted for compatibility with msprobe's config "
+                   "but communication is not monitored; nothing is written for it")
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -542,3 +542,16 @@ def test_live_export_runs_at_lower_priority(tmp_path, out):
         assert os.getpriority(os.PRIO_PROCESS, proc.pid) == want
     finally:
         mon.close()
+
+
+def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
+    from trainrec.recorder import monitor as monitor_mod
+
+    monkeypatch.setattr(monitor_mod, "_warned", set())
+    cfg = {"wg_distribution": True, "mg_direction": True, "cc_distribution": {"enable": True}}
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        for _ in range(2):
+            TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False).close()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("mg_direction is accepted" in m for m in said) == 1
+    assert sum("cc_distribution is accepted" in m for m in said) == 1
