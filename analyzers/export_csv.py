@@ -37,7 +37,7 @@ from trainrec.analyzers.projection import (
     StepAssembler,
     StepSet,
 )
-from trainrec.schema.events import SLOT_INPUT, SLOT_INPUT_GRAD, Event
+from trainrec.schema.events import CSV_FILE_PREFIX, SLOT_INPUT, SLOT_INPUT_GRAD, Event
 
 log = logging.getLogger(__name__)
 
@@ -185,11 +185,12 @@ class CsvProjector(Projector):
                 grouped[ok, side * k : (side + 1) * k] = values[idx[ok]]
             values = grouped
         body = render_rows(cl.block, f"{frame.step},".encode(), values, self.ndigits)
-        self.sink.append(kind, start, end, csv_header(kind, ops), body, frame.step)
+        prefix = CSV_FILE_PREFIX.get(kind, kind)  # mg_direction goes to the reference's "other" files
+        self.sink.append(prefix, start, end, csv_header(kind, ops), body, frame.step)
         s = self.summary
         s.rows += len(cl.prefixes)
         s.values += values.size
-        s.files.add((kind, start, end))
+        s.files.add((prefix, start, end))
         s.steps.add(frame.step)
 
     def _remap(self, frame: KindFrame, wops: tuple[str, ...]) -> np.ndarray:

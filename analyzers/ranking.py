@@ -64,6 +64,7 @@ _SUFFIX_KIND = {
     "exp_avg_sq": "exp_avg_sq",
     "adam_update": "update",
     "adam_ratio": "ratio",
+    "mg_direction": "mg_direction",
 }
 _KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
 _OP_ORDER = {op: i for i, op in enumerate(OPS)}
@@ -71,7 +72,7 @@ _LAST = 1 << 62
 
 
 def kind_of_tag(tag_name: str) -> str:
-    """The stats kind a reference tag name belongs to ("" when unknown, e.g. ``mg_direction``)."""
+    """The stats kind a reference tag name belongs to ("" when unknown)."""
     if "/" not in tag_name:
         return "param"
     return _SUFFIX_KIND.get(tag_name.rsplit("/", 1)[1], "")

@@ -28,6 +28,7 @@ from trainrec.schema.events import (
     KIND_EXP_AVG_SQ,
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
+    KIND_MG_DIRECTION,
     KIND_RATIO,
     KIND_UPDATE,
     HooksFired,
@@ -157,6 +158,30 @@ class StepCollector:
             self._add_rows(st, KIND_UPDATE, upd, idx)
             self._add_rows(st, KIND_RATIO, ratio, idx)
 
+    def _mg_direction_rows(self, st: StepState) -> None:
+        """mg_direction at the optimizer pre-step, as the reference computes it: per parameter,
+        ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
+        the momentum before this update (1.0 where there is no state yet: the first step). A scalar
+        row per parameter; its ops are those of a 0-d tensor (min = max = mean = value)."""
+        if self._dp_duplicate or self._adam is None:
+            return
+        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
+        idx, vals = [], []
+        for i, info in enumerate(self._params):
+            if info.tp_duplicate:
+                continue
+            g = self._grad_of(info.param)
+            if g is None:
+                continue
+            m = state.get(i)
+            if m is not None and m.numel() != g.numel():
+                continue  # state of another shape (sharded): not this parameter's
+            idx.append(i)
+            vals.append(mg_direction(g, m))
+        if idx:
+            self._add_rows(st, KIND_MG_DIRECTION, scalar_rows(torch.stack(vals), self._engine.ops,
+                                                              self._engine.eps), idx)
+
     def _finish_step(self, st: StepState) -> None:
         if st.pending:
             self._flush_grads()
@@ -198,6 +223,25 @@ class StepCollector:
 
 
 _warned: list = []
+
+
+@torch.no_grad()
+def mg_direction(g: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """``((sign(g) . sign(m)).sum() / numel + 1) / 2`` as a float32 0-d tensor on ``g``'s device (no sync):
+    1 where every sign agrees, 0 where every one differs; 1.0 without ``m``. The dot of signs runs in
+    float64 (exact counts at any size); a NaN in either gives NaN."""
+    if m is None:
+        return torch.ones((), dtype=torch.float32, device=g.device)
+    sg = torch.sign(g.reshape(-1)).to(torch.float64)
+    sm = torch.sign(m.reshape(-1).to(g.device)).to(torch.float64)
+    return ((torch.dot(sg, sm) / g.numel() + 1.0) / 2.0).to(torch.float32)
+
+
+def scalar_rows(values: torch.Tensor, ops, eps: float) -> torch.Tensor:
+    """``[n, len(ops)]`` rows of 0-d tensors with ``values``: what the ops give for a single value."""
+    cols = {"min": values, "max": values, "mean": values, "norm": values.abs(),
+            "zeros": (values.abs() < eps).to(torch.float32), "nans": torch.isnan(values).to(torch.float32)}
+    return torch.stack([cols[op] for op in ops], dim=1)
 
 
 def deferred_stats(hs, rank: int, file_ids: np.ndarray, wall: float, alerts, names: list[str]):

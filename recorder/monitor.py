@@ -27,7 +27,7 @@ StepBegan/StepEnded for every step (StepBegan is written at the step's first sig
 Known limits: a step skipped by ``torch.amp.GradScaler`` (no ``optimizer.step()``) is merged into the
 next one (the reference has the same counter); a selector that does not fit a module's real
 input/output is reported at its first collected call (HookFailed naming the key), not before
-training; ``mg_direction`` and ``cc_distribution`` are accepted but not recorded; Adam state sharded by
+training; ``cc_distribution`` is accepted but not recorded (a warning says so); Adam state sharded by
 a distributed optimizer (Megatron DistributedOptimizer, ZeRO) is not mapped back to parameters.
 """
 
@@ -145,8 +145,6 @@ class TrainerMon(StepCollector):
         self._struct: dict | None = None
         self._manual_steps = False
         self._closed = False
-        if self.config.mg_direction or self.config.cc_distribution.get("enable"):
-            log.warning("trainrec: mg_direction and cc_distribution are accepted for compatibility but not recorded")
         if self.config.format != "api":
             self._open_output()
         if self.dynamic:
@@ -525,6 +523,8 @@ class TrainerMon(StepCollector):
                 self._reduced_grads(st)
             if cfg.param_distribution:
                 self._param_rows(st, KIND_PARAM, [p.param for p in self._params], range(len(self._params)))
+            if cfg.mg_direction:
+                self._mg_direction_rows(st)
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer pre-step", exc)
 
@@ -584,10 +584,7 @@ _warned: set[str] = set()
 
 
 def _warn_unrecorded(cfg: MonitorConfig) -> None:
-    """Say once that the options trainrec accepts (for config compatibility) but does not record are on."""
-    if cfg.mg_direction:
-        _warn_once("mg_direction", "trainrec: mg_direction is accepted for compatibility with msprobe's config but "
-                   "not recorded; nothing is written for it")
+    """Say once that an option trainrec accepts (for config compatibility) but does not record is on."""
     if cfg.cc_distribution.get("enable"):
         _warn_once("cc_distribution", "trainrec: cc_distribution is accepted for compatibility with msprobe's config "
                    "but communication is not monitored; nothing is written for it")

@@ -32,6 +32,9 @@ KIND_EXP_AVG = "exp_avg"
 KIND_EXP_AVG_SQ = "exp_avg_sq"
 KIND_UPDATE = "update"
 KIND_RATIO = "ratio"
+# momentum-gradient sign agreement ((sign(g)·sign(exp_avg)).sum() / numel + 1) / 2, a scalar per
+# parameter; the reference's CSV files call it "other" (see CSV_FILE_PREFIX)
+KIND_MG_DIRECTION = "mg_direction"
 KINDS = (
     KIND_ACTV,
     KIND_ACTV_GRAD,
@@ -42,7 +45,10 @@ KINDS = (
     KIND_EXP_AVG_SQ,
     KIND_UPDATE,
     KIND_RATIO,
+    KIND_MG_DIRECTION,
 )
+# The reference's CSV file prefix of a kind, where it is not the kind itself.
+CSV_FILE_PREFIX = {KIND_MG_DIRECTION: "other"}
 
 # Statistic ops, in the reference's vocabulary.
 OPS = ("min", "max", "norm", "mean", "zeros", "nans")

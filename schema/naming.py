@@ -14,6 +14,7 @@ param              ``{vpp}:{name}``                             ``0:embed.weight
 exp_avg            ``{vpp}:{name}/rank{R}/exp_avg``
 exp_avg_sq         ``{vpp}:{name}/rank{R}/efxp_avg_sq``         (the reference's typo, kept)
 update / ratio     ``{vpp}:{name}/rank{R}/adam_update`` / ``adam_ratio``
+mg_direction       ``{vpp}:{name}/rank{R}/mg_direction``
 =================  ===========================================  ===========================
 
 The rank segment is absent when ``rank`` is None (the reference omits it without torch.distributed).

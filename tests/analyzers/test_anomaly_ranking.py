@@ -78,7 +78,8 @@ def test_kind_from_reference_tags():
     assert kind_of_tag("0:embed.weight/rank0/post_grad") == "grad_reduced"
     assert kind_of_tag("0:embed.weight") == "param"
     assert kind_of_tag("0:embed.weight/rank0/efxp_avg_sq") == "exp_avg_sq"
-    assert kind_of_tag("0:embed.weight/rank0/mg_direction") == ""
+    assert kind_of_tag("0:embed.weight/rank0/mg_direction") == "mg_direction"
+    assert kind_of_tag("0:embed.weight/rank0/no_such_kind") == ""
 
 
 def test_reference_json_round_trip_keeps_the_ranking():

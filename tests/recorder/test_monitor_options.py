@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
@@ -12,6 +13,7 @@ import torch
 from trainmon_util import ALL_OPS, events_of, loss_of, make, rank_dirs, stats_table, write_config
 from trainrec.recorder import TrainerMon
 from trainrec.recorder.monitor import PRINT_STRUCT_EXIT
+from trainrec.recorder.names import squash_all
 from trainrec.recorder.runinfo import LIVE_EXPORT_NICE
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
@@ -553,5 +555,51 @@ def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
         for _ in range(2):
             TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False).close()
     said = [r.getMessage() for r in caplog.records]
-    assert sum("mg_direction is accepted" in m for m in said) == 1
     assert sum("cc_distribution is accepted" in m for m in said) == 1
+    assert not any("mg_direction" in m for m in said)  # recorded: nothing to say
+
+
+def test_mg_direction_equals_sign_agreement_of_grad_and_momentum_before_the_update(tmp_path, out):
+    """Per parameter and step: ((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2 with the gradient being
+    applied and the momentum before this update; 1.0 at the first step (no state yet). Exported to the
+    reference's other_{start}-{end}.csv and as .../mg_direction_{op} TensorBoard tags."""
+    ops = ["min", "max", "norm", "mean", "zeros", "nans"]
+    mon = TrainerMon(write_config(tmp_path, {"mg_direction": True, "ops": ops, "format": "csv"}),
+                     params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    pn = squash_all([n for n, _ in model.named_parameters()])
+    want = {}
+    for step in range(3):
+        loss_of(model, step).backward()
+        for n, p in model.named_parameters():
+            m = opt.state[p].get("exp_avg") if p in opt.state else None
+            if m is None:
+                want[(step, pn[n])] = 1.0
+            else:
+                agree = (torch.sign(p.grad.double()) * torch.sign(m.double())).sum().item()
+                want[(step, pn[n])] = (agree / p.numel() + 1) / 2
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    got = stats_table(events_of(out), "mg_direction")
+    assert len(got) == len(want)
+    for (step, name), value in want.items():
+        row = got[(step, name, "", 0)]
+        assert row["min"] == row["max"] == row["mean"] == pytest.approx(value, abs=1e-6), (step, name)
+        assert row["norm"] == pytest.approx(abs(value), abs=1e-6) and row["nans"] == 0 and row["zeros"] == 0
+    assert 0.0 < min(v for (s, _), v in want.items() if s > 0) < 1.0  # a non-trivial case was checked
+
+    from trainrec.tools.cli import main as cli
+
+    assert cli(["export", "csv", str(out), "--out", str(tmp_path / "csv")]) == 0
+    files = glob.glob(str(tmp_path / "csv" / "**" / "other_*.csv"), recursive=True)
+    assert files and not glob.glob(str(tmp_path / "csv" / "**" / "mg_direction_*.csv"), recursive=True)
+    rows = {}
+    for path in files:
+        with open(path) as f:
+            lines = f.read().splitlines()
+        assert lines[0] == "vpp_stage,param_name,step," + ",".join(ops)
+        rows.update({(int(c[2]), c[1]): float(c[3]) for c in (ln.split(",") for ln in lines[1:])})
+    assert rows.keys() == want.keys()
+    assert all(abs(v - want[k]) < 1e-5 for k, v in rows.items())
