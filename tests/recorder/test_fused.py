@@ -176,4 +176,4 @@ def test_hook_fast_path_equals_general_path_and_declines_the_rest():
     eng = StatsEngine(OPS, 1e-3)
     rows = eng.compute([x, x.transpose(0, 1), None])
     assert torch.equal(rows[0], fast[0]) and torch.isnan(rows[2]).all()
-    assert torch.allclose(rows[1], fast[0], rtol=1e-6)
+    assert torch.allclose(rows[1], fast[0], rtol=1e-5, atol=1e-6)  # the copy sums in another order
