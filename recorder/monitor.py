@@ -27,8 +27,9 @@ StepBegan/StepEnded for every step (StepBegan is written at the step's first sig
 Known limits: a step skipped by ``torch.amp.GradScaler`` (no ``optimizer.step()``) is merged into the
 next one (the reference has the same counter); a selector that does not fit a module's real
 input/output is reported at its first collected call (HookFailed naming the key), not before
-training; ``cc_distribution`` is accepted but not recorded (a warning says so); Adam state sharded by
-a distributed optimizer (Megatron DistributedOptimizer, ZeRO) is not mapped back to parameters.
+training, unless the module's forward signature already rules it out (a ConfigError then);
+``cc_distribution`` is accepted but not recorded (a warning says so); Adam state sharded by a
+distributed optimizer (Megatron DistributedOptimizer, ZeRO) is not mapped back to parameters.
 """
 
 from __future__ import annotations

@@ -4,12 +4,14 @@
 state); see :mod:`.names` for squashing and matching. With ``xy_distribution`` and ``all_xy`` (or no
 targets) every module is hooked, and modules listed in ``targets`` use their own selectors. A target
 that matches neither a module nor a parameter of any model chunk is a ConfigError at
-``monitor_gnorm_with_ad`` time, before training starts. ``module_ranks`` limits activation
+``monitor_gnorm_with_ad`` time, before training starts, and so is a ``tuple[N]`` input selector on a
+module whose ``forward`` cannot take N positional arguments. ``module_ranks`` limits activation
 monitoring to the listed ranks.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +52,44 @@ class Targets:
         return handles
 
 
+def _positional_capacity(module: torch.nn.Module) -> int | None:
+    """How many positional arguments ``module.forward`` can take (None: any number, or unknown)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    n = 0
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return n
+
+
+def _check_input_selectors(module: torch.nn.Module, full: str, sel: dict, target: str) -> None:
+    """A ``tuple[N]`` input selector on a module whose forward cannot take N positional arguments can
+    never fit: a ConfigError now, before training. (Fewer arguments than the signature allows may be
+    passed as keywords, and outputs are only seen when the module runs: those are checked at the
+    first call.)"""
+    cap = None
+    for key in ("input", "input_grad"):
+        s = sel.get(key)
+        if s is None or s.is_tensor:
+            continue
+        if cap is None:
+            cap = _positional_capacity(module)
+            if cap is None:
+                return
+        if s.length > cap:
+            raise ConfigError(
+                f"expected {s.spec!r} to fit the module's inputs, but {full or type(module).__name__!r} "
+                f"({type(module).__name__}) takes at most {cap} positional input(s): "
+                f"use 'tensor' or 'tuple[{cap}]:i' (print_struct shows the real structure)",
+                f"targets.{target}.{key}",
+            )
+
+
 def _examples(names: list[str], k: int = 6) -> str:
     shown = [n for n in names if n][:k]
     return ", ".join(repr(n) for n in shown) + (", ..." if len(names) > k else "")
@@ -77,6 +117,8 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                 continue
             if hit or cfg.all_xy or everything:
                 sel = dict(targets[hit[0]]) if hit else {}
+                if hit:
+                    _check_input_selectors(module, full, sel, hit[0])
                 out.modules.append((module, ModuleTarget(intern(s), s, vpp, sel)))
         params = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
         pshort = squash_all([n for n, _ in params], cfg.squash_name)

@@ -603,3 +603,20 @@ def test_mg_direction_equals_sign_agreement_of_grad_and_momentum_before_the_upda
         rows.update({(int(c[2]), c[1]): float(c[3]) for c in (ln.split(",") for ln in lines[1:])})
     assert rows.keys() == want.keys()
     assert all(abs(v - want[k]) < 1e-5 for k, v in rows.items())
+
+
+@pytest.mark.parametrize("key", ["input", "input_grad"])
+def test_input_selector_that_cannot_fit_the_forward_signature_fails_at_start_up(tmp_path, out, key):
+    """head is a Linear (forward(input)): tuple[2] can never fit its inputs, known before any step."""
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"head": {key: "tuple[2]:1"}}}),
+                     live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError) as err:
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    assert f"targets.head.{key}" in str(err.value) and "at most 1 positional input" in str(err.value)
+    mon.close()
+    # what the signature allows (pair takes x, y) passes here; a real mismatch is only seen when it runs
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"pair": {key: "tuple[2]:1"}}}),
+                     live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    mon.close()
