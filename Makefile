@@ -39,7 +39,8 @@ $(MSPROBE_VENV)/.installed:
 # Every benchmark, side by side with the reference; figures go to benchmarks/RESULTS.md by hand.
 bench: setup $(MSPROBE_VENV)/.installed
 	$(PY) benchmarks/bench_log.py --markdown
-	$(PY) benchmarks/bench_recorder.py --steps 20 --warmup 3 --rounds 2
+	$(PY) benchmarks/bench_stats.py --repeat 20
+	$(PY) benchmarks/bench_recorder.py --steps 30 --warmup 3 --rounds 3
 	$(PY) benchmarks/bench_dynamic.py --blocks 10 --steps 300
 	$(PY) benchmarks/bench_anomalies.py --steps 1000 --tensors 2000
 	$(PY) benchmarks/bench_export.py --steps 1000 --tensors 2000 --ref-steps 10

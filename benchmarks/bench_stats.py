@@ -1,0 +1,110 @@
+"""Statistics kernels alone: the one-pass C kernel (recorder/_fused.c) against the torch reductions.
+
+Side by side in one process, on the tensors the recorder benchmark's model gives (bench_recorder.py):
+  grads   its 51 gradient-shaped tensors (5.3M values), one batch, as a weight-gradient flush measures them
+  actv    64 activation-shaped tensors of 8 x 32 x 256 values, two per call, as module hooks measure them
+  adam    exp_avg / exp_avg_sq of those 51 parameters: the statistics of both and of update and ratio
+All six ops (min, max, norm, mean, zeros, nans). "torch" is StatsEngine's torch path (``fused = False``,
+with every trick in stats.py); "fused" is the kernel on 1 thread and on torch.get_num_threads() threads.
+Best of ``--repeat`` runs, in ns per value (per state element for adam), and torch / fused.
+
+Usage: ``.venv/bin/python benchmarks/bench_stats.py [--repeat 20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+OPS = ("min", "max", "norm", "mean", "zeros", "nans")
+
+
+def best_of(fn, repeat: int) -> float:
+    fn()  # warm-up (allocations, scratch buffers)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeat", type=int, default=20)
+    args = p.parse_args()
+
+    from bench_recorder import build_model
+    from trainrec.recorder import fused, optim
+    from trainrec.recorder.stats import StatsEngine
+
+    if not fused.AVAILABLE:
+        print("the kernel is not built (no C compiler at install time?) or TRAINREC_FUSED=0", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    model = build_model()
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    actv = [torch.randn(8, 32, 256) for _ in range(64)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        p.grad = g
+    opt.step()
+    entries = optim.AdamState(opt, opt).lookup(list(model.parameters()))
+
+    torch_eng = StatsEngine(OPS)
+    torch_eng.fused = False
+    fused_eng = StatsEngine(OPS)
+    threads = torch.get_num_threads()
+
+    def with_threads(n, fn):
+        def run():
+            old = fused.PARALLEL_NUMEL
+            fused.PARALLEL_NUMEL = 0 if n > 1 else 1 << 62
+            torch.set_num_threads(n)
+            try:
+                fn()
+            finally:
+                torch.set_num_threads(threads)
+                fused.PARALLEL_NUMEL = old
+        return run
+
+    def torch_adam():
+        torch_eng.compute([e[1] for e in entries])
+        torch_eng.compute([e[2] for e in entries])
+        optim.update_and_ratio(entries, torch_eng.compute, True, True)
+
+    def fused_adam():
+        optim.fused_adam_rows(entries, OPS, 1e-8, True, True)
+
+    def actv_pairs(eng):
+        def run():
+            for i in range(0, len(actv), 2):
+                eng.compute(actv[i:i + 2])
+        return run
+
+    cases = [
+        ("grads", sum(g.numel() for g in grads), lambda: torch_eng.compute(grads), lambda: fused_eng.compute(grads)),
+        ("actv", sum(a.numel() for a in actv), actv_pairs(torch_eng), actv_pairs(fused_eng)),
+        ("adam", sum(e[1].numel() for e in entries), torch_adam, fused_adam),
+    ]
+    print(f"torch {torch.__version__}, {threads} intra-op threads, best of {args.repeat}")
+    print("| case | values | torch ns/value | fused 1 thread | fused {} threads | torch / fused |".format(threads))
+    print("|---|---|---|---|---|---|")
+    for name, n, t_fn, f_fn in cases:
+        t = best_of(t_fn, args.repeat)
+        f1 = best_of(with_threads(1, f_fn), args.repeat)
+        fn = best_of(with_threads(threads, f_fn), args.repeat)
+        print(f"| {name} | {n / 1e6:.2f}M | {t / n * 1e9:.2f} | {f1 / n * 1e9:.2f} | {fn / n * 1e9:.2f} | "
+              f"{t / min(f1, fn):.1f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
