@@ -95,7 +95,7 @@ def main() -> int:
         ("adam", sum(e[1].numel() for e in entries), torch_adam, fused_adam),
     ]
     print(f"torch {torch.__version__}, {threads} intra-op threads, best of {args.repeat}")
-    print("| case | values | torch ns/value | fused 1 thread | fused {} threads | torch / fused |".format(threads))
+    print(f"| case | values | torch ns/value | fused 1 thread | fused {threads} threads | torch / fused |")
     print("|---|---|---|---|---|---|")
     for name, n, t_fn, f_fn in cases:
         t = best_of(t_fn, args.repeat)
