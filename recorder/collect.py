@@ -7,7 +7,10 @@ A mixin of :class:`~trainrec.recorder.monitor.TrainerMon`; it uses the monitor's
 Weight gradients: the post-accumulate-grad hook of each monitored parameter queues it; the queue is
 measured in one batch when every monitored parameter has fired in this micro step, when the next
 micro step's forward begins (a forward pre-hook on each model chunk), or at the optimizer pre-step,
-whichever comes first, so ``.grad`` is measured before the next micro step accumulates into it.
+whichever comes first, so ``.grad`` is measured before the next micro step accumulates into it. A
+gradient that is a view into a shared buffer (DDP bucket views, Megatron's grad buffer) is measured
+in its own hook, with the queue: the buffer's owner changes it in place right after (DDP divides it
+by the world size and all-reduces the bucket while backward goes on).
 Reduced gradients (optimizer pre-step) are measured again where the one-pass kernel measures them
 (CPU, any dtype but float64): the check below would read the whole gradient too, so a second
 measurement costs the same and depends on nothing. Elsewhere (the torch reductions) they reuse the
@@ -64,10 +67,17 @@ class StepCollector:
         micro = n % self._grad_acc
         info = self._params[index]
         call = st.fire(info.name_id, 1, micro)
-        st.pending.append((index, micro, call))
+        # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
+        # change it, before the batch is measured). main_grad is not: the owner (Megatron) adds .grad
+        # into it after this hook, so it is looked up when the batch is measured.
+        g = None if self._main_grad_of(info.param) is not None else info.param.grad
+        st.pending.append((index, micro, call, g))
         st.pending_set.add(index)
-        if len(st.pending) >= len(self._params):
+        if len(st.pending) >= len(self._params) or _in_shared_buffer(g):
             self._flush_grads()
+
+    def _main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        return getattr(p, "main_grad", None) if self.params_have_main_grad else None
 
     def _flush_grads(self) -> None:
         st = self._state
@@ -76,12 +86,12 @@ class StepCollector:
         st.pending_set = set()
         if not pend:
             return
-        grads = [self._grad_of(self._params[i].param) for i, _, _ in pend]
+        grads = [g if g is not None else self._grad_of(self._params[i].param) for i, _, _, g in pend]
         rows = self._engine.compute(grads)
-        st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _ in pend],
-                               [m for _, m, _ in pend], [c for _, _, c in pend], (),
-                               [self._params[i].vpp for i, _, _ in pend]))
-        for r, ((i, _, _), g) in enumerate(zip(pend, grads, strict=True)):
+        st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _, _ in pend],
+                               [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
+                               [self._params[i].vpp for i, _, _, _ in pend]))
+        for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
             if g is not None:
                 st.last_unreduced[i] = (rows, r, g, g._version)
 
@@ -223,6 +233,13 @@ class StepCollector:
 
 
 _warned: list = []
+
+
+def _in_shared_buffer(g: torch.Tensor | None) -> bool:
+    """Whether ``g`` is a view into a larger buffer (DDP's ``gradient_as_bucket_view`` buckets, Megatron's
+    contiguous grad buffer): its owner may scale or all-reduce it in place as soon as this hook returns
+    (DDP divides a bucket view by the world size right after it), so it is measured now, not batched."""
+    return g is not None and g.untyped_storage().nbytes() > g.numel() * g.element_size()
 
 
 @torch.no_grad()

@@ -108,7 +108,7 @@ class StepState:
         self.fwd_count: dict[int, int] = {}
         self.bwd_count: dict[int, int] = {}
         self.grad_count: dict[int, int] = {}
-        self.pending: list[tuple[int, int, int]] = []  # (param index, micro step, call id)
+        self.pending: list[tuple] = []  # (param index, micro step, call id, .grad tensor or None)
         self.pending_set: set[int] = set()
         self.last_unreduced: dict[int, tuple] = {}  # param index -> (rows tensor, row, grad id, version)
         self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)

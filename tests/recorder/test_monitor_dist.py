@@ -32,9 +32,17 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
         from trainrec.recorder import TrainerMon
 
         model, _ = make(seed=0)
-        if mode == "ddp":
+        local = None
+        if mode == "ddp_view":
+            import copy
+
+            local = copy.deepcopy(model)  # the same net without DDP: this rank's own gradients
+        if mode in ("ddp", "ddp_view"):
             pg = None
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            # ddp_view: grads are views into DDP's buckets, which are averaged in place while backward
+            # goes on (small buckets: several all-reduces per backward)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                model, gradient_as_bucket_view=mode == "ddp_view", bucket_cap_mb=0.001 if mode == "ddp_view" else 25)
             opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
             mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
             mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dist.group.WORLD)
@@ -49,11 +57,25 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dp_group, tp_group=tp_group)
             net = model
             pg = dp_group
+        expected = {}
         for step in range(2):
+            if local is not None:
+                local.load_state_dict(model.state_dict())
+                local.zero_grad()
+                loss_of(local, 100 * rank + step).backward()
+                from trainrec.recorder.names import squash_all
+
+                short = squash_all([n for n, _ in local.named_parameters()])  # the names the log uses
+                expected[step] = {short[n]: float(q.grad.norm()) for n, q in local.named_parameters()}
             loss_of(net, 100 * rank + step).backward()
             opt.step()
             opt.zero_grad()
         mon.close()
+        if local is not None:
+            import json
+
+            with open(os.path.join(os.path.dirname(cfg_path), f"local_grads_{rank}.json"), "w") as f:
+                json.dump(expected, f)
         del pg
         dist.barrier()
     finally:
@@ -119,3 +141,25 @@ def test_four_ranks_tp_dp_dedup_and_pipeline_stage(tmp_path, monkeypatch):
     assert "head.bias" in names[0] and "head.weight" in names[0]
     for r in range(4):
         assert stats_table(h[r][2], "grad_unreduced")
+
+
+def test_ddp_bucket_views_unreduced_grads_are_this_ranks_own(tmp_path, monkeypatch):
+    """With gradient_as_bucket_view, .grad is a view into a DDP bucket that is averaged in place during
+    backward: the unreduced rows must still be this rank's own gradients (as a copy of the net without
+    DDP computes them), and the reduced ones the average."""
+    import json
+
+    out = run(2, tmp_path, monkeypatch, "ddp_view")
+    h = headers(out)
+    local = {}
+    for r in (0, 1):
+        with open(tmp_path / f"local_grads_{r}.json") as f:
+            local[r] = json.load(f)
+    for r in (0, 1):
+        un = stats_table(h[r][2], "grad_unreduced")
+        assert len(un) == 2 * len(local[r]["0"])
+        for (step, name, _, _), row in un.items():
+            want = local[r][str(step)][name]
+            assert abs(row["norm"] - want) <= 1e-5 * want + 1e-7, (r, step, name, row["norm"], want)
+    red = stats_table(h[0][2], "grad_reduced")
+    assert red[(0, "head.weight", "", 0)]["norm"] != local[0]["0"]["head.weight"]
