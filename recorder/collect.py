@@ -5,9 +5,11 @@ A mixin of :class:`~trainrec.recorder.monitor.TrainerMon`; it uses the monitor's
 (:class:`~trainrec.recorder.hooks.StepState`), ``_engine``, ``_params``, ``_writer`` and name tables.
 
 Weight gradients: the post-accumulate-grad hook of each monitored parameter queues it; the queue is
-measured in one batch when every monitored parameter has fired in this micro step, when the next
-micro step's forward begins (a forward pre-hook on each model chunk), or at the optimizer pre-step,
-whichever comes first, so ``.grad`` is measured before the next micro step accumulates into it. A
+measured in one batch when every monitored parameter has fired in this micro step, at the end of the
+backward pass (a callback queued in the autograd engine at the batch's first gradient, so it runs
+before DDP's end-of-backward callback writes the averaged gradients back), when the next micro step's
+forward begins (a forward pre-hook on each model chunk), or at the optimizer pre-step, whichever
+comes first, so ``.grad`` is measured before the next micro step accumulates into it. A
 gradient that is a view into a shared buffer (DDP bucket views, Megatron's grad buffer) is measured
 in its own hook, with the queue: the buffer's owner changes it in place right after (DDP divides it
 by the world size and all-reduces the bucket while backward goes on).
@@ -40,7 +42,7 @@ from trainrec.schema.events import (
 from trainrec.schema.naming import reference_tag
 
 from . import fused
-from .hooks import StepState
+from .hooks import StepState, in_backward
 from .optim import fused_adam_rows, update_and_ratio
 from .stats import StatsPart, build_stats_events
 
@@ -71,10 +73,22 @@ class StepCollector:
         # change it, before the batch is measured). main_grad is not: the owner (Megatron) adds .grad
         # into it after this hook, so it is looked up when the batch is measured.
         g = None if self._main_grad_of(info.param) is not None else info.param.grad
+        if not st.pending and in_backward():
+            # the batch is measured at the end of this backward at the latest: before DDP's own
+            # end-of-backward callback (queued at its first gradient hook, after this one) copies the
+            # averaged buckets into .grad, and whether or not every monitored parameter got a gradient
+            _queue_end_of_backward(self._end_of_backward_flush)
         st.pending.append((index, micro, call, g))
         st.pending_set.add(index)
         if len(st.pending) >= len(self._params) or _in_shared_buffer(g):
             self._flush_grads()
+
+    def _end_of_backward_flush(self) -> None:
+        if self._state is not None and self._state.pending:
+            try:
+                self._flush_grads()
+            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+                self._hook_failed("gradient batch", exc)
 
     def _main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         return getattr(p, "main_grad", None) if self.params_have_main_grad else None
@@ -233,6 +247,12 @@ class StepCollector:
 
 
 _warned: list = []
+
+
+def _queue_end_of_backward(fn) -> None:
+    """Run ``fn`` when the running backward pass finishes (the autograd engine's callback queue, as DDP
+    and FSDP use it); the callbacks run in the order they were queued."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def _in_shared_buffer(g: torch.Tensor | None) -> bool:

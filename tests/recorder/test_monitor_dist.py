@@ -33,16 +33,20 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
 
         model, _ = make(seed=0)
         local = None
-        if mode == "ddp_view":
+        if mode == "ddp_unused":
+            model.unused = torch.nn.Linear(3, 3)  # never called: no gradient, no hook firing
+        if mode in ("ddp_view", "ddp_unused"):
             import copy
 
             local = copy.deepcopy(model)  # the same net without DDP: this rank's own gradients
-        if mode in ("ddp", "ddp_view"):
+        if mode in ("ddp", "ddp_view", "ddp_unused"):
             pg = None
             # ddp_view: grads are views into DDP's buckets, which are averaged in place while backward
-            # goes on (small buckets: several all-reduces per backward)
+            # goes on (small buckets: several all-reduces per backward); ddp_unused: DDP copies the
+            # averaged buckets into .grad at the end of backward, and not every parameter fires
             ddp = torch.nn.parallel.DistributedDataParallel(
-                model, gradient_as_bucket_view=mode == "ddp_view", bucket_cap_mb=0.001 if mode == "ddp_view" else 25)
+                model, gradient_as_bucket_view=mode == "ddp_view", bucket_cap_mb=0.001 if mode == "ddp_view" else 25,
+                find_unused_parameters=mode == "ddp_unused")
             opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
             mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
             mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dist.group.WORLD)
@@ -66,7 +70,8 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
                 from trainrec.recorder.names import squash_all
 
                 short = squash_all([n for n, _ in local.named_parameters()])  # the names the log uses
-                expected[step] = {short[n]: float(q.grad.norm()) for n, q in local.named_parameters()}
+                expected[step] = {short[n]: float(q.grad.norm()) for n, q in local.named_parameters()
+                                  if q.grad is not None}
             loss_of(net, 100 * rank + step).backward()
             opt.step()
             opt.zero_grad()
@@ -143,13 +148,15 @@ def test_four_ranks_tp_dp_dedup_and_pipeline_stage(tmp_path, monkeypatch):
         assert stats_table(h[r][2], "grad_unreduced")
 
 
-def test_ddp_bucket_views_unreduced_grads_are_this_ranks_own(tmp_path, monkeypatch):
-    """With gradient_as_bucket_view, .grad is a view into a DDP bucket that is averaged in place during
-    backward: the unreduced rows must still be this rank's own gradients (as a copy of the net without
-    DDP computes them), and the reduced ones the average."""
+@pytest.mark.parametrize("mode", ["ddp_view", "ddp_unused"])
+def test_ddp_unreduced_grads_are_this_ranks_own(tmp_path, monkeypatch, mode):
+    """The unreduced rows are this rank's own gradients (as a copy of the net without DDP computes them)
+    and the reduced ones the average: with gradient_as_bucket_view (.grad is a view into a DDP bucket,
+    averaged in place during backward), and with an unused parameter (the batch is not complete when
+    DDP copies the averaged buckets into .grad at the end of backward)."""
     import json
 
-    out = run(2, tmp_path, monkeypatch, "ddp_view")
+    out = run(2, tmp_path, monkeypatch, mode)
     h = headers(out)
     local = {}
     for r in (0, 1):
