@@ -13,8 +13,10 @@ step, not per parameter), from the group's first parameter with state. A model
 parameter is found there directly (plain torch Adam/AdamW, no ``opt_ty`` needed) or, for Megatron's
 ``Float16OptimizerWithFloat16Params`` style wrappers, through the fp32 master copy that sits at the
 same position in ``fp32_from_float16_groups`` as the model parameter in ``float16_groups``.
-Optimizers that shard the state across ranks (Megatron's DistributedOptimizer, ZeRO 1-3) keep it in
-flat buffers we do not map: parameters without a found state get no rows (a warning says so once).
+torch's own ``ZeroRedundancyOptimizer`` is followed to its local optimizer (``.optim``), whose state
+is keyed by the real parameters: each rank records the Adam state of its shard. Optimizers that shard
+the state into flat buffers (Megatron's DistributedOptimizer, DeepSpeed ZeRO 1-3) are not mapped:
+parameters without a found state get no rows (a warning says so once).
 
 ``update`` is the bias-corrected Adam direction ``m̂ / (sqrt(v̂) + eps)`` and ``ratio`` is ``m̂ / sqrt(v̂)``,
 as the reference defines them, except that ``ratio`` is 0 where ``v̂ == 0`` (``m̂`` is 0 there too: an
@@ -56,6 +58,11 @@ def torch_optimizer_of(opt) -> torch.optim.Optimizer | None:
     seen = 0
     while opt is not None and seen < 8:
         if isinstance(opt, torch.optim.Optimizer):
+            inner = getattr(opt, "optim", None)
+            if isinstance(inner, torch.optim.Optimizer):
+                # torch.distributed.optim.ZeroRedundancyOptimizer: an Optimizer whose own ``state`` is
+                # empty; the local optimizer (``.optim``) steps this rank's shard and holds its state
+                return inner
             return opt
         opt = getattr(opt, "optimizer", None)
         seen += 1

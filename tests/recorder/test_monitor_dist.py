@@ -39,7 +39,15 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             import copy
 
             local = copy.deepcopy(model)  # the same net without DDP: this rank's own gradients
-        if mode in ("ddp", "ddp_view", "ddp_unused"):
+        if mode == "zero":  # torch's ZeRO-1: each rank's local AdamW holds the state of its shard
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            pg = None
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+            mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+            mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dist.group.WORLD)
+        elif mode in ("ddp", "ddp_view", "ddp_unused"):
             pg = None
             # ddp_view: grads are views into DDP's buckets, which are averaged in place while backward
             # goes on (small buckets: several all-reduces per backward); ddp_unused: DDP copies the
@@ -74,8 +82,20 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
                                   if q.grad is not None}
             loss_of(net, 100 * rank + step).backward()
             opt.step()
+            if mode == "zero":
+                from trainrec.recorder.names import squash_all
+
+                short = squash_all([n for n, _ in model.named_parameters()])
+                state = opt.optim.state
+                expected[step] = {short[n]: float(state[q]["exp_avg"].norm())
+                                  for n, q in model.named_parameters() if q in state}
             opt.zero_grad()
         mon.close()
+        if mode == "zero":
+            import json
+
+            with open(os.path.join(os.path.dirname(cfg_path), f"zero_state_{rank}.json"), "w") as f:
+                json.dump(expected, f)
         if local is not None:
             import json
 
@@ -87,11 +107,11 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
         dist.destroy_process_group()
 
 
-def run(world: int, tmp_path, monkeypatch, mode: str) -> None:
+def run(world: int, tmp_path, monkeypatch, mode: str, cfg: dict | None = None) -> None:
     out = tmp_path / "out"
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm", "max"]})
+    cfg = write_config(tmp_path, cfg or {"wg_distribution": True, "ops": ["norm", "max"]})
     ctx = mp.start_processes(_worker, args=(world, free_port(), cfg, mode), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + TIMEOUT
@@ -170,3 +190,25 @@ def test_ddp_unreduced_grads_are_this_ranks_own(tmp_path, monkeypatch, mode):
             assert abs(row["norm"] - want) <= 1e-5 * want + 1e-7, (r, step, name, row["norm"], want)
     red = stats_table(h[0][2], "grad_reduced")
     assert red[(0, "head.weight", "", 0)]["norm"] != local[0]["0"]["head.weight"]
+
+
+def test_zero_redundancy_optimizer_each_rank_records_its_shards_adam_state(tmp_path, monkeypatch):
+    """torch's ZeroRedundancyOptimizer keeps each parameter's Adam state on one rank (its local
+    optimizer): that rank records exp_avg/exp_avg_sq/update/ratio for it, the ranks together cover
+    every parameter once, and the values are the local optimizer's."""
+    import json
+
+    cfg = {"mv_distribution": True, "ur_distribution": True, "ops": ["norm", "max"]}
+    out = run(2, tmp_path, monkeypatch, "zero", cfg)
+    h = headers(out)
+    owned = {}
+    for r in (0, 1):
+        with open(tmp_path / f"zero_state_{r}.json") as f:
+            want = json.load(f)
+        ea = stats_table(h[r][2], "exp_avg")
+        assert ea and {k[1] for k in ea} == set(want["0"]) == {k[1] for k in stats_table(h[r][2], "ratio")}
+        for (step, name, _, _), row in ea.items():
+            assert abs(row["norm"] - want[str(step)][name]) <= 1e-5 * want[str(step)][name] + 1e-9
+        owned[r] = set(want["0"])
+    assert owned[0] and owned[1] and not owned[0] & owned[1]
+    assert len(owned[0] | owned[1]) == 9  # TinyNet's parameters, each on one rank
