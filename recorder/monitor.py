@@ -28,8 +28,9 @@ Known limits: a step skipped by ``torch.amp.GradScaler`` (no ``optimizer.step()`
 next one (the reference has the same counter); a selector that does not fit a module's real
 input/output is reported at its first collected call (HookFailed naming the key), not before
 training, unless the module's forward signature already rules it out (a ConfigError then);
-``cc_distribution`` is accepted but not recorded (a warning says so); Adam state sharded by a
-distributed optimizer (Megatron DistributedOptimizer, ZeRO) is not mapped back to parameters.
+``cc_distribution`` is accepted but not recorded (a warning says so); Adam state kept in flat buffers
+by a distributed optimizer (Megatron DistributedOptimizer, DeepSpeed ZeRO) is not mapped back to
+parameters (torch's ZeroRedundancyOptimizer is: each rank records its shard).
 """
 
 from __future__ import annotations
