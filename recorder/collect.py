@@ -251,8 +251,17 @@ _warned: list = []
 
 def _queue_end_of_backward(fn) -> None:
     """Run ``fn`` when the running backward pass finishes (the autograd engine's callback queue, as DDP
-    and FSDP use it); the callbacks run in the order they were queued."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+    and FSDP use it); the callbacks run in the order they were queued. Where the engine refuses, the
+    other flush points (forward of the next micro step, optimizer pre-step) remain."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+    except (RuntimeError, AttributeError) as exc:
+        if not _queue_warned:
+            _queue_warned.append(True)
+            log.warning("trainrec: could not queue the end-of-backward gradient flush: %r", exc)
+
+
+_queue_warned: list = []
 
 
 def _in_shared_buffer(g: torch.Tensor | None) -> bool:
