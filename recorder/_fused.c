@@ -293,6 +293,19 @@ static int get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize
     return 0;
 }
 
+/* A NULL data address with elements to read (a wrapper tensor subclass without storage of its own,
+ * e.g. a DTensor) would crash the process: refuse it. */
+static int check_addrs(const Py_buffer *addrs, const Py_buffer *numels, const char *what) {
+    const uint64_t *a = (const uint64_t *)addrs->buf;
+    const int64_t *n = (const int64_t *)numels->buf;
+    for (Py_ssize_t t = 0; t < addrs->len / 8; t++)
+        if ((a[t] == 0 && n[t] > 0) || n[t] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: tensor %zd has no data (address 0) or a negative size", what, t);
+            return -1;
+        }
+    return 0;
+}
+
 static int check_ops(const Py_buffer *ops) {
     for (Py_ssize_t k = 0; k < ops->len; k++)
         if (((const unsigned char *)ops->buf)[k] > OP_NANS) {
@@ -329,6 +342,7 @@ static PyObject *py_stats(PyObject *self, PyObject *args) {
     if (bufs[0].len % 8) { PyErr_SetString(PyExc_ValueError, "addrs: not uint64"); RELEASE_ALL(); return NULL; }
     if (get_buf(o[1], &bufs[1], 8, n, "numels", 0) < 0) { RELEASE_ALL(); return NULL; }
     got = 2;
+    if (check_addrs(&bufs[0], &bufs[1], "addrs") < 0) { RELEASE_ALL(); return NULL; }
     if (get_buf(o[2], &bufs[2], 8, n, "eps", 0) < 0) { RELEASE_ALL(); return NULL; }
     got = 3;
     if (get_buf(o[3], &bufs[3], 8, n, "scales", 0) < 0) { RELEASE_ALL(); return NULL; }
@@ -386,6 +400,10 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
     for (int q = 1; q < 6; q++) {
         if (get_buf(o[q], &bufs[q], 8, n * per[q], names[q], 0) < 0) { RELEASE_ALL(); return NULL; }
         got = q + 1;
+    }
+    if (check_addrs(&bufs[0], &bufs[2], "m_addrs") < 0 || check_addrs(&bufs[1], &bufs[2], "v_addrs") < 0) {
+        RELEASE_ALL();
+        return NULL;
     }
     if (PyObject_GetBuffer(o[6], &bufs[6], PyBUF_C_CONTIGUOUS) < 0) { RELEASE_ALL(); return NULL; }
     got = 7;

@@ -42,6 +42,7 @@ from trainrec.schema.events import (
 from trainrec.schema.naming import reference_tag
 
 from . import fused
+from .fused import local_tensor
 from .hooks import StepState, in_backward
 from .optim import fused_adam_rows, update_and_ratio
 from .stats import StatsPart, build_stats_events
@@ -268,6 +269,7 @@ def _in_shared_buffer(g: torch.Tensor | None) -> bool:
     """Whether ``g`` is a view into a larger buffer (DDP's ``gradient_as_bucket_view`` buckets, Megatron's
     contiguous grad buffer): its owner may scale or all-reduce it in place as soon as this hook returns
     (DDP divides a bucket view by the world size right after it), so it is measured now, not batched."""
+    g = local_tensor(g)
     return g is not None and g.untyped_storage().nbytes() > g.numel() * g.element_size()
 
 
@@ -276,6 +278,7 @@ def mg_direction(g: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """``((sign(g) . sign(m)).sum() / numel + 1) / 2`` as a float32 0-d tensor on ``g``'s device (no sync):
     1 where every sign agrees, 0 where every one differs; 1.0 without ``m``. The dot of signs runs in
     float64 (exact counts at any size); a NaN in either gives NaN."""
+    g, m = local_tensor(g), local_tensor(m)
     if m is None:
         return torch.ones((), dtype=torch.float32, device=g.device)
     sg = torch.sign(g.reshape(-1)).to(torch.float64)

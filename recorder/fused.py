@@ -36,9 +36,22 @@ PARALLEL_NUMEL = 1 << 18
 _KIND = {torch.float32: 0, torch.bfloat16: 1}
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def local_tensor(x):
+    """``x`` as a plain tensor over its own memory: a DTensor (FSDP2, tensor parallel) gives this rank's
+    local shard (its statistics are the shard's); other tensors, and None, are returned as they are."""
+    if x is None or type(x) in _PLAIN:
+        return x
+    to_local = getattr(x, "to_local", None)
+    return to_local() if to_local is not None else x
+
+
 def supports(x: torch.Tensor) -> bool:
     """Whether :func:`stats` takes ``x`` (a CPU tensor of any dtype but float64/complex)."""
-    return x.device.type == "cpu" and x.dtype is not torch.float64 and not x.is_complex()
+    return (type(x) in _PLAIN and x.device.type == "cpu" and x.dtype is not torch.float64
+            and not x.is_complex())
 
 
 def _threads(total: int) -> int:
@@ -99,7 +112,7 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
     total = 0
     f32 = torch.float32
     for x in xs:
-        if x is None or x.dtype is not f32 or not x.is_cpu or not x.is_contiguous():
+        if x is None or type(x) not in _PLAIN or x.dtype is not f32 or not x.is_cpu or not x.is_contiguous():
             return None
         k = x.numel()
         if not k:
@@ -144,7 +157,8 @@ def adam(ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], eps: Sequence[f
 
 def adam_supported(ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> bool:
     return all(
-        m.device.type == "cpu" and m.dtype is torch.float32 and v.dtype is torch.float32
+        type(m) in _PLAIN and type(v) in _PLAIN
+        and m.device.type == "cpu" and m.dtype is torch.float32 and v.dtype is torch.float32
         and v.device.type == "cpu" and m.shape == v.shape
         for m, v in zip(ms, vs, strict=True)
     )

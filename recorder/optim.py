@@ -147,8 +147,8 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
     scales, shifts = bias_corrections(entries)
     update_parts, ratio_parts = [], []
     for a, b in _chunks([e[2].numel() for e in entries], chunk_numel):
-        ms = [e[1] for e in entries[a:b]]
-        vs = [e[2] for e in entries[a:b]]
+        ms = [fused.local_tensor(e[1]) for e in entries[a:b]]
+        vs = [fused.local_tensor(e[2]) for e in entries[a:b]]
         denom = torch._foreach_sqrt(vs)
         # 0 -> the dtype's smallest normal, so 0/0 gives ratio 0 where v == 0. Exact elsewhere: for
         # v > 0, sqrt(v) >= sqrt(smallest subnormal), far above it. One in-place pass; NaNs stay.
@@ -182,8 +182,8 @@ def fused_adam_rows(entries, ops: Sequence[str], eps: float, want_mv: bool, want
     """``(exp_avg, exp_avg_sq, update, ratio)`` rows from one read of each state pair with the fused
     kernel (the pairs not wanted are None), or None where the kernel does not take this state (not
     float32 CPU tensors, or the kernel is not built). Values as :func:`update_and_ratio` defines them."""
-    ms = [e[1] for e in entries]
-    vs = [e[2] for e in entries]
+    ms = [fused.local_tensor(e[1]) for e in entries]
+    vs = [fused.local_tensor(e[2]) for e in entries]
     if not fused.AVAILABLE or not fused.adam_supported(ms, vs):
         return None
     scales, shifts = bias_corrections(entries)

@@ -102,6 +102,7 @@ class StatsEngine:
     def norms(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         """The ``norm`` column :meth:`compute` gives for ``xs``, computed the same way (bitwise equal
         for unchanged tensors on CPU): a cheap fingerprint of a tensor already measured."""
+        xs = [fused.local_tensor(x) for x in xs]
         cpu = self.host_paths and all(x.device.type == "cpu" for x in xs)
         if cpu and self.fused and all(fused.supports(x) for x in xs):
             # the same kernel as compute(), whose results do not depend on the batch: bitwise equal
@@ -144,7 +145,8 @@ class StatsEngine:
             rows = fused.stats_f32(tensors, self.eps, self._codes, scales)
             if rows is not None:
                 return rows
-        return self._compute(tensors, scales)
+        # DTensors (FSDP2, tensor parallel): the statistics of this rank's local shard
+        return self._compute([fused.local_tensor(t) for t in tensors], scales)
 
     @torch.no_grad()
     def _compute(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None) -> torch.Tensor:

@@ -158,6 +158,11 @@ def test_bad_arguments_are_errors_not_crashes():
         fused._fused.stats(0, addr, numel, one, one, b"\x00\x01\x02", out, 1)
     with pytest.raises(ValueError, match="kind"):
         fused._fused.stats(7, addr, numel, one, one, b"\x00\x01", out, 1)
+    with pytest.raises(ValueError, match="address 0"):  # a tensor without storage (DTensor) crashed before
+        fused._fused.stats(0, array("Q", [0]), numel, one, one, b"\x00\x01", out, 1)
+    with pytest.raises(ValueError, match="address 0"):
+        fused._fused.adam(3, array("Q", [0]), addr, numel, array("d", [1.0] * 4), one, one, b"\x00",
+                          torch.empty((1, 4, 1), dtype=torch.float32).numpy(), 1)
     fused._fused.stats(0, addr, numel, one, one, b"\x00\x01", out, 1)
     assert out.tolist() == [[1.0, 1.0]]
 

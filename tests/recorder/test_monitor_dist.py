@@ -39,7 +39,16 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             import copy
 
             local = copy.deepcopy(model)  # the same net without DDP: this rank's own gradients
-        if mode == "zero":  # torch's ZeRO-1: each rank's local AdamW holds the state of its shard
+        if mode == "fsdp2":  # parameters, gradients and Adam state are DTensors: each rank holds a shard
+            from torch.distributed.fsdp import fully_shard
+
+            pg = None
+            fully_shard(model)
+            net = model
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+            mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        elif mode == "zero":  # torch's ZeRO-1: each rank's local AdamW holds the state of its shard
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             pg = None
@@ -81,6 +90,11 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
                 expected[step] = {short[n]: float(q.grad.norm()) for n, q in local.named_parameters()
                                   if q.grad is not None}
             loss_of(net, 100 * rank + step).backward()
+            if mode == "fsdp2":
+                from trainrec.recorder.names import squash_all
+
+                short = squash_all([n for n, _ in model.named_parameters()])
+                expected[step] = {short[n]: float(q.to_local().norm()) for n, q in model.named_parameters()}
             opt.step()
             if mode == "zero":
                 from trainrec.recorder.names import squash_all
@@ -91,10 +105,10 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
                                   for n, q in model.named_parameters() if q in state}
             opt.zero_grad()
         mon.close()
-        if mode == "zero":
+        if mode in ("zero", "fsdp2"):
             import json
 
-            with open(os.path.join(os.path.dirname(cfg_path), f"zero_state_{rank}.json"), "w") as f:
+            with open(os.path.join(os.path.dirname(cfg_path), f"{mode}_state_{rank}.json"), "w") as f:
                 json.dump(expected, f)
         if local is not None:
             import json
@@ -212,3 +226,28 @@ def test_zero_redundancy_optimizer_each_rank_records_its_shards_adam_state(tmp_p
         owned[r] = set(want["0"])
     assert owned[0] and owned[1] and not owned[0] & owned[1]
     assert len(owned[0] | owned[1]) == 9  # TinyNet's parameters, each on one rank
+
+
+def test_fsdp2_dtensors_record_each_ranks_local_shard(tmp_path, monkeypatch):
+    """FSDP2 (fully_shard) makes parameters, gradients and Adam state DTensors without storage of their
+    own: training runs (the statistics kernel was given address 0 and crashed the process before), no
+    hook fails, and each rank records the statistics of its local shards."""
+    import json
+
+    from trainrec.schema.events import HookFailed
+
+    cfg = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True, "ur_distribution": True,
+           "xy_distribution": True, "ops": ["norm", "max"]}
+    out = run(2, tmp_path, monkeypatch, "fsdp2", cfg)
+    h = headers(out)
+    for r in (0, 1):
+        ev = h[r][2]
+        assert not [e for e in ev if isinstance(e, HookFailed)]
+        with open(tmp_path / f"fsdp2_state_{r}.json") as f:
+            want = json.load(f)
+        par = stats_table(ev, "param")
+        assert len(par) == 2 * len(want["0"])
+        for (step, name, _, _), row in par.items():
+            assert abs(row["norm"] - want[str(step)][name]) <= 1e-5 * want[str(step)][name] + 1e-9, (r, name)
+        for kind in ("grad_unreduced", "grad_reduced", "exp_avg", "ratio", "actv"):
+            assert stats_table(ev, kind), (r, kind)
