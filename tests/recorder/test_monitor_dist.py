@@ -35,6 +35,38 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
         local = None
         if mode == "ddp_unused":
             model.unused = torch.nn.Linear(3, 3)  # never called: no gradient, no hook firing
+        if mode == "ddp_acc":  # gradient accumulation over 2 micro steps, the first under no_sync()
+            import copy
+            import json
+
+            from trainrec.recorder.names import squash_all
+
+            local = copy.deepcopy(model)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+            mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+            mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt, dp_group=dist.group.WORLD)
+            short = squash_all([n for n, _ in model.named_parameters()])
+            expected = {}
+            for step in range(2):
+                local.load_state_dict(model.state_dict())
+                local.zero_grad()
+                for micro in range(2):
+                    batch = 100 * rank + 10 * step + micro
+                    loss_of(local, batch).backward()  # .grad accumulates: what the hook sees at this micro step
+                    expected[f"{step}/{micro}"] = {short[n]: float(q.grad.norm()) for n, q in local.named_parameters()}
+                    if micro == 0:
+                        with ddp.no_sync():
+                            loss_of(ddp, batch).backward()
+                    else:
+                        loss_of(ddp, batch).backward()
+                opt.step()
+                opt.zero_grad()
+            mon.close()
+            with open(os.path.join(os.path.dirname(cfg_path), f"ddp_acc_{rank}.json"), "w") as f:
+                json.dump(expected, f)
+            dist.barrier()
+            return
         if mode in ("ddp_view", "ddp_unused"):
             import copy
 
@@ -251,3 +283,20 @@ def test_fsdp2_dtensors_record_each_ranks_local_shard(tmp_path, monkeypatch):
             assert abs(row["norm"] - want[str(step)][name]) <= 1e-5 * want[str(step)][name] + 1e-9, (r, name)
         for kind in ("grad_unreduced", "grad_reduced", "exp_avg", "ratio", "actv"):
             assert stats_table(ev, kind), (r, kind)
+
+
+def test_ddp_gradient_accumulation_with_no_sync_records_each_micro_steps_own_gradient(tmp_path, monkeypatch):
+    """Two micro steps, the first under DDP's no_sync(): the unreduced row of each micro step is this
+    rank's accumulated .grad at that point (not the average DDP writes after the second)."""
+    import json
+
+    out = run(2, tmp_path, monkeypatch, "ddp_acc")
+    h = headers(out)
+    for r in (0, 1):
+        with open(tmp_path / f"ddp_acc_{r}.json") as f:
+            want = json.load(f)
+        un = stats_table(h[r][2], "grad_unreduced")
+        assert len(un) == 2 * 2 * 9
+        for (step, name, _, micro), row in un.items():
+            w = want[f"{step}/{micro}"][name]
+            assert abs(row["norm"] - w) <= 1e-5 * w + 1e-7, (r, step, micro, name, row["norm"], w)
