@@ -8,11 +8,13 @@ The extension is optional (built by ``pip install`` where a C compiler exists). 
 whether it loaded; ``TRAINREC_FUSED=0`` in the environment turns it off (the torch path runs then),
 which is also how the tests check both paths.
 
-Measured on the development machine (2-core AMD EPYC, AVX2): 0.46 ns per float32 value on one thread
-for tensors larger than the caches (the memory bandwidth), 0.19 ns for values in L2, 0.33 ns with two
-threads; torch's separate reductions for the same six ops cost 1.5-2 ns per value with every trick in
-``stats.py`` and 2.7-7.5 ns written plainly. Adam state: 1.2 ns per element for all four statistics
-sets, against about 9 ns for torch's sqrt/divide passes and four sets of reductions.
+Measured side by side with the torch path by ``benchmarks/bench_stats.py`` (figures in
+``benchmarks/RESULTS.md``, "Statistics kernel"): on the 2-core development machine (AMD EPYC, AVX2)
+0.3-0.5 ns per float32 value (its memory bandwidth; 0.19 ns for values in L2) against 1.3-3.9 ns, and
+about 1 ns per Adam state element for all four statistics sets against 7.7 ns.
+
+Tensor subclasses without storage of their own (DTensor) never reach the kernel: :func:`local_tensor`
+gives their local shard, the entry points take plain tensors only, and the C side refuses address 0.
 """
 
 from __future__ import annotations
@@ -33,9 +35,6 @@ AVAILABLE = _fused is not None and os.environ.get("TRAINREC_FUSED", "1") != "0"
 
 # Calls with fewer values than this run on the calling thread only (starting threads costs ~30 us).
 PARALLEL_NUMEL = 1 << 18
-_KIND = {torch.float32: 0, torch.bfloat16: 1}
-
-
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
