@@ -315,10 +315,69 @@ static int check_ops(const Py_buffer *ops) {
     return 0;
 }
 
-#define RELEASE_ALL()                                                                                  \
-    do {                                                                                               \
-        for (int q = 0; q < got; q++) PyBuffer_Release(&bufs[q]);                                      \
-    } while (0)
+/* The argument buffers both entry points take: k arrays (the first one n uint64 data addresses, then
+ * numels and the others, per[q] * n items of 8 bytes each), the op codes, and the writable float32
+ * output of rows x len(ops). On failure the buffers taken so far are released and -1 is returned. */
+typedef struct {
+    Py_buffer bufs[10];
+    int got;
+    Py_ssize_t n, nops;
+} args_t;
+
+static void release_args(args_t *a) {
+    for (int q = 0; q < a->got; q++) PyBuffer_Release(&a->bufs[q]);
+    a->got = 0;
+}
+
+static int take_args(args_t *a, PyObject **o, int k, const char **names, const Py_ssize_t *per, int n_addr_arrays,
+                     PyObject *ops, PyObject *out, Py_ssize_t rows_per_tensor) {
+    a->got = 0;
+    if (PyObject_GetBuffer(o[0], &a->bufs[0], PyBUF_C_CONTIGUOUS) < 0) return -1;
+    a->got = 1;
+    a->n = a->bufs[0].len / 8;
+    if (a->bufs[0].len % 8) {
+        PyErr_Format(PyExc_ValueError, "%s: not uint64", names[0]);
+        goto fail;
+    }
+    for (int q = 1; q < k; q++) {
+        if (get_buf(o[q], &a->bufs[q], 8, a->n * per[q], names[q], 0) < 0) goto fail;
+        a->got = q + 1;
+    }
+    /* the numels follow the address arrays */
+    for (int q = 0; q < n_addr_arrays; q++)
+        if (check_addrs(&a->bufs[q], &a->bufs[n_addr_arrays], names[q]) < 0) goto fail;
+    if (PyObject_GetBuffer(ops, &a->bufs[k], PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    a->got = k + 1;
+    a->nops = a->bufs[k].len;
+    if (check_ops(&a->bufs[k]) < 0) goto fail;
+    if (get_buf(out, &a->bufs[k + 1], 4, a->n * rows_per_tensor * a->nops, "out", 1) < 0) goto fail;
+    a->got = k + 2;
+    return 0;
+fail:
+    release_args(a);
+    return -1;
+}
+
+/* Runs the job and writes the rows of the requested ops: ``per`` rows per tensor, the rows k >= first_scaled
+ * of a tensor multiplied by its scale (Adam: update and ratio, not m and v). */
+static int run_and_finish(job_t *job, int threads, const double *scale, int per, int first_scaled,
+                          const unsigned char *ops, Py_ssize_t nops, float *out) {
+    Py_ssize_t n = job->n;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    double *res = (double *)PyMem_RawMalloc(sizeof(double) * NF * (size_t)per * (size_t)(n > 0 ? n : 1));
+    int rc = res == NULL ? -1 : 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (rc == 0) rc = run_parallel(job, threads, res);
+    if (rc == 0)
+        for (Py_ssize_t t = 0; t < n; t++)
+            for (int k = 0; k < per; k++)
+                finish_row(res + (t * per + k) * NF, job->numel[t], k < first_scaled ? 1.0 : scale[t], ops, nops,
+                           out + (t * per + k) * nops);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(res);
+    return rc;
+}
 
 PyDoc_STRVAR(stats_doc,
 "stats(kind, addrs, numels, eps, scales, ops, out, threads)\n\n"
@@ -329,47 +388,19 @@ PyDoc_STRVAR(stats_doc,
 
 static PyObject *py_stats(PyObject *self, PyObject *args) {
     int kind, threads;
-    PyObject *o[6];
-    Py_buffer bufs[6];
-    int got = 0;
+    PyObject *o[4], *ops, *out;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iOOOOOOi", &kind, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &threads))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "iOOOOOOi", &kind, &o[0], &o[1], &o[2], &o[3], &ops, &out, &threads)) return NULL;
     if (kind != KIND_F32 && kind != KIND_BF16) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
-    if (PyObject_GetBuffer(o[0], &bufs[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    got = 1;
-    Py_ssize_t n = bufs[0].len / 8;
-    if (bufs[0].len % 8) { PyErr_SetString(PyExc_ValueError, "addrs: not uint64"); RELEASE_ALL(); return NULL; }
-    if (get_buf(o[1], &bufs[1], 8, n, "numels", 0) < 0) { RELEASE_ALL(); return NULL; }
-    got = 2;
-    if (check_addrs(&bufs[0], &bufs[1], "addrs") < 0) { RELEASE_ALL(); return NULL; }
-    if (get_buf(o[2], &bufs[2], 8, n, "eps", 0) < 0) { RELEASE_ALL(); return NULL; }
-    got = 3;
-    if (get_buf(o[3], &bufs[3], 8, n, "scales", 0) < 0) { RELEASE_ALL(); return NULL; }
-    got = 4;
-    if (PyObject_GetBuffer(o[4], &bufs[4], PyBUF_C_CONTIGUOUS) < 0) { RELEASE_ALL(); return NULL; }
-    got = 5;
-    Py_ssize_t nops = bufs[4].len;
-    if (check_ops(&bufs[4]) < 0) { RELEASE_ALL(); return NULL; }
-    if (get_buf(o[5], &bufs[5], 4, n * nops, "out", 1) < 0) { RELEASE_ALL(); return NULL; }
-    got = 6;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    const int64_t *numel = (const int64_t *)bufs[1].buf;
-    const double *scale = (const double *)bufs[3].buf;
-    const unsigned char *ops = (const unsigned char *)bufs[4].buf;
-    float *out = (float *)bufs[5].buf;
-    job_t job = {kind, 0, threads, 0, n, (const uint64_t *)bufs[0].buf, NULL, numel,
-                 (const double *)bufs[2].buf, NULL, NULL, NULL, NULL};
-    double *res = (double *)PyMem_RawMalloc(sizeof(double) * NF * (size_t)(n > 0 ? n : 1));
-    int rc = res == NULL ? -1 : 0;
-    Py_BEGIN_ALLOW_THREADS
-    if (rc == 0) rc = run_parallel(&job, threads, res);
-    if (rc == 0)
-        for (Py_ssize_t t = 0; t < n; t++) finish_row(res + t * NF, numel[t], scale[t], ops, nops, out + t * nops);
-    Py_END_ALLOW_THREADS
-    PyMem_RawFree(res);
-    RELEASE_ALL();
+    static const char *names[] = {"addrs", "numels", "eps", "scales"};
+    static const Py_ssize_t per[] = {1, 1, 1, 1};
+    args_t a;
+    if (take_args(&a, o, 4, names, per, 1, ops, out, 1) < 0) return NULL;
+    job_t job = {kind, 0, threads, 0, a.n, (const uint64_t *)a.bufs[0].buf, NULL, (const int64_t *)a.bufs[1].buf,
+                 (const double *)a.bufs[2].buf, NULL, NULL, NULL, NULL};
+    int rc = run_and_finish(&job, threads, (const double *)a.bufs[3].buf, 1, 0, (const unsigned char *)a.bufs[4].buf,
+                            a.nops, (float *)a.bufs[5].buf);
+    release_args(&a);
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -383,54 +414,22 @@ PyDoc_STRVAR(adam_doc,
 
 static PyObject *py_adam(PyObject *self, PyObject *args) {
     int want, threads;
-    PyObject *o[9];
-    Py_buffer bufs[9];
-    int got = 0;
+    PyObject *o[6], *ops, *out;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iOOOOOOOOi", &want, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+    if (!PyArg_ParseTuple(args, "iOOOOOOOOi", &want, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &ops, &out,
                           &threads))
         return NULL;
     if (want < 1 || want > 3) return PyErr_Format(PyExc_ValueError, "want must be 1, 2 or 3, not %d", want);
-    if (PyObject_GetBuffer(o[0], &bufs[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    got = 1;
-    Py_ssize_t n = bufs[0].len / 8;
-    if (bufs[0].len % 8) { PyErr_SetString(PyExc_ValueError, "m_addrs: not uint64"); RELEASE_ALL(); return NULL; }
     static const char *names[] = {"m_addrs", "v_addrs", "numels", "eps", "shifts", "scales"};
     static const Py_ssize_t per[] = {1, 1, 1, 4, 1, 1};
-    for (int q = 1; q < 6; q++) {
-        if (get_buf(o[q], &bufs[q], 8, n * per[q], names[q], 0) < 0) { RELEASE_ALL(); return NULL; }
-        got = q + 1;
-    }
-    if (check_addrs(&bufs[0], &bufs[2], "m_addrs") < 0 || check_addrs(&bufs[1], &bufs[2], "v_addrs") < 0) {
-        RELEASE_ALL();
-        return NULL;
-    }
-    if (PyObject_GetBuffer(o[6], &bufs[6], PyBUF_C_CONTIGUOUS) < 0) { RELEASE_ALL(); return NULL; }
-    got = 7;
-    Py_ssize_t nops = bufs[6].len;
-    if (check_ops(&bufs[6]) < 0) { RELEASE_ALL(); return NULL; }
-    if (get_buf(o[7], &bufs[7], 4, n * 4 * nops, "out", 1) < 0) { RELEASE_ALL(); return NULL; }
-    got = 8;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    const int64_t *numel = (const int64_t *)bufs[2].buf;
-    const double *scale = (const double *)bufs[5].buf;
-    const unsigned char *ops = (const unsigned char *)bufs[6].buf;
-    float *out = (float *)bufs[7].buf;
-    job_t job = {KIND_ADAM, want, threads, 0, n, (const uint64_t *)bufs[0].buf, (const uint64_t *)bufs[1].buf,
-                 numel, (const double *)bufs[3].buf, (const double *)bufs[4].buf, NULL, NULL, NULL};
-    double *res = (double *)PyMem_RawMalloc(sizeof(double) * NF * 4 * (size_t)(n > 0 ? n : 1));
-    int rc = res == NULL ? -1 : 0;
-    Py_BEGIN_ALLOW_THREADS
-    if (rc == 0) rc = run_parallel(&job, threads, res);
-    if (rc == 0)
-        for (Py_ssize_t t = 0; t < n; t++)
-            for (int k = 0; k < 4; k++)
-                finish_row(res + (t * 4 + k) * NF, numel[t], k < 2 ? 1.0 : scale[t], ops, nops,
-                           out + (t * 4 + k) * nops);
-    Py_END_ALLOW_THREADS
-    PyMem_RawFree(res);
-    RELEASE_ALL();
+    args_t a;
+    if (take_args(&a, o, 6, names, per, 2, ops, out, 4) < 0) return NULL;
+    job_t job = {KIND_ADAM, want, threads, 0, a.n, (const uint64_t *)a.bufs[0].buf, (const uint64_t *)a.bufs[1].buf,
+                 (const int64_t *)a.bufs[2].buf, (const double *)a.bufs[3].buf, (const double *)a.bufs[4].buf,
+                 NULL, NULL, NULL};
+    int rc = run_and_finish(&job, threads, (const double *)a.bufs[5].buf, 4, 2, (const unsigned char *)a.bufs[6].buf,
+                            a.nops, (float *)a.bufs[7].buf);
+    release_args(&a);
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
