@@ -107,24 +107,32 @@ class StepCollector:
                                [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
                                [self._params[i].vpp for i, _, _, _ in pend]))
         for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
-            if g is not None:
+            if g is not None and self._reusable(g):
                 st.last_unreduced[i] = (rows, r, g, g._version)
+
+    def _reusable(self, g: torch.Tensor) -> bool:
+        """Whether a reduced gradient may reuse its unreduced row (see the module docstring): on the
+        torch path on CPU, with a norm to check; the one-pass kernel measures again for the same cost."""
+        eng = self._engine
+        return "norm" in eng.ops and g.device.type == "cpu" and not (eng.fused and fused.supports(g))
+
+    def _own_grads(self):
+        """``(index, gradient)`` of the monitored parameters this rank reports at the optimizer step:
+        those with a gradient, less tensor-parallel duplicates."""
+        for i, info in enumerate(self._params):
+            if not info.tp_duplicate:
+                g = self._grad_of(info.param)
+                if g is not None:
+                    yield i, g
 
     def _reduced_grads(self, st: StepState) -> None:
         if self._dp_duplicate:
             return
         eng = self._engine
         cand_rows, cand_idx, cand_g, todo, todo_idx = [], [], [], [], []
-        can_reuse = "norm" in eng.ops
-        for i, info in enumerate(self._params):
-            if info.tp_duplicate:
-                continue
-            g = self._grad_of(info.param)
-            if g is None:
-                continue
-            last = st.last_unreduced.get(i)
-            if (can_reuse and last is not None and last[2] is g and last[3] == g._version and g.device.type == "cpu"
-                    and not (eng.fused and fused.supports(g))):
+        for i, g in self._own_grads():
+            last = st.last_unreduced.get(i)  # only kept where _reusable(g)
+            if last is not None and last[2] is g and last[3] == g._version:
                 cand_rows.append(last[0][last[1]])
                 cand_idx.append(i)
                 cand_g.append(g)
@@ -192,12 +200,7 @@ class StepCollector:
             return
         state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
         idx, vals = [], []
-        for i, info in enumerate(self._params):
-            if info.tp_duplicate:
-                continue
-            g = self._grad_of(info.param)
-            if g is None:
-                continue
+        for i, g in self._own_grads():
             m = state.get(i)
             if m is not None and m.numel() != g.numel():
                 continue  # state of another shape (sharded): not this parameter's

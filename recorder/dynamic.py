@@ -253,23 +253,21 @@ class DynamicConfigWatcher:
             return None
         if self._sync is None:
             obs = self._latest
-            if obs is None or obs.identity == self._agreed_identity:
+        else:
+            if step < self._next_sync:
                 return None
-            return self._decide(obs, step)
-        if step < self._next_sync:
-            return None
-        try:
-            obs, interval = self._sync.round(step, self._latest)
-        except Exception as exc:  # noqa: BLE001 - a broken group must not stop training from here
-            log.error(
-                "trainrec: rank %d: agreeing on config changes failed (%r); dynamic config is off on this rank",
-                self.rank,
-                exc,
-            )
-            self._disabled = True
-            self._next_sync = _NO_SYNC
-            return None
-        self._next_sync = step + interval
+            try:
+                obs, interval = self._sync.round(step, self._latest)
+            except Exception as exc:  # noqa: BLE001 - a broken group must not stop training from here
+                log.error(
+                    "trainrec: rank %d: agreeing on config changes failed (%r); dynamic config is off on this rank",
+                    self.rank,
+                    exc,
+                )
+                self._disabled = True
+                self._next_sync = _NO_SYNC
+                return None
+            self._next_sync = step + interval
         if obs is None or obs.identity == self._agreed_identity:
             return None
         return self._decide(obs, step)

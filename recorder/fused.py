@@ -89,16 +89,10 @@ def stats(xs: Sequence[torch.Tensor], eps: Sequence[float], ops: Sequence[str] |
     float32 within blocks of 4096 values and in float64 across blocks.
     """
     codes = ops if isinstance(ops, bytes) else op_codes(ops)
-    n = len(xs)
-    out = np.empty((n, len(codes)), dtype=np.float32)
-    if not n:
-        return torch.from_numpy(out)
     prepared, kind = _prepare(xs)
     numels = array("q", [x.numel() for x in prepared])
-    _fused.stats(kind, array("Q", [x.data_ptr() for x in prepared]), numels, array("d", eps),
-                 array("d", scales) if scales is not None else array("d", [1.0]) * n, codes, out,
-                 _threads(sum(numels)))
-    return torch.from_numpy(out)
+    return _run(kind, array("Q", [x.data_ptr() for x in prepared]), numels, sum(numels), array("d", eps),
+                scales, codes)
 
 
 def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
@@ -119,14 +113,17 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
         ptrs.append(x.data_ptr())
         numels.append(k)
         total += k
+    thresholds = array("d", (eps,)) * len(ptrs) if scales is None else array("d", [eps / s for s in scales])
+    return _run(0, ptrs, numels, total, thresholds, scales, codes)
+
+
+def _run(kind: int, ptrs: array, numels: array, total: int, thresholds: array, scales: Sequence[float] | None,
+         codes: bytes) -> torch.Tensor:
     n = len(ptrs)
     out = np.empty((n, len(codes)), dtype=np.float32)
-    if scales is None:
-        _fused.stats(0, ptrs, numels, array("d", (eps,)) * n, array("d", (1.0,)) * n, codes, out,
-                     torch.get_num_threads() if total >= PARALLEL_NUMEL else 1)
-    else:
-        _fused.stats(0, ptrs, numels, array("d", [eps / s for s in scales]), array("d", scales), codes, out,
-                     torch.get_num_threads() if total >= PARALLEL_NUMEL else 1)
+    if n:
+        factors = array("d", scales) if scales is not None else array("d", (1.0,)) * n
+        _fused.stats(kind, ptrs, numels, thresholds, factors, codes, out, _threads(total))
     return torch.from_numpy(out)
 
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_stats_engine import OPS, cases, close, engine, ref
+from test_stats_engine import OPS, assert_cases_match_float64, engine
 from trainrec.recorder.stats import StatsEngine
 
 
@@ -56,15 +56,7 @@ def test_only_none_and_empty():
 def test_device_path_matches_float64_reference(eps):
     eng = StatsEngine(OPS, eps)
     eng.host_paths = False
-    named = cases()
-    rows = eng.compute([t for _, t in named])
-    for (name, t), row in zip(named, rows.tolist(), strict=True):
-        for op, got, want in zip(OPS, row, ref(t, eps), strict=True):
-            if name == "inf" and op in ("norm", "mean", "max"):
-                assert got == math.inf, (name, op)
-                continue
-            rtol = 1e-2 if name in ("bf16", "f16") and op in ("norm", "mean") else 1e-4
-            assert close(got, want, rtol), f"{name} {op}: {got} vs {want}"
+    assert_cases_match_float64(eng, eps)
 
 
 @pytest.mark.parametrize("path", ["fused", "torch", "device"])

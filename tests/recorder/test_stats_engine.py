@@ -62,9 +62,14 @@ def cases():
 @pytest.mark.parametrize("eps", [1e-8, 0.25])
 def test_every_op_matches_float64_reference(eps, kernel):
     eng = engine(OPS, eps, kernel)
+    rows = assert_cases_match_float64(eng, eps)
+    assert rows.dtype is torch.float32 and rows.shape == (len(cases()), 6)
+
+
+def assert_cases_match_float64(eng: StatsEngine, eps: float) -> torch.Tensor:
+    """``eng``'s rows for :func:`cases` equal :func:`ref` (float64) op by op; returns the rows."""
     named = cases()
     rows = eng.compute([t for _, t in named])
-    assert rows.dtype is torch.float32 and rows.shape == (len(named), 6)
     for (name, t), row in zip(named, rows.tolist(), strict=True):
         for op, got, want in zip(OPS, row, ref(t, eps), strict=True):
             if name == "inf" and op in ("norm", "mean", "max"):
@@ -72,6 +77,7 @@ def test_every_op_matches_float64_reference(eps, kernel):
                 continue
             rtol = 1e-2 if name in ("bf16", "f16") and op in ("norm", "mean") else 1e-4
             assert close(got, want, rtol), f"{name} {op}: {got} vs {want}"
+    return rows
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
