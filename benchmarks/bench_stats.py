@@ -65,14 +65,14 @@ def main() -> int:
 
     def with_threads(n, fn):
         def run():
-            old = fused.PARALLEL_NUMEL
-            fused.PARALLEL_NUMEL = 0 if n > 1 else 1 << 62
+            old = fused.PARALLEL_NUMEL, fused.ADAM_PARALLEL_NUMEL
+            fused.PARALLEL_NUMEL = fused.ADAM_PARALLEL_NUMEL = 0 if n > 1 else 1 << 62
             torch.set_num_threads(n)
             try:
                 fn()
             finally:
                 torch.set_num_threads(threads)
-                fused.PARALLEL_NUMEL = old
+                fused.PARALLEL_NUMEL, fused.ADAM_PARALLEL_NUMEL = old
         return run
 
     def torch_adam():

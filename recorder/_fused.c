@@ -12,9 +12,11 @@
  * Counts within a block are exact in float (at most BLOCK per lane). min/max ignore NaNs here; the
  * caller reports NaN for min/max where the NaN count is not zero (torch's aminmax propagates NaN).
  *
- * No Python objects are touched while computing: the GIL is released, and with threads > 1 the
- * chunks of CHUNK elements are dealt out to that many POSIX threads; chunk results are merged in a
- * fixed order, so results do not depend on the thread count or on scheduling.
+ * No Python objects are touched while computing: the GIL is released, and with threads > 1 that many
+ * POSIX threads (the caller's included) claim chunks of CHUNK elements from one atomic counter, so a
+ * helper thread that gets no CPU (torch's own intra-op threads spin for a while after each op) holds
+ * the caller up by one chunk at most; chunk results are merged in a fixed order, so results do not
+ * depend on the thread count or on scheduling.
  *
  * Built as the optional extension trainrec.recorder._fused (setuptools ext-modules, optional=true):
  * without a C compiler trainrec installs and runs the torch path instead.
@@ -165,7 +167,8 @@ CLONES static void adam_all(const float *m, const float *v, int64_t lo, int64_t 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_ADAM = 2 };
 
 typedef struct {
-    int kind, want, nthreads, tid;
+    int kind, want;
+    int64_t *next;             /* the next chunk to claim (shared, atomic) */
     Py_ssize_t n;              /* tensors */
     const uint64_t *a, *b;     /* data addresses (b: exp_avg_sq for Adam) */
     const int64_t *numel;
@@ -200,7 +203,7 @@ static void run_chunk(const job_t *j, int64_t c) {
 static void *thread_main(void *arg) {
     const job_t *j = (const job_t *)arg;
     int64_t total = j->first[j->n];
-    for (int64_t c = j->tid; c < total; c += j->nthreads) run_chunk(j, c);
+    for (int64_t c; (c = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED)) < total;) run_chunk(j, c);
     return NULL;
 }
 
@@ -225,22 +228,17 @@ static int run_parallel(job_t *base, int nthreads, double *res) {
     for (Py_ssize_t t = 0; t < n; t++)
         for (int64_t c = first[t]; c < first[t + 1]; c++) owner[c] = t;
     if (nthreads > total) nthreads = total > 0 ? (int)total : 1;
-    job_t jobs[MAX_THREADS];
+    int64_t next = 0;
+    job_t job = *base;
+    job.next = &next;
+    job.first = first;
+    job.owner = owner;
+    job.parts = parts;
     pthread_t th[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    for (int t = 0; t < nthreads; t++) {
-        jobs[t] = *base;
-        jobs[t].nthreads = nthreads;
-        jobs[t].tid = t;
-        jobs[t].first = first;
-        jobs[t].owner = owner;
-        jobs[t].parts = parts;
-    }
-    for (int t = 1; t < nthreads; t++)
-        started[t] = pthread_create(&th[t], NULL, thread_main, &jobs[t]) == 0;
-    for (int t = 1; t < nthreads; t++) /* a thread that did not start: do its share here */
-        if (!started[t]) thread_main(&jobs[t]);
-    thread_main(&jobs[0]);
+    for (int t = 1; t < nthreads; t++) /* a thread that does not start leaves its chunks to the others */
+        started[t] = pthread_create(&th[t], NULL, thread_main, &job) == 0;
+    thread_main(&job);
     for (int t = 1; t < nthreads; t++)
         if (started[t]) pthread_join(th[t], NULL);
     for (Py_ssize_t t = 0; t < n; t++) {
@@ -396,8 +394,8 @@ static PyObject *py_stats(PyObject *self, PyObject *args) {
     static const Py_ssize_t per[] = {1, 1, 1, 1};
     args_t a;
     if (take_args(&a, o, 4, names, per, 1, ops, out, 1) < 0) return NULL;
-    job_t job = {kind, 0, threads, 0, a.n, (const uint64_t *)a.bufs[0].buf, NULL, (const int64_t *)a.bufs[1].buf,
-                 (const double *)a.bufs[2].buf, NULL, NULL, NULL, NULL};
+    job_t job = {.kind = kind, .n = a.n, .a = (const uint64_t *)a.bufs[0].buf,
+                 .numel = (const int64_t *)a.bufs[1].buf, .eps = (const double *)a.bufs[2].buf};
     int rc = run_and_finish(&job, threads, (const double *)a.bufs[3].buf, 1, 0, (const unsigned char *)a.bufs[4].buf,
                             a.nops, (float *)a.bufs[5].buf);
     release_args(&a);
@@ -424,9 +422,9 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
     static const Py_ssize_t per[] = {1, 1, 1, 4, 1, 1};
     args_t a;
     if (take_args(&a, o, 6, names, per, 2, ops, out, 4) < 0) return NULL;
-    job_t job = {KIND_ADAM, want, threads, 0, a.n, (const uint64_t *)a.bufs[0].buf, (const uint64_t *)a.bufs[1].buf,
-                 (const int64_t *)a.bufs[2].buf, (const double *)a.bufs[3].buf, (const double *)a.bufs[4].buf,
-                 NULL, NULL, NULL};
+    job_t job = {.kind = KIND_ADAM, .want = want, .n = a.n, .a = (const uint64_t *)a.bufs[0].buf,
+                 .b = (const uint64_t *)a.bufs[1].buf, .numel = (const int64_t *)a.bufs[2].buf,
+                 .eps = (const double *)a.bufs[3].buf, .shift = (const double *)a.bufs[4].buf};
     int rc = run_and_finish(&job, threads, (const double *)a.bufs[5].buf, 4, 2, (const unsigned char *)a.bufs[6].buf,
                             a.nops, (float *)a.bufs[7].buf);
     release_args(&a);

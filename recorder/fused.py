@@ -33,8 +33,17 @@ except ImportError:  # no C compiler at install time: the torch path runs
 
 AVAILABLE = _fused is not None and os.environ.get("TRAINREC_FUSED", "1") != "0"
 
-# Calls with fewer values than this run on the calling thread only (starting threads costs ~30 us).
-PARALLEL_NUMEL = 1 << 18
+# Statistics calls with fewer values than this run on the calling thread only. Reading memory, one
+# thread gets about all of this machine's bandwidth; and inside training a helper thread competes for
+# a core with torch's intra-op threads, which spin for a while after each op: with helpers from 256K
+# values on, the activations of config b (benchmarks/bench_recorder.py) took 15-20 ms per step
+# instead of 12.6 ms, calls of two 256K-value tensors ran at 1.2-2.8 ns per value instead of 0.4.
+# Batches this large (CPU-offloaded optimizer state, big CPU models) are where a server's cores add
+# bandwidth that one core cannot get.
+PARALLEL_NUMEL = 1 << 24
+# Adam state pairs do a sqrt and two divisions per element; there a second thread gains (5.9 against
+# 7.2 ms per step on the same model) as soon as starting it (~30 us) pays.
+ADAM_PARALLEL_NUMEL = 1 << 18
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -53,8 +62,8 @@ def supports(x: torch.Tensor) -> bool:
             and not x.is_complex())
 
 
-def _threads(total: int) -> int:
-    return torch.get_num_threads() if total >= PARALLEL_NUMEL else 1
+def _threads(total: int, at_least: int | None = None) -> int:
+    return torch.get_num_threads() if total >= (PARALLEL_NUMEL if at_least is None else at_least) else 1
 
 
 def _prepare(xs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
@@ -147,7 +156,7 @@ def adam(ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], eps: Sequence[f
     want = (1 if want_mv else 0) | (2 if want_ur else 0)
     _fused.adam(want, array("Q", [m.data_ptr() for m in ms]), array("Q", [v.data_ptr() for v in vs]), numels,
                 array("d", eps), array("d", shifts), array("d", scales), codes, out.numpy(),
-                _threads(sum(numels) * 2))
+                _threads(sum(numels), ADAM_PARALLEL_NUMEL))
     return out
 
 

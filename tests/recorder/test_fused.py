@@ -41,13 +41,17 @@ def test_chunks_blocks_and_tails_match_float64():
 def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(1_000_003, generator=g), torch.randn(70_000, generator=g)]
-    monkeypatch.setattr(fused, "PARALLEL_NUMEL", 0)
-    results = []
+    ms = [x.clone() for x in xs]
+    vs = [x.square() for x in xs]
+    results, adam_results = [], []
     for threads in (1, 2, 3, 8):
-        monkeypatch.setattr(fused, "_threads", lambda total, t=threads: t)
+        monkeypatch.setattr(fused, "_threads", lambda total, at_least=None, t=threads: t)
         results.append(fused.stats(xs, [1e-8, 1e-8], OPS))
+        adam_results.append(fused.adam(ms, vs, [1e-8] * 8, [1e-8, 1e-8], [1.0, 1.0], OPS, True, True))
     for r in results[1:]:
         assert torch.equal(r, results[0])  # bitwise: chunks are merged in a fixed order
+    for r in adam_results[1:]:
+        assert torch.equal(r, adam_results[0])
 
 
 def test_nan_inf_and_all_nan():
