@@ -106,24 +106,42 @@ def stats(xs: Sequence[torch.Tensor], eps: Sequence[float], ops: Sequence[str] |
 
 def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
               scales: Sequence[float] | None = None) -> torch.Tensor | None:
-    """:func:`stats` for the common case, with the least Python per call: every tensor a non-empty,
-    contiguous float32 CPU tensor (else None: the caller takes the general path). ``eps`` is one
-    threshold for all (divided by each scale here)."""
+    """:func:`stats` for the hooks' case, with the least Python per call: float32 CPU tensors; None and
+    empty tensors give NaN rows (as the engine's general path), a non-contiguous tensor is measured
+    through a contiguous copy (as there). Anything else gives None: the caller takes the general path.
+    ``eps`` is one threshold for all (divided by each scale here)."""
     ptrs = array("Q")
     numels = array("q")
     total = 0
     f32 = torch.float32
-    for x in xs:
-        if x is None or type(x) not in _PLAIN or x.dtype is not f32 or not x.is_cpu or not x.is_contiguous():
+    missing = copies = None
+    for i, x in enumerate(xs):
+        if x is None:
+            missing = [*(missing or ()), i]
+            continue
+        if type(x) not in _PLAIN or x.dtype is not f32 or not x.is_cpu:
             return None
         k = x.numel()
         if not k:
-            return None
+            missing = [*(missing or ()), i]
+            continue
+        if not x.is_contiguous():
+            x = x.contiguous()
+            copies = [*(copies or ()), x]  # alive until the kernel has read it
         ptrs.append(x.data_ptr())
         numels.append(k)
         total += k
+    if missing is not None and scales is not None:
+        scales = [s for i, s in enumerate(scales) if i not in missing]
     thresholds = array("d", (eps,)) * len(ptrs) if scales is None else array("d", [eps / s for s in scales])
-    return _run(0, ptrs, numels, total, thresholds, scales, codes)
+    rows = _run(0, ptrs, numels, total, thresholds, scales, codes)
+    if missing is None:
+        return rows
+    out = torch.full((len(xs), len(codes)), float("nan"), dtype=torch.float32)
+    present = [i for i in range(len(xs)) if i not in missing]
+    if present:
+        out[present] = rows
+    return out
 
 
 def _run(kind: int, ptrs: array, numels: array, total: int, thresholds: array, scales: Sequence[float] | None,

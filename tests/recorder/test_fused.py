@@ -179,10 +179,15 @@ def test_hook_fast_path_equals_general_path_and_declines_the_rest():
     scaled = fused.stats_f32(xs, 1e-3, fused.op_codes(OPS), [2.0, 0.5])
     assert torch.equal(scaled, fused.stats(xs, [1e-3 / 2.0, 1e-3 / 0.5], OPS, [2.0, 0.5]))
     x = xs[0]
-    for other in (None, torch.empty(0), x.transpose(0, 1), x.double(), x.to(torch.bfloat16), torch.ones(3, dtype=torch.int64)):
+    for other in (x.double(), x.to(torch.bfloat16), torch.ones(3, dtype=torch.int64)):
         assert fused.stats_f32([x, other], 1e-3, fused.op_codes(OPS)) is None
-    # the engine takes the general path for those, with the same results for the float32 tensor
+    # None, empty and non-contiguous tensors stay on the fast path, with the general path's results
     eng = StatsEngine(OPS, 1e-3)
-    rows = eng.compute([x, x.transpose(0, 1), None])
-    assert torch.equal(rows[0], fast[0]) and torch.isnan(rows[2]).all()
-    assert torch.allclose(rows[1], fast[0], rtol=1e-5, atol=1e-6)  # the copy sums in another order
+    mixed = [None, x, x.transpose(0, 1), torch.empty(0), None]
+    general = eng._compute(mixed)
+    got = fused.stats_f32(mixed, 1e-3, fused.op_codes(OPS))
+    assert torch.allclose(got, general, equal_nan=True, rtol=0, atol=0)  # the same values, bit for bit
+    assert torch.equal(got[1], fast[0]) and all(torch.isnan(got[i]).all() for i in (0, 3, 4))
+    assert torch.allclose(got[2], fast[0], rtol=1e-5, atol=1e-6)  # the copy sums in another order
+    sc = fused.stats_f32([None, x, x.transpose(0, 1)], 1e-3, fused.op_codes(OPS), [1.0, 2.0, 0.5])
+    assert torch.equal(sc[1:], eng._compute([x, x.transpose(0, 1)], [2.0, 0.5]))
