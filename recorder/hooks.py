@@ -18,6 +18,10 @@ tensor is consumed by this module only (the usual case; not for a tensor also us
 branch, or passed to the module twice). A gradient hook on a *view* is lost when that view is later
 modified in place (torch drops it), so such a call records no row for that slot. The backward firing
 of a call (HooksFired) is recorded at its first gradient, with the forward call's micro step.
+A tensor selected by several calls (a module's output is the next module's input, a container's
+input its first child's) with no in-place change in between gets one gradient hook, which serves
+those calls in the order they selected it (as separate hooks would fire) and measures the gradient
+once.
 
 These hooks are attached only for steps that are collected (the monitor detaches them otherwise, so
 a skipped step pays nothing). On a collected step a hook resolves nothing by name (ids are prepared
@@ -94,7 +98,7 @@ class StepState:
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
                  "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
-                 "open_calls")
+                 "open_calls", "grad_hooks")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -114,6 +118,7 @@ class StepState:
         self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)
         self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
         self.open_calls: dict[int, list] = {}  # module id -> GradCall of forwards between pre-hook and hook
+        self.grad_hooks: dict[int, tuple] = {}  # id(tensor) -> (weakref, version, [(GradCall, slot, name)])
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -205,26 +210,44 @@ def _needs_grad(x) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
 
 
-def _make_grad_cb(mon: TrainerMon, st: StepState, gc: GradCall, slot: int, name: str):
+def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, slot: int, name: str) -> None:
+    """Have ``x``'s gradient recorded for call ``gc`` in ``slot``: one hook per tensor object and value
+    (an in-place op in between, ``ReLU(inplace=True)``, makes the same object another autograd value,
+    whose gradient differs: it gets its own hook)."""
+    known = st.grad_hooks.get(id(x))
+    if known is not None and known[0]() is x and known[1] == x._version:
+        known[2].append((gc, slot, name))
+        return
+    users = [(gc, slot, name)]
+    x.register_hook(_make_grad_cb(mon, st, users))
+    st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users)
+
+
+def _make_grad_cb(mon: TrainerMon, st: StepState, users: list):
     def cb(grad):
         if mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
             return None
-        try:
-            if gc.call is None:
-                gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)
-            other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
-            if other_hooked:
-                xs: tuple = (grad,)
-                slots: tuple = (slot,)
-            else:  # the other slot gets no gradient: a NaN row, as the reference's None
-                xs = (grad, None) if slot == SLOT_INPUT_GRAD else (None, grad)
-                slots = (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
-            n = len(xs)
-            rows = rows_for(mon, st, xs)
-            st.stats.add(StatsPart(KIND_ACTV_GRAD, rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
-                                   slots, (gc.vpp,) * n))
-        except Exception as exc:  # noqa: BLE001
-            mon._hook_failed(f"backward hook of {name!r}", exc)
+        rows = None
+        for gc, slot, name in users:
+            try:
+                if gc.call is None:
+                    gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)
+                if rows is None:
+                    rows = rows_for(mon, st, (grad,))
+                other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
+                if other_hooked:
+                    part_rows, slots = rows, (slot,)
+                else:  # the other slot gets no gradient: a NaN row, as the reference's None
+                    nan = mon._engine.nan_rows(1, rows.device)
+                    if slot == SLOT_INPUT_GRAD:
+                        part_rows, slots = torch.cat((rows, nan)), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+                    else:
+                        part_rows, slots = torch.cat((nan, rows)), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+                n = len(slots)
+                st.stats.add(StatsPart(KIND_ACTV_GRAD, part_rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
+                                       slots, (gc.vpp,) * n))
+            except Exception as exc:  # noqa: BLE001
+                mon._hook_failed(f"backward hook of {name!r}", exc)
         return None
 
     return cb
@@ -246,7 +269,7 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
             gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x))
             st.open_calls.setdefault(mid, []).append(gc)
             if gc.in_hooked:
-                x.register_hook(_make_grad_cb(mon, st, gc, SLOT_INPUT_GRAD, t.name))
+                _hook_grad(mon, st, x, gc, SLOT_INPUT_GRAD, t.name)
         except Exception as exc:  # noqa: BLE001
             mon._hook_failed(f"backward hook of {t.name!r}", exc)
 
@@ -277,7 +300,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
                     y = select(output, sel_gout, key_gout)
                     if _needs_grad(y):
                         gc.out_hooked = True
-                        y.register_hook(_make_grad_cb(mon, st, gc, SLOT_OUTPUT_GRAD, t.name))
+                        _hook_grad(mon, st, y, gc, SLOT_OUTPUT_GRAD, t.name)
                 except Exception as exc:  # noqa: BLE001
                     mon._hook_failed(f"backward hook of {t.name!r}", exc)
         if not forward or in_backward():

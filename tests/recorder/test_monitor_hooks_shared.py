@@ -127,3 +127,47 @@ def test_in_place_ops_after_hooked_modules_train_and_record_activation_grads(tmp
     assert checked >= 14
     assert np.isnan(got[(0, "net.0", "input_grad", 0)]["norm"])  # the input needs no grad: a NaN row
     assert not [e for e in ev if type(e).__name__ == "HookFailed"]
+
+
+def test_a_tensor_selected_by_several_calls_gets_one_gradient_hook(tmp_path, monkeypatch):
+    """In a chain, a module's output is the next module's input (and a container's input is its first
+    child's): each such tensor gets one gradient hook serving every call that selected it, and each
+    call still records its own input/output gradient rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    want: dict = {}
+    for name, mod in ref.named_modules():
+        def bwd(m, gin, gout, name=name):
+            want[(name, "output_grad")] = gout[0].detach().clone()
+            if gin[0] is not None:
+                want[(name, "input_grad")] = gin[0].detach().clone()
+        mod.register_full_backward_hook(bwd)
+    hooked: list = []
+    register = torch.Tensor.register_hook
+
+    def counting(self, fn):
+        hooked.append((id(self), self._version))
+        return register(self, fn)
+
+    monkeypatch.setattr(torch.Tensor, "register_hook", counting)
+    out = tmp_path / "out"
+    mon = TrainerMon({"xy_distribution": True, "all_xy": True, "ops": ALL_OPS, "format": "csv"},
+                     live_export=False, output_dir=str(out))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    x = torch.randn(5, 4, requires_grad=True)
+    model(x).square().mean().backward()
+    opt.step()
+    ref(x.detach().requires_grad_()).square().mean().backward()
+    mon.close()
+    # 4 calls (root "", 0, 1, 2) x (input, output) = 8 selections of 4 distinct tensors: x and the
+    # three layer outputs (the root's input is x, its output layer 2's output: the same objects)
+    assert len(hooked) == len(set(hooked)) == 4
+    got = stats_table(events_of(out), "actv_grad")
+    assert sorted(got) == sorted((0, name, slot, 0) for name in ("", "0", "1", "2")
+                                 for slot in ("input_grad", "output_grad"))  # every call kept its rows
+    for (name, slot), g in want.items():
+        assert_close(got[(0, name, slot, 0)], ref_stats(g), what=f"{name!r} {slot}")
+    assert len(want) == 8
