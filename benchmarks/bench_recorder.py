@@ -11,10 +11,18 @@ Configs (ops: min, max, norm, mean, zeros, nans; format csv):
         ur with csv, and needs opt_ty="Megatron_FP32Optimizer" for mv on a plain AdamW)
   skip  config b with step_interval=10; the median over the skipped steps only
 
+Also printed per run: the minor page faults per step of the monitored and the baseline model. With
+glibc's default malloc, whether a step's large temporaries (Adam's, 4 MB each here) reuse free heap
+or get fresh pages (trimmed and re-faulted every step, ~1 us per 4 KiB page) depends on the process's
+allocation history: the same baseline model takes 0 faults per step in one process and 3,000 in the
+next, and any monitor's small allocations can tip it either way. ``--malloc fixed`` runs every worker
+with fixed thresholds (GLIBC_TUNABLES below; what jemalloc/tcmalloc also avoid, as PyTorch's CPU
+performance guide advises), which takes that lottery out of the comparison.
+
 mindstudio-probe runs in its own venv: ``python3 -m venv benchmarks/.venv-msprobe &&
 benchmarks/.venv-msprobe/bin/pip install torch==2.13.0 mindstudio-probe==1.2.1``.
 
-Usage: ``.venv/bin/python benchmarks/bench_recorder.py [--steps 20] [--warmup 3] [--rounds 2]``
+Usage: ``.venv/bin/python benchmarks/bench_recorder.py [--steps 20] [--warmup 3] [--rounds 2] [--malloc fixed]``
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -31,6 +40,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 MSPROBE_PY = os.path.join(HERE, ".venv-msprobe", "bin", "python")
 OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
+FIXED_MALLOC = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=1073741824"
 CONFIGS = {
     "a": {"wg_distribution": True},
     "b": {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
@@ -96,24 +106,28 @@ def worker(impl: str, config: str, steps: int, warmup: int, fmt: str) -> dict:
         mon.monitor_gnorm_with_ad(model_a, grad_acc_steps=1, optimizer=opt_a)
 
     def step(model, opt):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
-    mon_t, base_t = [], []
+    mon_t, base_t, mon_f, base_f = [], [], [], []
     for i in range(warmup + steps):
-        ta = step(model_a, opt_a)
-        tb = step(model_b, opt_b)
+        ta, fa = step(model_a, opt_a)
+        tb, fb = step(model_b, opt_b)
         if i >= warmup and (config != "skip" or i % 10 != 0):
             mon_t.append(ta)
             base_t.append(tb)
+            mon_f.append(fa)
+            base_f.append(fb)
     if impl == "trainrec" and mon is not None:
         mon.close()
     return {"monitored_s": statistics.median(mon_t), "baseline_s": statistics.median(base_t), "n": len(mon_t),
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "monitored_faults": statistics.median(mon_f),
+            "baseline_faults": statistics.median(base_f)}
 
 
 def run_worker(python: str, impl: str, config: str, args) -> dict:
@@ -121,6 +135,8 @@ def run_worker(python: str, impl: str, config: str, args) -> dict:
            "--warmup", str(args.warmup), "--format", args.format]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    if args.malloc == "fixed":
+        env["GLIBC_TUNABLES"] = FIXED_MALLOC
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"{impl}/{config} failed:\n{res.stderr[-3000:]}")
@@ -138,6 +154,8 @@ def main() -> int:
     p.add_argument("--format", default="csv", choices=["csv", "api", "tensorboard"])
     p.add_argument("--configs", default="a,b,skip")
     p.add_argument("--no-msprobe", action="store_true")
+    p.add_argument("--malloc", default="default", choices=["default", "fixed"],
+                   help="fixed: glibc malloc with fixed mmap/trim thresholds in every worker (see the docstring)")
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.config, args.steps, args.warmup, args.format)))
@@ -146,6 +164,7 @@ def main() -> int:
     configs = args.configs.split(",")
     added: dict[tuple, list[float]] = {}
     base: dict[tuple, list[float]] = {}
+    faults: dict[tuple, list[tuple]] = {}
     for _ in range(args.rounds):
         for cfg in configs:
             runs = [("trainrec", sys.executable)] + ([("msprobe", MSPROBE_PY)] if have_ms else [])
@@ -153,9 +172,12 @@ def main() -> int:
                 r = run_worker(py, impl, cfg, args)
                 added.setdefault((impl, cfg), []).append(r["monitored_s"] / r["baseline_s"] - 1)
                 base.setdefault((impl, cfg), []).append(r["baseline_s"])
+                faults.setdefault((impl, cfg), []).append((r["monitored_faults"], r["baseline_faults"]))
                 print(f"  {cfg:5s} {impl:9s} monitored {r['monitored_s'] * 1e3:8.1f} ms  "
-                      f"baseline {r['baseline_s'] * 1e3:8.1f} ms", file=sys.stderr, flush=True)
-    print(f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} format={args.format}")
+                      f"baseline {r['baseline_s'] * 1e3:8.1f} ms  ({100 * added[(impl, cfg)][-1]:+.1f}%; minor page "
+                      f"faults per step {r['monitored_faults']:.0f} / {r['baseline_faults']:.0f})",
+                      file=sys.stderr, flush=True)
+    print(f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} format={args.format} malloc={args.malloc}")
     print("| config | baseline step | trainrec added | mindstudio-probe 1.2.1 added | trainrec / reference |")
     print("|---|---|---|---|---|")
     for cfg in configs:
