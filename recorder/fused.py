@@ -105,11 +105,12 @@ def stats(xs: Sequence[torch.Tensor], eps: Sequence[float], ops: Sequence[str] |
 
 
 def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
-              scales: Sequence[float] | None = None) -> torch.Tensor | None:
+              scales: Sequence[float] | None = None, numpy: bool = False) -> torch.Tensor | np.ndarray | None:
     """:func:`stats` for the hooks' case, with the least Python per call: float32 CPU tensors; None and
     empty tensors give NaN rows (as the engine's general path), a non-contiguous tensor is measured
     through a contiguous copy (as there). Anything else gives None: the caller takes the general path.
-    ``eps`` is one threshold for all (divided by each scale here)."""
+    ``eps`` is one threshold for all (divided by each scale here). ``numpy``: the rows as the numpy
+    array the kernel wrote (no tensor made per call; the step's end makes one of all)."""
     ptrs = array("Q")
     numels = array("q")
     total = 0
@@ -134,24 +135,29 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
     if missing is not None and scales is not None:
         scales = [s for i, s in enumerate(scales) if i not in missing]
     thresholds = array("d", (eps,)) * len(ptrs) if scales is None else array("d", [eps / s for s in scales])
-    rows = _run(0, ptrs, numels, total, thresholds, scales, codes)
-    if missing is None:
-        return rows
-    out = torch.full((len(xs), len(codes)), float("nan"), dtype=torch.float32)
-    present = [i for i in range(len(xs)) if i not in missing]
-    if present:
-        out[present] = rows
-    return out
+    rows = _run_np(0, ptrs, numels, total, thresholds, scales, codes)
+    if missing is not None:
+        out = np.full((len(xs), len(codes)), np.nan, dtype=np.float32)
+        present = [i for i in range(len(xs)) if i not in missing]
+        if present:
+            out[present] = rows
+        rows = out
+    return rows if numpy else torch.from_numpy(rows)
 
 
 def _run(kind: int, ptrs: array, numels: array, total: int, thresholds: array, scales: Sequence[float] | None,
          codes: bytes) -> torch.Tensor:
+    return torch.from_numpy(_run_np(kind, ptrs, numels, total, thresholds, scales, codes))
+
+
+def _run_np(kind: int, ptrs: array, numels: array, total: int, thresholds: array, scales: Sequence[float] | None,
+            codes: bytes) -> np.ndarray:
     n = len(ptrs)
     out = np.empty((n, len(codes)), dtype=np.float32)
     if n:
         factors = array("d", scales) if scales is not None else array("d", (1.0,)) * n
         _fused.stats(kind, ptrs, numels, thresholds, factors, codes, out, _threads(total))
-    return torch.from_numpy(out)
+    return out
 
 
 def adam(ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], eps: Sequence[float], shifts: Sequence[float],

@@ -36,6 +36,7 @@ import weakref
 from array import array
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from trainrec.schema.events import (
     DIR_BACKWARD,
@@ -147,37 +148,51 @@ class StepState:
 MEMO_MIN_NUMEL = 4096
 
 
-def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor:
-    """Stats rows of a hook's tensors. A module's output is usually the next module's input (and a
-    gradient is handed on the same way), often as another tensor object viewing the same memory: a
-    tensor already measured in this step reuses its row instead of being reduced again when it has
-    the same memory, shape, strides and dtype, the tensor measured then is still alive (so that memory
-    cannot have been reused by another tensor) and the shared version counter shows no in-place
-    change since. About half of the activation elements of a transformer block are such repeats."""
+def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.ndarray:
+    """Stats rows of a hook's tensors (a numpy array on the kernel's path, see ``StatsEngine.rows``).
+    A module's output is usually the next module's input (and a gradient is handed on the same way),
+    often as another tensor object viewing the same memory: a tensor already measured in this step
+    reuses its row instead of being reduced again when it has the same memory, shape, strides and
+    dtype, the tensor measured then is still alive (so that memory cannot have been reused by another
+    tensor) and the shared version counter shows no in-place change since. About half of the
+    activation elements of a transformer block are such repeats."""
     memo = st.memo
+    n = len(xs)
     todo = []
-    keys: list = [None] * len(xs)
-    found: list = [None] * len(xs)
+    keys: list = [None] * n
+    found: list | None = None
     for k, x in enumerate(xs):
         if x is not None and x.numel() >= MEMO_MIN_NUMEL:
             key = keys[k] = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
             hit = memo.get(key)
             if hit is not None and hit[0]() is not None and hit[1] == x._version:
+                if found is None:
+                    found = [None] * n
                 found[k] = hit[2][hit[3]]
                 continue
         todo.append(k)
-    if not todo:
-        return torch.stack(found)
-    new = mon._engine.compute([xs[k] for k in todo])
-    for j, k in enumerate(todo):
-        if keys[k] is not None:
-            x = xs[k]
-            memo[keys[k]] = (weakref.ref(x), x._version, new, j)
-    if len(todo) == len(xs):
-        return new
-    for j, k in enumerate(todo):
-        found[k] = new[j]
-    return torch.stack(found)
+    if todo:
+        new = mon._engine.rows([xs[k] for k in todo])
+        for j, k in enumerate(todo):
+            if keys[k] is not None:
+                x = xs[k]
+                memo[keys[k]] = (weakref.ref(x), x._version, new, j)
+        if found is None:
+            return new
+        for j, k in enumerate(todo):
+            found[k] = new[j]
+    return stack_rows(found)
+
+
+def stack_rows(rows: list) -> torch.Tensor | np.ndarray:
+    """``[len(rows), ops]`` of single rows (numpy rows stay numpy; any tensor among them: a tensor)."""
+    if all(isinstance(r, np.ndarray) for r in rows):
+        out = np.empty((len(rows), len(rows[0])), dtype=np.float32)
+        for i, r in enumerate(rows):
+            out[i] = r
+        return out
+    dev = next(r.device for r in rows if isinstance(r, torch.Tensor))
+    return torch.stack([torch.from_numpy(r).to(dev) if isinstance(r, np.ndarray) else r for r in rows])
 
 
 class ModuleTarget:
@@ -238,11 +253,7 @@ def _make_grad_cb(mon: TrainerMon, st: StepState, users: list):
                 if other_hooked:
                     part_rows, slots = rows, (slot,)
                 else:  # the other slot gets no gradient: a NaN row, as the reference's None
-                    nan = mon._engine.nan_rows(1, rows.device)
-                    if slot == SLOT_INPUT_GRAD:
-                        part_rows, slots = torch.cat((rows, nan)), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
-                    else:
-                        part_rows, slots = torch.cat((nan, rows)), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+                    part_rows, slots = _with_nan_row(rows, slot == SLOT_INPUT_GRAD), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
                 n = len(slots)
                 st.stats.add(StatsPart(KIND_ACTV_GRAD, part_rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
                                        slots, (gc.vpp,) * n))
@@ -251,6 +262,16 @@ def _make_grad_cb(mon: TrainerMon, st: StepState, users: list):
         return None
 
     return cb
+
+
+def _with_nan_row(rows, nan_second: bool):
+    """The one row of ``rows`` and a NaN row (second if ``nan_second``, else first)."""
+    if isinstance(rows, np.ndarray):
+        out = np.full((2, rows.shape[1]), np.nan, dtype=np.float32)
+        out[0 if nan_second else 1] = rows[0]
+        return out
+    nan = torch.full_like(rows, float("nan"))
+    return torch.cat((rows, nan) if nan_second else (nan, rows))
 
 
 def make_pre_hook(mon: TrainerMon, t: ModuleTarget):

@@ -148,6 +148,15 @@ class StatsEngine:
         # DTensors (FSDP2, tensor parallel): the statistics of this rank's local shard
         return self._compute([fused.local_tensor(t) for t in tensors], scales)
 
+    def rows(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | np.ndarray:
+        """:meth:`compute` for the hooks: on the kernel's path the numpy array it wrote (a hook makes no
+        tensor per call; :meth:`StepStats.finish` makes one of the step's rows), else a tensor."""
+        if self.fused and self.host_paths:
+            rows = fused.stats_f32(tensors, self.eps, self._codes, numpy=True)
+            if rows is not None:
+                return rows
+        return self._compute([fused.local_tensor(t) for t in tensors])
+
     @torch.no_grad()
     def _compute(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None) -> torch.Tensor:
         n = len(tensors)
@@ -329,7 +338,7 @@ class StatsPart:
     """Rows of one kind computed together, with their per-row metadata (monitor-local name ids)."""
 
     kind: str
-    values: torch.Tensor
+    values: torch.Tensor | np.ndarray  # [rows, ops] float32; numpy from the hooks' kernel path
     name_ids: Sequence[int]
     micro_steps: Sequence[int] = ()
     call_ids: Sequence[int] = ()
@@ -389,11 +398,7 @@ class StepStats:
             calls.extend(p.call_ids or (0xFFFFFFFF,) * k)
             slots.extend(p.slots or (0,) * k)
             vpp.extend(p.vpp_stages or (0,) * k)
-        tensors = [p.values for p in parts]
-        devices = {t.device for t in tensors}
-        if len(devices) > 1:
-            tensors = [t.cpu() for t in tensors]
-        values = torch.cat(tensors) if tensors else torch.empty((0, len(self.ops)))
+        values = _concat([p.values for p in parts], len(self.ops))
         event = None
         if to_host and values.device.type != "cpu":
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
@@ -408,6 +413,19 @@ class StepStats:
             call_ids=np.frombuffer(calls, dtype=np.uint32), slots=np.frombuffer(slots, dtype=np.uint8),
             vpp_stages=np.frombuffer(vpp, dtype=np.uint8),
         )
+
+
+def _concat(rows: list, nops: int) -> torch.Tensor:
+    """One ``[rows, ops]`` float32 tensor of the parts' rows (numpy arrays from the hooks' kernel path,
+    tensors from the others): one numpy concatenation when all are on the host, else on the device."""
+    if not rows:
+        return torch.empty((0, nops))
+    if all(isinstance(r, np.ndarray) or r.device.type == "cpu" for r in rows):
+        return torch.from_numpy(np.concatenate([r if isinstance(r, np.ndarray) else r.numpy() for r in rows]))
+    tensors = [torch.from_numpy(r) if isinstance(r, np.ndarray) else r for r in rows]
+    if len({t.device for t in tensors}) > 1:
+        tensors = [t.cpu() for t in tensors]
+    return torch.cat(tensors)
 
 
 def build_stats_events(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from trainrec.recorder import fused
@@ -121,3 +122,22 @@ def test_step_stats_one_host_matrix_and_events_per_kind():
     assert list(actv.column("call_ids")) == [7, 8] and list(actv.column("slots")) == [1, 2]
     assert list(param.column("call_ids")) == [-1, -1] and list(param.column("vpp_stages")) == [1, 0]
     assert list(param.value_array()) == [2.0, 1.0, 6.0, 2.0]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_step_stats_take_the_hooks_numpy_rows_with_tensor_rows(kernel):
+    """Module hooks hand the kernel's numpy rows straight to the step (``StatsEngine.rows``); other
+    parts are tensors: the step's matrix holds both, in kind order, with the values compute() gives."""
+    eng = engine(("norm", "max", "nans"), kernel=kernel)
+    xs = [torch.randn(300), torch.full((7,), -2.0)]
+    rows = eng.rows([xs[0], None, xs[1]])
+    assert isinstance(rows, np.ndarray) == (kernel == "fused")
+    st = StepStats(eng.ops)
+    st.add(StatsPart("param", eng.compute([torch.ones(4)]), [3], (), (), (), [0]))
+    st.add(StatsPart("actv", rows, [0, 1, 2], (0, 0, 0), (1, 1, 2), (1, 2, 1), (0, 0, 0)))
+    hs = st.finish(step=1)
+    assert [k for k, _, _ in hs.kinds] == ["actv", "param"] and hs.values.dtype is torch.float32
+    want = eng.compute([xs[0], None, xs[1]])
+    assert torch.allclose(hs.values[:3], want, rtol=0, atol=0, equal_nan=True)  # bit for bit
+    assert torch.isnan(hs.values[1]).all() and hs.values[2].tolist() == [np.float32(math.sqrt(28.0)), -2.0, 0.0]
+    assert hs.values[3].tolist() == [2.0, 1.0, 0.0]
