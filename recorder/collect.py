@@ -55,11 +55,8 @@ class StepCollector:
 
     # ------------------------------------------------------------------ gradients and optimizer state
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        if self.params_have_main_grad:
-            g = getattr(p, "main_grad", None)
-            if g is not None:
-                return g
-        return p.grad
+        g = self._main_grad_of(p)
+        return g if g is not None else p.grad
 
     def _on_grad_accumulated(self, index: int) -> None:
         st = self._state

@@ -115,28 +115,29 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
     numels = array("q")
     total = 0
     f32 = torch.float32
-    missing = copies = None
+    missing: list[int] = []
+    copies = []  # contiguous copies, alive until the kernel has read them
     for i, x in enumerate(xs):
         if x is None:
-            missing = [*(missing or ()), i]
+            missing.append(i)
             continue
         if type(x) not in _PLAIN or x.dtype is not f32 or not x.is_cpu:
             return None
         k = x.numel()
         if not k:
-            missing = [*(missing or ()), i]
+            missing.append(i)
             continue
         if not x.is_contiguous():
             x = x.contiguous()
-            copies = [*(copies or ()), x]  # alive until the kernel has read it
+            copies.append(x)
         ptrs.append(x.data_ptr())
         numels.append(k)
         total += k
-    if missing is not None and scales is not None:
+    if missing and scales is not None:
         scales = [s for i, s in enumerate(scales) if i not in missing]
     thresholds = array("d", (eps,)) * len(ptrs) if scales is None else array("d", [eps / s for s in scales])
     rows = _run_np(0, ptrs, numels, total, thresholds, scales, codes)
-    if missing is not None:
+    if missing:
         out = np.full((len(xs), len(codes)), np.nan, dtype=np.float32)
         present = [i for i in range(len(xs)) if i not in missing]
         if present:

@@ -139,23 +139,21 @@ class StatsEngine:
         ``scales`` (positive, one per tensor) gives the statistics of ``scale * tensor`` without
         materialising it: min/max/norm/mean are scaled and zeros uses ``eps / scale``.
         """
+        rows = self.rows(tensors, scales)
+        return torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
+
+    def rows(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None
+             ) -> torch.Tensor | np.ndarray:
+        """:meth:`compute` as the hooks want it: on the kernel's path the numpy array it wrote (a hook
+        makes no tensor per call; :meth:`StepStats.finish` makes one of the step's rows), else a tensor."""
         if self.fused and self.host_paths:
-            # the hooks' common case, kept lean (it runs for every monitored call): non-empty float32
-            # CPU tensors straight to the one-pass kernel, which reads memory and records no autograd
-            rows = fused.stats_f32(tensors, self.eps, self._codes, scales)
+            # the hooks' common case, kept lean (it runs for every monitored call): float32 CPU tensors
+            # straight to the one-pass kernel, which reads memory and records no autograd
+            rows = fused.stats_f32(tensors, self.eps, self._codes, scales, numpy=True)
             if rows is not None:
                 return rows
         # DTensors (FSDP2, tensor parallel): the statistics of this rank's local shard
         return self._compute([fused.local_tensor(t) for t in tensors], scales)
-
-    def rows(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | np.ndarray:
-        """:meth:`compute` for the hooks: on the kernel's path the numpy array it wrote (a hook makes no
-        tensor per call; :meth:`StepStats.finish` makes one of the step's rows), else a tensor."""
-        if self.fused and self.host_paths:
-            rows = fused.stats_f32(tensors, self.eps, self._codes, numpy=True)
-            if rows is not None:
-                return rows
-        return self._compute([fused.local_tensor(t) for t in tensors])
 
     @torch.no_grad()
     def _compute(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None) -> torch.Tensor:

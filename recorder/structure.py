@@ -2,9 +2,8 @@
 
 At ``monitor_gnorm_with_ad`` one ModuleStructureRecorded per model chunk (full module names, class
 names, parent indices, own parameter counts). With ``print_struct: true`` every module gets a forward
-hook that describes its inputs, outputs and their gradients (derived from the forward's tensors, with no
-full backward hook) the way the reference's
-``module_struct.json`` does (``{"config": "tuple[2]", "0": "size=(8, 32, 256), dtype=torch.float32"}``;
+hook that describes its inputs, outputs and their gradients (derived from the forward's tensors, with
+no full backward hook) the way the reference's ``module_struct.json`` does (``{"config": "tuple[2]", "0": "size=(8, 32, 256), dtype=torch.float32"}``;
 ``config`` is the selector to put in ``targets``); at the first optimizer step the file is written to
 ``$MONITOR_OUTPUT_DIR/module_struct.json``, the events are repeated with those descriptions as
 ``io_specs``, and the run stops as documented.
