@@ -44,7 +44,7 @@ from trainrec.schema.naming import reference_tag
 from . import fused
 from .fused import local_tensor
 from .hooks import StepState, in_backward
-from .optim import fused_adam_rows, update_and_ratio
+from .optim import fused_adam_rows, is_partitioned, update_and_ratio
 from .stats import StatsPart, build_stats_events
 
 log = logging.getLogger(__name__)
@@ -113,21 +113,30 @@ class StepCollector:
         eng = self._engine
         return "norm" in eng.ops and g.device.type == "cpu" and not (eng.fused and fused.supports(g))
 
-    def _own_grads(self):
+    def _own_grads(self, partitioned_only: bool = False):
         """``(index, gradient)`` of the monitored parameters this rank reports at the optimizer step:
-        those with a gradient, less tensor-parallel duplicates."""
+        those with a gradient, less tensor-parallel duplicates. A parameter that DeepSpeed partitions
+        gives this rank's piece of its reduced fp32 gradient, there while DeepSpeed steps its group
+        (``partitioned_only``: those alone, for the later calls of a step made one group at a time)."""
+        adam = self._adam
         for i, info in enumerate(self._params):
-            if not info.tp_duplicate:
+            if info.tp_duplicate:
+                continue
+            if adam is not None and is_partitioned(info.param):
+                g = adam.fragment(info.param, "grad")
+            elif partitioned_only:
+                continue
+            else:
                 g = self._grad_of(info.param)
-                if g is not None:
-                    yield i, g
+            if g is not None:
+                yield i, g
 
-    def _reduced_grads(self, st: StepState) -> None:
+    def _reduced_grads(self, st: StepState, partitioned_only: bool = False) -> None:
         if self._dp_duplicate:
             return
         eng = self._engine
         cand_rows, cand_idx, cand_g, todo, todo_idx = [], [], [], [], []
-        for i, g in self._own_grads():
+        for i, g in self._own_grads(partitioned_only):
             last = st.last_unreduced.get(i)  # only kept where _reusable(g)
             if last is not None and last[2] is g and last[3] == g._version:
                 cand_rows.append(last[0][last[1]])
@@ -188,7 +197,7 @@ class StepCollector:
             self._add_rows(st, KIND_UPDATE, upd, idx)
             self._add_rows(st, KIND_RATIO, ratio, idx)
 
-    def _mg_direction_rows(self, st: StepState) -> None:
+    def _mg_direction_rows(self, st: StepState, partitioned_only: bool = False) -> None:
         """mg_direction at the optimizer pre-step, as the reference computes it: per parameter,
         ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
         the momentum before this update (1.0 where there is no state yet: the first step). A scalar
@@ -197,7 +206,7 @@ class StepCollector:
             return
         state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
         idx, vals = [], []
-        for i, g in self._own_grads():
+        for i, g in self._own_grads(partitioned_only):
             m = state.get(i)
             if m is not None and m.numel() != g.numel():
                 continue  # state of another shape (sharded): not this parameter's

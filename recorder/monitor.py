@@ -132,6 +132,7 @@ class TrainerMon(StepCollector):
         self._targets: Targets | None = None
         self._params: list[ParamInfo] = []
         self._opt = None
+        self._opt_groups: list = []  # the optimizer's param groups between steps
         self._wrapped = None
         self._adam: AdamState | None = None
         self._dp_duplicate = False
@@ -453,6 +454,7 @@ class TrainerMon(StepCollector):
         self._opt = opt
         self._wrapped = wrapped
         self._adam = AdamState(wrapped, opt)
+        self._opt_groups = list(opt.param_groups)
         self._opt_handles += [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
 
     # ------------------------------------------------------------------ step boundaries
@@ -510,12 +512,35 @@ class TrainerMon(StepCollector):
         self.close()
         raise Exception(PRINT_STRUCT_EXIT)  # noqa: TRY002 - the reference's documented behaviour
 
+    def _part_of_step(self, opt) -> tuple[bool, bool]:
+        """``(first, last)``: whether this call of the optimizer's step begins and ends the training
+        step. DeepSpeed's ZeRO 1/2 optimizers step the torch optimizer once per param group, with
+        ``param_groups`` cut down to that group for the call: those calls together are one training
+        step, begun by the first group's and ended by the last group's."""
+        if opt is None or opt is not self._opt:
+            return True, True
+        cur, full = opt.param_groups, self._opt_groups
+        if cur and len(cur) < len(full) and all(any(g is f for f in full) for g in cur):
+            return cur[0] is full[0], cur[-1] is full[-1]
+        self._opt_groups = list(cur)  # groups added since (add_param_group)
+        return True, True
+
     def _pre_step(self, opt, args, kwargs) -> None:
         if self._struct is not None and not self._closed:
             self._print_struct_and_exit()
         self._mark_began()
         st = self._state
         if st is None:
+            return
+        first, _ = self._part_of_step(opt)
+        if not first:  # a later group of a step made one group at a time: its gradients' pieces only
+            try:
+                if self.config.wg_distribution:
+                    self._reduced_grads(st, partitioned_only=True)
+                if self.config.mg_direction:
+                    self._mg_direction_rows(st, partitioned_only=True)
+            except Exception as exc:  # noqa: BLE001
+                self._hook_failed("optimizer pre-step", exc)
             return
         try:
             if st.pending:
@@ -531,6 +556,8 @@ class TrainerMon(StepCollector):
             self._hook_failed("optimizer pre-step", exc)
 
     def _post_step(self, opt, args, kwargs) -> None:
+        if not self._part_of_step(opt)[1]:
+            return  # the step goes on with the next param group
         finished = self._step
         st = self._state
         self._mark_began()

@@ -1,0 +1,141 @@
+"""DeepSpeed ZeRO stage 1 and 2 on CPU, two real gloo processes (DeepSpeed's CPU accelerator).
+
+ZeRO 1/2 keep the fp32 master weights, the reduced gradient and the Adam state in one flat partition
+per param group and rank, and step the torch optimizer once per param group. The monitor, given
+``optimizer=engine.optimizer.optimizer`` as the reference documents for DeepSpeed, must count one
+training step for those calls together, and record each rank's pieces of the reduced gradient and of
+the Adam state. Expected values are computed here without the monitor: this rank's own gradients with
+a copy of the net, their average over the ranks with an all-reduce, and Adam's first moment from
+those averages by its definition (``m = b1 * m + (1 - b1) * g``), cut to the piece DeepSpeed says
+this rank holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_monitor_dist import free_port, headers
+from trainmon_util import assert_close, loss_of, make, ref_stats, stats_table, write_config
+from trainrec.schema.events import HookFailed, StepEnded
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (the dev extra)")
+
+TIMEOUT = 300  # the first run builds DeepSpeed's shared-memory comm op (about a minute, then cached)
+STEPS = 3
+OPS = ["norm", "min", "max", "mean"]
+
+
+def _worker(rank: int, world: int, port: int, cfg_path: str, stage: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import deepspeed
+    import torch.distributed as dist
+    from trainrec.recorder import TrainerMon
+    from trainrec.recorder.names import squash_all
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model, _ = make(seed=0)
+    local = copy.deepcopy(model)
+    names = [n for n, _ in model.named_parameters()]
+    short = squash_all(names)
+    # two param groups, as HF's Trainer makes them (weight decay for weights, none for biases)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config={
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage}})
+    mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(engine.module, grad_acc_steps=1, optimizer=ds_opt.optimizer)
+    expected: dict = {}
+    moment = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for step in range(STEPS):
+        local.load_state_dict(engine.module.state_dict())
+        local.zero_grad()
+        loss_of(local, 10 * rank + step).backward()
+        own = {n: q.grad.detach().clone() for n, q in local.named_parameters()}
+        avg = {}
+        for n, g in own.items():
+            g = g.clone()
+            dist.all_reduce(g)
+            avg[n] = g / world
+            moment[n] = 0.9 * moment[n] + 0.1 * avg[n]
+        engine.backward(loss_of(engine, 10 * rank + step))
+        engine.step()
+        exp = expected[step] = {}
+        for n, p in engine.module.named_parameters():
+            frag = p._hp_mapping
+            row = exp[short[n]] = {"unreduced": ref_stats(own[n])}
+            if frag is not None:  # the piece of this parameter that lies in this rank's partition
+                a, k = frag.lp_fragment_address.start, frag.lp_fragment_address.numel
+                row["reduced"] = ref_stats(avg[n].flatten()[a:a + k])
+                row["exp_avg"] = ref_stats(moment[n].flatten()[a:a + k])
+                row["numel"] = [k, p.numel()]
+    mon.close()
+    with open(os.path.join(os.path.dirname(cfg_path), f"ds_{rank}.json"), "w") as f:
+        json.dump(expected, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(tmp_path, monkeypatch, stage: int):
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    cfg = write_config(tmp_path, {"wg_distribution": True, "mv_distribution": True, "ur_distribution": True,
+                                  "param_distribution": True, "ops": OPS})
+    ctx = mp.start_processes(_worker, args=(2, free_port(), cfg, stage), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"DeepSpeed ZeRO-{stage} run did not finish in {TIMEOUT} s")
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_training_step(tmp_path, monkeypatch,
+                                                                                        stage):
+    out = run(tmp_path, monkeypatch, stage)
+    h = headers(out)
+    assert sorted(h) == [0, 1]
+    holders: dict = {}
+    for r in (0, 1):
+        ev = h[r][2]
+        assert not [e for e in ev if isinstance(e, HookFailed)]
+        # the torch optimizer stepped twice per training step (one call per param group): one step each
+        ends = [e for e in ev if isinstance(e, StepEnded)]
+        assert [e.step for e in ends] == list(range(STEPS)) and all(e.collected for e in ends)
+        with open(tmp_path / f"ds_{r}.json") as f:
+            want = {int(k): v for k, v in json.load(f).items()}
+        un = stats_table(ev, "grad_unreduced")
+        red = stats_table(ev, "grad_reduced")
+        ea = stats_table(ev, "exp_avg")
+        for step, params in want.items():
+            mine = {n for n, row in params.items() if "reduced" in row}
+            assert {k[1] for k in red if k[0] == step} == mine, (r, step)
+            assert {k[1] for k in ea if k[0] == step} == mine
+            assert {k[1] for k in stats_table(ev, "ratio") if k[0] == step} == mine
+            assert {k[1] for k in stats_table(ev, "param") if k[0] == step} == set(params)
+            for name, row in params.items():
+                assert_close(un[(step, name, "", 0)], row["unreduced"], rtol=1e-5, what=f"rank {r} unreduced {name}")
+                if name in mine:
+                    assert_close(red[(step, name, "", 0)], row["reduced"], rtol=1e-5, atol=1e-7,
+                                 what=f"rank {r} reduced {name}")
+                    assert_close(ea[(step, name, "", 0)], row["exp_avg"], rtol=1e-5, atol=1e-8,
+                                 what=f"rank {r} exp_avg {name}")
+                    if step == 0:
+                        holders.setdefault(name, []).append(row["numel"])
+    # every parameter is held by the ranks together; the pieces add up to the whole parameter
+    assert len(holders) == 9
+    assert all(sum(k for k, _ in pieces) == pieces[0][1] for pieces in holders.values())
+    assert any(len(pieces) == 2 for pieces in holders.values())  # one straddles the two partitions
