@@ -216,7 +216,7 @@ class StepCollector:
             self._add_rows(st, KIND_MG_DIRECTION, scalar_rows(torch.stack(vals), self._engine.ops,
                                                               self._engine.eps), idx)
 
-    def _finish_step(self, st: StepState) -> None:
+    def _finish_step(self, st: StepState, optimizer_skipped: bool = False) -> None:
         if st.pending:
             self._flush_grads()
         writer = self._writer
@@ -236,7 +236,8 @@ class StepCollector:
                 writer.write(deferred_stats(hs, self.rank, fids, wall, self._alerts, self._names))
         self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
                              duration=time.perf_counter() - self._step_t0, collected=True,
-                             micro_steps=max([self._grad_acc, *(st.chunk_fwd or st.fwd_count).values()])))
+                             micro_steps=max([self._grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
+                             optimizer_skipped=optimizer_skipped))
 
     # ------------------------------------------------------------------ api metrics
     def _metrics(self, kind: str) -> dict:

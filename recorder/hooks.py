@@ -354,13 +354,17 @@ def make_grad_hook(mon: TrainerMon, index: int):
 
 
 def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
-    """Forward pre-hook on model chunk ``vpp``: a new micro step begins, so count it (module hooks take
-    their micro step from this count) and close the gradient batch."""
+    """Forward pre-hook on model chunk ``vpp``, installed for the whole run: a new micro step begins, so
+    count it (module hooks take their micro step from this count), close the gradient batch, and on
+    chunk 0 tell the monitor (which notices optimizer steps that never ran)."""
 
     def hook(module, args):
-        st = mon._state
-        if st is not None and module.training and not in_backward():
-            st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
+        if module.training and not in_backward():
+            if vpp == 0:
+                mon._on_micro_step()
+            st = mon._state
+            if st is not None:
+                st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
         if mon._state is not None and mon._state.pending:
             try:
                 mon._flush_grads()

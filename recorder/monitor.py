@@ -119,6 +119,10 @@ class TrainerMon(StepCollector):
         self._opt_handles: list = []
         self._global_handles: list = []
         self._struct_handles: list = []
+        self._chunk_handles: list = []
+        self._chunk0_params: list = []
+        self._forwards = 0  # training forwards of chunk 0 in this step
+        self._backward_seen = False  # and whether a backward pass ran in it
         self._state: StepState | None = None
         self._step = 0
         self._step_t0 = time.perf_counter()
@@ -260,6 +264,13 @@ class TrainerMon(StepCollector):
             self._chunks = []  # nothing installed: the caller may fix the config and call again
             raise
         self._write_structure()
+        # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step
+        self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
+                               for vpp, chunk in enumerate(self._chunks)]
+        self._chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
+        # a backward ran in this step: the first and last parameters of chunk 0 got a gradient
+        for p in {id(q): q for q in self._chunk0_params[:1] + self._chunk0_params[-1:]}.values():
+            self._chunk_handles.append(p.register_post_accumulate_grad_hook(self._on_backward))
         self._bind_optimizer(optimizer)
         if self._resumed_from:
             self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
@@ -302,7 +313,7 @@ class TrainerMon(StepCollector):
             return
         self._closed = True
         self._detach()
-        for handles in (self._opt_handles, self._global_handles, self._struct_handles):
+        for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles):
             for h in handles:
                 h.remove()
             handles.clear()
@@ -469,6 +480,8 @@ class TrainerMon(StepCollector):
         self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._began = False
+        self._forwards = 0
+        self._backward_seen = False
         if self._collects(self._step):
             if not self._step_handles:
                 self._attach()
@@ -493,9 +506,6 @@ class TrainerMon(StepCollector):
         if self.config.wg_distribution:
             for i, p in enumerate(self._params):
                 self._step_handles.append(p.param.register_post_accumulate_grad_hook(make_grad_hook(self, i)))
-        if self.config.wg_distribution or t.modules:  # micro step counter (module hooks), gradient batches
-            for vpp, chunk in enumerate(self._chunks):
-                self._step_handles.append(chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp)))
 
     def _detach(self) -> None:
         for h in self._step_handles:
@@ -556,19 +566,41 @@ class TrainerMon(StepCollector):
             self._hook_failed("optimizer pre-step", exc)
 
     def _post_step(self, opt, args, kwargs) -> None:
-        if not self._part_of_step(opt)[1]:
-            return  # the step goes on with the next param group
+        if self._part_of_step(opt)[1]:  # else the step goes on with the next param group
+            self._end_step()
+
+    def _on_backward(self, _param) -> None:
+        self._backward_seen = True
+
+    def _on_micro_step(self) -> None:
+        """A training forward of chunk 0 begins. One more than ``grad_acc_steps`` in this step, after a
+        backward pass, with every gradient of chunk 0 cleared since (``zero_grad``), means the
+        optimizer step never ran: a GradScaler or DeepSpeed found inf/NaN gradients and skipped it.
+        That step ends here, marked so, and this forward begins the next (without it, the next step's
+        rows would land in the skipped one). Several forwards before one backward (contrastive and
+        siamese nets) and accumulation beyond ``grad_acc_steps`` (gradients still there) go on."""
+        if not torch.is_grad_enabled():
+            return  # no backward follows: not a micro step
+        n = self._forwards + 1
+        if (n > self._grad_acc and self._backward_seen and self._opt is not None and not self._manual_steps
+                and not any(p.grad is not None for p in self._chunk0_params)):
+            self._end_step(optimizer_skipped=True)
+            n = 1
+        self._forwards = n
+
+    def _end_step(self, optimizer_skipped: bool = False) -> None:
         finished = self._step
         st = self._state
         self._mark_began()
         try:
             if st is not None:
-                self._optimizer_rows(st)
-                self._finish_step(st)
+                if not optimizer_skipped:
+                    self._optimizer_rows(st)
+                self._finish_step(st, optimizer_skipped)
             else:
                 self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
                                      duration=time.perf_counter() - self._step_t0, collected=False,
-                                     micro_steps=self._grad_acc))
+                                     micro_steps=self._grad_acc, optimizer_skipped=optimizer_skipped))
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer post-step", exc)
         self._state = None

@@ -92,6 +92,7 @@ class RankSummary:
     anomalies: int = 0
     dropped_records: int = 0
     hook_failures: int = 0
+    skipped_steps: list[int] = field(default_factory=list)  # optimizer steps that never ran (inf/NaN)
 
     @property
     def first_step(self) -> int | None:
@@ -118,6 +119,7 @@ class RankSummary:
             "anomalies": self.anomalies,
             "dropped_records": self.dropped_records,
             "hook_failures": self.hook_failures,
+            "optimizer_skipped_steps": self.skipped_steps,
             "closed_cleanly": self.closed_cleanly,
             "torn_bytes": sum(f.torn_bytes for f in self.files),
             "damage": sum(len(f.problems) for f in self.files),
@@ -164,6 +166,8 @@ def summarize(run: Run) -> RunSummary:
                 if t is TensorStatsRecorded:
                     rs.stats_steps.add(ev.step)
                     rs.stat_values += len(ev) * len(ev.ops)
+                elif t is StepEnded and ev.optimizer_skipped:
+                    rs.skipped_steps.append(ev.step)
             elif t is AnomalyDetected:
                 rs.anomalies += 1
             elif t is RecordsDropped:

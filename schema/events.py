@@ -174,10 +174,15 @@ class StepBegan(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepEnded(Event):
+    """A training step ended. ``optimizer_skipped``: its optimizer step never ran (``GradScaler`` or
+    DeepSpeed found inf/NaN gradients and skipped it); the recorder saw the next step's first forward
+    with the gradients cleared instead."""
+
     TAG: ClassVar[str] = "se"
     duration: float = 0.0
     collected: bool = False
     micro_steps: int = 1
+    optimizer_skipped: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

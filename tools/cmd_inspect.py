@@ -70,6 +70,9 @@ def _rank_lines(r: RankSummary) -> list[str]:
         else "no steps"
     )
     lines = [f"rank {r.rank}: {steps}, {r.stat_values} stat values, {r.anomalies} anomalies"]
+    if r.skipped_steps:
+        shown = ", ".join(map(str, r.skipped_steps[:10])) + (", ..." if len(r.skipped_steps) > 10 else "")
+        lines.append(f"  optimizer step skipped (inf/NaN gradients) at {len(r.skipped_steps)} step(s): {shown}")
     for d in r.dirs:
         lines.append(f"  dir {d}")
     for f in r.files:

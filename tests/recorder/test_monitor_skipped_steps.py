@@ -1,0 +1,124 @@
+"""Optimizer steps that never ran: torch.amp's GradScaler skips ``optimizer.step()`` when it finds
+inf/NaN gradients (DeepSpeed's fp16 overflow does the same), so no optimizer hook fires. The monitor
+notices it at the next step's first forward (more forwards than ``grad_acc_steps``, gradients
+cleared): the skipped step ends there, marked ``optimizer_skipped``, with its own (non-finite)
+gradients, and the next step's rows are the next step's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from trainmon_util import ALL_OPS, events_of, loss_of, make, stats_table, write_config
+from trainrec.recorder import TrainerMon
+from trainrec.schema.events import StepEnded
+
+
+@pytest.fixture
+def out(tmp_path, monkeypatch):
+    d = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(d))
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    return d
+
+
+def ends(events) -> list[tuple[int, bool]]:
+    return [(e.step, e.optimizer_skipped) for e in events if isinstance(e, StepEnded)]
+
+
+@pytest.mark.parametrize("grad_acc", [1, 2])
+def test_grad_scaler_skipped_step_ends_at_the_next_forward_with_its_own_gradients(tmp_path, out, grad_acc):
+    cfg = {"wg_distribution": True, "xy_distribution": True, "mv_distribution": True, "ops": ALL_OPS}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    stepped = []
+    for s in range(5):
+        for m in range(grad_acc):
+            loss = loss_of(model, 10 * s + m)
+            if s == 2:
+                loss = loss * float("inf")  # every gradient of this step is inf or NaN
+            scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        stepped.append(scaler.get_scale() == before)  # the scale halves where the step was skipped
+        opt.zero_grad()
+    mon.close()
+    assert stepped == [True, True, False, True, True]
+    ev = events_of(out)
+    assert ends(ev) == [(0, False), (1, False), (2, True), (3, False), (4, False)]
+    un = stats_table(ev, "grad_unreduced")
+    key = ("head.weight", "", grad_acc - 1)
+    assert not math.isfinite(un[(2, *key)]["norm"])
+    assert all(math.isfinite(un[(s, *key)]["norm"]) for s in (0, 1, 3, 4))
+    # each step has each micro step once: step 3's rows are step 3's, not a second set in step 2
+    assert sorted(k[3] for k in un if k[0] == 2 and k[1] == "head.weight") == list(range(grad_acc))
+    assert sorted(k[3] for k in un if k[0] == 3 and k[1] == "head.weight") == list(range(grad_acc))
+    actv = stats_table(ev, "actv")
+    assert sorted(k[3] for k in actv if k[0] == 3 and k[1:3] == ("head", "output")) == list(range(grad_acc))
+    # no optimizer step, so no reduced gradients and no Adam state rows at the skipped step
+    assert {k[0] for k in stats_table(ev, "grad_reduced")} == {0, 1, 3, 4}
+    assert {k[0] for k in stats_table(ev, "exp_avg")} == {0, 1, 3, 4}  # the state after each update
+
+
+def test_undeclared_accumulation_and_no_grad_forwards_do_not_split_steps(tmp_path, out):
+    """More forwards than grad_acc_steps while gradients are still there (accumulation the monitor was
+    not told about), and training-mode forwards under no_grad: no step is taken for skipped."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=1, optimizer=opt)
+    for s in range(3):
+        with torch.no_grad():
+            model(torch.zeros(2, 3, dtype=torch.long))  # e.g. a sample logged before the step
+        for m in range(3):
+            loss_of(model, 10 * s + m).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert ends(events_of(out)) == [(0, False), (1, False), (2, False)]
+
+
+def test_skipped_steps_are_noticed_on_steps_that_are_not_collected(tmp_path, out, capsys):
+    """step_interval=2: the skipped step 1 is not collected, and the steps after it keep their numbers."""
+    cfg = {"wg_distribution": True, "ops": ["norm"], "step_interval": 2}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for s in range(5):
+        loss = loss_of(model, s) * (float("inf") if s == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    assert ends(ev) == [(0, False), (1, True), (2, False), (3, False), (4, False)]
+    assert {k[0] for k in stats_table(ev, "grad_unreduced")} == {0, 2, 4}
+    # `trainrec inspect` names them
+    from trainmon_util import rank_dirs
+    from trainrec.tools.cli import main
+
+    assert main(["inspect", rank_dirs(out)[0]]) == 0
+    assert "optimizer step skipped (inf/NaN gradients) at 1 step(s): 1" in capsys.readouterr().out
+
+
+def test_two_forwards_before_one_backward_do_not_split_steps(tmp_path, out):
+    """A siamese/contrastive step: two forwards of the model, then one backward (gradients are all
+    None at the second forward, as after a skipped step, but no backward ran yet in this step)."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for s in range(3):
+        a = model(torch.zeros(2, 3, dtype=torch.long) + s)
+        b = model(torch.ones(2, 3, dtype=torch.long) + s)
+        (a - b).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert ends(events_of(out)) == [(0, False), (1, False), (2, False)]
