@@ -41,10 +41,10 @@ from trainrec.schema.events import (
 )
 from trainrec.schema.naming import reference_tag
 
-from . import fused
+from . import fused, zero
 from .fused import local_tensor
 from .hooks import StepState, in_backward
-from .optim import fused_adam_rows, is_partitioned, update_and_ratio
+from .optim import fused_adam_rows, update_and_ratio
 from .stats import StatsPart, build_stats_events
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class StepCollector:
         for i, info in enumerate(self._params):
             if info.tp_duplicate:
                 continue
-            if adam is not None and is_partitioned(info.param):
+            if adam is not None and zero.is_partitioned(info.param):
                 g = adam.fragment(info.param, "grad")
             elif partitioned_only:
                 continue
@@ -161,6 +161,23 @@ class StepCollector:
                     todo_idx.append(cand_idx[k])
         if todo:
             self._add_rows(st, KIND_GRAD_REDUCED, eng.compute(todo), todo_idx)
+
+    def _param_pieces(self) -> tuple[list, list]:
+        """The monitored parameters as this rank holds them, and their indices: under ZeRO 3, the
+        rank's piece of each (outside its forward a parameter is empty there; a parameter wholly in
+        other ranks' partitions is left out)."""
+        tensors, indices = [], []
+        for i, info in enumerate(self._params):
+            p = info.param
+            if self._z3 is not None:
+                piece = zero.local_param(p)
+                if piece is not None:
+                    if not piece.numel():
+                        continue
+                    p = piece
+            tensors.append(p)
+            indices.append(i)
+        return tensors, indices
 
     def _param_rows(self, st: StepState, kind: str, tensors, indices) -> None:
         tensors = list(tensors)

@@ -60,7 +60,7 @@ from trainrec.schema.events import (
     StepEnded,
 )
 
-from . import runinfo, structure
+from . import runinfo, structure, zero
 from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
 from .hooks import StepState, make_chunk_pre_hook, make_grad_hook
@@ -137,6 +137,7 @@ class TrainerMon(StepCollector):
         self._params: list[ParamInfo] = []
         self._opt = None
         self._opt_groups: list = []  # the optimizer's param groups between steps
+        self._z3 = None  # DeepSpeed's ZeRO 3 optimizer, where it partitions the model
         self._wrapped = None
         self._adam: AdamState | None = None
         self._dp_duplicate = False
@@ -466,6 +467,7 @@ class TrainerMon(StepCollector):
         self._wrapped = wrapped
         self._adam = AdamState(wrapped, opt)
         self._opt_groups = list(opt.param_groups)
+        self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
         self._opt_handles += [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
 
     # ------------------------------------------------------------------ step boundaries
@@ -524,11 +526,13 @@ class TrainerMon(StepCollector):
 
     def _part_of_step(self, opt) -> tuple[bool, bool]:
         """``(first, last)``: whether this call of the optimizer's step begins and ends the training
-        step. DeepSpeed's ZeRO 1/2 optimizers step the torch optimizer once per param group, with
-        ``param_groups`` cut down to that group for the call: those calls together are one training
-        step, begun by the first group's and ended by the last group's."""
+        step. DeepSpeed's ZeRO optimizers step the torch optimizer once per param group (ZeRO 1/2, with
+        ``param_groups`` cut down to that group for the call) or sub-group (ZeRO 3): those calls
+        together are one training step, begun by the first group's and ended by the last group's."""
         if opt is None or opt is not self._opt:
             return True, True
+        if self._z3 is not None:  # ZeRO 3 empties the other sub-groups' params lists instead
+            return zero.step_part(opt, self._z3)
         cur, full = opt.param_groups, self._opt_groups
         if cur and len(cur) < len(full) and all(any(g is f for f in full) for g in cur):
             return cur[0] is full[0], cur[-1] is full[-1]
@@ -559,7 +563,7 @@ class TrainerMon(StepCollector):
             if cfg.wg_distribution:
                 self._reduced_grads(st)
             if cfg.param_distribution:
-                self._param_rows(st, KIND_PARAM, [p.param for p in self._params], range(len(self._params)))
+                self._param_rows(st, KIND_PARAM, *self._param_pieces())
             if cfg.mg_direction:
                 self._mg_direction_rows(st)
         except Exception as exc:  # noqa: BLE001

@@ -16,15 +16,11 @@ same position in ``fp32_from_float16_groups`` as the model parameter in ``float1
 torch's own ``ZeroRedundancyOptimizer`` is followed to its local optimizer (``.optim``), whose state
 is keyed by the real parameters: each rank records the Adam state of its shard.
 
-DeepSpeed's ZeRO stage 1 and 2 optimizers (and its ``BF16_Optimizer``) keep one flat fp32 partition per
-param group, with one flat Adam state each; every model parameter that has a piece in this rank's
-partition carries DeepSpeed's own map to it (``param._hp_mapping``: group index and the piece's
-offset and length in the flat partition; None where the parameter lies wholly in other ranks'
-partitions). :meth:`AdamState.fragment` follows that map to this rank's piece of the state (and of the
-reduced fp32 gradient, ``flat.grad``, which DeepSpeed sets for the optimizer step): each rank records
-the statistics of its own pieces, as with FSDP2's shards. Where the map is not there (ZeRO 3,
-Megatron's DistributedOptimizer), parameters without a found state get no rows (a warning says so
-once).
+DeepSpeed ZeRO (stages 1-3) keeps the state in flat fp32 partitions: :mod:`.zero` finds this rank's
+piece of each parameter there, and :meth:`AdamState.fragment` gives that piece of the state (and of the
+reduced fp32 gradient, which DeepSpeed sets for the optimizer step): each rank records the statistics
+of its own pieces, as with FSDP2's shards. Megatron's DistributedOptimizer is not mapped: parameters
+without a found state get no rows (a warning says so once).
 
 ``update`` is the bias-corrected Adam direction ``m̂ / (sqrt(v̂) + eps)`` and ``ratio`` is ``m̂ / sqrt(v̂)``,
 as the reference defines them, except that ``ratio`` is 0 where ``v̂ == 0`` (``m̂`` is 0 there too: an
@@ -40,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import fused
+from . import fused, zero
 
 log = logging.getLogger(__name__)
 
@@ -102,25 +98,12 @@ class AdamState:
 
     def fragment(self, p: torch.Tensor, what: str) -> torch.Tensor | None:
         """This rank's piece of DeepSpeed-partitioned ``p``'s ``what`` (``"grad"``: the reduced fp32
-        gradient while DeepSpeed steps this group; else an optimizer state key), as a view into the flat
-        buffer; None where this rank holds no piece of ``p`` or the buffer is not there (yet). Only for
-        parameters with :func:`is_partitioned`."""
-        frag = p._hp_mapping
-        flat = self._flat_of(frag) if frag is not None else None
-        if flat is None:
+        gradient while DeepSpeed steps its group; else an optimizer state key), a view into the flat
+        partition; None where this rank holds no piece of ``p`` or there is none (yet)."""
+        pc = zero.piece_of(p, self._groups)
+        if pc is None:
             return None
-        return _piece(flat.grad if what == "grad" else self.torch_opt.state.get(flat, {}).get(what), flat, frag)
-
-    def _flat_of(self, frag) -> torch.Tensor | None:
-        """The flat fp32 partition (a parameter of the torch optimizer) that ``frag``'s piece lies in."""
-        groups = self._groups
-        gi = getattr(frag, "param_group_index", None)
-        cands = groups[gi]["params"] if isinstance(gi, int) and 0 <= gi < len(groups) else ()
-        ptr = frag.hp_fragment.untyped_storage().data_ptr()
-        for flat in (*cands, *(q for g in groups for q in g["params"])):
-            if flat.untyped_storage().data_ptr() == ptr:
-                return flat
-        return None
+        return _narrow(pc.flat.grad if what == "grad" else self.torch_opt.state.get(pc.flat, {}).get(what), pc)
 
     def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
         """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state."""
@@ -130,24 +113,24 @@ class AdamState:
         device_steps: dict[int, float] = {}  # id(param group) -> step read from a device tensor
         for i, p in enumerate(params):
             sp = self.state_param(p)
-            if is_partitioned(sp):
-                frag = sp._hp_mapping
-                if frag is None:
+            if zero.is_partitioned(sp):
+                pc = zero.piece_of(sp, self._groups)
+                if pc is None:
                     continue  # wholly in other ranks' partitions: theirs to record
-                sp = self._flat_of(frag)
-                st = state.get(sp) if sp is not None else None
-                m = _piece(st.get("exp_avg"), sp, frag) if st else None
-                v = _piece(st.get("exp_avg_sq"), sp, frag) if st else None
+                st = state.get(pc.flat)
+                m = _narrow(st.get("exp_avg"), pc) if st else None
+                v = _narrow(st.get("exp_avg_sq"), pc) if st else None
                 if m is None or v is None:
                     missing += 1
                     continue
+                group = self._groups[pc.group] if pc.group is not None else {}
             else:
                 st = state.get(sp)
                 if not st or "exp_avg" not in st or "exp_avg_sq" not in st:
                     missing += 1
                     continue
                 m, v = st["exp_avg"], st["exp_avg_sq"]
-            group = self._group_of.get(id(sp), {})
+                group = self._group_of.get(id(sp), {})
             step = st.get("step", 0)
             if isinstance(step, torch.Tensor):
                 if step.device.type == "cpu":
@@ -167,18 +150,11 @@ class AdamState:
         return out
 
 
-def is_partitioned(p: torch.Tensor) -> bool:
-    """Whether DeepSpeed keeps ``p``'s master copy, gradient and optimizer state in flat partitions
-    (ZeRO 1/2, BF16_Optimizer: it has ``_hp_mapping``, None where this rank holds no piece)."""
-    return hasattr(p, "_hp_mapping")
-
-
-def _piece(src: torch.Tensor | None, flat: torch.Tensor, frag) -> torch.Tensor | None:
-    """``frag``'s piece of ``src``, a tensor laid out as the flat partition ``flat``."""
-    if src is None or src.shape != flat.shape:
+def _narrow(src: torch.Tensor | None, pc: zero.Piece) -> torch.Tensor | None:
+    """``pc``'s piece of ``src``, a tensor laid out as the flat partition ``pc.flat``."""
+    if src is None or src.shape != pc.flat.shape:
         return None
-    a = frag.hp_fragment_address
-    return src.narrow(0, a.start, a.numel)
+    return src.narrow(0, pc.start, pc.count)
 
 
 def _read_device_step(step: torch.Tensor) -> float:

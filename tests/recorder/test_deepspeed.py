@@ -1,13 +1,14 @@
-"""DeepSpeed ZeRO stage 1 and 2 on CPU, two real gloo processes (DeepSpeed's CPU accelerator).
+"""DeepSpeed ZeRO stages 1, 2 and 3 on CPU, two real gloo processes (DeepSpeed's CPU accelerator).
 
-ZeRO 1/2 keep the fp32 master weights, the reduced gradient and the Adam state in one flat partition
-per param group and rank, and step the torch optimizer once per param group. The monitor, given
+ZeRO keeps the fp32 master weights, the reduced gradient and the Adam state in one flat partition
+per param group (ZeRO 3: sub-group) and rank, and steps the torch optimizer once per group; ZeRO 3
+also partitions the model's parameters themselves. The monitor, given
 ``optimizer=engine.optimizer.optimizer`` as the reference documents for DeepSpeed, must count one
 training step for those calls together, and record each rank's pieces of the reduced gradient and of
 the Adam state. Expected values are computed here without the monitor: this rank's own gradients with
 a copy of the net, their average over the ranks with an all-reduce, and Adam's first moment from
 those averages by its definition (``m = b1 * m + (1 - b1) * g``), cut to the piece DeepSpeed says
-this rank holds.
+this rank holds (ZeRO 1/2: ``param._hp_mapping``; ZeRO 3: the rank's slice of each parameter).
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, stage: int) -> None
     mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(engine.module, grad_acc_steps=1, optimizer=ds_opt.optimizer)
     expected: dict = {}
-    moment = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    moment = {n: torch.zeros_like(q) for n, q in local.named_parameters()}
+    params = list(engine.module.parameters())
     for step in range(STEPS):
-        local.load_state_dict(engine.module.state_dict())
+        with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):  # ZeRO 3: whole for a moment
+            local.load_state_dict(engine.module.state_dict())
         local.zero_grad()
         loss_of(local, 10 * rank + step).backward()
         own = {n: q.grad.detach().clone() for n, q in local.named_parameters()}
@@ -71,11 +74,19 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, stage: int) -> None
         engine.backward(loss_of(engine, 10 * rank + step))
         engine.step()
         exp = expected[step] = {}
+        before = dict(local.named_parameters())  # the values the optimizer pre-step saw
         for n, p in engine.module.named_parameters():
-            frag = p._hp_mapping
             row = exp[short[n]] = {"unreduced": ref_stats(own[n])}
-            if frag is not None:  # the piece of this parameter that lies in this rank's partition
-                a, k = frag.lp_fragment_address.start, frag.lp_fragment_address.numel
+            if stage == 3:  # every parameter is cut into equal slices, one per rank (the last padded)
+                k = p.ds_tensor.numel()
+                a = rank * k
+                k = min(k, p.ds_numel - a)
+                row["param"] = ref_stats(before[n].detach().flatten()[a:a + k])
+            elif p._hp_mapping is not None:  # the piece of this parameter in this rank's partition
+                a, k = p._hp_mapping.lp_fragment_address.start, p._hp_mapping.lp_fragment_address.numel
+            else:
+                k = 0
+            if k > 0:
                 row["reduced"] = ref_stats(avg[n].flatten()[a:a + k])
                 row["exp_avg"] = ref_stats(moment[n].flatten()[a:a + k])
                 row["numel"] = [k, p.numel()]
@@ -102,7 +113,7 @@ def run(tmp_path, monkeypatch, stage: int):
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_training_step(tmp_path, monkeypatch,
                                                                                         stage):
     out = run(tmp_path, monkeypatch, stage)
@@ -125,8 +136,11 @@ def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_traini
             assert {k[1] for k in red if k[0] == step} == mine, (r, step)
             assert {k[1] for k in ea if k[0] == step} == mine
             assert {k[1] for k in stats_table(ev, "ratio") if k[0] == step} == mine
-            assert {k[1] for k in stats_table(ev, "param") if k[0] == step} == set(params)
+            par = stats_table(ev, "param")
+            assert {k[1] for k in par if k[0] == step} == set(params)
             for name, row in params.items():
+                if "param" in row:
+                    assert_close(par[(step, name, "", 0)], row["param"], rtol=1e-5, what=f"rank {r} param {name}")
                 assert_close(un[(step, name, "", 0)], row["unreduced"], rtol=1e-5, what=f"rank {r} unreduced {name}")
                 if name in mine:
                     assert_close(red[(step, name, "", 0)], row["reduced"], rtol=1e-5, atol=1e-7,
