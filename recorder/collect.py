@@ -13,6 +13,10 @@ comes first, so ``.grad`` is measured before the next micro step accumulates int
 gradient that is a view into a shared buffer (DDP bucket views, Megatron's grad buffer) is measured
 in its own hook, with the queue: the buffer's owner changes it in place right after (DDP divides it
 by the world size and all-reduces the bucket while backward goes on).
+A parameter that DeepSpeed ZeRO partitions is measured in a gradient hook that runs before the
+gradient is accumulated (DeepSpeed's own post-accumulate-grad hook moves it into a bucket that is
+reduced while backward goes on): its unreduced row is that micro step's gradient on this rank
+(DeepSpeed accumulates micro steps in its own partitions, not in ``.grad``).
 Reduced gradients (optimizer pre-step) are measured again where the one-pass kernel measures them
 (CPU, any dtype but float64): the check below would read the whole gradient too, so a second
 measurement costs the same and depends on nothing. Elsewhere (the torch reductions) they reuse the
@@ -58,7 +62,9 @@ class StepCollector:
         g = self._main_grad_of(p)
         return g if g is not None else p.grad
 
-    def _on_grad_accumulated(self, index: int) -> None:
+    def _on_grad_accumulated(self, index: int, incoming: torch.Tensor | None = None) -> None:
+        """Parameter ``index`` got its gradient in this micro step (``incoming``: the gradient itself,
+        given before its accumulation where DeepSpeed partitions the parameter; measured at once)."""
         st = self._state
         if index in st.pending_set:
             self._flush_grads()
@@ -70,7 +76,10 @@ class StepCollector:
         # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
         # change it, before the batch is measured). main_grad is not: the owner (Megatron) adds .grad
         # into it after this hook, so it is looked up when the batch is measured.
-        g = None if self._main_grad_of(info.param) is not None else info.param.grad
+        if incoming is not None:
+            g = incoming
+        else:
+            g = None if self._main_grad_of(info.param) is not None else info.param.grad
         if not st.pending and in_backward():
             # the batch is measured at the end of this backward at the latest: before DDP's own
             # end-of-backward callback (queued at its first gradient hook, after this one) copies the
@@ -78,7 +87,7 @@ class StepCollector:
             _queue_end_of_backward(self._end_of_backward_flush)
         st.pending.append((index, micro, call, g))
         st.pending_set.add(index)
-        if len(st.pending) >= len(self._params) or _in_shared_buffer(g):
+        if len(st.pending) >= len(self._params) or incoming is not None or _in_shared_buffer(g):
             self._flush_grads()
 
     def _end_of_backward_flush(self) -> None:

@@ -339,14 +339,16 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
     return hook
 
 
-def make_grad_hook(mon: TrainerMon, index: int):
-    """Post-accumulate-grad hook of monitored parameter ``index``."""
+def make_grad_hook(mon: TrainerMon, index: int, incoming: bool = False):
+    """Post-accumulate-grad hook of monitored parameter ``index``; with ``incoming``, a gradient hook
+    on the parameter instead (``Tensor.register_hook``: it runs before the gradient is accumulated,
+    and before any post-accumulate-grad hook), given this micro step's gradient."""
 
-    def hook(param):
+    def hook(param_or_grad):
         if mon._state is None:
             return
         try:
-            mon._on_grad_accumulated(index)
+            mon._on_grad_accumulated(index, param_or_grad if incoming else None)
         except Exception as exc:  # noqa: BLE001
             mon._hook_failed(f"gradient hook of {mon._params[index].name!r}", exc)
 

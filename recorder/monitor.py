@@ -507,7 +507,13 @@ class TrainerMon(StepCollector):
         self._step_handles = t.attach(self)
         if self.config.wg_distribution:
             for i, p in enumerate(self._params):
-                self._step_handles.append(p.param.register_post_accumulate_grad_hook(make_grad_hook(self, i)))
+                if zero.is_partitioned(p.param):
+                    # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
+                    # the gradient into its buckets, where it is reduced while backward goes on
+                    h = p.param.register_hook(make_grad_hook(self, i, incoming=True))
+                else:
+                    h = p.param.register_post_accumulate_grad_hook(make_grad_hook(self, i))
+                self._step_handles.append(h)
 
     def _detach(self) -> None:
         for h in self._step_handles:

@@ -33,7 +33,7 @@ STEPS = 3
 OPS = ["norm", "min", "max", "mean"]
 
 
-def _worker(rank: int, world: int, port: int, cfg_path: str, stage: int) -> None:
+def _worker(rank: int, world: int, port: int, cfg_path: str, variant: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -42,6 +42,10 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, stage: int) -> None
     from trainrec.recorder import TrainerMon
     from trainrec.recorder.names import squash_all
 
+    stage = int(variant[0])
+    zero = {"stage": stage}
+    if variant.endswith("buckets"):  # several reductions per backward, overlapping it
+        zero.update(overlap_comm=True, reduce_bucket_size=100, allgather_bucket_size=100)
     deepspeed.init_distributed(dist_backend="gloo")
     model, _ = make(seed=0)
     local = copy.deepcopy(model)
@@ -53,7 +57,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, stage: int) -> None
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config={
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage}})
+        "zero_optimization": zero})
     mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(engine.module, grad_acc_steps=1, optimizer=ds_opt.optimizer)
     expected: dict = {}
@@ -97,26 +101,26 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, stage: int) -> None
     dist.destroy_process_group()
 
 
-def run(tmp_path, monkeypatch, stage: int):
+def run(tmp_path, monkeypatch, variant: str):
     out = tmp_path / "out"
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     cfg = write_config(tmp_path, {"wg_distribution": True, "mv_distribution": True, "ur_distribution": True,
                                   "param_distribution": True, "ops": OPS})
-    ctx = mp.start_processes(_worker, args=(2, free_port(), cfg, stage), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(2, free_port(), cfg, variant), nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"DeepSpeed ZeRO-{stage} run did not finish in {TIMEOUT} s")
+            pytest.fail(f"DeepSpeed ZeRO-{variant} run did not finish in {TIMEOUT} s")
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("variant", ["1", "2", "2-buckets", "3", "3-buckets"])
 def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_training_step(tmp_path, monkeypatch,
-                                                                                        stage):
-    out = run(tmp_path, monkeypatch, stage)
+                                                                                        variant):
+    out = run(tmp_path, monkeypatch, variant)
     h = headers(out)
     assert sorted(h) == [0, 1]
     holders: dict = {}
