@@ -123,6 +123,7 @@ class TrainerMon(StepCollector):
         self._chunk0_params: list = []
         self._forwards = 0  # training forwards of chunk 0 in this step
         self._backward_seen = False  # and whether a backward pass ran in it
+        self._skips_in_a_row = 0
         self._state: StepState | None = None
         self._step = 0
         self._step_t0 = time.perf_counter()
@@ -596,9 +597,16 @@ class TrainerMon(StepCollector):
                 and not any(p.grad is not None for p in self._chunk0_params)):
             self._end_step(optimizer_skipped=True)
             n = 1
+            self._skips_in_a_row += 1
+            if self._skips_in_a_row == _SKIPS_TO_WARN:
+                _warn_once("skips", f"trainrec: {_SKIPS_TO_WARN} optimizer steps in a row never ran (inf/NaN gradients "
+                           f"skipped by a loss scaler?); if this run accumulates gradients over more than "
+                           f"grad_acc_steps={self._grad_acc} micro steps, pass the right grad_acc_steps")
         self._forwards = n
 
     def _end_step(self, optimizer_skipped: bool = False) -> None:
+        if not optimizer_skipped:
+            self._skips_in_a_row = 0
         finished = self._step
         st = self._state
         self._mark_began()
@@ -652,6 +660,9 @@ class TrainerMon(StepCollector):
 
 _MAX_FAILURE_EVENTS = 10
 _warned: set[str] = set()
+
+
+_SKIPS_TO_WARN = 8
 
 
 def _warn_unrecorded(cfg: MonitorConfig) -> None:

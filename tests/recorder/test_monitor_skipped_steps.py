@@ -122,3 +122,23 @@ def test_two_forwards_before_one_backward_do_not_split_steps(tmp_path, out):
         opt.zero_grad()
     mon.close()
     assert ends(events_of(out)) == [(0, False), (1, False), (2, False)]
+
+
+def test_many_skipped_steps_in_a_row_warn_once_about_grad_acc_steps(tmp_path, out, caplog):
+    """Eight steps in a row without an optimizer step: either the loss scaler keeps finding inf/NaN, or
+    the run accumulates over more micro steps than it said (grad_acc_steps); the warning names both."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        for s in range(12):
+            scaler.scale(loss_of(model, s) * float("inf")).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        mon.close()
+    warned = [r.getMessage() for r in caplog.records if "in a row never ran" in r.getMessage()]
+    assert len(warned) == 1 and "grad_acc_steps=1" in warned[0]
+    assert ends(events_of(out)) == [(s, True) for s in range(11)]  # step 11 had no next forward
