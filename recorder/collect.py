@@ -243,6 +243,14 @@ class StepCollector:
                                                               self._engine.eps), idx)
 
     def _finish_step(self, st: StepState, optimizer_skipped: bool = False) -> None:
+        self._write_step(st)
+        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
+                             duration=time.perf_counter() - self._step_t0, collected=True,
+                             micro_steps=max([self._grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
+                             optimizer_skipped=optimizer_skipped))
+
+    def _write_step(self, st: StepState) -> None:
+        """The step's hook firings and statistics, to the log (and to the api metrics)."""
         if st.pending:
             self._flush_grads()
         writer = self._writer
@@ -260,10 +268,6 @@ class StepCollector:
                                         micro_steps=st.micro.tobytes()))
             if hs.kinds:
                 writer.write(deferred_stats(hs, self.rank, fids, wall, self._alerts, self._names))
-        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
-                             duration=time.perf_counter() - self._step_t0, collected=True,
-                             micro_steps=max([self._grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
-                             optimizer_skipped=optimizer_skipped))
 
     # ------------------------------------------------------------------ api metrics
     def _metrics(self, kind: str) -> dict:

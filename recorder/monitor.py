@@ -315,6 +315,14 @@ class TrainerMon(StepCollector):
             return
         self._closed = True
         self._detach()
+        st = self._state
+        if st is not None and (st.stats or st.pending or len(st.mod_ids)):
+            # a step that never ended (an exception, a signal, a NaN check that stopped the run): what
+            # it recorded is written, with no StepEnded after it, for the post-mortem
+            try:
+                self._write_step(st)
+            except Exception as exc:  # noqa: BLE001
+                self._hook_failed("the unfinished step at close", exc)
         for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles):
             for h in handles:
                 h.remove()

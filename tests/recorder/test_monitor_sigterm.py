@@ -52,3 +52,44 @@ def test_sigterm_closes_the_log(tmp_path):
     assert isinstance(events[-1], FileClosed) and reader.closed_cleanly
     assert events[-1].reason == "sigterm"
     assert sum(isinstance(e, StepEnded) for e in events) >= 3
+
+
+CRASH = textwrap.dedent("""
+    import sys, torch
+    from trainrec.recorder import TrainerMon
+    mon = TrainerMon({"xy_distribution": True, "wg_distribution": True, "format": "csv",
+                      "ops": ["norm", "nans"]}, live_export=False,
+                     output_dir=sys.argv[1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        if step == 2:
+            x[0, 0] = float("nan")
+        loss = model(x).sum()
+        loss.backward()
+        if not torch.isfinite(loss):
+            raise RuntimeError("loss is not finite")  # the run stops before its optimizer step
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def test_a_step_cut_short_by_an_exception_keeps_its_rows(tmp_path):
+    """The training script raises between backward and the optimizer step (a NaN check): at exit the
+    monitor writes what that step recorded (activations, gradients with their NaNs), with no StepEnded
+    for it, so the post-mortem sees the step that went wrong."""
+    from trainmon_util import stats_table
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", CRASH, str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "loss is not finite" in proc.stderr
+    (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
+    reader, events = read_log(log_path)
+    assert reader.problems == [] and reader.closed_cleanly
+    assert [e.step for e in events if isinstance(e, StepEnded)] == [0, 1]
+    un = stats_table(events, "grad_unreduced")
+    assert un[(2, "0.weight", "", 0)]["nans"] > 0 and un[(1, "0.weight", "", 0)]["nans"] == 0
+    assert stats_table(events, "actv")[(2, "0", "output", 0)]["nans"] > 0
