@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,8 +17,14 @@ from trainrec.schema.events import TensorStatsRecorded
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize(("script", "args"), [("plain_loop.py", ["--steps", "3", "--grad-acc", "2"]),
-                                              ("hf_trainer_callback.py", ["--steps", "2"])])
+_NO_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+
+
+@pytest.mark.parametrize(("script", "args"), [
+    ("plain_loop.py", ["--steps", "3", "--grad-acc", "2"]),
+    ("hf_trainer_callback.py", ["--steps", "2"]),
+    pytest.param("deepspeed_zero.py", ["--steps", "2", "--stage", "3", "--grad-acc", "2"], marks=_NO_DEEPSPEED),
+])
 def test_examples_record_a_run(tmp_path, script, args):
     env = dict(os.environ, MONITOR_OUTPUT_DIR=str(tmp_path / "out"))
     env.pop("DYNAMIC_MONITOR", None)
