@@ -135,6 +135,8 @@ class StepCollector:
                 g = adam.fragment(info.param, "grad")
             elif partitioned_only:
                 continue
+            elif adam is not None and adam.sharded:  # Megatron's DistributedOptimizer: this rank's shard
+                g = adam.shard_grad(info.param)
             else:
                 g = self._grad_of(info.param)
             if g is not None:

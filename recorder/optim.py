@@ -19,8 +19,10 @@ is keyed by the real parameters: each rank records the Adam state of its shard.
 DeepSpeed ZeRO (stages 1-3) keeps the state in flat fp32 partitions: :mod:`.zero` finds this rank's
 piece of each parameter there, and :meth:`AdamState.fragment` gives that piece of the state (and of the
 reduced fp32 gradient, which DeepSpeed sets for the optimizer step): each rank records the statistics
-of its own pieces, as with FSDP2's shards. Megatron's DistributedOptimizer is not mapped: parameters
-without a found state get no rows (a warning says so once).
+of its own pieces, as with FSDP2's shards. Megatron's DistributedOptimizer gives each rank fp32
+shards of the parameters in its range (``model_float16_groups`` / ``shard_fp32_from_float16_groups``):
+their state and, at the step, their gradients are that rank's. Parameters without a found state get
+no rows (a warning says so once when none has one).
 
 ``update`` is the bias-corrected Adam direction ``m̂ / (sqrt(v̂) + eps)`` and ``ratio`` is ``m̂ / sqrt(v̂)``,
 as the reference defines them, except that ``ratio`` is 0 where ``v̂ == 0`` (``m̂`` is 0 there too: an
@@ -73,18 +75,33 @@ def torch_optimizer_of(opt) -> torch.optim.Optimizer | None:
     return None
 
 
+# (model parameters, their fp32 masters) group attributes of mixed-precision wrappers, in the same
+# order: Megatron's Float16OptimizerWithFloat16Params (a whole fp32 copy per parameter), and its
+# DistributedOptimizer (this rank's fp32 shard of each parameter in its range; for fp32 parameters
+# the shard is a view into the parameter), as the reference maps them.
+_MASTER_GROUPS = (
+    ("float16_groups", "fp32_from_float16_groups"),
+    ("model_float16_groups", "shard_fp32_from_float16_groups"),
+    ("model_fp32_groups", "shard_fp32_groups"),
+)
+
+
 class AdamState:
     """Maps model parameters to their Adam state in a (possibly wrapped) optimizer."""
 
     def __init__(self, wrapped, torch_opt: torch.optim.Optimizer) -> None:
         self.torch_opt = torch_opt
         self._master: dict[int, torch.Tensor] = {}
-        fp16_groups = getattr(wrapped, "float16_groups", None)
-        fp32_groups = getattr(wrapped, "fp32_from_float16_groups", None)
-        if fp16_groups is not None and fp32_groups is not None:
-            for g16, g32 in zip(fp16_groups, fp32_groups, strict=False):
-                for p16, p32 in zip(g16, g32, strict=False):
-                    self._master[id(p16)] = p32
+        self._shards: set[int] = set()  # model parameters whose master is this rank's shard of it
+        for model_attr, main_attr in _MASTER_GROUPS:
+            model_groups, main_groups = getattr(wrapped, model_attr, None), getattr(wrapped, main_attr, None)
+            if model_groups is None or main_groups is None:
+                continue
+            for g_model, g_main in zip(model_groups, main_groups, strict=False):
+                for p_model, p_main in zip(g_model, g_main, strict=False):
+                    self._master[id(p_model)] = p_main
+                    if main_attr.startswith("shard_"):
+                        self._shards.add(id(p_model))
         self._group_of: dict[int, dict] = {}
         # the groups as they are between steps (DeepSpeed cuts param_groups to one group per call of step)
         self._groups = list(torch_opt.param_groups)
@@ -95,6 +112,18 @@ class AdamState:
 
     def state_param(self, p: torch.Tensor) -> torch.Tensor:
         return self._master.get(id(p), p)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the masters are this rank's shards of the parameters (Megatron's DistributedOptimizer)."""
+        return bool(self._shards)
+
+    def shard_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the optimizer is about to apply to this rank's shard of ``p`` (reduce-scattered,
+        unscaled and clipped by Megatron, set on the fp32 shard for the step); None outside the step
+        and where ``p`` has no shard on this rank. ``p``'s own ``main_grad`` is reduced only in this
+        rank's range, so it is not used."""
+        return self._master[id(p)].grad if id(p) in self._shards else None
 
     def fragment(self, p: torch.Tensor, what: str) -> torch.Tensor | None:
         """This rank's piece of DeepSpeed-partitioned ``p``'s ``what`` (``"grad"``: the reduced fp32
