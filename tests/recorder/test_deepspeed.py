@@ -17,13 +17,11 @@ import copy
 import importlib.util
 import json
 import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from test_monitor_dist import free_port, headers
-from trainmon_util import assert_close, loss_of, make, ref_stats, stats_table, write_config
+from trainmon_util import assert_close, loss_of, make, ref_stats, spawn_and_join, stats_table, write_config
 from trainrec.schema.events import HookFailed, StepEnded
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (the dev extra)")
@@ -107,13 +105,7 @@ def run(tmp_path, monkeypatch, variant: str):
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     cfg = write_config(tmp_path, {"wg_distribution": True, "mv_distribution": True, "ur_distribution": True,
                                   "param_distribution": True, "ops": OPS})
-    ctx = mp.start_processes(_worker, args=(2, free_port(), cfg, variant), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"DeepSpeed ZeRO-{variant} run did not finish in {TIMEOUT} s")
+    spawn_and_join(_worker, (2, free_port(), cfg, variant), 2, TIMEOUT, f"DeepSpeed ZeRO-{variant} run")
     return out
 
 

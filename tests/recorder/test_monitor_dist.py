@@ -6,13 +6,11 @@ from __future__ import annotations
 import glob
 import os
 import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from trainmon_util import events_of, loss_of, make, rank_dirs, stats_table, write_config
+from trainmon_util import events_of, loss_of, make, rank_dirs, spawn_and_join, stats_table, write_config
 from trainrec.schema.events import FileOpened
 
 TIMEOUT = 120
@@ -158,14 +156,7 @@ def run(world: int, tmp_path, monkeypatch, mode: str, cfg: dict | None = None) -
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     cfg = write_config(tmp_path, cfg or {"wg_distribution": True, "ops": ["norm", "max"]})
-    ctx = mp.start_processes(_worker, args=(world, free_port(), cfg, mode), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world}-process gloo run did not finish in {TIMEOUT} s")
+    spawn_and_join(_worker, (world, free_port(), cfg, mode), world, TIMEOUT, f"{world}-process gloo run")
     return out
 
 

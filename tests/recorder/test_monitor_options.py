@@ -29,14 +29,6 @@ from trainrec.schema.events import (
 )
 
 
-@pytest.fixture
-def out(tmp_path, monkeypatch):
-    d = tmp_path / "out"
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(d))
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    return d
-
-
 def train(tmp_path, cfg: dict, steps: int = 3, grad_acc: int = 1, close: bool = True, **kw):
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
     model, opt = make()

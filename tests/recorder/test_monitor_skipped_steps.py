@@ -15,14 +15,6 @@ from trainrec.recorder import TrainerMon
 from trainrec.schema.events import StepEnded
 
 
-@pytest.fixture
-def out(tmp_path, monkeypatch):
-    d = tmp_path / "out"
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(d))
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    return d
-
-
 def ends(events) -> list[tuple[int, bool]]:
     return [(e.step, e.optimizer_skipped) for e in events if isinstance(e, StepEnded)]
 

@@ -116,3 +116,20 @@ def assert_close(got: dict, want: dict, rtol: float = 2e-4, atol: float = 1e-6, 
             continue
         g = got[op]
         assert abs(g - v) <= atol + rtol * abs(v), f"{what} {op}: recorded {g}, expected {v}"
+
+
+def spawn_and_join(worker, args: tuple, nprocs: int, timeout: float, what: str) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes; fail the test (killing them) when they
+    do not all finish within ``timeout`` seconds; a worker's exception fails it too."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what} did not finish in {timeout} s")
