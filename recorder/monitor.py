@@ -1,11 +1,14 @@
 """``TrainerMon``: mindstudio-probe 1.2.1's monitor API, recording into the per-rank trainrec log.
 
-Life of a step (``step`` counts optimizer steps from ``start_iteration``):
+Life of a step (``step`` counts training steps from ``start_iteration``: optimizer steps, and steps
+whose optimizer step a loss scaler skipped):
 
-1. At the step's start (construction, or the previous optimizer post-step) the monitor decides
-   whether the step is collected (``start_step``, ``step_interval``, ``collect_times``, dynamic
-   switch). Only then are module and gradient hooks attached; on other steps they are detached, so a
-   skipped step costs one StepBegan and one StepEnded record.
+1. At the step's start (construction, the previous optimizer post-step, or the first forward after a
+   skipped optimizer step) the monitor decides whether the step is collected (``start_step``,
+   ``step_interval``, ``collect_times``, dynamic switch). Only then are module and gradient hooks
+   attached; on other steps they are detached, so a step that is not collected costs one StepBegan
+   and one StepEnded record and one forward pre-hook call per micro step (which notices skipped
+   optimizer steps, see ``_on_micro_step``).
 2. During forward/backward the hooks compute statistics on the device (see :mod:`.hooks`,
    :mod:`.stats`); weight-gradient statistics are batched per micro step.
 3. Optimizer pre-step hook (on the optimizer *instance*): reduced gradients (``main_grad`` when
@@ -24,13 +27,15 @@ Recorded per collected step: HooksFired (every module hook firing and every grad
 hook firing, with its call id in execution order and micro step), TensorStatsRecorded per kind, and
 StepBegan/StepEnded for every step (StepBegan is written at the step's first sign of life).
 
-Known limits: a step skipped by ``torch.amp.GradScaler`` (no ``optimizer.step()``) is merged into the
-next one (the reference has the same counter); a selector that does not fit a module's real
-input/output is reported at its first collected call (HookFailed naming the key), not before
-training, unless the module's forward signature already rules it out (a ConfigError then);
-``cc_distribution`` is accepted but not recorded (a warning says so); Adam state kept in flat buffers
-by a distributed optimizer (Megatron DistributedOptimizer, DeepSpeed ZeRO) is not mapped back to
-parameters (torch's ZeroRedundancyOptimizer is: each rank records its shard).
+Sharded optimizers: torch's ZeroRedundancyOptimizer, DeepSpeed ZeRO 1-3 (:mod:`.zero`; its torch
+optimizer steps once per param group, counted as one step, see ``_part_of_step``) and Megatron's
+DistributedOptimizer: each rank records its own pieces of the Adam state and reduced gradients.
+
+Known limits: a selector that does not fit a module's real input/output is reported at its first
+collected call (HookFailed naming the key), not before training, unless the module's forward
+signature already rules it out (a ConfigError then); ``cc_distribution`` is accepted but not
+recorded (a warning says so); Megatron's ChainedOptimizer (several torch optimizers per step) is not
+mapped.
 """
 
 from __future__ import annotations
