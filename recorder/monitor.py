@@ -479,7 +479,12 @@ class TrainerMon(StepCollector):
     def _bind_instance(self, opt: torch.optim.Optimizer, wrapped) -> None:
         self._opt = opt
         self._wrapped = wrapped
-        self._adam = AdamState(wrapped, opt)
+        # the reference's set_wrapped_optimizer names the mixed-precision wrapper whose fp32 masters
+        # hold the state, also where monitor_gnorm_with_ad got the torch optimizer inside it
+        mapper = type(self)._wrapped_optimizer
+        if mapper is None or mapper is wrapped or torch_optimizer_of(mapper) is not opt:
+            mapper = wrapped
+        self._adam = AdamState(mapper, opt)
         self._opt_groups = list(opt.param_groups)
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
         self._opt_handles += [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]

@@ -76,11 +76,12 @@ def torch_optimizer_of(opt) -> torch.optim.Optimizer | None:
 
 
 # (model parameters, their fp32 masters) group attributes of mixed-precision wrappers, in the same
-# order: Megatron's Float16OptimizerWithFloat16Params (a whole fp32 copy per parameter), and its
-# DistributedOptimizer (this rank's fp32 shard of each parameter in its range; for fp32 parameters
-# the shard is a view into the parameter), as the reference maps them.
+# order: Megatron's Float16OptimizerWithFloat16Params and DeepSpeed's FP16_UnfusedOptimizer (a whole
+# fp32 copy per parameter), and Megatron's DistributedOptimizer (this rank's fp32 shard of each
+# parameter in its range; for fp32 parameters the shard is a view into the parameter).
 _MASTER_GROUPS = (
     ("float16_groups", "fp32_from_float16_groups"),
+    ("fp16_groups", "fp32_groups"),  # DeepSpeed's FP16_UnfusedOptimizer (ZeRO 0 with fp16 or bf16)
     ("model_float16_groups", "shard_fp32_from_float16_groups"),
     ("model_fp32_groups", "shard_fp32_groups"),
 )

@@ -149,3 +149,58 @@ def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_traini
     assert len(holders) == 9
     assert all(sum(k for k, _ in pieces) == pieces[0][1] for pieces in holders.values())
     assert any(len(pieces) == 2 for pieces in holders.values())  # one straddles the two partitions
+
+
+def _bf16_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
+    """ZeRO 0 with bf16: DeepSpeed's FP16_UnfusedOptimizer keeps a whole fp32 master per parameter, and
+    the torch optimizer's state is keyed by the masters. The wrapper is named with the reference's
+    set_wrapped_optimizer, the torch optimizer inside it is hooked."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import deepspeed
+    import torch.distributed as dist
+    from trainrec.recorder import TrainerMon
+    from trainrec.recorder.names import squash_all
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model, _ = make(seed=0)
+    short = squash_all([n for n, _ in model.named_parameters()])
+    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                                config={"train_micro_batch_size_per_gpu": 4,
+                                                        "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}})
+    TrainerMon.set_wrapped_optimizer(ds_opt)
+    mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(engine.module, optimizer=ds_opt.optimizer)
+    expected: dict = {}
+    for step in range(2):
+        engine.backward(loss_of(engine, 10 * rank + step))
+        engine.step()
+        # which fp32 tensor of the torch optimizer's state is which parameter: the one that rounds to it
+        state = ds_opt.optimizer.state
+        expected[step] = {}
+        for n, p in engine.module.named_parameters():
+            (master,) = [m for m in state if m.shape == p.shape and torch.equal(m.to(p.dtype), p)]
+            expected[step][short[n]] = ref_stats(state[master]["exp_avg"])
+    mon.close()
+    with open(os.path.join(os.path.dirname(cfg_path), f"bf16_{rank}.json"), "w") as f:
+        json.dump(expected, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_deepspeed_bf16_masters_give_the_adam_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    cfg = write_config(tmp_path, {"mv_distribution": True, "ur_distribution": True, "ops": OPS})
+    spawn_and_join(_bf16_worker, (2, free_port(), cfg), 2, TIMEOUT, "DeepSpeed bf16 run")
+    h = headers(tmp_path / "out")
+    for r in (0, 1):
+        with open(tmp_path / f"bf16_{r}.json") as f:
+            want = {int(k): v for k, v in json.load(f).items()}
+        ea = stats_table(h[r][2], "exp_avg")
+        for step, rows in want.items():
+            assert {k[1] for k in ea if k[0] == step} == set(rows) == {k[1] for k in stats_table(h[r][2], "ratio")
+                                                                      if k[0] == step}
+            for name, row in rows.items():
+                assert_close(ea[(step, name, "", 0)], row, rtol=1e-5, atol=1e-9, what=f"rank {r} exp_avg {name}")
