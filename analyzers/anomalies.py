@@ -54,7 +54,8 @@ class AnomalyScan:
     """Recorded and (with ``rules``) re-detected anomalies of an event stream. Feed events in order.
 
     ``kinds`` restricts re-detection to some stats kinds. ``first_step``/``last_step`` span every
-    step seen in stats, step-end and anomaly events (the recorded range), ``ranks`` the ranks seen.
+    step seen in stats, step-end and anomaly events (the recorded range), ``ranks`` the ranks seen,
+    ``skipped_steps`` the steps whose optimizer step never ran (a loss scaler found inf/NaN).
     """
 
     def __init__(self, rules: Sequence[Rule] = (), kinds: Iterable[str] | None = None) -> None:
@@ -67,6 +68,7 @@ class AnomalyScan:
         self.ranks: set[int] = set()
         self.stats_records = 0
         self.bad_records = 0
+        self.skipped_steps: set[int] = set()  # steps whose optimizer step never ran (inf/NaN gradients)
         self._resolver = NameResolver()
         self._rank_info: dict[int, tuple[int, tuple]] = {}
         self._names: dict[tuple, list[str]] = {}
@@ -111,6 +113,8 @@ class AnomalyScan:
             return [] if self.detector is not None else [ev]
         if t is StepEnded:
             self._saw_step(ev.step)
+            if ev.optimizer_skipped:
+                self.skipped_steps.add(ev.step)
         elif t is FileOpened:
             self._rank_info[ev.rank] = (ev.pp_stage, tuple(ev.group_mates))
             self._gen[ev.rank] = self._gen.get(ev.rank, 0) + 1

@@ -231,6 +231,10 @@ def run(args) -> int:
     r = open_run_from_args(args)
     scan = scan_run(r, rules, args.kinds)
     _report_damage(r)
+    if scan.skipped_steps:
+        shown = sorted(scan.skipped_steps)
+        print(f"note: the optimizer step never ran (inf/NaN gradients) at step(s) "
+              f"{', '.join(map(str, shown[:10]))}{', ...' if len(shown) > 10 else ''}", file=sys.stderr)
     where = f"run {r.run_id or args.run}"
     err = check_steps(args.steps, scan.first_step, scan.last_step, where)
     if err:

@@ -97,6 +97,9 @@ def test_skipped_steps_are_noticed_on_steps_that_are_not_collected(tmp_path, out
 
     assert main(["inspect", rank_dirs(out)[0]]) == 0
     assert "optimizer step skipped (inf/NaN gradients) at 1 step(s): 1" in capsys.readouterr().out
+    # and `trainrec anomalies` says so next to its ranking
+    assert main(["anomalies", rank_dirs(out)[0], "--rule", "NaNInf"]) == 0
+    assert "note: the optimizer step never ran (inf/NaN gradients) at step(s) 1" in capsys.readouterr().err
 
 
 def test_two_forwards_before_one_backward_do_not_split_steps(tmp_path, out):
