@@ -14,17 +14,25 @@ this rank holds (ZeRO 1/2: ``param._hp_mapping``; ZeRO 3: the rank's slice of ea
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 from test_monitor_dist import free_port, headers
-from trainmon_util import assert_close, loss_of, make, ref_stats, spawn_and_join, stats_table, write_config
+from trainmon_util import (
+    assert_close,
+    deepspeed_missing,
+    loss_of,
+    make,
+    ref_stats,
+    spawn_and_join,
+    stats_table,
+    write_config,
+)
 from trainrec.schema.events import HookFailed, StepEnded
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (the dev extra)")
+pytestmark = pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")
 
 TIMEOUT = 300  # the first run builds DeepSpeed's shared-memory comm op (about a minute, then cached)
 STEPS = 3

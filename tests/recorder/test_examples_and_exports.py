@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import csv
 import glob
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
-from trainmon_util import events_of, loss_of, make, rank_dirs, write_config
+from trainmon_util import deepspeed_missing, events_of, loss_of, make, rank_dirs, write_config
 from trainrec.recorder import TrainerMon
 from trainrec.schema.events import TensorStatsRecorded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-_NO_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+_NO_DEEPSPEED = pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")
 
 
 @pytest.mark.parametrize(("script", "args"), [

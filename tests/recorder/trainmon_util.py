@@ -133,3 +133,16 @@ def spawn_and_join(worker, args: tuple, nprocs: int, timeout: float, what: str) 
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"{what} did not finish in {timeout} s")
+
+
+def deepspeed_missing() -> str | None:
+    """Why the DeepSpeed tests cannot run here, or None: DeepSpeed (the dev extra) is not installed, or
+    there is no C++ compiler (at start DeepSpeed builds its CPU shared-memory comm op, then caches it)."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return "needs deepspeed (the dev extra)"
+    if not (shutil.which("c++") or shutil.which("g++")):
+        return "DeepSpeed on CPU needs a C++ compiler (it builds its comm op at start)"
+    return None
