@@ -48,7 +48,7 @@ from trainrec.schema.naming import reference_tag
 from . import fused, zero
 from .fused import local_tensor
 from .hooks import StepState, in_backward
-from .optim import fused_adam_rows, update_and_ratio
+from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
 from .stats import StatsPart, build_stats_events
 
 log = logging.getLogger(__name__)
@@ -124,20 +124,18 @@ class StepCollector:
 
     def _own_grads(self, partitioned_only: bool = False):
         """``(index, gradient)`` of the monitored parameters this rank reports at the optimizer step:
-        those with a gradient, less tensor-parallel duplicates. A parameter that DeepSpeed partitions
-        gives this rank's piece of its reduced fp32 gradient, there while DeepSpeed steps its group
-        (``partitioned_only``: those alone, for the later calls of a step made one group at a time)."""
+        those with a gradient, less tensor-parallel duplicates. Where the optimizer keeps its own copy
+        of the reduced gradient (DeepSpeed ZeRO, Megatron's DistributedOptimizer), this rank's share of
+        that (:meth:`AdamState.reduced_grad`); ``partitioned_only``: those alone, for the later calls
+        of a step that DeepSpeed makes one param group at a time."""
         adam = self._adam
         for i, info in enumerate(self._params):
             if info.tp_duplicate:
                 continue
-            if adam is not None and zero.is_partitioned(info.param):
-                g = adam.fragment(info.param, "grad")
-            elif partitioned_only:
-                continue
-            elif adam is not None and adam.sharded:  # Megatron's DistributedOptimizer: this rank's shard
-                g = adam.shard_grad(info.param)
-            else:
+            g = adam.reduced_grad(info.param) if adam is not None else OWN_GRAD
+            if g is OWN_GRAD:
+                if partitioned_only:
+                    continue
                 g = self._grad_of(info.param)
             if g is not None:
                 yield i, g

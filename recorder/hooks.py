@@ -187,10 +187,7 @@ def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.nda
 def stack_rows(rows: list) -> torch.Tensor | np.ndarray:
     """``[len(rows), ops]`` of single rows (numpy rows stay numpy; any tensor among them: a tensor)."""
     if all(isinstance(r, np.ndarray) for r in rows):
-        out = np.empty((len(rows), len(rows[0])), dtype=np.float32)
-        for i, r in enumerate(rows):
-            out[i] = r
-        return out
+        return np.stack(rows)
     dev = next(r.device for r in rows if isinstance(r, torch.Tensor))
     return torch.stack([torch.from_numpy(r).to(dev) if isinstance(r, np.ndarray) else r for r in rows])
 

@@ -571,26 +571,18 @@ class TrainerMon(StepCollector):
         st = self._state
         if st is None:
             return
+        # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
         first, _ = self._part_of_step(opt)
-        if not first:  # a later group of a step made one group at a time: its gradients' pieces only
-            try:
-                if self.config.wg_distribution:
-                    self._reduced_grads(st, partitioned_only=True)
-                if self.config.mg_direction:
-                    self._mg_direction_rows(st, partitioned_only=True)
-            except Exception as exc:  # noqa: BLE001
-                self._hook_failed("optimizer pre-step", exc)
-            return
         try:
-            if st.pending:
+            if first and st.pending:
                 self._flush_grads()
             cfg = self.config
             if cfg.wg_distribution:
-                self._reduced_grads(st)
-            if cfg.param_distribution:
+                self._reduced_grads(st, partitioned_only=not first)
+            if first and cfg.param_distribution:
                 self._param_rows(st, KIND_PARAM, *self._param_pieces())
             if cfg.mg_direction:
-                self._mg_direction_rows(st)
+                self._mg_direction_rows(st, partitioned_only=not first)
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer pre-step", exc)
 

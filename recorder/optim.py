@@ -17,9 +17,9 @@ torch's own ``ZeroRedundancyOptimizer`` is followed to its local optimizer (``.o
 is keyed by the real parameters: each rank records the Adam state of its shard.
 
 DeepSpeed ZeRO (stages 1-3) keeps the state in flat fp32 partitions: :mod:`.zero` finds this rank's
-piece of each parameter there, and :meth:`AdamState.fragment` gives that piece of the state (and of the
-reduced fp32 gradient, which DeepSpeed sets for the optimizer step): each rank records the statistics
-of its own pieces, as with FSDP2's shards. Megatron's DistributedOptimizer gives each rank fp32
+piece of each parameter there, and :class:`AdamState` gives that piece of the state (and, through
+:meth:`AdamState.reduced_grad`, of the reduced fp32 gradient, which DeepSpeed sets for the optimizer
+step): each rank records the statistics of its own pieces, as with FSDP2's shards. Megatron's DistributedOptimizer gives each rank fp32
 shards of the parameters in its range (``model_float16_groups`` / ``shard_fp32_from_float16_groups``):
 their state and, at the step, their gradients are that rank's. Parameters without a found state get
 no rows (a warning says so once when none has one).
@@ -87,6 +87,9 @@ _MASTER_GROUPS = (
 )
 
 
+OWN_GRAD = object()  # AdamState.reduced_grad: the parameter's own gradient is what the optimizer applies
+
+
 class AdamState:
     """Maps model parameters to their Adam state in a (possibly wrapped) optimizer."""
 
@@ -114,26 +117,18 @@ class AdamState:
     def state_param(self, p: torch.Tensor) -> torch.Tensor:
         return self._master.get(id(p), p)
 
-    @property
-    def sharded(self) -> bool:
-        """Whether the masters are this rank's shards of the parameters (Megatron's DistributedOptimizer)."""
-        return bool(self._shards)
-
-    def shard_grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The gradient the optimizer is about to apply to this rank's shard of ``p`` (reduce-scattered,
-        unscaled and clipped by Megatron, set on the fp32 shard for the step); None outside the step
-        and where ``p`` has no shard on this rank. ``p``'s own ``main_grad`` is reduced only in this
-        rank's range, so it is not used."""
-        return self._master[id(p)].grad if id(p) in self._shards else None
-
-    def fragment(self, p: torch.Tensor, what: str) -> torch.Tensor | None:
-        """This rank's piece of DeepSpeed-partitioned ``p``'s ``what`` (``"grad"``: the reduced fp32
-        gradient while DeepSpeed steps its group; else an optimizer state key), a view into the flat
-        partition; None where this rank holds no piece of ``p`` or there is none (yet)."""
-        pc = zero.piece_of(p, self._groups)
-        if pc is None:
-            return None
-        return _narrow(pc.flat.grad if what == "grad" else self.torch_opt.state.get(pc.flat, {}).get(what), pc)
+    def reduced_grad(self, p: torch.Tensor):
+        """The gradient the optimizer is about to apply to this rank's share of ``p``, where the optimizer
+        keeps its own copy of it: DeepSpeed ZeRO's piece of the flat fp32 gradient (there while it steps
+        ``p``'s group), Megatron DistributedOptimizer's fp32 shard gradient (``p``'s own ``main_grad``
+        is reduced only in this rank's range); None where this rank has no share of ``p`` or none is
+        there now. :data:`OWN_GRAD` where the optimizer applies ``p``'s own gradient."""
+        if zero.is_partitioned(p):
+            pc = zero.piece_of(p, self._groups)
+            return _narrow(pc.flat.grad, pc) if pc is not None else None
+        if self._shards:
+            return self._master[id(p)].grad if id(p) in self._shards else None
+        return OWN_GRAD
 
     def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
         """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state."""
