@@ -164,7 +164,6 @@ def main() -> int:
     configs = args.configs.split(",")
     added: dict[tuple, list[float]] = {}
     base: dict[tuple, list[float]] = {}
-    faults: dict[tuple, list[tuple]] = {}
     for _ in range(args.rounds):
         for cfg in configs:
             runs = [("trainrec", sys.executable)] + ([("msprobe", MSPROBE_PY)] if have_ms else [])
@@ -172,7 +171,6 @@ def main() -> int:
                 r = run_worker(py, impl, cfg, args)
                 added.setdefault((impl, cfg), []).append(r["monitored_s"] / r["baseline_s"] - 1)
                 base.setdefault((impl, cfg), []).append(r["baseline_s"])
-                faults.setdefault((impl, cfg), []).append((r["monitored_faults"], r["baseline_faults"]))
                 print(f"  {cfg:5s} {impl:9s} monitored {r['monitored_s'] * 1e3:8.1f} ms  "
                       f"baseline {r['baseline_s'] * 1e3:8.1f} ms  ({100 * added[(impl, cfg)][-1]:+.1f}%; minor page "
                       f"faults per step {r['monitored_faults']:.0f} / {r['baseline_faults']:.0f})",
