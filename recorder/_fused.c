@@ -432,9 +432,132 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The hooks' entry: the tensors themselves, so a hook pays no Python loop over them. Each must be of
+ * one of `types` (exact types: torch.Tensor, nn.Parameter), of `dtype` (float32), on the CPU and
+ * contiguous, or None or empty (a NaN row); otherwise nothing is computed and False is returned, and
+ * the caller takes its general path (copies, conversions, refusals with their errors). */
+static PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr;
+
+static int tensor_entry(PyObject *x, PyObject *types, PyObject *dtype, uint64_t *addr, int64_t *numel) {
+    /* 1: take it (numel 0: a NaN row), 0: not for this path, -1: a Python error */
+    int known = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); k++)
+        if ((PyObject *)Py_TYPE(x) == PyTuple_GET_ITEM(types, k)) known = 1;
+    if (!known) return 0;
+    PyObject *v = PyObject_GetAttr(x, s_dtype);
+    if (v == NULL) return -1;
+    int ok = v == dtype;
+    Py_DECREF(v);
+    if (!ok) return 0;
+    if ((v = PyObject_GetAttr(x, s_is_cpu)) == NULL) return -1;
+    ok = v == Py_True;
+    Py_DECREF(v);
+    if (!ok) return 0;
+    if ((v = PyObject_CallMethodNoArgs(x, s_numel)) == NULL) return -1;
+    *numel = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (*numel == -1 && PyErr_Occurred()) return -1;
+    if (*numel == 0) return 1;
+    if ((v = PyObject_CallMethodNoArgs(x, s_is_contiguous)) == NULL) return -1;
+    ok = v == Py_True;
+    Py_DECREF(v);
+    if (!ok) return 0;
+    if ((v = PyObject_CallMethodNoArgs(x, s_data_ptr)) == NULL) return -1;
+    *addr = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (*addr == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    return *addr != 0 && *numel > 0;
+}
+
+static PyObject *py_stats_tensors(PyObject *self, PyObject *args) {
+    PyObject *xs, *ops, *types, *dtype, *out;
+    double eps;
+    long long parallel_numel;
+    int threads;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OdOO!OOLi", &xs, &eps, &ops, &PyTuple_Type, &types, &dtype, &out, &parallel_numel,
+                          &threads))
+        return NULL;
+    PyObject *seq = PySequence_Fast(xs, "xs: expected a sequence of tensors");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer opb, outb;
+    int got = 0, rc = -1;
+    uint64_t *addr = NULL;
+    int64_t *numel = NULL;
+    double *epsv = NULL;
+    Py_ssize_t *slot = NULL;
+    float *rows = NULL;
+    if (PyObject_GetBuffer(ops, &opb, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    got = 1;
+    if (check_ops(&opb) < 0) goto done;
+    Py_ssize_t nops = opb.len;
+    if (get_buf(out, &outb, 4, n * nops, "out", 1) < 0) goto done;
+    got = 2;
+    size_t cap = (size_t)(n > 0 ? n : 1);
+    addr = (uint64_t *)PyMem_Malloc(8 * cap);
+    numel = (int64_t *)PyMem_Malloc(8 * cap);
+    epsv = (double *)PyMem_Malloc(8 * cap);
+    slot = (Py_ssize_t *)PyMem_Malloc(sizeof(Py_ssize_t) * cap);
+    if (addr == NULL || numel == NULL || epsv == NULL || slot == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t m = 0;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (items[i] == Py_None) continue;
+        int r = tensor_entry(items[i], types, dtype, &addr[m], &numel[m]);
+        if (r < 0) goto done;
+        if (r == 0) {
+            rc = 0; /* not for this path */
+            goto done;
+        }
+        if (numel[m] == 0) continue;
+        epsv[m] = eps;
+        slot[m] = i;
+        total += numel[m];
+        m++;
+    }
+    float *o = (float *)outb.buf;
+    if (m < n && (rows = (float *)PyMem_Malloc(sizeof(float) * (size_t)(m > 0 ? m : 1) * (size_t)nops)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    job_t job = {.kind = KIND_F32, .n = m, .a = addr, .numel = numel, .eps = epsv};
+    if (run_and_finish(&job, total >= parallel_numel ? threads : 1, NULL, 1, 1, (const unsigned char *)opb.buf, nops,
+                       rows != NULL ? rows : o) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (rows != NULL) { /* NaN rows for None and empty tensors, the others' rows in their places */
+        for (Py_ssize_t i = 0; i < n * nops; i++) o[i] = NAN;
+        for (Py_ssize_t t = 0; t < m; t++) memcpy(o + slot[t] * nops, rows + t * nops, sizeof(float) * (size_t)nops);
+    }
+    rc = 1;
+done:
+    if (got > 1) PyBuffer_Release(&outb);
+    if (got > 0) PyBuffer_Release(&opb);
+    PyMem_Free(addr);
+    PyMem_Free(numel);
+    PyMem_Free(epsv);
+    PyMem_Free(slot);
+    PyMem_Free(rows);
+    Py_DECREF(seq);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc);
+}
+
+PyDoc_STRVAR(stats_tensors_doc,
+             "stats_tensors(xs, eps, ops, types, dtype, out, parallel_numel, threads) -> bool\n\n"
+             "stats() of the tensors xs themselves (None and empty: NaN rows), each of one of the exact types,\n"
+             "of dtype, on the CPU and contiguous; False (out untouched) where one is not.");
+
 static PyMethodDef methods[] = {
     {"stats", py_stats, METH_VARARGS, stats_doc},
     {"adam", py_adam, METH_VARARGS, adam_doc},
+    {"stats_tensors", py_stats_tensors, METH_VARARGS, stats_tensors_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -442,4 +565,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused",
                                     "One-pass tensor statistics for the recorder (see _fused.c).", -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fused(void) {
+    if ((s_dtype = PyUnicode_InternFromString("dtype")) == NULL ||
+        (s_is_cpu = PyUnicode_InternFromString("is_cpu")) == NULL ||
+        (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||
+        (s_numel = PyUnicode_InternFromString("numel")) == NULL ||
+        (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -191,3 +191,39 @@ def test_hook_fast_path_equals_general_path_and_declines_the_rest():
     assert torch.allclose(got[2], fast[0], rtol=1e-5, atol=1e-6)  # the copy sums in another order
     sc = fused.stats_f32([None, x, x.transpose(0, 1)], 1e-3, fused.op_codes(OPS), [1.0, 2.0, 0.5])
     assert torch.equal(sc[1:], eng._compute([x, x.transpose(0, 1)], [2.0, 0.5]))
+
+
+@pytest.mark.skipif(fused._stats_tensors is None, reason="the kernel was built without stats_tensors")
+def test_tensor_entry_equals_the_python_loop(monkeypatch):
+    """``_fused.stats_tensors`` (the tensors themselves to C) gives what the Python loop over data addresses
+    gives, and declines (False, nothing written) what that loop copies, converts or refuses."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 32, 64, generator=g)
+    p = torch.nn.Parameter(torch.randn(300_000, generator=g))
+    cases = [[x, p], [None, x, torch.empty(0), None], [x, x.transpose(0, 1)], [p, x.double()],
+             [x, torch.ones(3, dtype=torch.int64)], [torch.empty(0)], []]
+    codes = fused.op_codes(OPS)
+    fast = [fused.stats_f32(c, 1e-3, codes, numpy=True) for c in cases]
+    monkeypatch.setattr(fused, "_stats_tensors", None)
+    slow = [fused.stats_f32(c, 1e-3, codes, numpy=True) for c in cases]
+    for c, a, b in zip(cases, fast, slow, strict=True):
+        assert (a is None) == (b is None), c
+        if a is not None:
+            assert a.shape == b.shape == (len(c), len(OPS))
+            assert (a.tobytes() == b.tobytes()), c  # bit for bit, NaN rows included
+
+    class Sub(torch.Tensor):
+        pass
+
+    out = torch.full((2, len(OPS)), 7.0).numpy()
+    args = (1e-3, codes, fused._PLAIN, torch.float32, out, fused.PARALLEL_NUMEL, 1)
+    assert fused._fused.stats_tensors([x, x.as_subclass(Sub)], *args) is False
+    assert fused._fused.stats_tensors([x, x[:, :, ::2]], *args) is False
+    assert (out == 7.0).all()  # declined: nothing written
+    assert fused._fused.stats_tensors((x, p), *args) is True and not (out == 7.0).any()
+    with pytest.raises(ValueError, match="out"):
+        fused._fused.stats_tensors([x], 1e-3, codes, fused._PLAIN, torch.float32, out, 1, 1)
+    with pytest.raises(ValueError, match="op code"):
+        fused._fused.stats_tensors([x, p], 1e-3, b"\x09", fused._PLAIN, torch.float32, out[:, :1].copy(), 1, 1)
+    with pytest.raises(TypeError, match="sequence"):
+        fused._fused.stats_tensors(5, *args)
