@@ -434,9 +434,48 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
 
 /* The hooks' entry: the tensors themselves, so a hook pays no Python loop over them. Each must be of
  * one of `types` (exact types: torch.Tensor, nn.Parameter), of `dtype` (float32), on the CPU and
- * contiguous, or None or empty (a NaN row); otherwise nothing is computed and False is returned, and
+ * contiguous or dense (see dense()), or None or empty (a NaN row); otherwise nothing is computed and False is returned, and
  * the caller takes its general path (copies, conversions, refusals with their errors). */
-static PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr;
+static PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape, *s_stride;
+
+/* Whether x's elements fill one block of memory without gaps or overlaps, in some order of its dims
+ * (a transpose or permute of a contiguous tensor: batch_first attention outputs, a tied weight's .t()):
+ * then the statistics of that block are the tensor's, as all six ops ignore the order of elements,
+ * and no contiguous copy is needed. 1: dense, 0: not, -1: a Python error. */
+static int dense(PyObject *x) {
+    PyObject *shape = PyObject_GetAttr(x, s_shape), *stride = NULL;
+    int rc = -1;
+    if (shape == NULL || (stride = PyObject_CallMethodNoArgs(x, s_stride)) == NULL) goto done;
+    if (!PyTuple_Check(shape) || !PyTuple_Check(stride) || PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(stride) ||
+        PyTuple_GET_SIZE(shape) > 64) {
+        rc = 0;
+        goto done;
+    }
+    int64_t sz[64], st[64];
+    Py_ssize_t nd = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape); k++) {
+        int64_t a = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, k)), b = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, k));
+        if ((a == -1 || b == -1) && PyErr_Occurred()) goto done;
+        if (a == 1) continue; /* any stride */
+        Py_ssize_t j = nd++;  /* insertion by stride */
+        for (; j > 0 && st[j - 1] > b; j--) {
+            sz[j] = sz[j - 1];
+            st[j] = st[j - 1];
+        }
+        sz[j] = a;
+        st[j] = b;
+    }
+    int64_t expect = 1;
+    rc = 1;
+    for (Py_ssize_t k = 0; k < nd; k++) {
+        if (st[k] != expect) rc = 0;
+        expect *= sz[k];
+    }
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    return rc;
+}
 
 static int tensor_entry(PyObject *x, PyObject *types, PyObject *dtype, uint64_t *addr, int64_t *numel) {
     /* 1: take it (numel 0: a NaN row), 0: not for this path, -1: a Python error */
@@ -461,7 +500,7 @@ static int tensor_entry(PyObject *x, PyObject *types, PyObject *dtype, uint64_t 
     if ((v = PyObject_CallMethodNoArgs(x, s_is_contiguous)) == NULL) return -1;
     ok = v == Py_True;
     Py_DECREF(v);
-    if (!ok) return 0;
+    if (!ok && (ok = dense(x)) <= 0) return ok;
     if ((v = PyObject_CallMethodNoArgs(x, s_data_ptr)) == NULL) return -1;
     *addr = PyLong_AsUnsignedLongLong(v);
     Py_DECREF(v);
@@ -552,7 +591,8 @@ done:
 PyDoc_STRVAR(stats_tensors_doc,
              "stats_tensors(xs, eps, ops, types, dtype, out, parallel_numel, threads) -> bool\n\n"
              "stats() of the tensors xs themselves (None and empty: NaN rows), each of one of the exact types,\n"
-             "of dtype, on the CPU and contiguous; False (out untouched) where one is not.");
+             "of dtype, on the CPU and contiguous or a permutation of a contiguous block; False (out untouched)\n"
+             "where one is not.");
 
 static PyMethodDef methods[] = {
     {"stats", py_stats, METH_VARARGS, stats_doc},
@@ -570,7 +610,9 @@ PyMODINIT_FUNC PyInit__fused(void) {
         (s_is_cpu = PyUnicode_InternFromString("is_cpu")) == NULL ||
         (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||
         (s_numel = PyUnicode_InternFromString("numel")) == NULL ||
-        (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL)
+        (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL ||
+        (s_shape = PyUnicode_InternFromString("shape")) == NULL ||
+        (s_stride = PyUnicode_InternFromString("stride")) == NULL)
         return NULL;
     return PyModule_Create(&module);
 }
