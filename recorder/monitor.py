@@ -30,12 +30,13 @@ StepBegan/StepEnded for every step (StepBegan is written at the step's first sig
 Sharded optimizers: torch's ZeroRedundancyOptimizer, DeepSpeed ZeRO 1-3 (:mod:`.zero`; its torch
 optimizer steps once per param group, counted as one step, see ``_part_of_step``) and Megatron's
 DistributedOptimizer: each rank records its own pieces of the Adam state and reduced gradients.
+Megatron's ChainedOptimizer (a DistributedOptimizer or Float16OptimizerWithFloat16Params per part,
+stepped one after the other) is one step too, with every member's state mapped.
 
 Known limits: a selector that does not fit a module's real input/output is reported at its first
 collected call (HookFailed naming the key), not before training, unless the module's forward
 signature already rules it out (a ConfigError then); ``cc_distribution`` is accepted but not
-recorded (a warning says so); Megatron's ChainedOptimizer (several torch optimizers per step) is not
-mapped.
+recorded (a warning says so).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from . import runinfo, structure, zero
 from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
 from .hooks import StepState, make_chunk_pre_hook, make_grad_hook
-from .optim import KNOWN_OPT_TYPES, AdamState, torch_optimizer_of
+from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
 from .stats import StatsEngine
 from .targets import ParamInfo, Targets, build_targets
 from .writer import LogWriter, install_sigterm_handler
@@ -143,6 +144,7 @@ class TrainerMon(StepCollector):
         self._params: list[ParamInfo] = []
         self._opt = None
         self._opt_groups: list = []  # the optimizer's param groups between steps
+        self._chain: list = []  # the torch optimizers of Megatron's ChainedOptimizer, in stepping order
         self._z3 = None  # DeepSpeed's ZeRO 3 optimizer, where it partitions the model
         self._wrapped = None
         self._adam: AdamState | None = None
@@ -456,6 +458,13 @@ class TrainerMon(StepCollector):
             return  # the native Recorder without an optimizer: steps come from step()
         wrapped = optimizer if optimizer is not None else (self._wrapped or type(self)._wrapped_optimizer)
         opt = torch_optimizer_of(wrapped) if wrapped is not None else None
+        chain = chain_of(wrapped)
+        mapper_chain = chain_of(type(self)._wrapped_optimizer) if chain is None and opt is not None else None
+        if mapper_chain and any(t is opt for _, t in mapper_chain):
+            chain = mapper_chain  # a member's torch optimizer given, the chain named by set_wrapped_optimizer
+        if chain:
+            self._bind_chain(chain)
+            return
         if wrapped is not None and opt is None:
             log.warning("trainrec: %s is not a torch optimizer and wraps none (.optimizer); waiting for the "
                         "first optimizer that steps over the model's parameters", type(wrapped).__name__)
@@ -488,6 +497,17 @@ class TrainerMon(StepCollector):
         self._opt_groups = list(opt.param_groups)
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
         self._opt_handles += [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
+
+    def _bind_chain(self, chain: list) -> None:
+        """Megatron's ChainedOptimizer: its members' torch optimizers step one after the other in one
+        training step, after its ``prepare_grads`` readied every member's gradients; the step's
+        gradient and parameter rows are taken before the first, its end is after the last."""
+        self._chain = [t for _, t in chain]
+        self._opt, self._wrapped = chain[0][1], chain[0][0]
+        self._adam = AdamState(chain[0][0], chain[0][1], chain[1:])
+        self._opt_groups = list(self._opt.param_groups)
+        for t in self._chain:
+            self._opt_handles += [t.register_step_pre_hook(self._pre_step), t.register_step_post_hook(self._post_step)]
 
     # ------------------------------------------------------------------ step boundaries
     def _collects(self, step: int) -> bool:
@@ -554,6 +574,8 @@ class TrainerMon(StepCollector):
         step. DeepSpeed's ZeRO optimizers step the torch optimizer once per param group (ZeRO 1/2, with
         ``param_groups`` cut down to that group for the call) or sub-group (ZeRO 3): those calls
         together are one training step, begun by the first group's and ended by the last group's."""
+        if self._chain and any(opt is t for t in self._chain):
+            return opt is self._chain[0], opt is self._chain[-1]
         if opt is None or opt is not self._opt:
             return True, True
         if self._z3 is not None:  # ZeRO 3 empties the other sub-groups' params lists instead
@@ -573,6 +595,8 @@ class TrainerMon(StepCollector):
             return
         # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
         first, _ = self._part_of_step(opt)
+        if not first and self._chain:
+            return  # Megatron's chain: every member's gradients were there at the first member's step
         try:
             if first and st.pending:
                 self._flush_grads()

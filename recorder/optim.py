@@ -87,31 +87,49 @@ _MASTER_GROUPS = (
 )
 
 
+def chain_of(opt) -> list[tuple[object, torch.optim.Optimizer]] | None:
+    """``(optimizer, its torch optimizer)`` of each member of Megatron's ``ChainedOptimizer`` (dense and
+    expert parameters, or several model parts, each with its own DistributedOptimizer or
+    Float16OptimizerWithFloat16Params, stepped one after the other in one training step), in the order
+    they step; None where ``opt`` is no such chain. Members without a torch optimizer are left out."""
+    members = getattr(opt, "chained_optimizers", None)
+    if not isinstance(members, (list, tuple)):
+        return None
+    pairs = [(m, torch_optimizer_of(m)) for m in members]
+    return [(m, t) for m, t in pairs if t is not None] or None
+
+
 OWN_GRAD = object()  # AdamState.reduced_grad: the parameter's own gradient is what the optimizer applies
 
 
 class AdamState:
     """Maps model parameters to their Adam state in a (possibly wrapped) optimizer."""
 
-    def __init__(self, wrapped, torch_opt: torch.optim.Optimizer) -> None:
+    def __init__(self, wrapped, torch_opt: torch.optim.Optimizer, more: Sequence[tuple] = ()) -> None:
+        """``more``: further ``(wrapper, torch optimizer)`` pairs stepped in the same training step (the
+        members of Megatron's ChainedOptimizer after the first); each parameter is in one of them."""
         self.torch_opt = torch_opt
         self._master: dict[int, torch.Tensor] = {}
         self._shards: set[int] = set()  # model parameters whose master is this rank's shard of it
-        for model_attr, main_attr in _MASTER_GROUPS:
-            model_groups, main_groups = getattr(wrapped, model_attr, None), getattr(wrapped, main_attr, None)
-            if model_groups is None or main_groups is None:
-                continue
-            for g_model, g_main in zip(model_groups, main_groups, strict=False):
-                for p_model, p_main in zip(g_model, g_main, strict=False):
-                    self._master[id(p_model)] = p_main
-                    if main_attr.startswith("shard_"):
-                        self._shards.add(id(p_model))
         self._group_of: dict[int, dict] = {}
+        self._state_of: dict[int, dict] = {}  # id(parameter stepped) -> its optimizer's state (chains)
         # the groups as they are between steps (DeepSpeed cuts param_groups to one group per call of step)
         self._groups = list(torch_opt.param_groups)
-        for group in self._groups:
-            for p in group["params"]:
-                self._group_of[id(p)] = group
+        for k, (w, opt) in enumerate(((wrapped, torch_opt), *more)):
+            for model_attr, main_attr in _MASTER_GROUPS:
+                model_groups, main_groups = getattr(w, model_attr, None), getattr(w, main_attr, None)
+                if model_groups is None or main_groups is None:
+                    continue
+                for g_model, g_main in zip(model_groups, main_groups, strict=False):
+                    for p_model, p_main in zip(g_model, g_main, strict=False):
+                        self._master[id(p_model)] = p_main
+                        if main_attr.startswith("shard_"):
+                            self._shards.add(id(p_model))
+            for group in opt.param_groups if k else self._groups:
+                for p in group["params"]:
+                    self._group_of[id(p)] = group
+                    if k:
+                        self._state_of[id(p)] = opt.state
         self._warned = False
 
     def state_param(self, p: torch.Tensor) -> torch.Tensor:
@@ -127,7 +145,10 @@ class AdamState:
             pc = zero.piece_of(p, self._groups)
             return _narrow(pc.flat.grad, pc) if pc is not None else None
         if self._shards:
-            return self._master[id(p)].grad if id(p) in self._shards else None
+            if id(p) in self._shards:
+                return self._master[id(p)].grad
+            # a chain's member without shards steps a whole master, or the parameter itself
+            return OWN_GRAD if id(p) in self._master or id(p) in self._group_of else None
         return OWN_GRAD
 
     def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
@@ -150,7 +171,7 @@ class AdamState:
                     continue
                 group = self._groups[pc.group] if pc.group is not None else {}
             else:
-                st = state.get(sp)
+                st = self._state_of.get(id(sp), state).get(sp)
                 if not st or "exp_avg" not in st or "exp_avg_sq" not in st:
                     missing += 1
                     continue
