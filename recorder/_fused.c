@@ -497,7 +497,10 @@ static int tensor_entry(PyObject *x, PyObject *types, PyObject *dtype, uint64_t 
     Py_DECREF(v);
     if (*numel == -1 && PyErr_Occurred()) return -1;
     if (*numel == 0) return 1;
-    if ((v = PyObject_CallMethodNoArgs(x, s_is_contiguous)) == NULL) return -1;
+    if ((v = PyObject_CallMethodNoArgs(x, s_is_contiguous)) == NULL) {
+        PyErr_Clear(); /* sparse layouts have no contiguity: the general path measures their values */
+        return 0;
+    }
     ok = v == Py_True;
     Py_DECREF(v);
     if (!ok && (ok = dense(x)) <= 0) return ok;

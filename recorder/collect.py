@@ -120,7 +120,8 @@ class StepCollector:
         """Whether a reduced gradient may reuse its unreduced row (see the module docstring): on the
         torch path on CPU, with a norm to check; the one-pass kernel measures again for the same cost."""
         eng = self._engine
-        return "norm" in eng.ops and g.device.type == "cpu" and not (eng.fused and fused.supports(g))
+        return ("norm" in eng.ops and g.device.type == "cpu" and g.layout is torch.strided
+                and not (eng.fused and fused.supports(g)))
 
     def _own_grads(self, partitioned_only: bool = False):
         """``(index, gradient)`` of the monitored parameters this rank reports at the optimizer step:
@@ -310,7 +311,8 @@ def _in_shared_buffer(g: torch.Tensor | None) -> bool:
     contiguous grad buffer): its owner may scale or all-reduce it in place as soon as this hook returns
     (DDP divides a bucket view by the world size right after it), so it is measured now, not batched."""
     g = local_tensor(g)
-    return g is not None and g.untyped_storage().nbytes() > g.numel() * g.element_size()
+    return (g is not None and g.layout is torch.strided
+            and g.untyped_storage().nbytes() > g.numel() * g.element_size())
 
 
 @torch.no_grad()
@@ -319,6 +321,8 @@ def mg_direction(g: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     1 where every sign agrees, 0 where every one differs; 1.0 without ``m``. The dot of signs runs in
     float64 (exact counts at any size); a NaN in either gives NaN."""
     g, m = local_tensor(g), local_tensor(m)
+    if g.layout is not torch.strided:
+        g = g.to_dense()  # a sparse gradient (nn.Embedding(sparse=True)): signs of every element
     if m is None:
         return torch.ones((), dtype=torch.float32, device=g.device)
     sg = torch.sign(g.reshape(-1)).to(torch.float64)

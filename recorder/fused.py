@@ -58,9 +58,9 @@ def local_tensor(x):
 
 
 def supports(x: torch.Tensor) -> bool:
-    """Whether :func:`stats` takes ``x`` (a CPU tensor of any dtype but float64/complex)."""
+    """Whether :func:`stats` takes ``x`` (a dense CPU tensor of any dtype but float64/complex)."""
     return (type(x) in _PLAIN and x.device.type == "cpu" and x.dtype is not torch.float64
-            and not x.is_complex())
+            and not x.is_complex() and x.layout is torch.strided)
 
 
 def _threads(total: int, at_least: int | None = None) -> int:
@@ -129,7 +129,7 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
         if x is None:
             missing.append(i)
             continue
-        if type(x) not in _PLAIN or x.dtype is not f32 or not x.is_cpu:
+        if type(x) not in _PLAIN or x.dtype is not f32 or not x.is_cpu or x.layout is not torch.strided:
             return None
         k = x.numel()
         if not k:

@@ -157,6 +157,8 @@ class StatsEngine:
 
     @torch.no_grad()
     def _compute(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None) -> torch.Tensor:
+        if any(t is not None and t.layout is not torch.strided for t in tensors):
+            return self._with_sparse(tensors, scales)
         n = len(tensors)
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         groups: dict[tuple, list[int]] = {}
@@ -191,6 +193,38 @@ class StatsEngine:
         if not pieces:
             return self.nan_rows(0, device)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def _with_sparse(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None) -> torch.Tensor:
+        """Rows where some tensors are sparse (``nn.Embedding(sparse=True)`` gradients, COO or
+        compressed): the statistics of the dense tensor each stands for, from its stored values alone
+        (no dense copy): the elements not stored are zeros, which count for zeros, mean, min and max."""
+        dense = list(tensors)
+        sizes: dict[int, tuple[int, int]] = {}  # index -> (elements, elements stored)
+        for i, t in enumerate(tensors):
+            if t is not None and t.layout is not torch.strided:
+                v = t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
+                dense[i] = v
+                sizes[i] = (t.numel(), v.numel())
+        rows = self._compute(dense, scales)
+        ops = self.ops
+        for i, (numel, stored) in sizes.items():
+            if numel == 0:
+                continue  # a NaN row, as any empty tensor
+            row = rows[i]
+            if stored == 0:  # all zeros
+                for k, op in enumerate(ops):
+                    row[k] = 1.0 if op == "zeros" and self.eps > 0 else 0.0
+                continue
+            unstored = numel - stored
+            for k, op in enumerate(ops):
+                if op == "mean":
+                    row[k] = row[k] * (stored / numel)
+                elif op == "zeros":
+                    row[k] = (row[k] * stored + (unstored if self.eps > 0 else 0)) / numel
+                elif unstored and op in ("min", "max"):
+                    zero = torch.zeros((), dtype=row.dtype, device=row.device)
+                    row[k] = torch.minimum(row[k], zero) if op == "min" else torch.maximum(row[k], zero)
+        return rows
 
     def _group(self, xs: list[torch.Tensor], device: torch.device, scales: Sequence[float] | None) -> torch.Tensor:
         """Rows for tensors of one device and dtype.

@@ -171,3 +171,37 @@ def test_main_grad_is_used_for_reduced_when_present(tmp_path, monkeypatch):
     for n, p in model.named_parameters():
         short = squash_all([m for m, _ in model.named_parameters()])[n]
         assert red[(0, short, "", 0)]["norm"] == pytest.approx(2.0 * math.sqrt(p.numel()), rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_sparse_embedding_gradients_are_measured_as_the_dense_tensor(tmp_path, monkeypatch, kernel):
+    """``nn.Embedding(sparse=True)`` gives sparse COO gradients (recommender and large-vocabulary
+    models). Their rows are the statistics of the dense gradient they stand for (rows not looked up
+    are zeros), and the other parameters' rows in the same batch are unaffected."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.setattr(fused, "AVAILABLE", fused.AVAILABLE and kernel)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 8, sparse=True), torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "mg_direction": True, "ops": ALL_OPS}),
+                     params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    want = {}
+    for step in range(2):
+        x = torch.randint(0, 16, (5, 3))  # 16 of 64 rows at most: most of the gradient is not stored
+        model(x).square().mean().backward()
+        assert model[0].weight.grad.is_sparse
+        want[step] = {n: ref_stats(p.grad.to_dense()) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(tmp_path / "out")
+    assert not [e for e in ev if type(e).__name__ == "HookFailed"]
+    for kind in ("grad_unreduced", "grad_reduced"):
+        table = stats_table(ev, kind)
+        for step, rows in want.items():
+            for name, ref in rows.items():
+                assert ref["zeros"] > 0.5 or name != "0.weight"
+                assert_close(table[(step, name, "", 0)], ref, rtol=1e-5, what=f"{kind} {name} step {step}")
+    assert len(stats_table(ev, "mg_direction")) == 2 * len(list(model.parameters()))  # SGD: no momentum, 1.0

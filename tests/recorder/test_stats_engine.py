@@ -141,3 +141,31 @@ def test_step_stats_take_the_hooks_numpy_rows_with_tensor_rows(kernel):
     assert torch.allclose(hs.values[:3], want, rtol=0, atol=0, equal_nan=True)  # bit for bit
     assert torch.isnan(hs.values[1]).all() and hs.values[2].tolist() == [np.float32(math.sqrt(28.0)), -2.0, 0.0]
     assert hs.values[3].tolist() == [2.0, 1.0, 0.0]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sparse_tensors_give_the_dense_tensors_statistics(kernel):
+    """COO (with repeated indices and dense dims), CSR, all-zero and empty sparse tensors, mixed with
+    dense ones, from their stored values alone."""
+    eng = engine(OPS, 1e-3, kernel)
+    g = torch.Generator().manual_seed(3)
+
+    def coo(idx, vals, size):
+        return torch.sparse_coo_tensor(idx, vals, size, check_invariants=True)
+
+    empty_idx = torch.zeros((1, 0), dtype=torch.long)
+    xs = [coo([[0, 2, 2]], [1.0, -3.0, 0.5], (5,)),
+          torch.randn(7, generator=g),
+          coo([[1, 3]], torch.randn(2, 4, generator=g), (6, 4)),
+          coo(empty_idx, torch.zeros(0), (3,)),
+          torch.randn(4, 5, generator=g).relu().to_sparse_csr(),
+          coo(empty_idx, torch.zeros(0), (0,)),
+          coo([[0, 1]], [float("nan"), 2.0], (4,))]
+    got = eng.compute(xs)
+    for i, x in enumerate(xs):
+        if x.numel() == 0:
+            assert torch.isnan(got[i]).all()
+            continue
+        for k, (op, want) in enumerate(zip(OPS, ref(x.to_dense(), 1e-3), strict=True)):
+            assert close(got[i, k].item(), want, 1e-5), (i, op, got[i, k].item(), want)
