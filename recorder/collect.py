@@ -108,7 +108,7 @@ class StepCollector:
         if not pend:
             return
         grads = [g if g is not None else self._grad_of(self._params[i].param) for i, _, _, g in pend]
-        rows = self._engine.compute(grads)
+        rows = self._rows_of(grads, [i for i, _, _, _ in pend], "gradient")
         st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _, _ in pend],
                                [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
                                [self._params[i].vpp for i, _, _, _ in pend]))
@@ -170,7 +170,7 @@ class StepCollector:
                     todo.append(cand_g[k])
                     todo_idx.append(cand_idx[k])
         if todo:
-            self._add_rows(st, KIND_GRAD_REDUCED, eng.compute(todo), todo_idx)
+            self._add_rows(st, KIND_GRAD_REDUCED, self._rows_of(todo, todo_idx, "reduced gradient"), todo_idx)
 
     def _param_pieces(self) -> tuple[list, list]:
         """The monitored parameters as this rank holds them, and their indices: under ZeRO 3, the
@@ -192,7 +192,23 @@ class StepCollector:
     def _param_rows(self, st: StepState, kind: str, tensors, indices) -> None:
         tensors = list(tensors)
         if tensors:
-            self._add_rows(st, kind, self._engine.compute(tensors), list(indices))
+            self._add_rows(st, kind, self._rows_of(tensors, list(indices), kind), list(indices))
+
+    def _rows_of(self, tensors: list, indices: list, what: str) -> torch.Tensor:
+        """The engine's rows of a batch; where the batch fails, each tensor alone, so that one tensor the
+        engine cannot measure costs its own row (NaN, and a HookFailed naming it), not the batch's."""
+        try:
+            return self._engine.compute(tensors)
+        except Exception:  # noqa: BLE001 - monitoring never kills training
+            rows = []
+            for t, i in zip(tensors, indices, strict=True):
+                try:
+                    rows.append(self._engine.compute([t]))
+                except Exception as exc:  # noqa: BLE001
+                    self._hook_failed(f"{what} of {self._params[i].name!r}", exc)
+                    rows.append(None)
+            dev = next((r.device for r in rows if r is not None), torch.device("cpu"))
+            return torch.cat([r.to(dev) if r is not None else self._engine.nan_rows(1, dev) for r in rows])
 
     def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
         c0 = st.call

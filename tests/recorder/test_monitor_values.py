@@ -205,3 +205,44 @@ def test_sparse_embedding_gradients_are_measured_as_the_dense_tensor(tmp_path, m
                 assert ref["zeros"] > 0.5 or name != "0.weight"
                 assert_close(table[(step, name, "", 0)], ref, rtol=1e-5, what=f"{kind} {name} step {step}")
     assert len(stats_table(ev, "mg_direction")) == 2 * len(list(model.parameters()))  # SGD: no momentum, 1.0
+
+
+class NoMinMax(torch.Tensor):
+    """A tensor type without min/max reductions, as some low-precision wrapper types are."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("aminmax", "amin", "amax", "min", "max"):
+            raise NotImplementedError(f"{func.__name__} is not implemented for NoMinMax")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_tensor_the_engine_cannot_measure_costs_its_own_row_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.scale = torch.nn.Parameter(torch.ones(4).as_subclass(NoMinMax))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale.as_subclass(torch.Tensor)
+
+    torch.manual_seed(0)
+    model = Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(write_config(tmp_path, {"param_distribution": True, "ops": ["min", "max", "norm"]}),
+                     params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    want = {n: ref_stats(p.as_subclass(torch.Tensor)) for n, p in model.named_parameters()}
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    mon.close()
+    ev = events_of(tmp_path / "out")
+    rows = stats_table(ev, "param")
+    for name in ("lin.weight", "lin.bias"):
+        assert_close(rows[(0, name, "", 0)], want[name], rtol=1e-6, what=name)
+    assert all(math.isnan(v) for v in rows[(0, "scale", "", 0)].values())
+    failed = [e for e in ev if type(e).__name__ == "HookFailed"]
+    assert failed and "'scale'" in failed[0].where and "NoMinMax" in failed[0].error
