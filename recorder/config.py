@@ -13,7 +13,7 @@ Differences from the reference, where its documentation promises more than its c
   means ``["norm"]`` as documented. ``"id"`` is accepted for compatibility and ignored.
 - Threshold and ``eps`` accept ints (``1`` as well as ``1.0``).
 - Selectors (``"tensor"``, ``"tuple[N]"``, ``"tuple[N]:i"``) are checked for syntax here and against
-  the module's real inputs/outputs at the first collected call.
+  the module's real inputs/outputs at its first call (a ConfigError in the run's first step).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
     DIR_BACKWARD,
     DIR_FORWARD,
@@ -66,6 +67,11 @@ def in_backward() -> bool:
 class SelectorMismatch(Exception):
     """A target's selector does not fit the module's real input or output."""
 
+    def __init__(self, key: str, detail: str) -> None:
+        super().__init__(f"config key {key!r}: {detail}")
+        self.key = key
+        self.detail = detail
+
 
 def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
@@ -87,9 +93,9 @@ def select(value: Any, sel: Selector | None, key: str) -> torch.Tensor | None:
         if isinstance(value, (tuple, list)) and len(value) == 1:
             v = value[0]
             return v if isinstance(v, torch.Tensor) else None
-        raise SelectorMismatch(f"config key {key!r}: expected 'tensor', the module gives {describe(value)}")
+        raise SelectorMismatch(key, f"expected 'tensor', the module gives {describe(value)}")
     if not isinstance(value, (tuple, list)) or len(value) != sel.length:
-        raise SelectorMismatch(f"config key {key!r}: expected tuple[{sel.length}], the module gives {describe(value)}")
+        raise SelectorMismatch(key, f"expected tuple[{sel.length}], the module gives {describe(value)}")
     v = value[sel.index]
     return v if isinstance(v, torch.Tensor) else None
 
@@ -335,6 +341,30 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
                                    (SLOT_INPUT, SLOT_OUTPUT), (vpp, vpp)))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed(f"forward hook of {t.name!r}", exc)
+
+    return hook
+
+
+_SLOTS = ("input", "input_grad", "output", "output_grad")
+
+
+def make_first_call_check(t: ModuleTarget, checked: set):
+    """Forward hook installed until the run's first step ends: at the module's first call, its
+    selectors against its real inputs and outputs. One that does not fit is a ConfigError raised out
+    of that forward, at start-up, before training time is spent (later, in a step the monitor
+    collects, the same mismatch is a HookFailed and training goes on)."""
+    sels = [(slot, t.sel[slot]) for slot in _SLOTS if t.sel.get(slot) is not None]
+
+    def hook(module, args, output):
+        if id(module) in checked:
+            return
+        checked.add(id(module))
+        for slot, sel in sels:
+            try:
+                select(args if slot.startswith("input") else output, sel, f"targets.{t.name}.{slot}")
+            except SelectorMismatch as exc:
+                raise ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
+                                  f"first step; print_struct shows the real structure)", exc.key) from None
 
     return hook
 

@@ -33,10 +33,12 @@ DistributedOptimizer: each rank records its own pieces of the Adam state and red
 Megatron's ChainedOptimizer (a DistributedOptimizer or Float16OptimizerWithFloat16Params per part,
 stepped one after the other) is one step too, with every member's state mapped.
 
-Known limits: a selector that does not fit a module's real input/output is reported at its first
-collected call (HookFailed naming the key), not before training, unless the module's forward
-signature already rules it out (a ConfigError then); ``cc_distribution`` is accepted but not
-recorded (a warning says so).
+Selectors are checked against a module's real inputs and outputs at its first call: in the run's
+first step a mismatch is a ConfigError out of that forward (before training time is spent); a module
+first called later is checked by its hooks (a HookFailed naming the key; training goes on). A
+``tuple[N]`` input selector the forward signature rules out is a ConfigError at
+``monitor_gnorm_with_ad``. Known limit: ``cc_distribution`` is accepted but not recorded (a warning
+says so).
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ class TrainerMon(StepCollector):
         self._params: list[ParamInfo] = []
         self._opt = None
         self._opt_groups: list = []  # the optimizer's param groups between steps
+        self._check_handles: list = []  # selector checks at the first call, until the first step ends
         self._chain: list = []  # the torch optimizers of Megatron's ChainedOptimizer, in stepping order
         self._z3 = None  # DeepSpeed's ZeRO 3 optimizer, where it partitions the model
         self._wrapped = None
@@ -287,8 +290,10 @@ class TrainerMon(StepCollector):
                                   reason="append_output"))
         if self.config.print_struct:
             self._attach_struct_hooks()
-        elif not self.dynamic:
-            self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
+        else:
+            self._check_handles = self._targets.first_call_checks()
+            if not self.dynamic:
+                self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
         self._begin_step()
 
     def generate_wgrad_metrics(self) -> tuple[dict, dict]:
@@ -330,7 +335,8 @@ class TrainerMon(StepCollector):
                 self._write_step(st)
             except Exception as exc:  # noqa: BLE001
                 self._hook_failed("the unfinished step at close", exc)
-        for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles):
+        for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles,
+                        self._check_handles):
             for h in handles:
                 h.remove()
             handles.clear()
@@ -639,6 +645,9 @@ class TrainerMon(StepCollector):
         self._forwards = n
 
     def _end_step(self, optimizer_skipped: bool = False) -> None:
+        for h in self._check_handles:  # the first step ran: selectors are checked by the hooks from now on
+            h.remove()
+        self._check_handles.clear()
         if not optimizer_skipped:
             self._skips_in_a_row = 0
         finished = self._step

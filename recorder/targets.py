@@ -5,7 +5,8 @@ state); see :mod:`.names` for squashing and matching. With ``xy_distribution`` a
 targets) every module is hooked, and modules listed in ``targets`` use their own selectors. A target
 that matches neither a module nor a parameter of any model chunk is a ConfigError at
 ``monitor_gnorm_with_ad`` time, before training starts, and so is a ``tuple[N]`` input selector on a
-module whose ``forward`` cannot take N positional arguments. ``module_ranks`` limits activation
+module whose ``forward`` cannot take N positional arguments; any other selector that does not fit is
+one at the module's first call in the run's first step. ``module_ranks`` limits activation
 monitoring to the listed ranks.
 """
 
@@ -19,7 +20,7 @@ import torch
 from trainrec.schema.errors import ConfigError
 
 from .config import MonitorConfig
-from .hooks import ModuleTarget, make_forward_hook, make_pre_hook
+from .hooks import ModuleTarget, make_first_call_check, make_forward_hook, make_pre_hook
 from .names import module_matches, param_matches, squash_all
 
 
@@ -50,6 +51,14 @@ class Targets:
             if self.forward or self.backward:
                 handles.append(module.register_forward_hook(make_forward_hook(mon, t, self.forward, self.backward)))
         return handles
+
+
+    def first_call_checks(self) -> list:
+        """Hooks checking the selectors of the modules that have any at their first call (see
+        :func:`.hooks.make_first_call_check`); the monitor removes them when the first step ends."""
+        checked: set = set()
+        return [module.register_forward_hook(make_first_call_check(t, checked))
+                for module, t in self.modules if t.sel]
 
 
 def _positional_capacity(module: torch.nn.Module) -> int | None:

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from trainmon_util import ALL_OPS, events_of, loss_of, make, rank_dirs, stats_table, write_config
+from trainmon_util import ALL_OPS, Pair, events_of, loss_of, make, rank_dirs, stats_table, write_config
 from trainrec.recorder import TrainerMon
 from trainrec.recorder.monitor import PRINT_STRUCT_EXIT
 from trainrec.recorder.names import squash_all
@@ -129,9 +129,47 @@ def test_selectors_tuple_and_tensor_on_one_tuple(tmp_path, out):
     assert not [e for e in ev if isinstance(e, HookFailed)]
 
 
-def test_selector_mismatch_is_reported_once_and_training_goes_on(tmp_path, out, caplog):
-    cfg = {"xy_distribution": True, "targets": {"pair": {"input": "tensor"}}}
-    train(tmp_path, cfg, steps=3)
+def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path, out):
+    """pair takes (x, y): "tensor" cannot fit its inputs, which only its first call shows. That call is
+    in the run's first step: a ConfigError out of the forward, before training time is spent, also
+    where that step is not collected."""
+    for extra in ({}, {"start_step": 5}):
+        mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"pair": {"input": "tensor"}},
+                                                 **extra}), live_export=False)
+        model, opt = make()
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        with pytest.raises(ConfigError) as err:
+            loss_of(model, 0)
+        assert "targets.pair.input" in str(err.value) and "gives tuple[2]" in str(err.value)
+        mon.close()
+
+
+def test_selector_mismatch_after_the_first_step_is_reported_once_and_training_goes_on(tmp_path, out, caplog):
+    """A module first called after the first step (here: from step 1 on) is checked by its hooks:
+    a HookFailed naming the key, one warning, and training goes on."""
+
+    class Late(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = torch.nn.Linear(4, 4)
+            self.pair = Pair(4)
+            self.late = False
+
+        def forward(self, x):
+            h = self.base(x)
+            return self.pair(h, h)[0] if self.late else h
+
+    cfg = {"xy_distribution": True, "targets": {"pair": {"input": "tensor"}, "base": {}}}
+    mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
+    model = Late()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for step in range(3):
+        model.late = step >= 1
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
     fails = [e for e in events_of(out) if isinstance(e, HookFailed)]
     assert fails and "targets.pair.input" in fails[0].error and "tuple[2]" in fails[0].error
     assert sum("forward hook of 'pair'" in r.getMessage() for r in caplog.records) == 1
