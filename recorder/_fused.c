@@ -520,10 +520,17 @@ static PyObject *py_stats_tensors(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OdOO!OOLi", &xs, &eps, &ops, &PyTuple_Type, &types, &dtype, &out, &parallel_numel,
                           &threads))
         return NULL;
-    PyObject *seq = PySequence_Fast(xs, "xs: expected a sequence of tensors");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    /* a tuple of its own: it holds every tensor (so its memory) while the GIL is released */
+    PyObject *seq = PySequence_Check(xs) ? PySequence_Tuple(xs) : NULL;
+    if (seq == NULL) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "xs: expected a sequence of tensors");
+        }
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    PyObject **items = &PyTuple_GET_ITEM(seq, 0);
     Py_buffer opb, outb;
     int got = 0, rc = -1;
     uint64_t *addr = NULL;
