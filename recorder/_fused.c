@@ -434,8 +434,8 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
 
 /* The hooks' entry: the tensors themselves, so a hook pays no Python loop over them. Each must be of
  * one of `types` (exact types: torch.Tensor, nn.Parameter), of `dtype` (float32), on the CPU and
- * contiguous or dense (see dense()), or None or empty (a NaN row); otherwise nothing is computed and False is returned, and
- * the caller takes its general path (copies, conversions, refusals with their errors). */
+ * contiguous or dense (see dense()), or None or empty (a NaN row); otherwise nothing is computed, False
+ * is returned, and the caller takes its general path (copies, conversions, refusals with their errors). */
 static PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape, *s_stride;
 
 /* Whether x's elements fill one block of memory without gaps or overlaps, in some order of its dims

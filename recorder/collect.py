@@ -127,16 +127,15 @@ class StepCollector:
         """``(index, gradient)`` of the monitored parameters this rank reports at the optimizer step:
         those with a gradient, less tensor-parallel duplicates. Where the optimizer keeps its own copy
         of the reduced gradient (DeepSpeed ZeRO, Megatron's DistributedOptimizer), this rank's share of
-        that (:meth:`AdamState.reduced_grad`); ``partitioned_only``: those alone, for the later calls
-        of a step that DeepSpeed makes one param group at a time."""
+        that (:meth:`AdamState.reduced_grad`); ``partitioned_only``: DeepSpeed's pieces alone, for the
+        later calls of a step made one param group at a time (or one chained optimizer at a time: a
+        Megatron chain readies every member's gradients before the first steps)."""
         adam = self._adam
         for i, info in enumerate(self._params):
-            if info.tp_duplicate:
+            if info.tp_duplicate or (partitioned_only and not zero.is_partitioned(info.param)):
                 continue
             g = adam.reduced_grad(info.param) if adam is not None else OWN_GRAD
             if g is OWN_GRAD:
-                if partitioned_only:
-                    continue
                 g = self._grad_of(info.param)
             if g is not None:
                 yield i, g

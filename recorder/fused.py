@@ -110,7 +110,8 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
     """:func:`stats` for the hooks' case, with the least Python per call: float32 CPU tensors; None and
     empty tensors give NaN rows (as the engine's general path); a non-contiguous tensor is measured where
     it lies if it is a permutation of a contiguous block and no scales are given (a transpose: the ops
-    ignore element order), else through a contiguous copy. Anything else gives None: the caller takes the general path.
+    ignore element order), else through a contiguous copy. Anything else gives None: the caller takes
+    the general path.
     ``eps`` is one threshold for all (divided by each scale here). ``numpy``: the rows as the numpy
     array the kernel wrote (no tensor made per call; the step's end makes one of all)."""
     if scales is None and _stats_tensors is not None:

@@ -348,17 +348,19 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
 _SLOTS = ("input", "input_grad", "output", "output_grad")
 
 
-def make_first_call_check(t: ModuleTarget, checked: set):
+def make_first_call_check(t: ModuleTarget):
     """Forward hook installed until the run's first step ends: at the module's first call, its
     selectors against its real inputs and outputs. One that does not fit is a ConfigError raised out
     of that forward, at start-up, before training time is spent (later, in a step the monitor
     collects, the same mismatch is a HookFailed and training goes on)."""
     sels = [(slot, t.sel[slot]) for slot in _SLOTS if t.sel.get(slot) is not None]
+    done = False
 
     def hook(module, args, output):
-        if id(module) in checked:
+        nonlocal done
+        if done:
             return
-        checked.add(id(module))
+        done = True
         for slot, sel in sels:
             try:
                 select(args if slot.startswith("input") else output, sel, f"targets.{t.name}.{slot}")

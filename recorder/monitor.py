@@ -469,7 +469,7 @@ class TrainerMon(StepCollector):
         if mapper_chain and any(t is opt for _, t in mapper_chain):
             chain = mapper_chain  # a member's torch optimizer given, the chain named by set_wrapped_optimizer
         if chain:
-            self._bind_chain(chain)
+            self._bind_instance(chain[0][1], chain[0][0], chain)
             return
         if wrapped is not None and opt is None:
             log.warning("trainrec: %s is not a torch optimizer and wraps none (.optimizer); waiting for the "
@@ -491,7 +491,12 @@ class TrainerMon(StepCollector):
 
         self._global_handles.append(register_optimizer_step_pre_hook(pre))
 
-    def _bind_instance(self, opt: torch.optim.Optimizer, wrapped) -> None:
+    def _bind_instance(self, opt: torch.optim.Optimizer, wrapped, chain: list | None = None) -> None:
+        """Hook ``opt`` (``wrapped``: what holds its fp32 masters). ``chain``: the ``(wrapper, torch
+        optimizer)`` members of Megatron's ChainedOptimizer, ``opt`` the first's; they step one after
+        the other in one training step, after the chain's ``prepare_grads`` readied every member's
+        gradients: the step's gradient and parameter rows are taken before the first, it ends after
+        the last."""
         self._opt = opt
         self._wrapped = wrapped
         # the reference's set_wrapped_optimizer names the mixed-precision wrapper whose fp32 masters
@@ -499,20 +504,11 @@ class TrainerMon(StepCollector):
         mapper = type(self)._wrapped_optimizer
         if mapper is None or mapper is wrapped or torch_optimizer_of(mapper) is not opt:
             mapper = wrapped
-        self._adam = AdamState(mapper, opt)
+        self._adam = AdamState(mapper, opt, chain[1:] if chain else ())
         self._opt_groups = list(opt.param_groups)
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
-        self._opt_handles += [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
-
-    def _bind_chain(self, chain: list) -> None:
-        """Megatron's ChainedOptimizer: its members' torch optimizers step one after the other in one
-        training step, after its ``prepare_grads`` readied every member's gradients; the step's
-        gradient and parameter rows are taken before the first, its end is after the last."""
-        self._chain = [t for _, t in chain]
-        self._opt, self._wrapped = chain[0][1], chain[0][0]
-        self._adam = AdamState(chain[0][0], chain[0][1], chain[1:])
-        self._opt_groups = list(self._opt.param_groups)
-        for t in self._chain:
+        self._chain = [t for _, t in chain] if chain else []
+        for t in self._chain or [opt]:
             self._opt_handles += [t.register_step_pre_hook(self._pre_step), t.register_step_post_hook(self._post_step)]
 
     # ------------------------------------------------------------------ step boundaries
@@ -601,8 +597,6 @@ class TrainerMon(StepCollector):
             return
         # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
         first, _ = self._part_of_step(opt)
-        if not first and self._chain:
-            return  # Megatron's chain: every member's gradients were there at the first member's step
         try:
             if first and st.pending:
                 self._flush_grads()

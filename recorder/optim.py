@@ -112,10 +112,10 @@ class AdamState:
         self._master: dict[int, torch.Tensor] = {}
         self._shards: set[int] = set()  # model parameters whose master is this rank's shard of it
         self._group_of: dict[int, dict] = {}
-        self._state_of: dict[int, dict] = {}  # id(parameter stepped) -> its optimizer's state (chains)
+        self._state_of: dict[int, dict] = {}  # id(parameter stepped) -> its optimizer's state
         # the groups as they are between steps (DeepSpeed cuts param_groups to one group per call of step)
         self._groups = list(torch_opt.param_groups)
-        for k, (w, opt) in enumerate(((wrapped, torch_opt), *more)):
+        for w, opt in ((wrapped, torch_opt), *more):
             for model_attr, main_attr in _MASTER_GROUPS:
                 model_groups, main_groups = getattr(w, model_attr, None), getattr(w, main_attr, None)
                 if model_groups is None or main_groups is None:
@@ -125,11 +125,10 @@ class AdamState:
                         self._master[id(p_model)] = p_main
                         if main_attr.startswith("shard_"):
                             self._shards.add(id(p_model))
-            for group in opt.param_groups if k else self._groups:
+            for group in opt.param_groups:
                 for p in group["params"]:
                     self._group_of[id(p)] = group
-                    if k:
-                        self._state_of[id(p)] = opt.state
+                    self._state_of[id(p)] = opt.state
         self._warned = False
 
     def state_param(self, p: torch.Tensor) -> torch.Tensor:

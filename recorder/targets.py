@@ -52,13 +52,10 @@ class Targets:
                 handles.append(module.register_forward_hook(make_forward_hook(mon, t, self.forward, self.backward)))
         return handles
 
-
     def first_call_checks(self) -> list:
         """Hooks checking the selectors of the modules that have any at their first call (see
         :func:`.hooks.make_first_call_check`); the monitor removes them when the first step ends."""
-        checked: set = set()
-        return [module.register_forward_hook(make_first_call_check(t, checked))
-                for module, t in self.modules if t.sel]
+        return [module.register_forward_hook(make_first_call_check(t)) for module, t in self.modules if t.sel]
 
 
 def _positional_capacity(module: torch.nn.Module) -> int | None:
