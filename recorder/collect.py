@@ -12,7 +12,10 @@ forward begins (a forward pre-hook on each model chunk), or at the optimizer pre
 comes first, so ``.grad`` is measured before the next micro step accumulates into it. A
 gradient that is a view into a shared buffer (DDP bucket views, Megatron's grad buffer) is measured
 in its own hook, with the queue: the buffer's owner changes it in place right after (DDP divides it
-by the world size and all-reduces the bucket while backward goes on).
+by the world size and all-reduces the bucket while backward goes on). Megatron's ``main_grad`` in its
+grad buffer is measured there as ``main_grad + .grad``, the value Megatron's own hook, which runs
+next, gives it before it may start the bucket's reduction (``overlap_grad_reduce``); a ``main_grad``
+kept elsewhere is looked up at the end of the backward pass, after every such hook has run.
 A parameter that DeepSpeed ZeRO partitions is measured in a gradient hook that runs before the
 gradient is accumulated (DeepSpeed's own post-accumulate-grad hook moves it into a bucket that is
 reduced while backward goes on): its unreduced row is that micro step's gradient on this rank
@@ -74,12 +77,16 @@ class StepCollector:
         info = self._params[index]
         call = st.fire(info.name_id, 1, micro)
         # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
-        # change it, before the batch is measured). main_grad is not: the owner (Megatron) adds .grad
-        # into it after this hook, so it is looked up when the batch is measured.
-        if incoming is not None:
+        # change it, before the batch is measured). main_grad is not (see _main_grad_now).
+        now = incoming is not None
+        if now:
             g = incoming
         else:
-            g = None if self._main_grad_of(info.param) is not None else info.param.grad
+            mg = self._main_grad_of(info.param)
+            if mg is None:
+                g = info.param.grad
+            else:
+                g, now = _main_grad_now(info.param, mg)
         if not st.pending and in_backward():
             # the batch is measured at the end of this backward at the latest: before DDP's own
             # end-of-backward callback (queued at its first gradient hook, after this one) copies the
@@ -87,7 +94,7 @@ class StepCollector:
             _queue_end_of_backward(self._end_of_backward_flush)
         st.pending.append((index, micro, call, g))
         st.pending_set.add(index)
-        if len(st.pending) >= len(self._params) or incoming is not None or _in_shared_buffer(g):
+        if now or _in_shared_buffer(g) or (len(st.pending) >= len(self._params) and g is not None):
             self._flush_grads()
 
     def _end_of_backward_flush(self) -> None:
@@ -113,7 +120,7 @@ class StepCollector:
                                [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
                                [self._params[i].vpp for i, _, _, _ in pend]))
         for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
-            if g is not None and self._reusable(g):
+            if g is not None and self._reusable(g) and g is self._grad_of(self._params[i].param):  # no temporary
                 st.last_unreduced[i] = (rows, r, g, g._version)
 
     def _reusable(self, g: torch.Tensor) -> bool:
@@ -319,6 +326,27 @@ def _queue_end_of_backward(fn) -> None:
 
 
 _queue_warned: list = []
+
+
+def _main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """``(tensor, measure_now)`` for this micro step's unreduced ``main_grad`` of ``p``, from inside
+    its post-accumulate-grad hook. Megatron's DDP keeps ``main_grad`` as a view into its contiguous
+    gradient buffer and adds ``.grad`` into it in its own hook on the gradient accumulator, which runs
+    after this one; with ``overlap_grad_reduce`` that hook then starts the bucket's reduction at once
+    when this parameter completes the bucket. So, in a shared buffer, the value the owner is about to
+    make, ``main_grad + .grad``, is measured now (a temporary of this parameter's size, released at
+    once); ``main_grad`` alone where Megatron's fused weight-gradient accumulation has added the
+    gradient already (``grad_added_to_main_grad``) or ``.grad`` does not fit. A ``main_grad`` kept
+    elsewhere is looked up when the batch is measured, at the end of the backward pass at the latest
+    (None: after every hook of this backward has run)."""
+    if not _in_shared_buffer(mg):
+        return None, False
+    g = p.grad
+    if (g is None or g is mg or getattr(p, "grad_added_to_main_grad", False) or g.shape != mg.shape
+            or g.layout is not torch.strided or g.device != mg.device):
+        return mg, True
+    with torch.no_grad():
+        return torch.add(mg, g), True
 
 
 def _in_shared_buffer(g: torch.Tensor | None) -> bool:

@@ -173,6 +173,81 @@ def test_main_grad_is_used_for_reduced_when_present(tmp_path, monkeypatch):
         assert red[(0, short, "", 0)]["norm"] == pytest.approx(2.0 * math.sqrt(p.numel()), rel=1e-5)
 
 
+class _FusedWgradLinear(torch.autograd.Function):
+    """Megatron's gradient_accumulation_fusion: the weight gradient is added into ``main_grad`` by the
+    backward itself; ``.grad`` gets a tensor of undefined contents (``torch.empty`` there, NaN here)
+    and ``grad_added_to_main_grad`` tells the wrapper's hook not to add it again."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, go):
+        x, w = ctx.saved_tensors
+        w.main_grad.add_(go.reshape(-1, go.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+        w.grad_added_to_main_grad = True
+        return go @ w, torch.full_like(w, float("nan"))
+
+
+@pytest.mark.parametrize("buffer", ["contiguous", "separate"])
+def test_main_grad_accumulated_by_the_owners_hook_is_measured_with_this_micro_steps_gradient(
+        tmp_path, monkeypatch, buffer):
+    """Megatron's DDP adds ``.grad`` into ``main_grad`` (a view into its contiguous buffer) in a hook on
+    the gradient accumulator that runs after the monitor's. Each micro step's unreduced row is the sum
+    so far, for every parameter: the one that fires last too (it was measured before the add, a row of
+    zeros), and one whose gradient the backward added into ``main_grad`` itself (fused accumulation).
+    The multi-process variant with overlap_grad_reduce is in test_megatron_ddp_standin.py."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fused_w = model[2].weight
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    off, accs = 0, []
+    for p in params:
+        p.main_grad = flat[off:off + p.numel()].view_as(p) if buffer == "contiguous" else torch.zeros_like(p)
+        off += p.numel()
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+
+        def owner_hook(*_unused, p=p):
+            if p.grad is not None and not getattr(p, "grad_added_to_main_grad", False):
+                p.main_grad.add_(p.grad)
+            p.grad = None
+
+        acc.register_hook(owner_hook)
+        accs.append(acc)
+
+    def forward(x):
+        return _FusedWgradLinear.apply(torch.tanh(model[0](x)), fused_w) + model[2].bias
+
+    opt = torch.optim.SGD(params, lr=0.1)
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=True,
+                     live_export=False)
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+    want = {}
+    for step in range(2):
+        for micro in range(2):
+            forward(torch.randn(5, 4)).square().sum().backward()
+            want[(step, micro)] = {n: ref_stats(p.main_grad) for n, p in model.named_parameters()}
+        for p in params:
+            p.grad = p.main_grad.clone()
+            p.grad_added_to_main_grad = False
+        opt.step()
+        opt.zero_grad()
+        for p in params:
+            p.main_grad.zero_()
+    mon.close()
+    un = stats_table(events_of(tmp_path / "out"), "grad_unreduced")
+    short = squash_all([n for n, _ in model.named_parameters()])
+    assert len(un) == 2 * 2 * len(params)
+    for (step, micro), rows in want.items():
+        for n, ref in rows.items():
+            assert ref["norm"] > 0
+            assert_close(un[(step, short[n], "", micro)], ref, what=f"{buffer} {n} step {step} micro {micro}")
+
+
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 def test_sparse_embedding_gradients_are_measured_as_the_dense_tensor(tmp_path, monkeypatch, kernel):
