@@ -71,7 +71,7 @@ from trainrec.schema.events import (
 from . import runinfo, structure, zero
 from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
-from .hooks import StepState, make_chunk_pre_hook, make_grad_hook
+from .hooks import StepState, eager, make_chunk_pre_hook, make_grad_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
 from .stats import StatsEngine
 from .targets import ParamInfo, Targets, build_targets
@@ -262,7 +262,7 @@ class TrainerMon(StepCollector):
         """Install the hooks on ``model`` (a module or a list of virtual-pipeline chunks)."""
         if self._chunks:
             raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
-        self._chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self._chunks = [_uncompiled(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
         self._grad_acc = max(1, int(grad_acc_steps))
         self._step = int(start_iteration)
         self._tp_group = tp_group
@@ -282,7 +282,7 @@ class TrainerMon(StepCollector):
         self._chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
         # a backward ran in this step: the first and last parameters of chunk 0 got a gradient
         for p in {id(q): q for q in self._chunk0_params[:1] + self._chunk0_params[-1:]}.values():
-            self._chunk_handles.append(p.register_post_accumulate_grad_hook(self._on_backward))
+            self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(self._on_backward)))
         self._bind_optimizer(optimizer)
         if self._resumed_from:
             self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
@@ -509,7 +509,8 @@ class TrainerMon(StepCollector):
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
         self._chain = [t for _, t in chain] if chain else []
         for t in self._chain or [opt]:
-            self._opt_handles += [t.register_step_pre_hook(self._pre_step), t.register_step_post_hook(self._post_step)]
+            self._opt_handles += [t.register_step_pre_hook(eager(self._pre_step)),
+                                 t.register_step_post_hook(eager(self._post_step))]
 
     # ------------------------------------------------------------------ step boundaries
     def _collects(self, step: int) -> bool:
@@ -722,3 +723,11 @@ def _close_at_exit(ref) -> None:
             mon.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _uncompiled(model):
+    """The module ``torch.compile`` wraps (its ``OptimizedModule`` names every submodule
+    ``_orig_mod.*``): targets and recorded names stay those of the model the user wrote; the hooks on
+    its submodules are part of the compiled forward (see :func:`~trainrec.recorder.hooks.eager`)."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model

@@ -1,0 +1,84 @@
+"""A model compiled with ``torch.compile``: its module hooks are inlined into the compiled forward.
+The monitor's hooks run as Python on the real tensors (a graph break each), dynamo never compiles the
+monitor's own code, and what is recorded equals what the same model records uncompiled, under the
+names of the model the user wrote (no ``_orig_mod.`` prefix). The ``aot_eager`` backend runs dynamo
+and AOTAutograd as inductor would, without generating C++ (seconds instead of a minute here)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from trainmon_util import assert_close, events_of, loss_of, make, stats_table, write_config
+from trainrec.recorder import TrainerMon
+from trainrec.schema.events import HookFailed
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile is torch 2.0+")
+RECORDER_DIR = os.path.dirname(os.path.abspath(__import__("trainrec.recorder").recorder.__file__))
+STEPS = 8
+
+
+def _run(tmp_path, name: str, compiled: bool) -> tuple[list, int]:
+    out = tmp_path / name
+    os.environ["MONITOR_OUTPUT_DIR"] = str(out)
+    cfg = write_config(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True,
+                                  "param_distribution": True, "mv_distribution": True, "ur_distribution": True,
+                                  "targets": {"layers.0": {}, "head": {}, "pair": {}}, "step_interval": 2,
+                                  "ops": ["norm", "min", "max", "mean"]}, f"{name}.json")
+    model, opt = make(seed=0)
+    net = torch.compile(model, backend="aot_eager") if compiled else model
+    mon = TrainerMon(cfg, params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(net, optimizer=opt)
+    graphs_at: dict[int, int] = {}
+    for step in range(STEPS):
+        loss_of(net, step).backward()
+        opt.step()
+        opt.zero_grad()
+        graphs_at[step] = _compiled_frames.__len__()
+    mon.close()
+    return events_of(out), graphs_at
+
+
+_compiled_frames: list = []
+
+
+@pytest.fixture
+def compiled_frames():
+    """The code objects dynamo compiles, through its bytecode hook."""
+    from torch._dynamo.convert_frame import register_bytecode_hook
+
+    _compiled_frames.clear()
+    handle = register_bytecode_hook(lambda code, new_code: _compiled_frames.append(code))
+    torch._dynamo.reset()
+    yield _compiled_frames
+    handle.remove()
+    torch._dynamo.reset()
+
+
+# dynamo's own: it reads .grad of the non-leaf tensors a resumed frame (after a graph break) is given
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor")
+def test_compiled_model_records_what_the_eager_model_records(tmp_path, monkeypatch, compiled_frames):
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))  # restored after the test
+    eager_ev, _ = _run(tmp_path, "eager", compiled=False)
+    comp_ev, graphs_at = _run(tmp_path, "compiled", compiled=True)
+    assert compiled_frames, "dynamo compiled nothing: the model did not run compiled"
+    ours = sorted({c.co_filename for c in compiled_frames if c.co_filename.startswith(RECORDER_DIR)})
+    assert ours == [], f"dynamo compiled the monitor's own code: {ours}"
+    # collected and skipped steps alternate: after both have been seen, nothing is compiled again
+    assert graphs_at[STEPS - 1] == graphs_at[3], graphs_at
+    assert not [e for e in comp_ev if isinstance(e, HookFailed)]
+    for kind in ("actv", "actv_grad", "grad_unreduced", "grad_reduced", "param", "exp_avg", "update"):
+        want, got = stats_table(eager_ev, kind), stats_table(comp_ev, kind)
+        assert want, kind
+        assert set(got) == set(want), (kind, sorted(set(got) ^ set(want))[:6])
+        assert {k[0] for k in got} == set(range(0, STEPS, 2))
+        for key, row in want.items():
+            nan = {op for op, v in row.items() if math.isnan(v)}  # a slot without a tensor: NaN in both
+            assert nan == {op for op, v in got[key].items() if math.isnan(v)}, (kind, key)
+            assert_close({op: v for op, v in got[key].items() if op not in nan},
+                         {op: v for op, v in row.items() if op not in nan}, rtol=1e-4, atol=1e-6, what=f"{kind} {key}")
+    names = {k[1] for k in stats_table(comp_ev, "actv")}
+    assert names and not any("_orig_mod" in n for n in names), names
