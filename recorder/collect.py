@@ -132,11 +132,18 @@ class StepCollector:
 
     def _own_grads(self, partitioned_only: bool = False):
         """``(index, gradient)`` of the monitored parameters this rank reports at the optimizer step:
-        those with a gradient, less tensor-parallel duplicates. Where the optimizer keeps its own copy
-        of the reduced gradient (DeepSpeed ZeRO, Megatron's DistributedOptimizer), this rank's share of
-        that (:meth:`AdamState.reduced_grad`); ``partitioned_only``: DeepSpeed's pieces alone, for the
+        those with a gradient, less tensor-parallel duplicates, and less data-parallel duplicates where
+        ``dp_group`` was given. Where the optimizer keeps its own copy of the reduced gradient
+        (DeepSpeed ZeRO, Megatron's DistributedOptimizer), this rank's share of that
+        (:meth:`AdamState.reduced_grad`); ``partitioned_only``: DeepSpeed's pieces alone, for the
         later calls of a step made one param group at a time (or one chained optimizer at a time: a
-        Megatron chain readies every member's gradients before the first steps)."""
+        Megatron chain readies every member's gradients before the first steps).
+
+        ``dp_group`` drops a gradient on all but the group's first rank only where every rank of the
+        group holds the same one: the reference's documentation gives the deduplication for a run
+        "without a distributed optimizer" (its code drops every rank's but the first). A share of a
+        sharded gradient (an optimizer's piece, an FSDP2 DTensor's local shard) is this rank's alone
+        and is recorded on every rank."""
         adam = self._adam
         for i, info in enumerate(self._params):
             if info.tp_duplicate or (partitioned_only and not zero.is_partitioned(info.param)):
@@ -144,12 +151,12 @@ class StepCollector:
             g = adam.reduced_grad(info.param) if adam is not None else OWN_GRAD
             if g is OWN_GRAD:
                 g = self._grad_of(info.param)
+                if g is not None and self._dp_duplicate and not _is_shard(g):
+                    continue
             if g is not None:
                 yield i, g
 
     def _reduced_grads(self, st: StepState, partitioned_only: bool = False) -> None:
-        if self._dp_duplicate:
-            return
         eng = self._engine
         cand_rows, cand_idx, cand_g, todo, todo_idx = [], [], [], [], []
         for i, g in self._own_grads(partitioned_only):
@@ -251,7 +258,7 @@ class StepCollector:
         ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
         the momentum before this update (1.0 where there is no state yet: the first step). A scalar
         row per parameter; its ops are those of a 0-d tensor (min = max = mean = value)."""
-        if self._dp_duplicate or self._adam is None:
+        if self._adam is None:
             return
         state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
         idx, vals = [], []
@@ -326,6 +333,12 @@ def _queue_end_of_backward(fn) -> None:
 
 
 _queue_warned: list = []
+
+
+def _is_shard(g: torch.Tensor) -> bool:
+    """Whether ``g`` is a DTensor of which this rank holds a part only (FSDP2's sharded gradients)."""
+    local = local_tensor(g)
+    return local is not g and local.numel() != g.numel()
 
 
 def _main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | None, bool]:

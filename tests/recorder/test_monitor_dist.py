@@ -77,7 +77,8 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             net = model
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
-            mon.monitor_gnorm_with_ad(model, optimizer=opt)
+            # dp_group: each rank still records its own shard of the reduced gradients (not duplicates)
+            mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dist.group.WORLD)
         elif mode == "zero":  # torch's ZeRO-1: each rank's local AdamW holds the state of its shard
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -125,6 +126,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
 
                 short = squash_all([n for n, _ in model.named_parameters()])
                 expected[step] = {short[n]: float(q.to_local().norm()) for n, q in model.named_parameters()}
+                expected[f"grad{step}"] = {short[n]: float(q.grad.to_local().norm()) for n, q in model.named_parameters()}
             opt.step()
             if mode == "zero":
                 from trainrec.recorder.names import squash_all
@@ -272,6 +274,11 @@ def test_fsdp2_dtensors_record_each_ranks_local_shard(tmp_path, monkeypatch):
         assert len(par) == 2 * len(want["0"])
         for (step, name, _, _), row in par.items():
             assert abs(row["norm"] - want[str(step)][name]) <= 1e-5 * want[str(step)][name] + 1e-9, (r, name)
+        red = stats_table(ev, "grad_reduced")  # on both ranks, dp_group given: shards, not duplicates
+        assert len(red) == 2 * len(want["0"]), (r, len(red))
+        for (step, name, _, _), row in red.items():
+            w = want[f"grad{step}"][name]
+            assert abs(row["norm"] - w) <= 1e-5 * w + 1e-9, (r, name, row["norm"], w)
         for kind in ("grad_unreduced", "grad_reduced", "exp_avg", "ratio", "actv"):
             assert stats_table(ev, kind), (r, kind)
 
