@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 import weakref
 
@@ -266,10 +267,18 @@ class TrainerMon(StepCollector):
         self._grad_acc = max(1, int(grad_acc_steps))
         self._step = int(start_iteration)
         self._tp_group = tp_group
-        if dp_group is not None and self._distributed:
+        fsdp1 = _fsdp1_wrapped(self._chunks)
+        if dp_group is not None and self._distributed and not fsdp1:  # FSDP1: every gradient is a shard
             import torch.distributed as dist
 
             self._dp_duplicate = dist.get_rank(group=dp_group) != 0
+        if fsdp1:
+            _warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1), which "
+                       "accumulates gradients in its flat parameters, outside the parameters' own gradient "
+                       "hooks: weight gradients before reduction (grad_unreduced) are not recorded. Reduced "
+                       "gradients, parameters and Adam state are this rank's shards (with "
+                       "use_orig_params=False, one flat parameter per FSDP unit); activations are recorded "
+                       "as usual. FSDP2 (torch.distributed.fsdp.fully_shard) is supported in full.")
         try:
             self._targets = self._build(self.config)  # raises ConfigError before any training
         except ConfigError:
@@ -731,3 +740,10 @@ def _uncompiled(model):
     its submodules are part of the compiled forward (see :func:`~trainrec.recorder.hooks.eager`)."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model
+
+
+def _fsdp1_wrapped(chunks) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``, not FSDP2's ``fully_shard``) wraps part of the model."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: not in use (and no import cost)
+    cls = getattr(fsdp, "FullyShardedDataParallel", None)
+    return cls is not None and any(isinstance(m, cls) for c in chunks for m in c.modules())

@@ -87,6 +87,21 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
             mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
             mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dist.group.WORLD)
+        elif mode == "fsdp1":  # orig params are 1-d views of this rank's part of FSDP's flat parameters
+            import logging
+
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            pg = None
+            warned: list = []
+            handler = logging.Handler()
+            handler.emit = lambda record: warned.append(record.getMessage())
+            logging.getLogger("trainrec.recorder.monitor").addHandler(handler)
+            net = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+            mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+            mon.monitor_gnorm_with_ad(net, optimizer=opt, dp_group=dist.group.WORLD)
+            expected = {"warned": warned}
         elif mode in ("ddp", "ddp_view", "ddp_unused"):
             pg = None
             # ddp_view: grads are views into DDP's buckets, which are averaged in place while backward
@@ -109,7 +124,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dp_group, tp_group=tp_group)
             net = model
             pg = dp_group
-        expected = {}
+        expected = {} if mode != "fsdp1" else expected
         for step in range(2):
             if local is not None:
                 local.load_state_dict(model.state_dict())
@@ -127,6 +142,12 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
                 short = squash_all([n for n, _ in model.named_parameters()])
                 expected[step] = {short[n]: float(q.to_local().norm()) for n, q in model.named_parameters()}
                 expected[f"grad{step}"] = {short[n]: float(q.grad.to_local().norm()) for n, q in model.named_parameters()}
+            if mode == "fsdp1":
+                from trainrec.recorder.names import squash_all
+
+                short = squash_all([n for n, _ in net.named_parameters()])
+                expected[f"grad{step}"] = {short[n]: float(q.grad.norm()) for n, q in net.named_parameters()
+                                           if q.grad is not None and q.numel()}
             opt.step()
             if mode == "zero":
                 from trainrec.recorder.names import squash_all
@@ -137,7 +158,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
                                   for n, q in model.named_parameters() if q in state}
             opt.zero_grad()
         mon.close()
-        if mode in ("zero", "fsdp2"):
+        if mode in ("zero", "fsdp2", "fsdp1"):
             import json
 
             with open(os.path.join(os.path.dirname(cfg_path), f"{mode}_state_{rank}.json"), "w") as f:
@@ -281,6 +302,34 @@ def test_fsdp2_dtensors_record_each_ranks_local_shard(tmp_path, monkeypatch):
             assert abs(row["norm"] - w) <= 1e-5 * w + 1e-9, (r, name, row["norm"], w)
         for kind in ("grad_unreduced", "grad_reduced", "exp_avg", "ratio", "actv"):
             assert stats_table(ev, kind), (r, kind)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_fsdp1_warns_and_records_each_ranks_shards(tmp_path, monkeypatch):
+    """FSDP1 (FullyShardedDataParallel, use_orig_params=True) accumulates gradients in its flat
+    parameters, so the parameters' own gradient hooks never fire: a warning says that unreduced rows
+    are not recorded, and each rank records its own shard of the reduced gradients (not deduplicated
+    by dp_group: they differ by rank), with activations as usual and no hook failing."""
+    import json
+
+    from trainrec.schema.events import HookFailed
+
+    cfg = {"wg_distribution": True, "param_distribution": True, "xy_distribution": True, "ops": ["norm", "max"]}
+    out = run(2, tmp_path, monkeypatch, "fsdp1", cfg)
+    h = headers(out)
+    for r in (0, 1):
+        with open(tmp_path / f"fsdp1_state_{r}.json") as f:
+            want = json.load(f)
+        assert any("FullyShardedDataParallel (FSDP1)" in m and "grad_unreduced" in m for m in want["warned"])
+        ev = h[r][2]
+        assert not [e for e in ev if isinstance(e, HookFailed)]
+        assert stats_table(ev, "grad_unreduced") == {}
+        assert stats_table(ev, "actv") and stats_table(ev, "param")
+        red = stats_table(ev, "grad_reduced")
+        assert red and {(s, n) for s, n, _, _ in red} == {(s, n) for s in (0, 1) for n in want[f"grad{s}"]}, r
+        for (step, name, _, _), row in red.items():
+            w = want[f"grad{step}"][name]
+            assert abs(row["norm"] - w) <= 1e-5 * w + 1e-9, (r, name, row["norm"], w)
 
 
 def test_ddp_gradient_accumulation_with_no_sync_records_each_micro_steps_own_gradient(tmp_path, monkeypatch):
