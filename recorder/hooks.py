@@ -35,6 +35,7 @@ keeping the results on the device. An exception inside a hook is caught and repo
 
 from __future__ import annotations
 
+import functools
 import weakref
 from array import array
 from typing import TYPE_CHECKING, Any
@@ -258,30 +259,38 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
     st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users)
 
 
-def _make_grad_cb(mon: TrainerMon, st: StepState, users: list):
-    def cb(grad):
-        if mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
-            return None
-        rows = None
-        for gc, slot, name in users:
-            try:
-                if gc.call is None:
-                    gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)
-                if rows is None:
-                    rows = rows_for(mon, st, (grad,))
-                other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
-                if other_hooked:
-                    part_rows, slots = rows, (slot,)
-                else:  # the other slot gets no gradient: a NaN row, as the reference's None
-                    part_rows, slots = _with_nan_row(rows, slot == SLOT_INPUT_GRAD), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
-                n = len(slots)
-                st.stats.add(StatsPart(KIND_ACTV_GRAD, part_rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
-                                       slots, (gc.vpp,) * n))
-            except Exception as exc:  # noqa: BLE001
-                mon._hook_failed(f"backward hook of {name!r}", exc)
+def _grad_cb(mon: TrainerMon, st: StepState, users: list, grad):
+    if mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
         return None
+    rows = None
+    for gc, slot, name in users:
+        try:
+            if gc.call is None:
+                gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)
+            if rows is None:
+                rows = rows_for(mon, st, (grad,))
+            other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
+            if other_hooked:
+                part_rows, slots = rows, (slot,)
+            else:  # the other slot gets no gradient: a NaN row, as the reference's None
+                part_rows, slots = _with_nan_row(rows, slot == SLOT_INPUT_GRAD), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+            n = len(slots)
+            st.stats.add(StatsPart(KIND_ACTV_GRAD, part_rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
+                                   slots, (gc.vpp,) * n))
+        except Exception as exc:  # noqa: BLE001
+            mon._hook_failed(f"backward hook of {name!r}", exc)
+    return None
 
-    return eager(cb)
+
+_grad_cb_eager: list = []  # eager(_grad_cb), made at first use (torch.compiler imports dynamo)
+
+
+def _make_grad_cb(mon: TrainerMon, st: StepState, users: list):
+    """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
+    tensor, several per module call, cost 5-10 us each)."""
+    if not _grad_cb_eager:
+        _grad_cb_eager.append(eager(_grad_cb))
+    return functools.partial(_grad_cb_eager[0], mon, st, users)
 
 
 def _with_nan_row(rows, nan_second: bool):

@@ -72,7 +72,7 @@ from trainrec.schema.events import (
 from . import runinfo, structure, zero
 from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
-from .hooks import StepState, eager, make_chunk_pre_hook, make_grad_hook
+from .hooks import StepState, eager, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
 from .stats import StatsEngine
 from .targets import ParamInfo, Targets, build_targets
@@ -561,9 +561,9 @@ class TrainerMon(StepCollector):
                 if zero.is_partitioned(p.param):
                     # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
                     # the gradient into its buckets, where it is reduced while backward goes on
-                    h = p.param.register_hook(make_grad_hook(self, i, incoming=True))
+                    h = p.param.register_hook(t.grad_hook(self, i, incoming=True))
                 else:
-                    h = p.param.register_post_accumulate_grad_hook(make_grad_hook(self, i))
+                    h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False))
                 self._step_handles.append(h)
 
     def _detach(self) -> None:

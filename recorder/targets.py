@@ -20,7 +20,7 @@ import torch
 from trainrec.schema.errors import ConfigError
 
 from .config import MonitorConfig
-from .hooks import ModuleTarget, make_first_call_check, make_forward_hook, make_pre_hook
+from .hooks import ModuleTarget, make_first_call_check, make_forward_hook, make_grad_hook, make_pre_hook
 from .names import module_matches, param_matches, squash_all
 
 
@@ -41,16 +41,33 @@ class Targets:
     module_short: list = field(default_factory=list)  # per vpp: {full: short}
     forward: bool = True
     backward: bool = True
+    made: dict = field(default_factory=dict, repr=False)  # hook functions, made once, reattached per step
 
     def attach(self, mon) -> list:
-        """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working."""
+        """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working.
+        The hook functions are made at the first call and reused when a later collected step attaches
+        them again (each is wrapped for torch.compile, which costs 5-10 us per function made)."""
+        hooks = self.made.get("modules")
+        if hooks is None:
+            hooks = self.made["modules"] = [
+                (module, make_pre_hook(mon, t) if self.backward else None,
+                 make_forward_hook(mon, t, self.forward, self.backward) if self.forward or self.backward else None)
+                for module, t in self.modules]
         handles = []
-        for module, t in self.modules:
-            if self.backward:
-                handles.append(module.register_forward_pre_hook(make_pre_hook(mon, t)))
-            if self.forward or self.backward:
-                handles.append(module.register_forward_hook(make_forward_hook(mon, t, self.forward, self.backward)))
+        for module, pre, fwd in hooks:
+            if pre is not None:
+                handles.append(module.register_forward_pre_hook(pre))
+            if fwd is not None:
+                handles.append(module.register_forward_hook(fwd))
         return handles
+
+    def grad_hook(self, mon, index: int, incoming: bool):
+        """The weight-gradient hook of parameter ``index`` (:func:`.hooks.make_grad_hook`), made once."""
+        key = ("grad", index, incoming)
+        fn = self.made.get(key)
+        if fn is None:
+            fn = self.made[key] = make_grad_hook(mon, index, incoming)
+        return fn
 
     def first_call_checks(self) -> list:
         """Hooks checking the selectors of the modules that have any at their first call (see
