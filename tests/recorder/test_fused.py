@@ -14,6 +14,35 @@ from trainrec.recorder.stats import StatsEngine
 pytestmark = pytest.mark.skipif(not fused.AVAILABLE, reason="the one-pass kernel (recorder/_fused.c) is not built")
 
 
+def _kernels() -> list[str]:
+    if not fused.AVAILABLE:
+        return ["generic"]
+    from trainrec.recorder import _fused
+
+    prev = _fused.set_kernel("generic")
+    try:
+        _fused.set_kernel("avx2")
+        return ["generic", "avx2"]
+    except ValueError:  # no AVX2/FMA on this CPU, or not x86-64
+        return ["generic"]
+    finally:
+        _fused.set_kernel(prev)
+
+
+@pytest.fixture(autouse=True, params=_kernels())
+def kernel(request):
+    """Every test here runs with each float32 loop this CPU has (the AVX2 one where it can, and the
+    auto-vectorised one every other machine runs)."""
+    if not fused.AVAILABLE:
+        yield request.param
+        return
+    from trainrec.recorder import _fused
+
+    prev = _fused.set_kernel(request.param)
+    yield request.param
+    _fused.set_kernel(prev)
+
+
 def rows_ref(xs, eps):
     return [ref(x, eps) for x in xs]
 
@@ -65,6 +94,42 @@ def test_nan_inf_and_all_nan():
     assert math.isnan(mn[1]) and nans[1] == 2 and zeros[1] == 0.0
     assert mn[2] == -inf and mx[2] == inf and norm[2] == inf and math.isnan(mean[2]) and nans[2] == 0
     assert got[3] == [5.0, 5.0, 5.0, 5.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("n", [5, 16, 17, 33, 4096, 4111, 3 * 4096 + 9, 262144 + 40])
+def test_nan_and_inf_anywhere_in_blocks_and_tails(n):
+    """NaNs are counted in a block only when its sum is not finite: NaNs in the vector loop and in the
+    tail, in several blocks, an infinity without NaN, and finite values whose sum overflows give the
+    exact counts; min/max ignore NaN in the kernel (NaN is reported where the count is not zero)."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(n, generator=g)
+    cases = []
+    x = base.clone()
+    idx = sorted({0, n // 3, n - 1, min(n - 1, 17), min(n - 1, 4100)})
+    x[idx] = float("nan")
+    cases.append((x, len(idx)))
+    y = base.clone()
+    y[n // 2] = float("inf")
+    cases.append((y, 0))
+    big = torch.full((n,), 3e38)
+    big[::2] = 1e38
+    cases.append((big, 0))
+    zero = base.clone()
+    zero[:: 3] = -0.0
+    zero[1:: 7] = 1e-9
+    cases.append((zero, 0))
+    for x, nans in cases:
+        got = fused.stats([x], [1e-8], OPS)[0].tolist()
+        assert got[5] == nans, (n, got)
+        want = ref(x, 1e-8)
+        assert got[4] == pytest.approx(want[4], abs=1e-7), (n, got, want)
+        if nans:
+            assert math.isnan(got[0]) and math.isnan(got[1])
+        else:
+            finite = x[torch.isfinite(x)]
+            assert got[0] == x.min().item() and got[1] == x.max().item(), (got, finite.min(), finite.max())
+            if math.isfinite(want[2]) and want[2] < 1e38:
+                assert close(got[2], want[2], 1e-5) and close(got[3], want[3], 1e-5), (n, got, want)
 
 
 def test_dtypes_layouts_and_op_subsets():
