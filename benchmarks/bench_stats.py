@@ -94,7 +94,8 @@ def main() -> int:
         ("actv", sum(a.numel() for a in actv), actv_pairs(torch_eng), actv_pairs(fused_eng)),
         ("adam", sum(e[1].numel() for e in entries), torch_adam, fused_adam),
     ]
-    print(f"torch {torch.__version__}, {threads} intra-op threads, best of {args.repeat}")
+    print(f"torch {torch.__version__}, {threads} intra-op threads, best of {args.repeat}, "
+          f"float32 loop: {fused.kernel_name()}")
     print(f"| case | values | torch ns/value | fused 1 thread | fused {threads} threads | torch / fused |")
     print("|---|---|---|---|---|---|")
     for name, n, t_fn, f_fn in cases:
@@ -103,6 +104,24 @@ def main() -> int:
         fn = best_of(with_threads(threads, f_fn), args.repeat)
         print(f"| {name} | {n / 1e6:.2f}M | {t / n * 1e9:.2f} | {f1 / n * 1e9:.2f} | {fn / n * 1e9:.2f} | "
               f"{t / min(f1, fn):.1f}x |")
+    loops = fused.kernels()
+    if len(loops) > 1:
+        # the float32 loops against each other on one thread, alternating, on data in the caches (one
+        # activation, read again and again) and from memory (the gradient batch, 21 MB)
+        print()
+        print(f"float32 loops, 1 thread, best of {args.repeat} alternating rounds, ns per value:")
+        print("| case | " + " | ".join(loops) + " | ratio |")
+        print("|---|" + "---|" * (len(loops) + 1))
+        for name, n, fn in (("one activation (in cache)", actv[0].numel(), lambda: fused_eng.compute(actv[:1])),
+                            ("gradient batch (from memory)", sum(g.numel() for g in grads),
+                             lambda: fused_eng.compute(grads))):
+            best = {k: float("inf") for k in loops}
+            for _ in range(args.repeat):
+                for k in loops:
+                    with fused.using_kernel(k):
+                        best[k] = min(best[k], best_of(with_threads(1, fn), 3))
+            print(f"| {name} | " + " | ".join(f"{best[k] / n * 1e9:.3f}" for k in loops)
+                  + f" | {best[loops[0]] / best[loops[-1]]:.2f}x |")
     return 0
 
 

@@ -703,6 +703,10 @@ static PyObject *py_set_kernel(PyObject *self, PyObject *args) {
     return prev;
 }
 
+static PyObject *py_kernel(PyObject *self, PyObject *unused) { return PyUnicode_FromString(kernel_name); }
+
+PyDoc_STRVAR(kernel_doc, "kernel() -> str\n\nThe float32 statistics loop in use: 'avx2' or 'generic'.");
+
 PyDoc_STRVAR(set_kernel_doc,
              "set_kernel(name) -> str\n\n"
              "Use the float32 statistics loop 'generic' (auto-vectorised C) or 'avx2' (the default where the\n"
@@ -719,6 +723,7 @@ static PyMethodDef methods[] = {
     {"adam", py_adam, METH_VARARGS, adam_doc},
     {"stats_tensors", py_stats_tensors, METH_VARARGS, stats_tensors_doc},
     {"set_kernel", py_set_kernel, METH_VARARGS, set_kernel_doc},
+    {"kernel", py_kernel, METH_NOARGS, kernel_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -742,10 +747,5 @@ PyMODINIT_FUNC PyInit__fused(void) {
         (s_shape = PyUnicode_InternFromString("shape")) == NULL ||
         (s_stride = PyUnicode_InternFromString("stride")) == NULL)
         return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", kernel_name) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModule_Create(&module);
 }

@@ -19,6 +19,7 @@ gives their local shard, the entry points take plain tensors only, and the C sid
 
 from __future__ import annotations
 
+import contextlib
 import os
 from array import array
 from collections.abc import Sequence
@@ -46,6 +47,40 @@ PARALLEL_NUMEL = 1 << 24
 ADAM_PARALLEL_NUMEL = 1 << 18
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _stats_tensors = getattr(_fused, "stats_tensors", None) if AVAILABLE else None
+
+
+def kernel_name() -> str | None:
+    """The float32 loop in use: ``"avx2"`` (x86-64 CPUs with AVX2 and FMA) or ``"generic"`` (the
+    auto-vectorised C loop, everywhere else); None without the kernel."""
+    return _fused.kernel() if AVAILABLE and hasattr(_fused, "kernel") else ("generic" if AVAILABLE else None)
+
+
+def kernels() -> list[str]:
+    """The float32 loops this CPU can run, the generic one first."""
+    if not AVAILABLE or not hasattr(_fused, "set_kernel"):
+        return [] if not AVAILABLE else ["generic"]
+    out = []
+    prev = _fused.kernel()
+    try:
+        for k in ("generic", "avx2"):
+            try:
+                _fused.set_kernel(k)
+                out.append(k)
+            except ValueError:
+                pass
+    finally:
+        _fused.set_kernel(prev)
+    return out
+
+
+@contextlib.contextmanager
+def using_kernel(name: str):
+    """Run the block with float32 loop ``name`` (tests and benchmarks; not thread-safe)."""
+    prev = _fused.set_kernel(name)
+    try:
+        yield
+    finally:
+        _fused.set_kernel(prev)
 
 
 def local_tensor(x):

@@ -14,33 +14,15 @@ from trainrec.recorder.stats import StatsEngine
 pytestmark = pytest.mark.skipif(not fused.AVAILABLE, reason="the one-pass kernel (recorder/_fused.c) is not built")
 
 
-def _kernels() -> list[str]:
-    if not fused.AVAILABLE:
-        return ["generic"]
-    from trainrec.recorder import _fused
-
-    prev = _fused.set_kernel("generic")
-    try:
-        _fused.set_kernel("avx2")
-        return ["generic", "avx2"]
-    except ValueError:  # no AVX2/FMA on this CPU, or not x86-64
-        return ["generic"]
-    finally:
-        _fused.set_kernel(prev)
-
-
-@pytest.fixture(autouse=True, params=_kernels())
+@pytest.fixture(autouse=True, params=fused.kernels() or ["none"])
 def kernel(request):
     """Every test here runs with each float32 loop this CPU has (the AVX2 one where it can, and the
     auto-vectorised one every other machine runs)."""
-    if not fused.AVAILABLE:
+    if request.param == "none":
         yield request.param
         return
-    from trainrec.recorder import _fused
-
-    prev = _fused.set_kernel(request.param)
-    yield request.param
-    _fused.set_kernel(prev)
+    with fused.using_kernel(request.param):
+        yield request.param
 
 
 def rows_ref(xs, eps):
