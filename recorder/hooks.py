@@ -23,8 +23,9 @@ input its first child's) with no in-place change in between gets one gradient ho
 those calls in the order they selected it (as separate hooks would fire) and measures the gradient
 once.
 
-Under ``torch.compile`` the module hooks are inlined into the compiled forward: every hook here is
-wrapped by :func:`eager`, so dynamo breaks the graph at it and never traces the monitor's own code.
+Under ``torch.compile`` the module hooks are inlined into the compiled forward: where the monitor
+knows the model runs compiled, every hook here is wrapped by :func:`eager`, so dynamo breaks the
+graph at it and never traces the monitor's own code (see :func:`eager` for why not always).
 
 These hooks are attached only for steps that are collected (the monitor detaches them otherwise, so
 a skipped step pays nothing). On a collected step a hook resolves nothing by name (ids are prepared
@@ -68,10 +69,22 @@ def eager(fn):
     graph of a compiled model, and dynamo would otherwise trace the monitor's own code, compile pieces
     of it (seconds on the first collected steps) and recompile them whenever a guard on its
     dictionaries fails, until its recompile limit. ``torch.compiler.disable``: a graph break at the
-    hook, which runs as Python on the real tensors, with dynamo off inside it (about 1 us per call in
-    eager mode)."""
+    hook, which runs as Python on the real tensors, with dynamo off inside it. The wrapper costs 1 us
+    per call warm and 10-20 us inside a training step (about 2% of config b's step in the recorder
+    benchmark), so the monitor uses it only where the model runs compiled (``TrainerMon._compiled``)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return fn if disable is None else disable(fn)
+
+
+def _is_compiling_fn():
+    compiler = getattr(torch, "compiler", None)
+    fn = getattr(compiler, "is_compiling", None)
+    if fn is None:  # torch < 2.3
+        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return fn if fn is not None else (lambda: False)
+
+
+is_compiling = _is_compiling_fn()
 
 
 def in_backward() -> bool:
@@ -288,6 +301,8 @@ _grad_cb_eager: list = []  # eager(_grad_cb), made at first use (torch.compiler 
 def _make_grad_cb(mon: TrainerMon, st: StepState, users: list):
     """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
     tensor, several per module call, cost 5-10 us each)."""
+    if not mon._compiled:
+        return functools.partial(_grad_cb, mon, st, users)
     if not _grad_cb_eager:
         _grad_cb_eager.append(eager(_grad_cb))
     return functools.partial(_grad_cb_eager[0], mon, st, users)
@@ -323,7 +338,7 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
         except Exception as exc:  # noqa: BLE001
             mon._hook_failed(f"backward hook of {t.name!r}", exc)
 
-    return eager(hook)
+    return hook
 
 
 def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, backward: bool = True):
@@ -365,7 +380,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed(f"forward hook of {t.name!r}", exc)
 
-    return eager(hook)
+    return hook
 
 
 _SLOTS = ("input", "input_grad", "output", "output_grad")
@@ -407,7 +422,7 @@ def make_grad_hook(mon: TrainerMon, index: int, incoming: bool = False):
         except Exception as exc:  # noqa: BLE001
             mon._hook_failed(f"gradient hook of {mon._params[index].name!r}", exc)
 
-    return eager(hook)
+    return hook
 
 
 def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
@@ -415,7 +430,9 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
     count it (module hooks take their micro step from this count), close the gradient batch, and on
     chunk 0 tell the monitor (which notices optimizer steps that never ran)."""
 
-    def hook(module, args):
+    def body(module, args):
+        if mon._compiled and mon._hooks_compiled != mon._compiled and mon._step_handles:
+            mon._reattach()  # dynamo is about to trace the modules inside: their hooks made for it first
         if module.training and not in_backward():
             if vpp == 0:
                 mon._on_micro_step()
@@ -428,7 +445,20 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
             except Exception as exc:  # noqa: BLE001
                 mon._hook_failed("gradient batch", exc)
 
-    return eager(hook)
+    if mon._compiled:
+        return eager(body)
+    body_eager = eager(body)
+
+    def hook(module, args):
+        # the model was compiled after the monitor was installed and dynamo is tracing this hook: the
+        # attribute is set (a side effect of the traced code) before the graph break at body_eager,
+        # which then reattaches the step's hooks made for compilation before dynamo reaches them
+        if is_compiling():
+            mon._compiled = True
+            return body_eager(module, args)
+        return body(module, args)
+
+    return hook
 
 
 def io_struct(value: Any) -> dict:

@@ -153,6 +153,8 @@ class TrainerMon(StepCollector):
         self._wrapped = None
         self._adam: AdamState | None = None
         self._dp_duplicate = False
+        self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
+        self._hooks_compiled = False  # what the attached step hooks were made for
         self._tp_group = None
         self._last: dict[str, list] = {}
         self._failures: dict[str, int] = {}
@@ -263,7 +265,9 @@ class TrainerMon(StepCollector):
         """Install the hooks on ``model`` (a module or a list of virtual-pipeline chunks)."""
         if self._chunks:
             raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
-        self._chunks = [_uncompiled(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+        given = list(model) if isinstance(model, (list, tuple)) else [model]
+        self._chunks = [_uncompiled(m) for m in given]
+        self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
         self._grad_acc = max(1, int(grad_acc_steps))
         self._step = int(start_iteration)
         self._tp_group = tp_group
@@ -535,7 +539,11 @@ class TrainerMon(StepCollector):
         self._began = False
         self._forwards = 0
         self._backward_seen = False
+        if not self._compiled and self._chunks_compiled():
+            self._compiled = True
         if self._collects(self._step):
+            if self._step_handles and self._hooks_compiled != self._compiled:
+                self._detach()  # the model was compiled since: hooks made for it
             if not self._step_handles:
                 self._attach()
             self._state = StepState(self._step, self.config.ops, self._mark_began)
@@ -551,10 +559,19 @@ class TrainerMon(StepCollector):
             self._began = True
             self._emit(StepBegan(rank=self.rank, step=self._step, wall=self._step_wall0))
 
+    def _reattach(self) -> None:
+        self._detach()
+        self._attach()
+
+    def _chunks_compiled(self) -> bool:
+        """Whether a chunk was compiled in place (``nn.Module.compile()``)."""
+        return any(getattr(c, "_compiled_call_impl", None) is not None for c in self._chunks)
+
     def _attach(self) -> None:
         t = self._targets
         if t is None:
             return
+        self._hooks_compiled = self._compiled
         self._step_handles = t.attach(self)
         if self.config.wg_distribution:
             for i, p in enumerate(self._params):

@@ -20,7 +20,14 @@ import torch
 from trainrec.schema.errors import ConfigError
 
 from .config import MonitorConfig
-from .hooks import ModuleTarget, make_first_call_check, make_forward_hook, make_grad_hook, make_pre_hook
+from .hooks import (
+    ModuleTarget,
+    eager,
+    make_first_call_check,
+    make_forward_hook,
+    make_grad_hook,
+    make_pre_hook,
+)
 from .names import module_matches, param_matches, squash_all
 
 
@@ -46,12 +53,15 @@ class Targets:
     def attach(self, mon) -> list:
         """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working.
         The hook functions are made at the first call and reused when a later collected step attaches
-        them again (each is wrapped for torch.compile, which costs 5-10 us per function made)."""
-        hooks = self.made.get("modules")
+        them again; where the model runs compiled they are wrapped for it (:func:`.hooks.eager`, which
+        costs 5-10 us per function made)."""
+        wrap = eager if mon._compiled else (lambda fn: fn)
+        hooks = self.made.get(("modules", mon._compiled))
         if hooks is None:
-            hooks = self.made["modules"] = [
-                (module, make_pre_hook(mon, t) if self.backward else None,
-                 make_forward_hook(mon, t, self.forward, self.backward) if self.forward or self.backward else None)
+            hooks = self.made[("modules", mon._compiled)] = [
+                (module, wrap(make_pre_hook(mon, t)) if self.backward else None,
+                 wrap(make_forward_hook(mon, t, self.forward, self.backward)) if self.forward or self.backward
+                 else None)
                 for module, t in self.modules]
         handles = []
         for module, pre, fwd in hooks:
@@ -63,10 +73,11 @@ class Targets:
 
     def grad_hook(self, mon, index: int, incoming: bool):
         """The weight-gradient hook of parameter ``index`` (:func:`.hooks.make_grad_hook`), made once."""
-        key = ("grad", index, incoming)
+        key = ("grad", index, incoming, mon._compiled)
         fn = self.made.get(key)
         if fn is None:
-            fn = self.made[key] = make_grad_hook(mon, index, incoming)
+            fn = make_grad_hook(mon, index, incoming)
+            fn = self.made[key] = eager(fn) if mon._compiled else fn
         return fn
 
     def first_call_checks(self) -> list:

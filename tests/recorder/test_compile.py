@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from trainmon_util import assert_close, events_of, loss_of, make, stats_table, write_config
-from trainrec.recorder import TrainerMon
+from trainrec.recorder import TrainerMon, hooks
 from trainrec.schema.events import HookFailed
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile is torch 2.0+")
@@ -20,7 +20,7 @@ RECORDER_DIR = os.path.dirname(os.path.abspath(__import__("trainrec.recorder").r
 STEPS = 8
 
 
-def _run(tmp_path, name: str, compiled: bool) -> tuple[list, int]:
+def _run(tmp_path, name: str, compiled: str | None) -> tuple[list, dict]:
     out = tmp_path / name
     os.environ["MONITOR_OUTPUT_DIR"] = str(out)
     cfg = write_config(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True,
@@ -28,9 +28,11 @@ def _run(tmp_path, name: str, compiled: bool) -> tuple[list, int]:
                                   "targets": {"layers.0": {}, "head": {}, "pair": {}}, "step_interval": 2,
                                   "ops": ["norm", "min", "max", "mean"]}, f"{name}.json")
     model, opt = make(seed=0)
-    net = torch.compile(model, backend="aot_eager") if compiled else model
+    net = torch.compile(model, backend="aot_eager") if compiled == "before" else model
     mon = TrainerMon(cfg, params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(net, optimizer=opt)
+    if compiled == "after":  # the monitor holds the model itself and learns of the compilation at its first step
+        net = torch.compile(model, backend="aot_eager")
     graphs_at: dict[int, int] = {}
     for step in range(STEPS):
         loss_of(net, step).backward()
@@ -59,14 +61,27 @@ def compiled_frames():
 
 # dynamo's own: it reads .grad of the non-leaf tensors a resumed frame (after a graph break) is given
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor")
-def test_compiled_model_records_what_the_eager_model_records(tmp_path, monkeypatch, compiled_frames):
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_compiled_model_records_what_the_eager_model_records(tmp_path, monkeypatch, compiled_frames, when):
+    """``before``: the compiled model is given to the monitor, whose hooks are made for it from the
+    start. ``after``: the model is compiled once the monitor holds it (the hooks are plain, cheaper in
+    eager mode); the first compiled forward tells the monitor, and the next collected step's hooks are
+    made for it."""
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))  # restored after the test
-    eager_ev, _ = _run(tmp_path, "eager", compiled=False)
-    comp_ev, graphs_at = _run(tmp_path, "compiled", compiled=True)
+    eager_ev, _ = _run(tmp_path, "eager", compiled=None)
+    compiled_frames.clear()
+    comp_ev, graphs_at = _run(tmp_path, "compiled", compiled=when)
     assert compiled_frames, "dynamo compiled nothing: the model did not run compiled"
-    ours = sorted({c.co_filename for c in compiled_frames if c.co_filename.startswith(RECORDER_DIR)})
-    assert ours == [], f"dynamo compiled the monitor's own code: {ours}"
+    ours = [(k, f"{os.path.basename(c.co_filename)}:{c.co_name}:{c.co_firstlineno}")
+            for k, c in enumerate(compiled_frames) if c.co_filename.startswith(RECORDER_DIR)]
+    if when == "before":
+        assert ours == [], f"dynamo compiled the monitor's own code: {ours}"
+    else:  # at most the chunk's pre-hook, which notices the compilation, in the first step
+        chunk_hook = hooks.make_chunk_pre_hook.__code__.co_consts
+        assert all(k < graphs_at[0] and any(getattr(c, "co_firstlineno", None) == int(name.rsplit(":", 1)[1])
+                                            and getattr(c, "co_name", None) == "hook" for c in chunk_hook)
+                   for k, name in ours), ours
     # collected and skipped steps alternate: after both have been seen, nothing is compiled again
     assert graphs_at[STEPS - 1] == graphs_at[3], graphs_at
     assert not [e for e in comp_ev if isinstance(e, HookFailed)]
