@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_monitor_dist import free_port, headers
-from trainmon_util import loss_of, make, spawn_and_join, write_config
+from trainmon_util import init_gloo, loss_of, make, spawn_and_join, write_config
 
 TIMEOUT = 120
 GRAD_ACC = 2
@@ -99,9 +99,7 @@ class StandInMegatronDDP(torch.nn.Module):
 
 
 def _worker(rank: int, world: int, port: int, cfg_path: str, overlap: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    init_gloo(rank, world, port)
     try:
         from trainrec.recorder import TrainerMon
 

@@ -10,7 +10,16 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from trainmon_util import events_of, loss_of, make, rank_dirs, spawn_and_join, stats_table, write_config
+from trainmon_util import (
+    events_of,
+    init_gloo,
+    loss_of,
+    make,
+    rank_dirs,
+    spawn_and_join,
+    stats_table,
+    write_config,
+)
 from trainrec.schema.events import FileOpened
 
 TIMEOUT = 120
@@ -23,9 +32,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    init_gloo(rank, world, port)
     try:
         from trainrec.recorder import TrainerMon
 

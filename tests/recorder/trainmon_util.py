@@ -118,6 +118,17 @@ def assert_close(got: dict, want: dict, rtol: float = 2e-4, atol: float = 1e-6, 
         assert abs(g - v) <= atol + rtol * abs(v), f"{what} {op}: recorded {g}, expected {v}"
 
 
+def init_gloo(rank: int, world: int, port: int) -> None:
+    """A spawned worker's side of a real gloo group on this machine (1 intra-op thread per process)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
 def spawn_and_join(worker, args: tuple, nprocs: int, timeout: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes; fail the test (killing them) when they
     do not all finish within ``timeout`` seconds; a worker's exception fails it too."""
