@@ -14,8 +14,9 @@ gradient that is a view into a shared buffer (DDP bucket views, Megatron's grad 
 in its own hook, with the queue: the buffer's owner changes it in place right after (DDP divides it
 by the world size and all-reduces the bucket while backward goes on). Megatron's ``main_grad`` in its
 grad buffer is measured there as ``main_grad + .grad``, the value Megatron's own hook, which runs
-next, gives it before it may start the bucket's reduction (``overlap_grad_reduce``); a ``main_grad``
-kept elsewhere is looked up at the end of the backward pass, after every such hook has run.
+next, gives it before it may start the bucket's reduction (``overlap_grad_reduce``), in parts of at
+most SUM_PART_NUMEL elements; a ``main_grad`` kept elsewhere is looked up at the end of the
+backward pass, after every such hook has run.
 A parameter that DeepSpeed ZeRO partitions is measured in a gradient hook that runs before the
 gradient is accumulated (DeepSpeed's own post-accumulate-grad hook moves it into a bucket that is
 reduced while backward goes on): its unreduced row is that micro step's gradient on this rank
@@ -79,6 +80,7 @@ class StepCollector:
         # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
         # change it, before the batch is measured). main_grad is not (see _main_grad_now).
         now = incoming is not None
+        added = None
         if now:
             g = incoming
         else:
@@ -86,7 +88,12 @@ class StepCollector:
             if mg is None:
                 g = info.param.grad
             else:
-                g, now = _main_grad_now(info.param, mg)
+                g, added, now = _main_grad_now(info.param, mg)
+        if added is not None:  # Megatron's main_grad, about to get this micro step's .grad added
+            self._flush_grads()
+            rows = self._rows_of_sum(g, added, index)
+            st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [info.name_id], [micro], [call], (), [info.vpp]))
+            return
         if not st.pending and in_backward():
             # the batch is measured at the end of this backward at the latest: before DDP's own
             # end-of-backward callback (queued at its first gradient hook, after this one) copies the
@@ -120,8 +127,25 @@ class StepCollector:
                                [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
                                [self._params[i].vpp for i, _, _, _ in pend]))
         for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
-            if g is not None and self._reusable(g) and g is self._grad_of(self._params[i].param):  # no temporary
+            if g is not None and self._reusable(g):
                 st.last_unreduced[i] = (rows, r, g, g._version)
+
+    @torch.no_grad()
+    def _rows_of_sum(self, a: torch.Tensor, b: torch.Tensor, index: int) -> torch.Tensor:
+        """The row of ``a + b`` (same shape and device), with temporaries of at most
+        :data:`SUM_PART_NUMEL` elements: a larger tensor is summed and measured in parts, and their
+        rows combined (:meth:`StatsEngine.combine`), so no temporary of a whole large parameter is made
+        while backward holds its activations."""
+        n = a.numel()
+        if n <= SUM_PART_NUMEL:
+            return self._rows_of([torch.add(a, b)], [index], "gradient")
+        fa, fb = a.reshape(-1), b.reshape(-1)
+        parts, sizes = [], []
+        for lo in range(0, n, SUM_PART_NUMEL):
+            hi = min(n, lo + SUM_PART_NUMEL)
+            parts.append(self._rows_of([torch.add(fa[lo:hi], fb[lo:hi])], [index], "gradient"))
+            sizes.append(hi - lo)
+        return self._engine.combine(torch.cat(parts), sizes)
 
     def _reusable(self, g: torch.Tensor) -> bool:
         """Whether a reduced gradient may reuse its unreduced row (see the module docstring): on the
@@ -341,25 +365,29 @@ def _is_shard(g: torch.Tensor) -> bool:
     return local is not g and local.numel() != g.numel()
 
 
-def _main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
-    """``(tensor, measure_now)`` for this micro step's unreduced ``main_grad`` of ``p``, from inside
-    its post-accumulate-grad hook. Megatron's DDP keeps ``main_grad`` as a view into its contiguous
-    gradient buffer and adds ``.grad`` into it in its own hook on the gradient accumulator, which runs
-    after this one; with ``overlap_grad_reduce`` that hook then starts the bucket's reduction at once
-    when this parameter completes the bucket. So, in a shared buffer, the value the owner is about to
-    make, ``main_grad + .grad``, is measured now (a temporary of this parameter's size, released at
-    once); ``main_grad`` alone where Megatron's fused weight-gradient accumulation has added the
-    gradient already (``grad_added_to_main_grad``) or ``.grad`` does not fit. A ``main_grad`` kept
-    elsewhere is looked up when the batch is measured, at the end of the backward pass at the latest
-    (None: after every hook of this backward has run)."""
+# The largest temporary main_grad + .grad made at once (elements): a larger parameter (an LLM's
+# embedding shard) is summed and measured in parts of this size, whose rows are combined.
+SUM_PART_NUMEL = 1 << 24
+
+
+def _main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """``(tensor, added, measure_now)`` for this micro step's unreduced ``main_grad`` of ``p``, from
+    inside its post-accumulate-grad hook. Megatron's DDP keeps ``main_grad`` as a view into its
+    contiguous gradient buffer and adds ``.grad`` into it in its own hook on the gradient accumulator,
+    which runs after this one; with ``overlap_grad_reduce`` that hook then starts the bucket's
+    reduction at once when this parameter completes the bucket. So, in a shared buffer, the value the
+    owner is about to make, ``main_grad + added`` (``added``: ``.grad``), is measured now (see
+    :meth:`StepCollector._rows_of_sum`); ``main_grad`` alone where Megatron's fused weight-gradient
+    accumulation has added the gradient already (``grad_added_to_main_grad``) or ``.grad`` does not
+    fit. A ``main_grad`` kept elsewhere is looked up when the batch is measured, at the end of the
+    backward pass at the latest (None: after every hook of this backward has run)."""
     if not _in_shared_buffer(mg):
-        return None, False
+        return None, None, False
     g = p.grad
     if (g is None or g is mg or getattr(p, "grad_added_to_main_grad", False) or g.shape != mg.shape
             or g.layout is not torch.strided or g.device != mg.device):
-        return mg, True
-    with torch.no_grad():
-        return torch.add(mg, g), True
+        return mg, None, True
+    return mg, g, True
 
 
 def _in_shared_buffer(g: torch.Tensor | None) -> bool:

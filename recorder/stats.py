@@ -97,6 +97,30 @@ class StatsEngine:
     def nan_rows(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.full((n, len(self.ops)), math.nan, dtype=torch.float32, device=device)
 
+    @torch.no_grad()
+    def combine(self, rows: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
+        """The ``[1, ops]`` row of a tensor from the rows of its consecutive parts (``numels`` elements
+        each): what :meth:`compute` gives for the whole, up to float rounding (min/max of the parts,
+        NaN where a part has NaN; the norm from the parts' squares; mean and zeros weighted by size;
+        NaN counts added). On the rows' device, without a sync."""
+        r = rows.to(torch.float32)
+        n = torch.tensor([float(k) for k in numels], dtype=torch.float32, device=r.device)
+        total = float(sum(numels))
+        cols = []
+        for k, op in enumerate(self.ops):
+            c = r[:, k]
+            if op == "min":
+                cols.append(c.amin())
+            elif op == "max":
+                cols.append(c.amax())
+            elif op == "norm":
+                cols.append(c.square().sum().sqrt())
+            elif op in ("mean", "zeros"):
+                cols.append((c * n).sum() / total)
+            else:  # nans
+                cols.append(c.sum())
+        return torch.stack(cols).unsqueeze(0)
+
     # ------------------------------------------------------------------ main entry
     @torch.no_grad()
     def norms(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:

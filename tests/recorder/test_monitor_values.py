@@ -191,7 +191,7 @@ class _FusedWgradLinear(torch.autograd.Function):
         return go @ w, torch.full_like(w, float("nan"))
 
 
-@pytest.mark.parametrize("buffer", ["contiguous", "separate"])
+@pytest.mark.parametrize("buffer", ["contiguous", "separate", "contiguous-in-parts"])
 def test_main_grad_accumulated_by_the_owners_hook_is_measured_with_this_micro_steps_gradient(
         tmp_path, monkeypatch, buffer):
     """Megatron's DDP adds ``.grad`` into ``main_grad`` (a view into its contiguous buffer) in a hook on
@@ -200,6 +200,10 @@ def test_main_grad_accumulated_by_the_owners_hook_is_measured_with_this_micro_st
     zeros), and one whose gradient the backward added into ``main_grad`` itself (fused accumulation).
     The multi-process variant with overlap_grad_reduce is in test_megatron_ddp_standin.py."""
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    if buffer.endswith("-in-parts"):  # main_grad + .grad summed and measured 7 elements at a time
+        from trainrec.recorder import collect
+
+        monkeypatch.setattr(collect, "SUM_PART_NUMEL", 7)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     fused_w = model[2].weight
@@ -207,7 +211,7 @@ def test_main_grad_accumulated_by_the_owners_hook_is_measured_with_this_micro_st
     flat = torch.zeros(sum(p.numel() for p in params))
     off, accs = 0, []
     for p in params:
-        p.main_grad = flat[off:off + p.numel()].view_as(p) if buffer == "contiguous" else torch.zeros_like(p)
+        p.main_grad = flat[off:off + p.numel()].view_as(p) if buffer != "separate" else torch.zeros_like(p)
         off += p.numel()
         acc = p.expand_as(p).grad_fn.next_functions[0][0]
 

@@ -169,3 +169,23 @@ def test_sparse_tensors_give_the_dense_tensors_statistics(kernel):
             continue
         for k, (op, want) in enumerate(zip(OPS, ref(x.to_dense(), 1e-3), strict=True)):
             assert close(got[i, k].item(), want, 1e-5), (i, op, got[i, k].item(), want)
+
+
+@pytest.mark.parametrize("ops", [OPS, ("norm",), ("nans", "min", "mean")])
+def test_combined_part_rows_equal_the_whole_tensors_row(ops):
+    """StatsEngine.combine (a large main_grad + .grad measured in parts): the parts' rows give the
+    whole tensor's row, NaN in one part included."""
+    g = torch.Generator().manual_seed(5)
+    eng = StatsEngine(ops, 1e-3)
+    x = torch.randn(1000, generator=g)
+    x[::9] = 0.0
+    for t in (x, torch.cat([x, torch.tensor([float("nan")])])):
+        sizes = [300, 300, 300, t.numel() - 900]
+        parts = torch.cat([eng.compute([p]) for p in t.split(sizes)])
+        got = eng.combine(parts, sizes)[0].tolist()
+        want = eng.compute([t])[0].tolist()
+        for op, a, b in zip(ops, got, want, strict=True):
+            if math.isnan(b):
+                assert math.isnan(a), (op, a, b)
+            else:
+                assert a == pytest.approx(b, rel=1e-5, abs=1e-7), (op, a, b)
