@@ -104,8 +104,8 @@ class StatsEngine:
         NaN where a part has NaN; the norm from the parts' squares; mean and zeros weighted by size;
         NaN counts added). On the rows' device, without a sync."""
         r = rows.to(torch.float32)
-        n = torch.tensor([float(k) for k in numels], dtype=torch.float32, device=r.device)
         total = float(sum(numels))
+        weights = [k / total for k in numels]  # Python scalars: no host-to-device copy
         cols = []
         for k, op in enumerate(self.ops):
             c = r[:, k]
@@ -116,7 +116,7 @@ class StatsEngine:
             elif op == "norm":
                 cols.append(c.square().sum().sqrt())
             elif op in ("mean", "zeros"):
-                cols.append((c * n).sum() / total)
+                cols.append(sum(c[i] * w for i, w in enumerate(weights)))
             else:  # nans
                 cols.append(c.sum())
         return torch.stack(cols).unsqueeze(0)
