@@ -52,13 +52,13 @@ _stats_tensors = getattr(_fused, "stats_tensors", None) if AVAILABLE else None
 def kernel_name() -> str | None:
     """The float32 loop in use: ``"avx2"`` (x86-64 CPUs with AVX2 and FMA) or ``"generic"`` (the
     auto-vectorised C loop, everywhere else); None without the kernel."""
-    return _fused.kernel() if AVAILABLE and hasattr(_fused, "kernel") else ("generic" if AVAILABLE else None)
+    return _fused.kernel() if AVAILABLE else None
 
 
 def kernels() -> list[str]:
     """The float32 loops this CPU can run, the generic one first."""
-    if not AVAILABLE or not hasattr(_fused, "set_kernel"):
-        return [] if not AVAILABLE else ["generic"]
+    if not AVAILABLE:
+        return []
     out = []
     prev = _fused.kernel()
     try:

@@ -295,17 +295,16 @@ def _grad_cb(mon: TrainerMon, st: StepState, users: list, grad):
     return None
 
 
-_grad_cb_eager: list = []  # eager(_grad_cb), made at first use (torch.compiler imports dynamo)
+@functools.cache
+def _grad_cb_eager():
+    """``eager(_grad_cb)``, made at first use (torch.compiler imports dynamo)."""
+    return eager(_grad_cb)
 
 
 def _make_grad_cb(mon: TrainerMon, st: StepState, users: list):
     """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
     tensor, several per module call, cost 5-10 us each)."""
-    if not mon._compiled:
-        return functools.partial(_grad_cb, mon, st, users)
-    if not _grad_cb_eager:
-        _grad_cb_eager.append(eager(_grad_cb))
-    return functools.partial(_grad_cb_eager[0], mon, st, users)
+    return functools.partial(_grad_cb_eager() if mon._compiled else _grad_cb, mon, st, users)
 
 
 def _with_nan_row(rows, nan_second: bool):
@@ -431,8 +430,7 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
     chunk 0 tell the monitor (which notices optimizer steps that never ran)."""
 
     def body(module, args):
-        if mon._compiled and mon._hooks_compiled != mon._compiled and mon._step_handles:
-            mon._reattach()  # dynamo is about to trace the modules inside: their hooks made for it first
+        mon._match_compiled()  # dynamo may be about to trace the modules inside: their hooks made for it
         if module.training and not in_backward():
             if vpp == 0:
                 mon._on_micro_step()

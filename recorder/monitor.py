@@ -542,8 +542,7 @@ class TrainerMon(StepCollector):
         if not self._compiled and self._chunks_compiled():
             self._compiled = True
         if self._collects(self._step):
-            if self._step_handles and self._hooks_compiled != self._compiled:
-                self._detach()  # the model was compiled since: hooks made for it
+            self._match_compiled()
             if not self._step_handles:
                 self._attach()
             self._state = StepState(self._step, self.config.ops, self._mark_began)
@@ -559,9 +558,11 @@ class TrainerMon(StepCollector):
             self._began = True
             self._emit(StepBegan(rank=self.rank, step=self._step, wall=self._step_wall0))
 
-    def _reattach(self) -> None:
-        self._detach()
-        self._attach()
+    def _match_compiled(self) -> None:
+        """Attached step hooks made for the other mode (the model was compiled since) are made again."""
+        if self._step_handles and self._hooks_compiled != self._compiled:
+            self._detach()
+            self._attach()
 
     def _chunks_compiled(self) -> bool:
         """Whether a chunk was compiled in place (``nn.Module.compile()``)."""

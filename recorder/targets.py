@@ -51,32 +51,28 @@ class Targets:
     made: dict = field(default_factory=dict, repr=False)  # hook functions, made once, reattached per step
 
     def attach(self, mon) -> list:
-        """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working.
-        The hook functions are made at the first call and reused when a later collected step attaches
-        them again; where the model runs compiled they are wrapped for it (:func:`.hooks.eager`, which
-        costs 5-10 us per function made)."""
-        wrap = eager if mon._compiled else (lambda fn: fn)
-        hooks = self.made.get(("modules", mon._compiled))
-        if hooks is None:
-            hooks = self.made[("modules", mon._compiled)] = [
-                (module, wrap(make_pre_hook(mon, t)) if self.backward else None,
-                 wrap(make_forward_hook(mon, t, self.forward, self.backward)) if self.forward or self.backward
-                 else None)
-                for module, t in self.modules]
+        """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working."""
         handles = []
-        for module, pre, fwd in hooks:
-            if pre is not None:
-                handles.append(module.register_forward_pre_hook(pre))
-            if fwd is not None:
-                handles.append(module.register_forward_hook(fwd))
+        for k, (module, t) in enumerate(self.modules):
+            if self.backward:
+                handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t)))
+            if self.forward or self.backward:
+                handles.append(module.register_forward_hook(
+                    self._hook(mon, ("fwd", k), make_forward_hook, t, self.forward, self.backward)))
         return handles
 
     def grad_hook(self, mon, index: int, incoming: bool):
-        """The weight-gradient hook of parameter ``index`` (:func:`.hooks.make_grad_hook`), made once."""
-        key = ("grad", index, incoming, mon._compiled)
+        """The weight-gradient hook of parameter ``index`` (:func:`.hooks.make_grad_hook`)."""
+        return self._hook(mon, ("grad", index, incoming), make_grad_hook, index, incoming)
+
+    def _hook(self, mon, key: tuple, make, *args):
+        """``make(mon, *args)``, made at the first call and reused when a later collected step attaches
+        the hooks again; where the model runs compiled, wrapped for it (:func:`.hooks.eager`, which
+        costs 5-10 us per function made)."""
+        key += (mon._compiled,)
         fn = self.made.get(key)
         if fn is None:
-            fn = make_grad_hook(mon, index, incoming)
+            fn = make(mon, *args)
             fn = self.made[key] = eager(fn) if mon._compiled else fn
         return fn
 
