@@ -38,7 +38,7 @@ def _run(tmp_path, name: str, compiled: str | None) -> tuple[list, dict]:
         loss_of(net, step).backward()
         opt.step()
         opt.zero_grad()
-        graphs_at[step] = _compiled_frames.__len__()
+        graphs_at[step] = len(_compiled_frames)
     mon.close()
     return events_of(out), graphs_at
 
