@@ -112,10 +112,11 @@ class AdamState:
         self._master: dict[int, torch.Tensor] = {}
         self._shards: set[int] = set()  # model parameters whose master is this rank's shard of it
         self._group_of: dict[int, dict] = {}
-        self._state_of: dict[int, dict] = {}  # id(parameter stepped) -> its optimizer's state
+        self._opt_of: dict[int, torch.optim.Optimizer] = {}  # id(parameter stepped) -> its optimizer
         # the groups as they are between steps (DeepSpeed cuts param_groups to one group per call of step)
         self._groups = list(torch_opt.param_groups)
-        for w, opt in ((wrapped, torch_opt), *more):
+        pairs = ((wrapped, torch_opt), *more)
+        for w, _ in pairs:
             for model_attr, main_attr in _MASTER_GROUPS:
                 model_groups, main_groups = getattr(w, model_attr, None), getattr(w, main_attr, None)
                 if model_groups is None or main_groups is None:
@@ -125,11 +126,30 @@ class AdamState:
                         self._master[id(p_model)] = p_main
                         if main_attr.startswith("shard_"):
                             self._shards.add(id(p_model))
+        self._opts = [opt for _, opt in pairs]
+        self._group_ids: list[set[int]] = []
+        self._sync_groups()
+        self._warned = False
+
+    def _sync_groups(self) -> None:
+        """Parameter -> (param group, optimizer) maps, made again where an optimizer's groups are not
+        the ones mapped: ``load_state_dict`` (a resume after the monitor was installed) gives every
+        optimizer new group dicts and a new ``state`` dict, ``add_param_group`` adds a group. A list
+        cut down to some of the mapped groups (DeepSpeed, one group per call of ``step``) is kept."""
+        current = [{id(g) for g in opt.param_groups} for opt in self._opts]
+        if len(current) == len(self._group_ids) and all(
+                cur <= known for cur, known in zip(current, self._group_ids, strict=True)):
+            return
+        self._group_ids = current
+        self._group_of.clear()
+        self._opt_of.clear()
+        for opt in self._opts:
             for group in opt.param_groups:
                 for p in group["params"]:
                     self._group_of[id(p)] = group
-                    self._state_of[id(p)] = opt.state
-        self._warned = False
+                    self._opt_of[id(p)] = opt
+        if self._opts[0].param_groups:
+            self._groups = list(self._opts[0].param_groups)
 
     def state_param(self, p: torch.Tensor) -> torch.Tensor:
         return self._master.get(id(p), p)
@@ -147,12 +167,14 @@ class AdamState:
             if id(p) in self._shards:
                 return self._master[id(p)].grad
             # a chain's member without shards steps a whole master, or the parameter itself
+            self._sync_groups()
             return OWN_GRAD if id(p) in self._master or id(p) in self._group_of else None
         return OWN_GRAD
 
     def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
         """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state."""
         out = []
+        self._sync_groups()
         state = self.torch_opt.state
         missing = 0
         device_steps: dict[int, float] = {}  # id(param group) -> step read from a device tensor
@@ -170,7 +192,7 @@ class AdamState:
                     continue
                 group = self._groups[pc.group] if pc.group is not None else {}
             else:
-                st = self._state_of.get(id(sp), state).get(sp)
+                st = self._opt_of.get(id(sp), self.torch_opt).state.get(sp)
                 if not st or "exp_avg" not in st or "exp_avg_sq" not in st:
                     missing += 1
                     continue

@@ -119,3 +119,67 @@ def test_unused_embedding_rows_give_ratio_zero_not_nan(tmp_path, monkeypatch):
                      what=f"update {name} step {step}")
     assert unused > 0  # the case this test is about did occur
     assert len(seen) == len(rat) == len(upd)
+
+
+
+def _mv_run(tmp_path, monkeypatch, between):
+    """A monitored AdamW run of 2 steps; ``between(model, opt)`` runs after the monitor is installed,
+    before the first step. Returns the recorded exp_avg and update tables and, per (step, parameter),
+    the state after the step with its group's betas and eps."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    cfg = {"mv_distribution": True, "ur_distribution": True, "ops": ALL_OPS}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=1, optimizer=opt)
+    between(model, opt)
+    pnames = squash_all([n for n, _ in model.named_parameters()])
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    seen = {}
+    for step in range(2):
+        loss_of(model, step).backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            st, g = opt.state[p], group_of[id(p)]
+            seen[(step, pnames[n])] = (st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"]),
+                                       g["betas"], g["eps"])
+        opt.zero_grad()
+    mon.close()
+    events = events_of(out)
+    return stats_table(events, "exp_avg"), stats_table(events, "update"), seen
+
+
+def _check_mv(ea, upd, seen):
+    assert len(ea) == len(seen) and len(upd) == len(seen)
+    for (step, name), (m, v, t, (b1, b2), eps) in seen.items():
+        assert_close(ea[(step, name, "", 0)], ref_stats(m), what=f"exp_avg {name} step {step}")
+        m_hat, v_hat = m.double() / (1 - b1**t), v.double() / (1 - b2**t)
+        assert_close(upd[(step, name, "", 0)], ref_stats(m_hat / (v_hat.sqrt() + eps)), rtol=1e-3,
+                     what=f"update {name} step {step}")
+
+
+def test_state_loaded_after_install_is_recorded(tmp_path, monkeypatch):
+    """A resume that loads the optimizer's checkpoint after monitor_gnorm_with_ad (DeepSpeed, Megatron
+    and HF load it late): load_state_dict gives the optimizer a new state dict and new param groups
+    (here with other betas); exp_avg and update are read from those, not from the dicts of install time."""
+    model0, opt0 = make()
+    loss_of(model0, 99).backward()
+    opt0.step()
+    opt0.param_groups[0]["betas"] = (0.5, 0.9)
+    ckpt = opt0.state_dict()
+    ea, upd, seen = _mv_run(tmp_path, monkeypatch, lambda model, opt: opt.load_state_dict(ckpt))
+    assert {(t, betas) for _, _, t, betas, _ in seen.values()} == {(2.0, (0.5, 0.9)), (3.0, (0.5, 0.9))}
+    _check_mv(ea, upd, seen)
+
+
+def test_param_group_added_after_install_is_recorded(tmp_path, monkeypatch):
+    """Parameters of a group added after install (add_param_group, e.g. unfreezing a layer) get their
+    Adam state and their own group's betas."""
+    def add_group(model, opt):
+        head = list(model.head.parameters())
+        opt.param_groups[0]["params"] = [p for p in opt.param_groups[0]["params"] if all(p is not h for h in head)]
+        opt.add_param_group({"params": head, "betas": (0.5, 0.9)})
+
+    ea, upd, seen = _mv_run(tmp_path, monkeypatch, add_group)
+    assert seen[(1, "head.weight")][3] == (0.5, 0.9)
+    _check_mv(ea, upd, seen)
