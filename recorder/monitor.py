@@ -271,6 +271,8 @@ class TrainerMon(StepCollector):
         self._grad_acc = max(1, int(grad_acc_steps))
         self._step = int(start_iteration)
         self._tp_group = tp_group
+        if not self._distributed:
+            self._join_process_group()
         fsdp1 = _fsdp1_wrapped(self._chunks)
         if dp_group is not None and self._distributed and not fsdp1:  # FSDP1: every gradient is a shard
             import torch.distributed as dist
@@ -308,6 +310,21 @@ class TrainerMon(StepCollector):
             if not self.dynamic:
                 self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
         self._begin_step()
+
+    def _join_process_group(self) -> None:
+        """torch.distributed was initialized after this monitor was made (msprobe's documentation makes
+        the monitor first): its rank and world size came from the environment (``RANK``,
+        ``WORLD_SIZE``, as torchrun sets them), which named the rank directory and the log's header
+        and stay the log's; from here on ``dp_group`` and ``tp_group`` deduplicate."""
+        info = runinfo.rank_info(self.process_group)
+        if not info.distributed:
+            return
+        if info.rank != self.rank or info.world_size != self.world_size:
+            _warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
+                       f"its rank {info.rank} of {info.world_size} differs from the environment's "
+                       f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
+                       f"{self._rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
+        self._distributed = True
 
     def generate_wgrad_metrics(self) -> tuple[dict, dict]:
         """``(reduced, unreduced)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""

@@ -354,3 +354,37 @@ def test_ddp_gradient_accumulation_with_no_sync_records_each_micro_steps_own_gra
         for (step, name, _, micro), row in un.items():
             w = want[f"{step}/{micro}"][name]
             assert abs(row["norm"] - w) <= 1e-5 * w + 1e-7, (r, step, micro, name, row["norm"], w)
+
+
+def _late_init_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
+    """TrainerMon made before init_process_group (msprobe's documentation does so), rank and world size
+    from the environment as torchrun sets them."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="late-init")
+    from trainrec.recorder import TrainerMon
+
+    mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+    init_gloo(rank, world, port)
+    try:
+        model, _ = make(seed=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dist.group.WORLD)
+        for step in range(2):
+            loss_of(ddp, 10 * rank + step).backward()
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_monitor_made_before_init_process_group_still_dedups(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]})
+    spawn_and_join(_late_init_worker, (2, free_port(), cfg), 2, TIMEOUT, "2-process gloo run, late init")
+    h = headers(out)
+    assert sorted(h) == [0, 1] and {fo.world_size for _, fo, _ in h.values()} == {2}
+    assert len({fo.run_id for _, fo, _ in h.values()}) == 1
+    assert stats_table(h[0][2], "grad_reduced") and stats_table(h[1][2], "grad_unreduced")
+    assert stats_table(h[1][2], "grad_reduced") == {}  # rank 1 of dp_group: a duplicate of rank 0's
