@@ -338,12 +338,11 @@ class TrainerMon(StepCollector):
         """Metrics of any kind (param, exp_avg, exp_avg_sq, update, ratio, ...) of the latest collected step."""
         return self._metrics(kind)
 
-    def reload_xy(self, xy_distribution: bool | None = None) -> None:
-        """Re-select the activation hooks (optionally switching xy_distribution); handles are replaced, never stacked."""
-        cfg = self.config
-        if xy_distribution is not None:
-            cfg = parse_config({**cfg.raw, "xy_distribution": bool(xy_distribution)}, "reload_xy")
-            self.config = cfg
+    def reload_xy(self, xy_distribution: bool = False) -> None:
+        """Switch ``xy_distribution`` and re-select the activation hooks; handles are replaced, never
+        stacked. As in the reference, whose signature this is, a call without argument turns it off."""
+        cfg = parse_config({**self.config.raw, "xy_distribution": bool(xy_distribution)}, "reload_xy")
+        self.config = cfg
         if self._chunks:
             attached = bool(self._step_handles)
             self._detach()

@@ -347,6 +347,17 @@ def test_append_output_without_a_match_is_a_clear_error(tmp_path, out):
     assert ei.value.key == "append_output"
 
 
+def test_append_output_with_a_reversed_range_says_so(tmp_path, out):
+    with pytest.raises(ConfigError, match=r"\[Jan02_00-00-00, Jan01_00-00-00\] is empty: its start is after") as ei:
+        TrainerMon(write_config(tmp_path, {"append_output": ["Jan02_00-00-00", "Jan01_00-00-00"]}))
+    assert ei.value.key == "append_output"
+
+
+def test_collect_times_zero_collects_nothing(tmp_path, out):
+    train(tmp_path, {"wg_distribution": True, "collect_times": 0}, steps=2)
+    assert steps_with(events_of(out), "grad_reduced") == []
+
+
 def test_config_applied_and_structure_at_start(tmp_path, out):
     cfg = {"wg_distribution": True, "step_count_per_record": 5, "mg_direction": False,
            "cc_distribution": {"enable": False}, "switch": False}
