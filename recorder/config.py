@@ -135,7 +135,7 @@ _BOOL_KEYS = (
 KNOWN_KEYS = frozenset(
     _BOOL_KEYS
     + ("targets", "start_step", "collect_times", "step_interval", "module_ranks", "alert", "cc_distribution",
-       "format", "ops", "eps", "ndigits", "step_count_per_record", "append_output")
+       "format", "ops", "eps", "ndigits", "step_count_per_record", "append_output", "mg_distribution")
 )
 
 
@@ -229,7 +229,14 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
             if not isinstance(raw[key], bool):
                 raise ConfigError(f"expected true or false, got {raw[key]!r}", key, source)
             kw[key] = raw[key]
-    for key, lo in (("start_step", 0), ("collect_times", 1), ("step_interval", 1), ("ndigits", 0),
+    if "mg_distribution" in raw:  # the reference validates it as a bool and never reads it
+        if not isinstance(raw["mg_distribution"], bool):
+            raise ConfigError(f"expected true or false, got {raw['mg_distribution']!r}", "mg_distribution", source)
+        if raw["mg_distribution"]:
+            log.warning("trainrec: mg_distribution has no effect (nor has it in msprobe 1.2.1, which only "
+                        "validates it); mg_direction records the gradient/momentum sign agreement")
+    # collect_times 0: nothing is collected (msprobe 1.2.1 turns monitoring on only where it is > 0)
+    for key, lo in (("start_step", 0), ("collect_times", 0), ("step_interval", 1), ("ndigits", 0),
                     ("step_count_per_record", 1)):
         if key in raw:
             v = raw[key]

@@ -94,6 +94,8 @@ def find_append_dir(output_dir: str, rank: int, time_range: tuple) -> str:
         lo, hi = layout.stamp_key(start), layout.stamp_key(end)
     except ValueError as exc:
         raise ConfigError(f"bad time stamp: {exc}", "append_output") from None
+    if lo > hi:
+        raise ConfigError(f"the time range [{start}, {end}] is empty: its start is after its end", "append_output")
     found = []
     try:
         names = os.listdir(output_dir)

@@ -53,6 +53,8 @@ def test_reference_example_parses_and_keeps_raw():
         ({"start_step": -1}, "start_step", "integer >= 0"),
         ({"step_interval": 0}, "step_interval", "integer >= 1"),
         ({"collect_times": 1.5}, "collect_times", "integer"),
+        ({"collect_times": -1}, "collect_times", "integer >= 0"),
+        ({"mg_distribution": "no"}, "mg_distribution", "true or false"),
         ({"ops": "norm"}, "ops", "list"),
         ({"ops": ["norm", "median"]}, "ops", "unknown op 'median'"),
         ({"format": "json"}, "format", "tensorboard, csv, api"),
@@ -123,3 +125,11 @@ def test_load_config_errors_name_path_and_position(tmp_path):
     good = tmp_path / "good.json"
     good.write_text('{"wg_distribution": true}')
     assert load_config(str(good)).wg_distribution
+
+
+def test_keys_the_reference_validates_but_its_table_omits():
+    """msprobe 1.2.1's validate_config accepts mg_distribution (a bool it never reads) and collect_times 0
+    (its monitor then never starts collecting): configs written for it load here too."""
+    c = parse_config({"mg_distribution": False, "collect_times": 0})
+    assert c.collect_times == 0 and not c.is_collected(0, 0) and not c.is_collected(5, 0)
+    assert c.raw["mg_distribution"] is False

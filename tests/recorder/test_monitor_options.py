@@ -444,18 +444,21 @@ def test_reload_xy_switches_activation_hooks_without_stacking(tmp_path, out):
     model, opt = make()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     n_hooks = sum(len(m._forward_hooks) for m in model.modules())
-    mon.reload_xy()
-    mon.reload_xy()
+    mon.reload_xy(True)
+    mon.reload_xy(True)
     assert sum(len(m._forward_hooks) for m in model.modules()) == n_hooks
     loss_of(model, 0).backward()
     opt.step()
-    mon.reload_xy(False)
+    mon.reload_xy()  # the reference's default: xy_distribution=False
     assert sum(len(m._forward_hooks) for m in model.modules()) == 0
     loss_of(model, 1).backward()
     opt.step()
+    mon.reload_xy(True)
+    loss_of(model, 2).backward()
+    opt.step()
     mon.close()
     ev = events_of(out)
-    assert steps_with(ev, "actv") == [0] and steps_with(ev, "grad_reduced") == [0, 1]
+    assert steps_with(ev, "actv") == [0, 2] and steps_with(ev, "grad_reduced") == [0, 1, 2]
 
 
 def test_autocast_bf16_and_grad_scaler(tmp_path, out):
