@@ -402,16 +402,17 @@ def _in_shared_buffer(g: torch.Tensor | None) -> bool:
 @torch.no_grad()
 def mg_direction(g: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """``((sign(g) . sign(m)).sum() / numel + 1) / 2`` as a float32 0-d tensor on ``g``'s device (no sync):
-    1 where every sign agrees, 0 where every one differs; 1.0 without ``m``. The dot of signs runs in
-    float64 (exact counts at any size); a NaN in either gives NaN."""
+    1 where every sign agrees, 0 where every one differs; 1.0 without ``m``. The signs are multiplied
+    in place in one temporary of ``g``'s dtype (values -1, 0, 1: exact in any float dtype) and summed
+    in float32, as the reference sums them; a NaN in either gives NaN. No float64 copy."""
     g, m = local_tensor(g), local_tensor(m)
     if g.layout is not torch.strided:
         g = g.to_dense()  # a sparse gradient (nn.Embedding(sparse=True)): signs of every element
     if m is None:
         return torch.ones((), dtype=torch.float32, device=g.device)
-    sg = torch.sign(g.reshape(-1)).to(torch.float64)
-    sm = torch.sign(m.reshape(-1).to(g.device)).to(torch.float64)
-    return ((torch.dot(sg, sm) / g.numel() + 1.0) / 2.0).to(torch.float32)
+    agree = torch.sign(g.reshape(-1))
+    agree.mul_(torch.sign(m.reshape(-1).to(g.device)))
+    return (agree.sum(dtype=torch.float32) / g.numel() + 1.0) / 2.0
 
 
 def scalar_rows(values: torch.Tensor, ops, eps: float) -> torch.Tensor:
