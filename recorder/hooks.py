@@ -430,13 +430,16 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
     chunk 0 tell the monitor (which notices optimizer steps that never ran)."""
 
     def body(module, args):
-        mon._match_compiled()  # dynamo may be about to trace the modules inside: their hooks made for it
-        if module.training and not in_backward():
-            if vpp == 0:
-                mon._on_micro_step()
-            st = mon._state
-            if st is not None:
-                st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
+        try:
+            mon._match_compiled()  # dynamo may be about to trace the modules inside: their hooks made for it
+            if module.training and not in_backward():
+                if vpp == 0:
+                    mon._on_micro_step()
+                st = mon._state
+                if st is not None:
+                    st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
+        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+            mon._hook_failed("micro step start", exc)
         if mon._state is not None and mon._state.pending:
             try:
                 mon._flush_grads()

@@ -634,14 +634,14 @@ class TrainerMon(StepCollector):
 
     def _pre_step(self, opt, args, kwargs) -> None:
         if self._struct is not None and not self._closed:
-            self._print_struct_and_exit()
-        self._mark_began()
-        st = self._state
-        if st is None:
-            return
-        # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
-        first, _ = self._part_of_step(opt)
+            self._print_struct_and_exit()  # raises, as the reference does, to end the run after one step
         try:
+            self._mark_began()
+            st = self._state
+            if st is None:
+                return
+            # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
+            first, _ = self._part_of_step(opt)
             if first and st.pending:
                 self._flush_grads()
             cfg = self.config
@@ -655,8 +655,11 @@ class TrainerMon(StepCollector):
             self._hook_failed("optimizer pre-step", exc)
 
     def _post_step(self, opt, args, kwargs) -> None:
-        if self._part_of_step(opt)[1]:  # else the step goes on with the next param group
-            self._end_step()
+        try:
+            if self._part_of_step(opt)[1]:  # else the step goes on with the next param group
+                self._end_step()
+        except Exception as exc:  # noqa: BLE001 - the step's bookkeeping never kills training
+            self._hook_failed("optimizer post-step", exc)
 
     def _on_backward(self, _param) -> None:
         self._backward_seen = True

@@ -196,6 +196,32 @@ def test_exception_in_a_hook_is_recorded_and_training_continues(tmp_path, out):
     assert {e.where.split(" of ")[0] for e in fails} >= {"forward hook", "backward hook"}
 
 
+@pytest.mark.parametrize("where", ["_begin_step", "_on_micro_step", "_mark_began", "_part_of_step"])
+def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out, where):
+    """The monitor's own per-step work around the hooks (step start and end, micro-step counting, the
+    StepBegan mark, DeepSpeed's group split) runs inside the optimizer's step hooks and the model's
+    forward pre-hook: a failure there is a HookFailed and a warning, and training goes on."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"injected failure in {where}")
+
+    setattr(mon, where, boom)
+    before = model.head.weight.detach().clone()
+    for s in range(3):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.step()  # the manual step goes through the same hooks
+    mon.close()
+    assert not torch.equal(before, model.head.weight)
+    fails = [e for e in events_of(out) if isinstance(e, HookFailed)]
+    assert fails and all(f"injected failure in {where}" in e.error for e in fails)
+
+
 def test_forward_only_and_backward_only(tmp_path, out):
     train(tmp_path, {"xy_distribution": True, "forward_only": True}, steps=1)
     ev = events_of(out)
