@@ -1,0 +1,71 @@
+"""The issue's rules for the training thread, checked on every aten op a collected step runs: with every
+option on, the monitor adds no float64 tensor (no float64 copy of a tensor, only per-tensor scalars)
+and no clone or copy of a gradient, activation, parameter or optimizer state, on each of the engine's
+paths (the one-pass kernel, torch's CPU reductions, and the code accelerators take)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from trainmon_util import ALL_OPS, loss_of, make, write_config
+from trainrec.recorder import TrainerMon
+
+EVERYTHING = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
+              "mv_distribution": True, "ur_distribution": True, "mg_direction": True, "ops": ALL_OPS,
+              "format": "api"}
+_COPIES = ("aten.clone", "aten.copy_", "aten._to_copy", "aten.contiguous")
+
+
+class OpSpy(TorchDispatchMode):
+    """Counts float64 results with more than one element, and copies of tensors at least ``big`` long."""
+
+    def __init__(self, big: int) -> None:
+        super().__init__()
+        self.big = big
+        self.seen: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(o, torch.Tensor):
+                continue
+            if o.dtype is torch.float64 and o.numel() > 1:
+                self.seen[("float64", name)] += 1
+            if name.startswith(_COPIES) and o.numel() >= self.big:
+                self.seen[("copy", name)] += 1
+        return out
+
+
+def _ops_of_training(tmp_path, monkeypatch, path: str | None) -> collections.Counter:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model, opt = make()
+    mon = None
+    if path is not None:
+        mon = TrainerMon(write_config(tmp_path, EVERYTHING), params_have_main_grad=False)
+        mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+        mon._engine.fused = path == "fused"
+        mon._engine.host_paths = path != "device"
+    spy = OpSpy(big=min(p.numel() for p in model.parameters() if p.dim() > 1))
+    with spy:
+        for step in range(2):
+            for micro in range(2):
+                loss_of(model, 2 * step + micro).backward()
+            opt.step()
+            opt.zero_grad()
+    if mon is not None:
+        assert mon.generate_metrics("actv_grad") and mon.generate_metrics("update")  # it did record
+        mon.close()
+    return spy.seen
+
+
+@pytest.mark.parametrize("path", ["fused", "torch", "device"])
+def test_no_float64_copy_and_no_clone_in_a_collected_step(tmp_path, monkeypatch, path):
+    base = _ops_of_training(tmp_path / "base", monkeypatch, None)
+    seen = _ops_of_training(tmp_path / "mon", monkeypatch, path)
+    added = {k: n - base.get(k, 0) for k, n in seen.items() if n > base.get(k, 0)}
+    assert added == {}
