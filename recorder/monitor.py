@@ -473,7 +473,9 @@ class TrainerMon(StepCollector):
 
     def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
-        targets = build_targets(self._chunks, cfg, self.rank, self._intern)
+        # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
+        targets = build_targets(self._chunks, cfg, self.rank, self._intern,
+                                strict=not (self._distributed and self.world_size > 1))
         self._sync_names()
         if self._tp_group is not None and self._distributed:
             import torch.distributed as dist

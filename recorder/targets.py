@@ -13,6 +13,7 @@ monitoring to the listed ranks.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ from .hooks import (
     make_pre_hook,
 )
 from .names import module_matches, param_matches, squash_all
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -126,7 +129,11 @@ def _examples(names: list[str], k: int = 6) -> str:
 
 
 def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
-                  intern: Callable[[str], int]) -> Targets:
+                  intern: Callable[[str], int], strict: bool = True) -> Targets:
+    """The modules and parameters ``cfg`` selects in ``chunks``. A target that matches nothing is a
+    ConfigError; not ``strict`` (several ranks), a warning: under pipeline parallelism a rank holds its
+    stage's modules only (the embedding on the first, the output layer on the last), and a target of
+    another stage matches nothing here (the reference skips such targets silently)."""
     out = Targets(forward=not cfg.backward_only, backward=not cfg.forward_only)
     targets = {k: v for k, v in cfg.targets.items()}
     everything = cfg.everything
@@ -161,9 +168,13 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                 out.params.append(ParamInfo(intern(s), s, vpp, p, full))
     for t in targets:
         if t and t not in matched:
-            raise ConfigError(
+            err = ConfigError(
                 f"matches no module and no parameter of the model; module names look like {_examples(all_modules)}, "
                 f"parameter names like {_examples(all_params)} (an optional '0:' prefix selects the chunk)",
                 f"targets.{t}",
             )
+            if strict:
+                raise err
+            log.warning("trainrec: rank %d: %s (with pipeline parallelism it may be another stage's; nothing is "
+                        "recorded for it on this rank)", rank, err)
     return out

@@ -388,3 +388,44 @@ def test_monitor_made_before_init_process_group_still_dedups(tmp_path, monkeypat
     assert len({fo.run_id for _, fo, _ in h.values()}) == 1
     assert stats_table(h[0][2], "grad_reduced") and stats_table(h[1][2], "grad_unreduced")
     assert stats_table(h[1][2], "grad_reduced") == {}  # rank 1 of dp_group: a duplicate of rank 0's
+
+
+def _stage_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
+    """Two pipeline-like stages: rank 0 holds the embedding and a layer, rank 1 a layer and the head (each
+    trains its own part here; the monitor sees only this rank's modules, as under pipeline parallelism)."""
+    from collections import OrderedDict
+
+    init_gloo(rank, world, port)
+    try:
+        from trainrec.recorder import TrainerMon
+
+        torch.manual_seed(rank)
+        first = [("embed", torch.nn.Embedding(16, 8))] if rank == 0 else []
+        last = [("head", torch.nn.Linear(8, 4))] if rank == 1 else []
+        model = torch.nn.Sequential(OrderedDict([*first, ("layer", torch.nn.Linear(8, 8)), *last]))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        for _ in range(2):
+            x = torch.randint(0, 16, (4, 3)) if rank == 0 else torch.randn(4, 3, 8)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_targets_of_other_pipeline_stages_do_not_stop_a_rank(tmp_path, monkeypatch):
+    """A target that matches nothing on one rank (the first stage's embedding, the last stage's head) is a
+    warning there, not a ConfigError that would stop that rank at start-up; each rank records its own."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    cfg = write_config(tmp_path, {"wg_distribution": True, "xy_distribution": True, "ops": ["norm"],
+                                  "targets": {"embed": {}, "head": {}}})
+    spawn_and_join(_stage_worker, (2, free_port(), cfg), 2, TIMEOUT, "2-process gloo run, pipeline-like stages")
+    h = headers(out)
+    names = {r: {k[1] for k in stats_table(h[r][2], "grad_reduced")} for r in (0, 1)}
+    assert names == {0: {"embed.weight"}, 1: {"head.weight", "head.bias"}}
+    actv = {r: {k[1] for k in stats_table(h[r][2], "actv")} for r in (0, 1)}
+    assert actv == {0: {"embed"}, 1: {"head"}}
