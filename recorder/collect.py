@@ -253,9 +253,20 @@ class StepCollector:
         st.stats.add(StatsPart(kind, rows, [self._params[i].name_id for i in indices], (),
                                range(c0, c0 + len(indices)), (), [self._params[i].vpp for i in indices]))
 
+    def _no_optimizer(self) -> bool:
+        """True (with one warning per run) where no torch optimizer is known to read Adam state from."""
+        if self._adam is not None:
+            return False
+        if not self._warned_no_optimizer:
+            self._warned_no_optimizer = True
+            log.warning("trainrec: mv_distribution, ur_distribution and mg_direction read the optimizer's Adam "
+                        "state, and no torch optimizer is known (none was given, and none over the model's "
+                        "parameters has stepped): nothing is recorded for them; pass optimizer=")
+        return True
+
     def _optimizer_rows(self, st: StepState) -> None:
         cfg = self.config
-        if not (cfg.mv_distribution or cfg.ur_distribution) or self._adam is None:
+        if not (cfg.mv_distribution or cfg.ur_distribution) or self._no_optimizer():
             return
         entries = self._adam.lookup([p.param for p in self._params])
         if not entries:
@@ -282,7 +293,7 @@ class StepCollector:
         ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
         the momentum before this update (1.0 where there is no state yet: the first step). A scalar
         row per parameter; its ops are those of a 0-d tensor (min = max = mean = value)."""
-        if self._adam is None:
+        if self._no_optimizer():
             return
         state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
         idx, vals = [], []

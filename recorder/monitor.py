@@ -166,6 +166,7 @@ class TrainerMon(StepCollector):
         self._resumed_from: tuple = ()
         self._struct: dict | None = None
         self._manual_steps = False
+        self._warned_no_optimizer = False
         self._closed = False
         if self.config.format != "api":
             self._open_output()

@@ -433,6 +433,27 @@ def test_native_record_with_chunks_and_manual_steps(tmp_path, out):
     assert vpps == {0, 1}
 
 
+def test_adam_options_without_an_optimizer_say_so_once(tmp_path, out, caplog):
+    """Manual steps and no optimizer: mv/ur/mg_direction have no state to read. One warning says so,
+    the rest of the config is recorded, and nothing fails."""
+    from trainrec.recorder import record
+
+    model, _ = make()
+    cfg = {"mv_distribution": True, "ur_distribution": True, "mg_direction": True, "wg_distribution": True,
+           "ops": ["norm"]}
+    with caplog.at_level("WARNING", logger="trainrec"), record(model, config=cfg,
+                                                               output_dir=str(tmp_path / "native")) as rec:
+        for s in range(3):
+            loss_of(model, s).backward()
+            rec.step()
+            model.zero_grad()
+    said = [r.getMessage() for r in caplog.records if "no torch optimizer is known" in r.getMessage()]
+    assert len(said) == 1
+    ev = events_of(tmp_path / "native")
+    assert steps_with(ev, "grad_reduced") == [0, 1, 2] and steps_with(ev, "exp_avg") == []
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+
+
 def test_native_record_detects_steps_through_the_optimizer(tmp_path, out):
     from trainrec.recorder import record
 
