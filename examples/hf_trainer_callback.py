@@ -11,9 +11,16 @@ optimizer it created (``create_optimizer_and_scheduler`` runs before that event)
 hooks; ``on_train_end`` closes the log. Under DeepSpeed pass the wrapped optimizer's inner
 ``optimizer.optimizer`` (trainrec follows ``.optimizer`` by itself, so the wrapper also works).
 
-transformers is not a dependency of trainrec. When it is not installed, running this file uses
-``MiniTrainer``, a stand-in loop that calls the callback the way HF's Trainer does (same event names,
-same keyword arguments, optimizer created before ``on_train_begin``, ``optimizer.step()`` once per
+HF's Trainer prepares the optimizer with accelerate, so the callback gets accelerate's
+``AcceleratedOptimizer``; trainrec finds the torch optimizer inside it. With ``--hf`` this file runs
+the real ``Trainer`` (transformers and accelerate installed; ``pip install transformers accelerate``)
+on a tiny GPT-2 built from its config (nothing downloaded), on CPU::
+
+    MONITOR_OUTPUT_DIR=/tmp/hf_demo python examples/hf_trainer_callback.py --hf --steps 10
+
+transformers is not a dependency of trainrec. Without ``--hf`` this file uses ``MiniTrainer``, a
+stand-in loop that calls the callback the way HF's Trainer does (same event names, same keyword
+arguments, optimizer created before ``on_train_begin``, ``optimizer.step()`` once per
 ``gradient_accumulation_steps`` micro batches), on a small CPU model::
 
     MONITOR_OUTPUT_DIR=/tmp/hf_demo python examples/hf_trainer_callback.py --steps 10
@@ -121,14 +128,45 @@ class MiniTrainer:
         self._call("on_train_end", model=self.model, optimizer=optimizer)
 
 
+# ---------------------------------------------------------------------- the real transformers.Trainer
+def hf_trainer(callback: TrainrecCallback, output_dir: str, steps: int, grad_acc: int = 2, seed: int = 0,
+               more_callbacks: tuple = ()):
+    """HF's ``Trainer`` on CPU with a 2-layer GPT-2 made from its config (no download) and random tokens;
+    ``output_dir`` is the Trainer's own (checkpoints are off)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(64):
+        ids = torch.randint(0, 64, (16,), generator=g)
+        data.append({"input_ids": ids, "labels": ids})
+    args = TrainingArguments(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=grad_acc, learning_rate=1e-3, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             dataloader_num_workers=0, seed=seed)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, *more_callbacks])
+    trainer.train()
+    return trainer
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description="HF-Trainer-style callback example (stand-in loop without transformers)")
+    p = argparse.ArgumentParser(description="HF Trainer callback example (a stand-in loop, or the real Trainer with --hf)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--config", default=os.path.join(HERE, "monitor_config.json"))
+    p.add_argument("--hf", action="store_true", help="run transformers' Trainer (needs transformers and accelerate)")
     a = p.parse_args()
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
     cb = TrainrecCallback(a.config)
-    MiniTrainer(model, MiniArgs(max_steps=a.steps), [cb]).train()
+    if a.hf:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_trainer(cb, tmp, a.steps)
+    else:
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+        MiniTrainer(model, MiniArgs(max_steps=a.steps), [cb]).train()
     print(f"log: {cb.monitor.log_path if cb.monitor else None}")
     return 0
 

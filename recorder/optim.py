@@ -60,7 +60,11 @@ KNOWN_OPT_TYPES = (
 
 
 def torch_optimizer_of(opt) -> torch.optim.Optimizer | None:
-    """The ``torch.optim.Optimizer`` instance inside ``opt`` (``opt`` itself, or via ``.optimizer``)."""
+    """The ``torch.optim.Optimizer`` instance that steps inside ``opt`` (``opt`` itself, or found via
+    ``.optimizer``). A wrapper that subclasses ``Optimizer`` without being one is followed too:
+    accelerate's ``AcceleratedOptimizer`` (what HF's Trainer hands its callbacks) never runs
+    ``Optimizer.__init__`` and has no step hooks of its own; it steps the torch optimizer in
+    ``.optimizer``."""
     seen = 0
     while opt is not None and seen < 8:
         if isinstance(opt, torch.optim.Optimizer):
@@ -69,7 +73,9 @@ def torch_optimizer_of(opt) -> torch.optim.Optimizer | None:
                 # torch.distributed.optim.ZeroRedundancyOptimizer: an Optimizer whose own ``state`` is
                 # empty; the local optimizer (``.optim``) steps this rank's shard and holds its state
                 return inner
-            return opt
+            inner = getattr(opt, "optimizer", None)
+            if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+                return opt
         opt = getattr(opt, "optimizer", None)
         seen += 1
     return None
