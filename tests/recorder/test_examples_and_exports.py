@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,11 +18,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 _NO_DEEPSPEED = pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")
+_NO_HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
+                            or importlib.util.find_spec("accelerate") is None,
+                            reason="transformers and accelerate are not installed")
 
 
 @pytest.mark.parametrize(("script", "args"), [
     ("plain_loop.py", ["--steps", "3", "--grad-acc", "2"]),
     ("hf_trainer_callback.py", ["--steps", "2"]),
+    pytest.param("hf_trainer_callback.py", ["--hf", "--steps", "2"], marks=_NO_HF),
     pytest.param("deepspeed_zero.py", ["--steps", "2", "--stage", "3", "--grad-acc", "2"], marks=_NO_DEEPSPEED),
 ])
 def test_examples_record_a_run(tmp_path, script, args):
