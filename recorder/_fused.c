@@ -13,10 +13,10 @@
  * caller reports NaN for min/max where the NaN count is not zero (torch's aminmax propagates NaN).
  *
  * No Python objects are touched while computing: the GIL is released, and with threads > 1 that many
- * POSIX threads (the caller's included) claim chunks of CHUNK elements from one atomic counter, so a
- * helper thread that gets no CPU (torch's own intra-op threads spin for a while after each op) holds
- * the caller up by one chunk at most; chunk results are merged in a fixed order, so results do not
- * depend on the thread count or on scheduling.
+ * threads (the caller's included) claim chunks of CHUNK elements from one atomic counter, so a helper
+ * that gets no CPU holds the caller up by one chunk at most; chunk results are merged in a fixed order,
+ * so results do not depend on the thread count or on scheduling. The helpers are PyTorch's own GNU
+ * OpenMP workers where the process has them (see gomp_parallel below), else POSIX threads.
  *
  * Built as the optional extension trainrec.recorder._fused (setuptools ext-modules, optional=true):
  * without a C compiler trainrec installs and runs the torch path instead.
@@ -25,7 +25,9 @@
 #include <Python.h>
 #include <math.h>
 #include <float.h>
+#include <dlfcn.h>
 #include <pthread.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -283,6 +285,20 @@ static void *thread_main(void *arg) {
     return NULL;
 }
 
+/* The helpers' threads. Where the process has GNU OpenMP loaded globally (PyTorch's CPU builds load
+ * their libgomp with RTLD_GLOBAL), the job runs as a parallel region of that runtime, on the same
+ * worker threads torch's own CPU ops use: right after a torch op those workers are spinning, waiting
+ * for the next region, and take the job at once. Threads of our own would share the cores with those
+ * spinning workers instead: in training, Adam's statistics ran 1.7x as long that way as on an idle
+ * machine. Elsewhere (no libgomp in the process, or set_threads("pthreads")), POSIX threads. Either
+ * way the chunks are claimed from one counter and merged in a fixed order: the same results. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn gomp_parallel = NULL;
+static int use_gomp = 1;
+static pid_t gomp_pid = 0; /* a forked child (GNU OpenMP's pool is not fork-safe) uses POSIX threads */
+
+static void gomp_body(void *arg) { thread_main(arg); }
+
 /* Runs the job on nthreads threads (the caller's one included); res: [n * per][NF]. */
 static int run_parallel(job_t *base, int nthreads, double *res) {
     int per = base->kind == KIND_ADAM ? 4 : 1;
@@ -310,13 +326,17 @@ static int run_parallel(job_t *base, int nthreads, double *res) {
     job.first = first;
     job.owner = owner;
     job.parts = parts;
-    pthread_t th[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 1; t < nthreads; t++) /* a thread that does not start leaves its chunks to the others */
-        started[t] = pthread_create(&th[t], NULL, thread_main, &job) == 0;
-    thread_main(&job);
-    for (int t = 1; t < nthreads; t++)
-        if (started[t]) pthread_join(th[t], NULL);
+    if (nthreads > 1 && use_gomp && gomp_parallel != NULL && getpid() == gomp_pid) {
+        gomp_parallel(gomp_body, &job, (unsigned)nthreads, 0);
+    } else {
+        pthread_t th[MAX_THREADS];
+        int started[MAX_THREADS] = {0};
+        for (int t = 1; t < nthreads; t++) /* a thread that does not start leaves its chunks to the others */
+            started[t] = pthread_create(&th[t], NULL, thread_main, &job) == 0;
+        thread_main(&job);
+        for (int t = 1; t < nthreads; t++)
+            if (started[t]) pthread_join(th[t], NULL);
+    }
     for (Py_ssize_t t = 0; t < n; t++) {
         for (int k = 0; k < per; k++) {
             acc_t a;
@@ -697,6 +717,43 @@ static PyObject *py_set_kernel(PyObject *self, PyObject *args) {
 
 static PyObject *py_kernel(PyObject *self, PyObject *unused) { return PyUnicode_FromString(kernel_name); }
 
+static const char *threads_name(void) {
+    return use_gomp && gomp_parallel != NULL && getpid() == gomp_pid ? "openmp" : "pthreads";
+}
+
+static PyObject *py_threads(PyObject *self, PyObject *unused) { return PyUnicode_FromString(threads_name()); }
+
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    PyObject *prev = PyUnicode_FromString(threads_name());
+    if (prev == NULL) return NULL;
+    if (strcmp(name, "pthreads") == 0) {
+        use_gomp = 0;
+    } else if (strcmp(name, "openmp") == 0) {
+        if (gomp_parallel == NULL) gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+        if (gomp_parallel == NULL) {
+            Py_DECREF(prev);
+            PyErr_SetString(PyExc_ValueError, "threads 'openmp': no GNU OpenMP runtime is loaded in this process");
+            return NULL;
+        }
+        use_gomp = 1;
+    } else {
+        Py_DECREF(prev);
+        PyErr_Format(PyExc_ValueError, "threads %R: expected 'openmp' or 'pthreads'", PyTuple_GET_ITEM(args, 0));
+        return NULL;
+    }
+    return prev;
+}
+
+PyDoc_STRVAR(threads_doc, "threads() -> str\n\nWhere the helpers of a parallel call run: 'openmp' (the process's GNU\n"
+             "OpenMP workers, torch's) or 'pthreads' (threads of the call's own).");
+
+PyDoc_STRVAR(set_threads_doc,
+             "set_threads(name) -> str\n\n"
+             "Run the helpers of parallel calls on 'openmp' (the default where GNU OpenMP is loaded) or\n"
+             "'pthreads'; returns the previous choice. For tests and benchmarks: not thread-safe.");
+
 PyDoc_STRVAR(kernel_doc, "kernel() -> str\n\nThe float32 statistics loop in use: 'avx2' or 'generic'.");
 
 PyDoc_STRVAR(set_kernel_doc,
@@ -716,6 +773,8 @@ static PyMethodDef methods[] = {
     {"stats_tensors", py_stats_tensors, METH_VARARGS, stats_tensors_doc},
     {"set_kernel", py_set_kernel, METH_VARARGS, set_kernel_doc},
     {"kernel", py_kernel, METH_NOARGS, kernel_doc},
+    {"threads", py_threads, METH_NOARGS, threads_doc},
+    {"set_threads", py_set_threads, METH_VARARGS, set_threads_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -731,6 +790,9 @@ PyMODINIT_FUNC PyInit__fused(void) {
         kernel_name = "avx2";
     }
 #endif
+    /* PyTorch, imported before this module, has put its libgomp in the global namespace */
+    gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    gomp_pid = getpid();
     if ((s_dtype = PyUnicode_InternFromString("dtype")) == NULL ||
         (s_is_cpu = PyUnicode_InternFromString("is_cpu")) == NULL ||
         (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||

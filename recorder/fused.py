@@ -34,19 +34,54 @@ except ImportError:  # no C compiler at install time: the torch path runs
 
 AVAILABLE = _fused is not None and os.environ.get("TRAINREC_FUSED", "1") != "0"
 
-# Statistics calls with fewer values than this run on the calling thread only. Reading memory, one
-# thread gets about all of this machine's bandwidth; and inside training a helper thread competes for
-# a core with torch's intra-op threads, which spin for a while after each op: with helpers from 256K
-# values on, the activations of config b (benchmarks/bench_recorder.py) took 15-20 ms per step
-# instead of 12.6 ms, calls of two 256K-value tensors ran at 1.2-2.8 ns per value instead of 0.4.
-# Batches this large (CPU-offloaded optimizer state, big CPU models) are where a server's cores add
-# bandwidth that one core cannot get.
-PARALLEL_NUMEL = 1 << 24
+# Statistics calls with fewer values than PARALLEL_NUMEL run on the calling thread only. With more,
+# the kernel's helpers run as a parallel region of the process's GNU OpenMP runtime (PyTorch's own CPU
+# threads, which spin for a while after each torch op and take the region at once); from 1M values
+# (4 MB of float32) on that pays: in training, the benchmark model's 21 MB gradient batch took 1.3-1.8
+# ms with two threads against 2.5-2.9 ms with one (benchmarks/bench_recorder.py, config a). Where the
+# helpers are threads of our own ("pthreads": no GNU OpenMP in the process, or TRAINREC_THREADS=pthreads)
+# they compete for the cores with torch's spinning threads: with helpers from 256K values on, the
+# activations of config b took 15-20 ms per step instead of 12.6 ms, and a second thread gained
+# nothing on the gradients; there only batches of 16M values and more (CPU-offloaded optimizer state,
+# big CPU models) are split.
+PARALLEL_NUMEL_OPENMP = 1 << 20
+PARALLEL_NUMEL_PTHREADS = 1 << 24
+PARALLEL_NUMEL = PARALLEL_NUMEL_PTHREADS  # set below for the runtime in use (_set_parallel_numel)
 # Adam state pairs do a sqrt and two divisions per element; there a second thread gains (5.9 against
 # 7.2 ms per step on the same model) as soon as starting it (~30 us) pays.
 ADAM_PARALLEL_NUMEL = 1 << 18
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _stats_tensors = getattr(_fused, "stats_tensors", None) if AVAILABLE else None
+
+
+def threads() -> str | None:
+    """Where the kernel's helper threads run: ``"openmp"`` (the GNU OpenMP workers PyTorch's CPU ops
+    use, where the process has them) or ``"pthreads"`` (threads of each call's own); None without the
+    kernel. ``TRAINREC_THREADS=pthreads`` chooses the latter at import."""
+    return _fused.threads() if AVAILABLE else None
+
+
+def _set_parallel_numel() -> None:
+    global PARALLEL_NUMEL
+    PARALLEL_NUMEL = PARALLEL_NUMEL_OPENMP if threads() == "openmp" else PARALLEL_NUMEL_PTHREADS
+
+
+@contextlib.contextmanager
+def using_threads(name: str):
+    """Run the block with the kernel's helpers on ``name`` (``"openmp"`` or ``"pthreads"``), and its
+    threshold for splitting a call (tests and benchmarks; not thread-safe)."""
+    prev = _fused.set_threads(name)
+    _set_parallel_numel()
+    try:
+        yield
+    finally:
+        _fused.set_threads(prev)
+        _set_parallel_numel()
+
+
+if AVAILABLE and os.environ.get("TRAINREC_THREADS", "") == "pthreads":
+    _fused.set_threads("pthreads")
+_set_parallel_numel()
 
 
 def kernel_name() -> str | None:

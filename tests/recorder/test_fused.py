@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -50,17 +51,64 @@ def test_chunks_blocks_and_tails_match_float64():
     assert_rows(got, xs, 1e-8)
 
 
-def test_results_do_not_depend_on_the_thread_count(monkeypatch):
+def _thread_runtimes() -> list[str]:
+    """The helper-thread runtimes this process can use: POSIX threads, and torch's GNU OpenMP workers
+    where torch loaded libgomp (its Linux CPU builds do)."""
+    out = ["pthreads"]
+    try:
+        with fused.using_threads("openmp"):
+            out.append("openmp")
+    except ValueError:
+        pass
+    return out
+
+
+def test_openmp_runtime_is_used_where_torch_loaded_it():
+    if "openmp" not in _thread_runtimes():
+        pytest.skip("no GNU OpenMP runtime in this process")
+    assert fused.threads() == "openmp" and fused.PARALLEL_NUMEL == fused.PARALLEL_NUMEL_OPENMP
+    with fused.using_threads("pthreads"):
+        assert fused.threads() == "pthreads" and fused.PARALLEL_NUMEL == fused.PARALLEL_NUMEL_PTHREADS
+    assert fused.threads() == "openmp"
+    with pytest.raises(ValueError, match="expected 'openmp' or 'pthreads'"):
+        fused.using_threads("tbb").__enter__()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_uses_its_own_threads(monkeypatch):
+    """GNU OpenMP's pool does not survive fork: a child of a process that used it runs the helpers
+    as POSIX threads, with the same results."""
+    if "openmp" not in _thread_runtimes():
+        pytest.skip("no GNU OpenMP runtime in this process")
+    monkeypatch.setattr(fused, "_threads", lambda total, at_least=None: 2)
+    xs = [torch.randn(3_000_000, generator=torch.Generator().manual_seed(4))]
+    want = fused.stats(xs, [1e-8], OPS)  # the parent's pool is started
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if it ran on its own threads and got the same rows
+        ok = fused.threads() == "pthreads" and torch.equal(fused.stats(xs, [1e-8], OPS), want)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert fused.threads() == "openmp"
+
+
+def test_results_do_not_depend_on_the_thread_count_or_runtime(monkeypatch):
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(1_000_003, generator=g), torch.randn(70_000, generator=g)]
     ms = [x.clone() for x in xs]
     vs = [x.square() for x in xs]
-    results, adam_results = [], []
-    for threads in (1, 2, 3, 8):
-        monkeypatch.setattr(fused, "_threads", lambda total, at_least=None, t=threads: t)
-        results.append(fused.stats(xs, [1e-8, 1e-8], OPS))
-        adam_results.append(fused.adam(ms, vs, [1e-8] * 8, [1e-8, 1e-8], [1.0, 1.0], OPS, True, True))
-    for r in results[1:]:
+    codes = fused.op_codes(OPS)
+    results, adam_results, hook_results = [], [], []
+    for runtime in _thread_runtimes():
+        with fused.using_threads(runtime):
+            for threads in (1, 2, 3, 8):
+                monkeypatch.setattr(fused, "_threads", lambda total, at_least=None, t=threads: t)
+                results.append(fused.stats(xs, [1e-8, 1e-8], OPS))
+                adam_results.append(fused.adam(ms, vs, [1e-8] * 8, [1e-8, 1e-8], [1.0, 1.0], OPS, True, True))
+                out = np.empty((2, len(OPS)), dtype=np.float32)  # the hooks' entry, split from 1 value on
+                assert fused._stats_tensors(xs, 1e-8, codes, fused._PLAIN, torch.float32, out, 1, threads)
+                hook_results.append(torch.from_numpy(out))
+    for r in results[1:] + hook_results:
         assert torch.equal(r, results[0])  # bitwise: chunks are merged in a fixed order
     for r in adam_results[1:]:
         assert torch.equal(r, adam_results[0])
