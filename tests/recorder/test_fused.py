@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -87,7 +89,16 @@ def test_a_forked_child_uses_its_own_threads(monkeypatch):
     if pid == 0:  # the child: exit status 0 only if it ran on its own threads and got the same rows
         ok = fused.threads() == "pthreads" and torch.equal(fused.stats(xs, [1e-8], OPS), want)
         os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 60
+    while True:  # a hung child fails the test (and is killed) instead of hanging the suite
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish in 60 s")
+        time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert fused.threads() == "openmp"
 
