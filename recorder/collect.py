@@ -169,6 +169,8 @@ class StepCollector:
         sharded gradient (an optimizer's piece, an FSDP2 DTensor's local shard) is this rank's alone
         and is recorded on every rank."""
         adam = self._adam
+        if adam is not None:
+            adam.refresh()
         for i, info in enumerate(self._params):
             if info.tp_duplicate or (partitioned_only and not zero.is_partitioned(info.param)):
                 continue

@@ -134,10 +134,10 @@ class AdamState:
                             self._shards.add(id(p_model))
         self._opts = [opt for _, opt in pairs]
         self._group_ids: list[set[int]] = []
-        self._sync_groups()
+        self.refresh()
         self._warned = False
 
-    def _sync_groups(self) -> None:
+    def refresh(self) -> None:
         """Parameter -> (param group, optimizer) maps, made again where an optimizer's groups are not
         the ones mapped: ``load_state_dict`` (a resume after the monitor was installed) gives every
         optimizer new group dicts and a new ``state`` dict, ``add_param_group`` adds a group. A list
@@ -161,8 +161,8 @@ class AdamState:
         return self._master.get(id(p), p)
 
     def reduced_grad(self, p: torch.Tensor):
-        """The gradient the optimizer is about to apply to this rank's share of ``p``, where the optimizer
-        keeps its own copy of it: DeepSpeed ZeRO's piece of the flat fp32 gradient (there while it steps
+        """The gradient the optimizer is about to apply to this rank's share of ``p`` (after
+        :meth:`refresh`, once per step), where the optimizer keeps its own copy of it: DeepSpeed ZeRO's piece of the flat fp32 gradient (there while it steps
         ``p``'s group), Megatron DistributedOptimizer's fp32 shard gradient (``p``'s own ``main_grad``
         is reduced only in this rank's range); None where this rank has no share of ``p`` or none is
         there now. :data:`OWN_GRAD` where the optimizer applies ``p``'s own gradient."""
@@ -173,14 +173,13 @@ class AdamState:
             if id(p) in self._shards:
                 return self._master[id(p)].grad
             # a chain's member without shards steps a whole master, or the parameter itself
-            self._sync_groups()
             return OWN_GRAD if id(p) in self._master or id(p) in self._group_of else None
         return OWN_GRAD
 
     def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
         """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state."""
         out = []
-        self._sync_groups()
+        self.refresh()
         state = self.torch_opt.state
         missing = 0
         device_steps: dict[int, float] = {}  # id(param group) -> step read from a device tensor
