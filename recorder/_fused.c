@@ -299,6 +299,12 @@ static pid_t gomp_pid = 0; /* a forked child (GNU OpenMP's pool is not fork-safe
 
 static void gomp_body(void *arg) { thread_main(arg); }
 
+static void find_gomp(void) {
+    if (gomp_parallel == NULL) gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+}
+
+static int gomp_usable(void) { return use_gomp && gomp_parallel != NULL && getpid() == gomp_pid; }
+
 /* Runs the job on nthreads threads (the caller's one included); res: [n * per][NF]. */
 static int run_parallel(job_t *base, int nthreads, double *res) {
     int per = base->kind == KIND_ADAM ? 4 : 1;
@@ -326,7 +332,7 @@ static int run_parallel(job_t *base, int nthreads, double *res) {
     job.first = first;
     job.owner = owner;
     job.parts = parts;
-    if (nthreads > 1 && use_gomp && gomp_parallel != NULL && getpid() == gomp_pid) {
+    if (nthreads > 1 && gomp_usable()) {
         gomp_parallel(gomp_body, &job, (unsigned)nthreads, 0);
     } else {
         pthread_t th[MAX_THREADS];
@@ -717,9 +723,7 @@ static PyObject *py_set_kernel(PyObject *self, PyObject *args) {
 
 static PyObject *py_kernel(PyObject *self, PyObject *unused) { return PyUnicode_FromString(kernel_name); }
 
-static const char *threads_name(void) {
-    return use_gomp && gomp_parallel != NULL && getpid() == gomp_pid ? "openmp" : "pthreads";
-}
+static const char *threads_name(void) { return gomp_usable() ? "openmp" : "pthreads"; }
 
 static PyObject *py_threads(PyObject *self, PyObject *unused) { return PyUnicode_FromString(threads_name()); }
 
@@ -731,7 +735,7 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     if (strcmp(name, "pthreads") == 0) {
         use_gomp = 0;
     } else if (strcmp(name, "openmp") == 0) {
-        if (gomp_parallel == NULL) gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+        find_gomp();
         if (gomp_parallel == NULL) {
             Py_DECREF(prev);
             PyErr_SetString(PyExc_ValueError, "threads 'openmp': no GNU OpenMP runtime is loaded in this process");
@@ -791,7 +795,7 @@ PyMODINIT_FUNC PyInit__fused(void) {
     }
 #endif
     /* PyTorch, imported before this module, has put its libgomp in the global namespace */
-    gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    find_gomp();
     gomp_pid = getpid();
     if ((s_dtype = PyUnicode_InternFromString("dtype")) == NULL ||
         (s_is_cpu = PyUnicode_InternFromString("is_cpu")) == NULL ||

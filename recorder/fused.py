@@ -67,16 +67,22 @@ def _set_parallel_numel() -> None:
 
 
 @contextlib.contextmanager
-def using_threads(name: str):
-    """Run the block with the kernel's helpers on ``name`` (``"openmp"`` or ``"pthreads"``), and its
-    threshold for splitting a call (tests and benchmarks; not thread-safe)."""
-    prev = _fused.set_threads(name)
+def _using(setter, name: str):
+    """The block with the kernel set to ``name`` by ``setter`` (which returns the previous choice), and
+    the threshold for splitting a call that goes with it."""
+    prev = setter(name)
     _set_parallel_numel()
     try:
         yield
     finally:
-        _fused.set_threads(prev)
+        setter(prev)
         _set_parallel_numel()
+
+
+def using_threads(name: str):
+    """Run the block with the kernel's helpers on ``name`` (``"openmp"`` or ``"pthreads"``), and its
+    threshold for splitting a call (tests and benchmarks; not thread-safe)."""
+    return _using(_fused.set_threads, name)
 
 
 if AVAILABLE and os.environ.get("TRAINREC_THREADS", "") == "pthreads":
@@ -108,14 +114,9 @@ def kernels() -> list[str]:
     return out
 
 
-@contextlib.contextmanager
 def using_kernel(name: str):
     """Run the block with float32 loop ``name`` (tests and benchmarks; not thread-safe)."""
-    prev = _fused.set_kernel(name)
-    try:
-        yield
-    finally:
-        _fused.set_kernel(prev)
+    return _using(_fused.set_kernel, name)
 
 
 def local_tensor(x):
