@@ -50,7 +50,7 @@ from trainrec.schema.events import (
 from trainrec.schema.naming import reference_tag
 
 from . import fused, zero
-from .fused import local_tensor
+from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
 from .stats import StatsPart, build_stats_events
@@ -68,40 +68,45 @@ class StepCollector:
 
     def _on_grad_accumulated(self, index: int, incoming: torch.Tensor | None = None) -> None:
         """Parameter ``index`` got its gradient in this micro step (``incoming``: the gradient itself,
-        given before its accumulation where DeepSpeed partitions the parameter; measured at once)."""
+        given before its accumulation where DeepSpeed partitions the parameter; measured at once).
+        Runs inside the backward pass once per monitored parameter: kept to few attribute lookups, as
+        the backward's kernels have left the interpreter's own data out of the CPU caches."""
         st = self._state
         if index in st.pending_set:
             self._flush_grads()
-        n = st.grad_count.get(index, 0)
-        st.grad_count[index] = n + 1
+        counts = st.grad_count
+        n = counts.get(index, 0)
+        counts[index] = n + 1
         micro = n % self._grad_acc
         info = self._params[index]
         call = st.fire(info.name_id, 1, micro)
         # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
         # change it, before the batch is measured). main_grad is not (see _main_grad_now).
-        now = incoming is not None
-        added = None
-        if now:
-            g = incoming
+        if incoming is not None:
+            g, now = incoming, True
         else:
-            mg = self._main_grad_of(info.param)
+            now = False
+            p = info.param
+            mg = getattr(p, "main_grad", None) if self.params_have_main_grad else None
             if mg is None:
-                g = info.param.grad
+                g = p.grad
             else:
-                g, added, now = _main_grad_now(info.param, mg)
-        if added is not None:  # Megatron's main_grad, about to get this micro step's .grad added
-            self._flush_grads()
-            rows = self._rows_of_sum(g, added, index)
-            st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [info.name_id], [micro], [call], (), [info.vpp]))
-            return
-        if not st.pending and in_backward():
+                g, added, now = _main_grad_now(p, mg)
+                if added is not None:  # Megatron's main_grad, about to get this micro step's .grad added
+                    self._flush_grads()
+                    rows = self._rows_of_sum(g, added, index)
+                    st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [info.name_id], [micro], [call], (),
+                                           [info.vpp]))
+                    return
+        pending = st.pending
+        if not pending and in_backward():
             # the batch is measured at the end of this backward at the latest: before DDP's own
             # end-of-backward callback (queued at its first gradient hook, after this one) copies the
             # averaged buckets into .grad, and whether or not every monitored parameter got a gradient
             _queue_end_of_backward(self._end_of_backward_flush)
-        st.pending.append((index, micro, call, g))
+        pending.append((index, micro, call, g))
         st.pending_set.add(index)
-        if now or _in_shared_buffer(g) or (len(st.pending) >= len(self._params) and g is not None):
+        if now or (len(pending) >= len(self._params) and g is not None) or _in_shared_buffer(g):
             self._flush_grads()
 
     def _end_of_backward_flush(self) -> None:
@@ -126,6 +131,8 @@ class StepCollector:
         st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _, _ in pend],
                                [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
                                [self._params[i].vpp for i, _, _, _ in pend]))
+        if isinstance(rows, np.ndarray):
+            return  # measured by the one-pass kernel, which measures reduced gradients again (_reusable)
         for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
             if g is not None and self._reusable(g):
                 st.last_unreduced[i] = (rows, r, g, g._version)
@@ -143,7 +150,7 @@ class StepCollector:
         parts, sizes = [], []
         for lo in range(0, n, SUM_PART_NUMEL):
             hi = min(n, lo + SUM_PART_NUMEL)
-            parts.append(self._rows_of([torch.add(fa[lo:hi], fb[lo:hi])], [index], "gradient"))
+            parts.append(torch.as_tensor(self._rows_of([torch.add(fa[lo:hi], fb[lo:hi])], [index], "gradient")))
             sizes.append(hi - lo)
         return self._engine.combine(torch.cat(parts), sizes)
 
@@ -233,11 +240,13 @@ class StepCollector:
         if tensors:
             self._add_rows(st, kind, self._rows_of(tensors, list(indices), kind), list(indices))
 
-    def _rows_of(self, tensors: list, indices: list, what: str) -> torch.Tensor:
-        """The engine's rows of a batch; where the batch fails, each tensor alone, so that one tensor the
-        engine cannot measure costs its own row (NaN, and a HookFailed naming it), not the batch's."""
+    def _rows_of(self, tensors: list, indices: list, what: str) -> torch.Tensor | np.ndarray:
+        """The engine's rows of a batch (:meth:`StatsEngine.rows`: a numpy array where the one-pass kernel
+        measured every tensor, else a tensor); where the batch fails, each tensor alone, so that one
+        tensor the engine cannot measure costs its own row (NaN, and a HookFailed naming it), not the
+        batch's."""
         try:
-            return self._engine.compute(tensors)
+            return self._engine.rows(tensors)
         except Exception:  # noqa: BLE001 - monitoring never kills training
             rows = []
             for t, i in zip(tensors, indices, strict=True):
@@ -406,10 +415,16 @@ def _main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | No
 def _in_shared_buffer(g: torch.Tensor | None) -> bool:
     """Whether ``g`` is a view into a larger buffer (DDP's ``gradient_as_bucket_view`` buckets, Megatron's
     contiguous grad buffer): its owner may scale or all-reduce it in place as soon as this hook returns
-    (DDP divides a bucket view by the world size right after it), so it is measured now, not batched."""
-    g = local_tensor(g)
-    return (g is not None and g.layout is torch.strided
-            and g.untyped_storage().nbytes() > g.numel() * g.element_size())
+    (DDP divides a bucket view by the world size right after it), so it is measured now, not batched.
+    A tensor without storage of its own (sparse) is not."""
+    if g is None:
+        return False
+    if type(g) not in _PLAIN:
+        g = local_tensor(g)
+    try:
+        return g.untyped_storage().nbytes() > g.nbytes
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse and other storage-less layouts
+        return False
 
 
 @torch.no_grad()
