@@ -59,6 +59,39 @@ from . import fused
 # pool's parallelism pays for itself on a machine that is not oversubscribed.
 SMALL_NUMEL = 1 << 18
 _LOW = (torch.float16, torch.bfloat16)
+# The torch reductions measure a tensor of more elements in parts of this many (views): their
+# temporaries (the zero count's quotient, a float32 copy of float16, the NaN mask) are at most a part's
+# size, 9 bytes per element at worst (~300 MB), whatever the tensor (an LLM's embedding gradient).
+PART_NUMEL = 1 << 25
+
+
+def _as_reducible(x: torch.Tensor, want_zeros: bool) -> torch.Tensor:
+    """``x`` in a dtype the reductions take: ints and bools (token ids, masks) as float32, and float16
+    as well where zeros are counted (``x / eps`` overflows half); float32/64 and bfloat16 as they are."""
+    if x.dtype is not torch.float32 and x.dtype is not torch.float64 and (
+        x.dtype not in _LOW or (x.dtype is torch.float16 and want_zeros)
+    ):
+        return x.to(torch.float32)
+    return x
+
+
+def _parts(x: torch.Tensor, limit: int) -> list[torch.Tensor]:
+    """Views of ``x`` of at most ``limit`` elements each that together hold every element once: a
+    contiguous tensor's flat chunks, else slices along dim 0 (split further where one is too long)."""
+    n = x.numel()
+    if n <= limit:
+        return [x]
+    if x.is_contiguous():
+        return list(x.view(-1).split(limit))
+    if x.dim() == 1:
+        return list(x.split(limit))
+    if x.shape[0] == 1:
+        return _parts(x[0], limit)
+    per = max(1, limit // (n // x.shape[0]))
+    out: list[torch.Tensor] = []
+    for piece in x.split(per):
+        out.extend(_parts(piece, limit))
+    return out
 
 
 class StatsEngine:
@@ -256,17 +289,44 @@ class StatsEngine:
         Per tensor only the reductions run (aminmax, sum, dot, and the zero count); their scalars go
         into one ``[n, fields]`` matrix and the columns (mean, norm, zeros, scaling) are derived with a
         handful of vectorised ops per call, so a hook measuring two tensors pays for few dispatches.
+        A tensor of more than :data:`PART_NUMEL` elements is measured in parts (views, no copy) whose
+        rows are combined (:meth:`combine`), so the temporaries of the torch reductions (the zero count's
+        quotient, a float32 copy of a float16 tensor, the NaN mask) never exceed a part: no transient
+        copy of a whole LLM embedding gradient on an accelerator that training has nearly filled.
         """
         eps = self.eps
         cpu = device.type == "cpu" and self.host_paths
         if cpu and self.fused and fused.supports(xs[0]):
             # one read of each tensor for all six statistics (see fused.py)
             return fused.stats(xs, [eps / s for s in scales] if scales else [eps] * len(xs), self._codes, scales)
+        counts = [1] * len(xs)
+        if any(x.numel() > PART_NUMEL for x in xs):
+            items, item_scales = [], [] if scales else None
+            for k, x in enumerate(xs):
+                parts = _parts(x, PART_NUMEL)
+                counts[k] = len(parts)
+                items.extend(parts)
+                if scales:
+                    item_scales.extend([scales[k]] * len(parts))
+            rows = self._rows(items, device, item_scales, cpu)
+            out, i = [], 0
+            for c in counts:
+                out.append(rows[i:i + 1] if c == 1
+                           else self.combine(rows[i:i + c], [t.numel() for t in items[i:i + c]]))
+                i += c
+            return torch.cat(out)
+        return self._rows(xs, device, scales, cpu)
+
+    def _rows(self, xs: list[torch.Tensor], device: torch.device, scales: Sequence[float] | None,
+              cpu: bool) -> torch.Tensor:
+        """:meth:`_group` for tensors of at most :data:`PART_NUMEL` elements, with torch's reductions."""
+        eps = self.eps
         minmax, want_norm = self._minmax, self._norm
         want_sum = self._sum if cpu else self._mean  # on CPU the sums also find the rows with NaNs
         want_zeros = self._zeros and eps > 0
+        want_nans = self._nans
         flat_vals: list[torch.Tensor] = []
-        prepared = []
+        nan_counts: list[torch.Tensor] = []  # other devices: every tensor's, counted in the loop
         numels = []
         sq_is_norm = []  # True where the "sq" field holds a norm (not a sum of squares)
         threads = torch.get_num_threads() if cpu else 1
@@ -277,11 +337,11 @@ class StatsEngine:
             if want_single != single:
                 torch.set_num_threads(1 if want_single else threads)
                 single = want_single
-            if x.dtype is not torch.float32 and x.dtype is not torch.float64 and (
-                x.dtype not in _LOW or (x.dtype is torch.float16 and want_zeros)
-            ):
-                x = x.to(torch.float32)  # ints/bools (token ids, masks), or half (x / eps overflows half)
-            prepared.append(x)
+            if want_nans and not cpu:
+                # no sync-free way to skip it for finite tensors here; counted before any conversion,
+                # so no temporary outlives this tensor's turn
+                nan_counts.append(torch.isnan(x).sum())
+            x = _as_reducible(x, want_zeros)
             numels.append(numel)
             f32 = x.dtype is torch.float32
             fast = cpu and f32
@@ -355,16 +415,22 @@ class StatsEngine:
             for op in ("min", "max", "norm", "mean"):
                 if op in cols:
                     cols[op] = cols[op] * scale_t
-        bad = self._nonfinite_rows(means) if cpu and (self._nans or want_zeros) else []
-        if self._nans:
-            cols["nans"] = self._nan_counts(prepared, bad, cpu)
+        bad = self._nonfinite_rows(means) if cpu and (want_nans or want_zeros) else []
+        if want_nans:
+            if cpu:  # only the rows whose sum is not finite can hold a NaN
+                counts = torch.zeros(n, dtype=torch.float32)
+                for i in bad:
+                    counts[i] = torch.isnan(xs[i]).sum()
+                cols["nans"] = counts
+            else:
+                cols["nans"] = torch.stack(nan_counts).to(torch.float32)
         if self._zeros:
             if want_zeros:
                 zeros = (numel_t - raw[:, j]) / numel_t
                 if cpu and bad:
                     for i in bad:  # a NaN made the fast count NaN: count exactly
                         e = eps / scales[i] if scales else eps
-                        zeros[i] = (prepared[i].abs() < e).sum() / numels[i]
+                        zeros[i] = (_as_reducible(xs[i], True).abs() < e).sum() / numels[i]
             else:
                 zeros = torch.zeros_like(numel_t)  # |x| < 0 never holds
             cols["zeros"] = zeros
@@ -376,17 +442,6 @@ class StatsEngine:
         if math.isfinite(float(means.sum())):  # one check for the whole batch
             return []
         return torch.nonzero(~torch.isfinite(means)).flatten().tolist()
-
-    @staticmethod
-    def _nan_counts(xs: list[torch.Tensor], bad: list[int], cpu: bool) -> torch.Tensor:
-        """NaN counts: on CPU only the ``bad`` rows (non-finite sum) are counted, the rest are 0; on other
-        devices every tensor is counted (skipping finite ones would need a host sync)."""
-        if cpu:
-            counts = torch.zeros(len(xs), dtype=torch.float32)
-            for i in bad:
-                counts[i] = torch.isnan(xs[i]).sum()
-            return counts
-        return torch.stack([torch.isnan(x).sum() for x in xs]).to(torch.float32)
 
 
 @dataclass

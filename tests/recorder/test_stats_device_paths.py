@@ -11,7 +11,10 @@ import math
 
 import pytest
 import torch
-from test_stats_engine import OPS, assert_cases_match_float64, engine
+import torch.utils._pytree as pytree
+from test_stats_engine import OPS, assert_cases_match_float64, close, engine, ref
+from torch.utils._python_dispatch import TorchDispatchMode
+from trainrec.recorder import stats
 from trainrec.recorder.stats import StatsEngine
 
 
@@ -90,3 +93,72 @@ def test_nan_counting_passes(path, ops, monkeypatch):
     if "zeros" in ops:
         zeros = rows[:, ops.index("zeros")].tolist()
         assert zeros[1:] == [0.25, 1.0]  # the NaNs are not zeros, 0.1 is
+
+
+@pytest.mark.parametrize("path", ["torch", "device"])
+@pytest.mark.parametrize("eps", [1e-8, 0.25])
+def test_tensors_measured_in_parts_match_float64_reference(path, eps, monkeypatch):
+    """Above PART_NUMEL elements the torch reductions measure a tensor in parts and combine their rows:
+    the same statistics, for every dtype and layout (parts of 64 elements here)."""
+    monkeypatch.setattr(stats, "PART_NUMEL", 64)
+    eng = engine(OPS, eps, "torch")
+    eng.host_paths = path == "torch"
+    assert_cases_match_float64(eng, eps)
+    x = torch.tensor([0.0, 1e-4, -2e-3, 5.0] * 40)
+    got = eng.compute([x], scales=[3.0])[0].tolist()
+    want = ref(x * 3.0, eps)
+    assert all(close(a, b) for a, b in zip(got, want, strict=True)), (got, want)
+
+
+@pytest.mark.parametrize("shape_of", ["contiguous", "transposed", "strided slice", "row of a transpose"])
+def test_parts_are_views_covering_every_element_once(shape_of):
+    base = torch.randn(90, 70)
+    x = {"contiguous": base, "transposed": base.t(), "strided slice": base[::2, 3:],
+         "row of a transpose": base.t()[None, 5:10, :].transpose(1, 2)}[shape_of]
+    parts = stats._parts(x, 100)
+    assert all(p.numel() <= 100 for p in parts)
+    assert sum(p.numel() for p in parts) == x.numel()
+    assert all(p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for p in parts)
+    got = torch.cat([p.reshape(-1) for p in parts]).sort().values
+    assert torch.equal(got, x.reshape(-1).sort().values)
+
+
+class Allocations(TorchDispatchMode):
+    """The largest tensor an op made with storage of its own (views of its inputs do not count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor) and a.layout is torch.strided}
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, o.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_device_path_temporaries_are_bounded_by_a_part(dtype, monkeypatch):
+    """On the code accelerators take, no temporary of a whole large tensor: the zero count's quotient,
+    a float16 tensor's float32 copy and the NaN mask are at most PART_NUMEL elements."""
+    monkeypatch.setattr(stats, "PART_NUMEL", 1000)
+    eng = StatsEngine(OPS, 1e-3)
+    eng.host_paths = False
+    big = torch.randn(300, 200).to(dtype)
+    big[7, 9] = float("nan")
+    xs = [big, big.t(), torch.randn(50).to(dtype)]
+    spy = Allocations()
+    with spy:
+        rows = eng.compute(xs)
+    assert 0 < spy.largest <= 1000
+    assert rows[:, OPS.index("nans")].tolist() == [1.0, 1.0, 0.0]
+    unsplit = StatsEngine(OPS, 1e-3)
+    unsplit.host_paths = False
+    monkeypatch.setattr(stats, "PART_NUMEL", 1 << 25)
+    want = unsplit.compute(xs)
+    for got_row, want_row in zip(rows.tolist(), want.tolist(), strict=True):
+        assert all(close(a, b, 1e-2 if dtype is not torch.float32 else 1e-4) for a, b in zip(got_row, want_row,
+                                                                                             strict=True))
