@@ -125,6 +125,7 @@ class TrainerMon(StepCollector):
         self._name_ids: dict[str, int] = {}
         self._file_ids = np.zeros(0, dtype=np.uint32)
         self._step_handles: list = []
+        self._frozen: list[int] = []  # monitored parameters without a gradient hook: frozen when attached
         self._opt_handles: list = []
         self._global_handles: list = []
         self._struct_handles: list = []
@@ -562,6 +563,8 @@ class TrainerMon(StepCollector):
             self._compiled = True
         if self._collects(self._step):
             self._match_compiled()
+            if self._step_handles and any(self._params[i].param.requires_grad for i in self._frozen):
+                self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
             if not self._step_handles:
                 self._attach()
             self._state = StepState(self._step, self.config.ops, self._mark_began)
@@ -593,14 +596,24 @@ class TrainerMon(StepCollector):
             return
         self._hooks_compiled = self._compiled
         self._step_handles = t.attach(self)
+        self._frozen = []
         if self.config.wg_distribution:
             for i, p in enumerate(self._params):
-                if zero.is_partitioned(p.param):
-                    # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
-                    # the gradient into its buckets, where it is reduced while backward goes on
-                    h = p.param.register_hook(t.grad_hook(self, i, incoming=True))
-                else:
-                    h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False))
+                if not p.param.requires_grad:
+                    # frozen since the targets were chosen (fine-tuning schedules): torch refuses a
+                    # gradient hook on it; hooked again at a collected step after it is unfrozen
+                    self._frozen.append(i)
+                    continue
+                try:
+                    if zero.is_partitioned(p.param):
+                        # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
+                        # the gradient into its buckets, where it is reduced while backward goes on
+                        h = p.param.register_hook(t.grad_hook(self, i, incoming=True))
+                    else:
+                        h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False))
+                except RuntimeError as exc:  # one parameter's hook never costs the others theirs
+                    self._hook_failed(f"weight-gradient hook of {p.name!r}", exc)
+                    continue
                 self._step_handles.append(h)
 
     def _detach(self) -> None:

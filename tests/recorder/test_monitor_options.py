@@ -60,6 +60,31 @@ def test_start_step_step_interval_collect_times(tmp_path, out):
     assert sorted({e.step for e in ev if isinstance(e, StepBegan)}) == list(range(8))
 
 
+def test_layer_frozen_and_unfrozen_mid_run_with_step_interval(tmp_path, out):
+    """A layer frozen mid-run (torch refuses a gradient hook on a tensor that needs no gradient) costs
+    the other rows nothing when the hooks are attached again at the next collected step, and its
+    gradients are recorded again once it is unfrozen."""
+    cfg = {"wg_distribution": True, "xy_distribution": True, "step_interval": 2}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for s in range(8):
+        if s == 1:
+            model.head.requires_grad_(False)
+        if s == 5:
+            model.head.requires_grad_(True)
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    assert [e for e in ev if isinstance(e, HookFailed)] == []
+    assert steps_with(ev, "actv") == [0, 2, 4, 6]
+    un = stats_table(ev, "grad_unreduced")
+    assert sorted({k[0] for k in un if k[1] == "head.weight"}) == [0, 6]
+    assert sorted({k[0] for k in un if not k[1].startswith("head.")}) == [0, 2, 4, 6]
+
+
 def test_start_iteration_offsets_the_step_counter(tmp_path, out):
     train(tmp_path, {"wg_distribution": True, "start_step": 11}, steps=3, start_iteration=10)
     assert steps_with(events_of(out), "grad_reduced") == [11, 12]
