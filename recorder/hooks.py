@@ -153,7 +153,8 @@ class StepState:
         self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)
         self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
         self.open_calls: dict[int, list] = {}  # module id -> GradCall of forwards between pre-hook and hook
-        self.grad_hooks: dict[int, tuple] = {}  # id(tensor) -> (weakref, version, [(GradCall, slot, name)])
+        # id(tensor) -> (weakref, version, [(GradCall, slot, name)], hooked in a recomputation)
+        self.grad_hooks: dict[int, tuple] = {}
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -264,12 +265,17 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
     (an in-place op in between, ``ReLU(inplace=True)``, makes the same object another autograd value,
     whose gradient differs: it gets its own hook)."""
     known = st.grad_hooks.get(id(x))
+    recomputing = in_backward()
     if known is not None and known[0]() is x and known[1] == x._version:
-        known[2].append((gc, slot, name))
+        if known[3] or not recomputing:
+            known[2].append((gc, slot, name))
+        # else a tensor of the training forward met again in a recomputation: non-reentrant activation
+        # checkpointing re-runs its segment on the segment's own inputs, whose gradient belongs to the
+        # forward's call (hooked there); a second user would record that call's gradient twice
         return
     users = [(gc, slot, name)]
     x.register_hook(_make_grad_cb(mon, st, users))
-    st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users)
+    st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing)
 
 
 def _grad_cb(mon: TrainerMon, st: StepState, users: list, grad):

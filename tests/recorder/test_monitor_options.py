@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import time
 import warnings
@@ -583,6 +584,55 @@ def test_recomputation_under_activation_checkpointing_is_not_recorded_twice(tmp_
     (hf,) = [e for e in ev if isinstance(e, HooksFired)]
     fired = res.ids_names(hf.rank, hf.module_ids)
     assert fired.count("1.inner") == 1 and fired.count("1") == 1
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_gradients_under_checkpointing_equal_those_without_it(tmp_path, out, reentrant):
+    """Checkpointed or not, each call's activation gradients are recorded once, with the same values:
+    non-reentrant checkpointing recomputes its segment on the segment's own inputs (whose gradient
+    belongs to the training forward's call), reentrant checkpointing gets its gradients from the
+    recomputation alone."""
+    from torch.utils.checkpoint import checkpoint
+    from trainrec.replay.names import NameResolver
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner, ckpt: bool):
+            super().__init__()
+            self.inner = inner
+            self.ckpt = ckpt
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=reentrant) if self.ckpt else self.inner(x)
+
+    def run(where, wrap):
+        mon = TrainerMon(write_config(where, {"xy_distribution": True, "all_xy": True}),
+                         params_have_main_grad=False, live_export=False, output_dir=str(where / "out"))
+        model, opt = make()
+        model.layers[1] = Wrap(model.layers[1], wrap)
+        mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+        for m in range(2):
+            loss_of(model, m).backward()
+        opt.step()
+        mon.close()
+        ev = events_of(where / "out")
+        res = NameResolver()
+        for e in ev:
+            res.feed(e)
+        (hf,) = [e for e in ev if isinstance(e, HooksFired)]
+        names = res.ids_names(hf.rank, hf.module_ids)
+        backward = sorted(n for n, d in zip(names, hf.directions, strict=True) if d == 1)
+        return stats_table(ev, "actv_grad"), backward
+
+    for p in (tmp_path / "a", tmp_path / "b"):
+        p.mkdir()
+    plain, plain_fired = run(tmp_path / "a", False)
+    ckpt, ckpt_fired = run(tmp_path / "b", True)
+    assert ckpt_fired == plain_fired
+    assert set(ckpt) == set(plain)
+    for key, want in plain.items():
+        for op, v in want.items():
+            got = ckpt[key][op]
+            assert (math.isnan(v) and math.isnan(got)) or abs(got - v) <= 1e-5 + 1e-4 * abs(v), (key, op, got, v)
 
 
 class _InPlace(torch.nn.Module):
