@@ -329,6 +329,9 @@ class StepCollector:
         """The step's hook firings and statistics, to the log (and to the api metrics)."""
         if st.pending:
             self._flush_grads()
+        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
+            leaf.handle.remove()
+        st.leaf_hooks.clear()
         writer = self._writer
         hs = st.stats.finish(st.step, to_host=writer is not None)
         self._collections += 1

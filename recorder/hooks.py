@@ -133,7 +133,7 @@ class StepState:
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
                  "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
-                 "open_calls", "grad_hooks")
+                 "open_calls", "grad_hooks", "leaf_hooks")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -153,8 +153,10 @@ class StepState:
         self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)
         self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
         self.open_calls: dict[int, list] = {}  # module id -> GradCall of forwards between pre-hook and hook
-        # id(tensor) -> (weakref, version, [(GradCall, slot, name)], hooked in a recomputation)
+        # id(tensor) -> (weakref, version, [(GradCall, slot, name)], hooked in a recomputation,
+        # _LeafHook or None)
         self.grad_hooks: dict[int, tuple] = {}
+        self.leaf_hooks: list = []  # _LeafHook of leaf tensors hooked in this step, removed at its end
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -267,18 +269,41 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
     known = st.grad_hooks.get(id(x))
     recomputing = in_backward()
     if known is not None and known[0]() is x and known[1] == x._version:
-        if known[3] or not recomputing:
-            known[2].append((gc, slot, name))
-        # else a tensor of the training forward met again in a recomputation: non-reentrant activation
-        # checkpointing re-runs its segment on the segment's own inputs, whose gradient belongs to the
-        # forward's call (hooked there); a second user would record that call's gradient twice
-        return
+        leaf = known[4]
+        if leaf is None or not leaf.fired:
+            if known[3] or not recomputing:
+                known[2].append((gc, slot, name))
+            # else a tensor of the training forward met again in a recomputation: non-reentrant
+            # activation checkpointing re-runs its segment on the segment's own inputs, whose gradient
+            # belongs to the forward's call (hooked there); a second user would record it twice
+            return
+        leaf.handle.remove()  # a leaf's hook that served an earlier backward pass: a new one for this call
     users = [(gc, slot, name)]
-    x.register_hook(_make_grad_cb(mon, st, users))
-    st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing)
+    leaf = _LeafHook() if x.is_leaf else None
+    h = x.register_hook(_make_grad_cb(mon, st, users, leaf))
+    if leaf is not None:
+        # a leaf tensor (a Parameter passed as a module's input) keeps its hooks across backward passes:
+        # this one serves one backward pass, and goes at the next call or at the step's end at the latest
+        leaf.handle = h
+        st.leaf_hooks.append(leaf)
+    st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing, leaf)
 
 
-def _grad_cb(mon: TrainerMon, st: StepState, users: list, grad):
+class _LeafHook:
+    """The gradient hook of a leaf tensor, and whether a backward pass has run it."""
+
+    __slots__ = ("handle", "fired")
+
+    def __init__(self) -> None:
+        self.handle = None
+        self.fired = False
+
+
+def _grad_cb(mon: TrainerMon, st: StepState, users: list, leaf: _LeafHook | None, grad):
+    if leaf is not None:
+        if leaf.fired:  # an earlier backward pass's call, not this one's
+            return None
+        leaf.fired = True
     if mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
         return None
     rows = None
@@ -307,10 +332,10 @@ def _grad_cb_eager():
     return eager(_grad_cb)
 
 
-def _make_grad_cb(mon: TrainerMon, st: StepState, users: list):
+def _make_grad_cb(mon: TrainerMon, st: StepState, users: list, leaf: _LeafHook | None = None):
     """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
     tensor, several per module call, cost 5-10 us each)."""
-    return functools.partial(_grad_cb_eager() if mon._compiled else _grad_cb, mon, st, users)
+    return functools.partial(_grad_cb_eager() if mon._compiled else _grad_cb, mon, st, users, leaf)
 
 
 def _with_nan_row(rows, nan_second: bool):

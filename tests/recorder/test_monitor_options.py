@@ -635,6 +635,43 @@ def test_activation_gradients_under_checkpointing_equal_those_without_it(tmp_pat
             assert (math.isnan(v) and math.isnan(got)) or abs(got - v) <= 1e-5 + 1e-4 * abs(v), (key, op, got, v)
 
 
+def test_parameter_passed_as_a_module_input_gets_one_gradient_row_per_micro_step(tmp_path, out):
+    """A leaf tensor keeps its gradient hooks across backward passes (a learned prefix passed to a
+    module): each micro step's call gets that micro step's gradient once, and no hook outlives the step."""
+
+    class Prefix(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.prefix = torch.nn.Parameter(torch.randn(3, 4))
+            self.mlp = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(x + self.mlp(self.prefix).mean(0))
+
+    torch.manual_seed(0)
+    model = Prefix()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"mlp": {}}, "ops": ["norm"]}),
+                     params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+    want = {}
+    for step in range(2):
+        before = torch.zeros(3, 4)
+        for micro in range(2):
+            model(torch.randn(5, 4) * (micro + 1)).pow(2).sum().backward()
+            want[(step, "mlp", "input_grad", micro)] = (model.prefix.grad - before).norm().item()
+            before = model.prefix.grad.clone()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    got = {k: v["norm"] for k, v in stats_table(events_of(out), "actv_grad").items() if k[2] == "input_grad"}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert abs(got[k] - v) <= 1e-5 * (1 + v), (k, got[k], v)
+    assert not model.prefix._backward_hooks
+
+
 class _InPlace(torch.nn.Module):
     """A Linear whose output a ReLU(inplace=True) modifies, and a module with mixed arguments."""
 
