@@ -154,9 +154,9 @@ class StepState:
         self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
         self.open_calls: dict[int, list] = {}  # module id -> GradCall of forwards between pre-hook and hook
         # id(tensor) -> (weakref, version, [(GradCall, slot, name)], hooked in a recomputation,
-        # _LeafHook or None)
+        # _Once or None)
         self.grad_hooks: dict[int, tuple] = {}
-        self.leaf_hooks: list = []  # _LeafHook of leaf tensors hooked in this step, removed at its end
+        self.leaf_hooks: list = []  # _Once of leaf tensors hooked in this step, removed at its end
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -269,28 +269,38 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
     known = st.grad_hooks.get(id(x))
     recomputing = in_backward()
     if known is not None and known[0]() is x and known[1] == x._version:
-        leaf = known[4]
-        if leaf is None or not leaf.fired:
+        once = known[4]
+        if once is None or not once.fired:
             if known[3] or not recomputing:
                 known[2].append((gc, slot, name))
             # else a tensor of the training forward met again in a recomputation: non-reentrant
             # activation checkpointing re-runs its segment on the segment's own inputs, whose gradient
             # belongs to the forward's call (hooked there); a second user would record it twice
             return
-        leaf.handle.remove()  # a leaf's hook that served an earlier backward pass: a new one for this call
+        once.handle.remove()  # a hook that served an earlier backward pass: a new one for this call
     users = [(gc, slot, name)]
-    leaf = _LeafHook() if x.is_leaf else None
-    h = x.register_hook(_make_grad_cb(mon, st, users, leaf))
-    if leaf is not None:
+    base = x._base
+    whole_view = (base is not None and base.grad_fn is not None and base.numel() == x.numel()
+                  and not mon._compiled)
+    once = _Once() if x.is_leaf or whole_view else None
+    once_handle = x.register_hook(_make_grad_cb(mon, st, users, once))
+    if once is not None:
+        once.handle = once_handle
+    if x.is_leaf:
         # a leaf tensor (a Parameter passed as a module's input) keeps its hooks across backward passes:
         # this one serves one backward pass, and goes at the next call or at the step's end at the latest
-        leaf.handle = h
-        st.leaf_hooks.append(leaf)
-    st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing, leaf)
+        st.leaf_hooks.append(once)
+    elif whole_view:
+        # A view (a Linear's output on 3-D input is a view of its 2-D matmul) loses its tensor hooks
+        # when it is modified in place later (ReLU(inplace=True), x += y): then the node that made its
+        # base, still in the graph, gets the gradient of the value the module produced, in the base's
+        # shape (the same elements). Whichever runs first records it, once.
+        base.grad_fn.register_prehook(functools.partial(_node_grad_cb, mon, st, users, once))
+    st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing, once)
 
 
-class _LeafHook:
-    """The gradient hook of a leaf tensor, and whether a backward pass has run it."""
+class _Once:
+    """A gradient hook that serves one backward pass (its handle), and whether it has."""
 
     __slots__ = ("handle", "fired")
 
@@ -299,11 +309,11 @@ class _LeafHook:
         self.fired = False
 
 
-def _grad_cb(mon: TrainerMon, st: StepState, users: list, leaf: _LeafHook | None, grad):
-    if leaf is not None:
-        if leaf.fired:  # an earlier backward pass's call, not this one's
+def _grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once | None, grad):
+    if once is not None:
+        if once.fired:  # an earlier backward pass's call, or the view's base node ran first
             return None
-        leaf.fired = True
+        once.fired = True
     if mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
         return None
     rows = None
@@ -326,16 +336,23 @@ def _grad_cb(mon: TrainerMon, st: StepState, users: list, leaf: _LeafHook | None
     return None
 
 
+def _node_grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once, grad_outputs):
+    """Pre-hook on the node that made a view's base: :func:`_grad_cb` with the gradient of its output."""
+    if not once.fired and grad_outputs and grad_outputs[0] is not None:
+        _grad_cb(mon, st, users, once, grad_outputs[0])
+    return None
+
+
 @functools.cache
 def _grad_cb_eager():
     """``eager(_grad_cb)``, made at first use (torch.compiler imports dynamo)."""
     return eager(_grad_cb)
 
 
-def _make_grad_cb(mon: TrainerMon, st: StepState, users: list, leaf: _LeafHook | None = None):
+def _make_grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once | None = None):
     """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
     tensor, several per module call, cost 5-10 us each)."""
-    return functools.partial(_grad_cb_eager() if mon._compiled else _grad_cb, mon, st, users, leaf)
+    return functools.partial(_grad_cb_eager() if mon._compiled else _grad_cb, mon, st, users, once)
 
 
 def _with_nan_row(rows, nan_second: bool):

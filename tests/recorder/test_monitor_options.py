@@ -672,6 +672,36 @@ def test_parameter_passed_as_a_module_input_gets_one_gradient_row_per_micro_step
     assert not model.prefix._backward_hooks
 
 
+@pytest.mark.parametrize("inplace", [True, False])
+def test_gradient_of_a_view_output_modified_in_place_is_recorded(tmp_path, out, inplace):
+    """A Linear's output on 3-D input is a view (of its 2-D matmul), and torch drops the gradient hooks
+    of a view that is then modified in place (ReLU(inplace=True)): its gradient comes from the node
+    that made the view's base, once, the same as without the in-place op."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(inplace=inplace), torch.nn.Linear(16, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    twin.load_state_dict(model.state_dict())
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "all_xy": True, "ops": ["norm", "max"]}),
+                     params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(2, 6, 16)
+    model(x).sum().backward()
+    mon._opt.step()
+    mon.close()
+    h = twin[0](x)
+    h.retain_grad()
+    r = twin[1](h)
+    r.retain_grad()
+    twin[2](r).sum().backward()
+    got = stats_table(events_of(out), "actv_grad")
+    want = {("0", "output_grad"): h.grad, ("1", "input_grad"): h.grad, ("1", "output_grad"): r.grad,
+            ("2", "input_grad"): r.grad}
+    for (name, slot), g in want.items():
+        row = got[(0, name, slot, 0)]
+        assert abs(row["norm"] - g.norm().item()) <= 1e-5 and abs(row["max"] - g.max().item()) <= 1e-6, (name, slot)
+    assert sum(1 for k in got if k[1] in ("0", "1", "2")) == 6  # one row per module and slot, no duplicates
+
+
 class _InPlace(torch.nn.Module):
     """A Linear whose output a ReLU(inplace=True) modifies, and a module with mixed arguments."""
 
