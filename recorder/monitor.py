@@ -131,6 +131,8 @@ class TrainerMon(StepCollector):
         self._struct_handles: list = []
         self._chunk_handles: list = []
         self._chunk0_params: list = []
+        self._marked_params: list = []  # chunk 0's first and last: their backward is noticed (_on_backward)
+        self._grad_marks: dict[int, tuple | None] = {}  # id(param) -> (weakref to .grad, its version)
         self._forwards = 0  # training forwards of chunk 0 in this step
         self._backward_seen = False  # and whether a backward pass ran in it
         self._skips_in_a_row = 0
@@ -298,7 +300,8 @@ class TrainerMon(StepCollector):
                                for vpp, chunk in enumerate(self._chunks)]
         self._chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
         # a backward ran in this step: the first and last parameters of chunk 0 got a gradient
-        for p in {id(q): q for q in self._chunk0_params[:1] + self._chunk0_params[-1:]}.values():
+        self._marked_params = list({id(q): q for q in self._chunk0_params[:1] + self._chunk0_params[-1:]}.values())
+        for p in self._marked_params:
             self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(self._on_backward)))
         self._bind_optimizer(optimizer)
         if self._resumed_from:
@@ -677,8 +680,21 @@ class TrainerMon(StepCollector):
         except Exception as exc:  # noqa: BLE001 - the step's bookkeeping never kills training
             self._hook_failed("optimizer post-step", exc)
 
-    def _on_backward(self, _param) -> None:
+    def _on_backward(self, param) -> None:
         self._backward_seen = True
+        g = param.grad
+        # which gradient this backward left, and its version: zeroed in place since means cleared
+        self._grad_marks[id(param)] = None if g is None else (weakref.ref(g), g._version)
+
+    def _grads_cleared(self) -> bool:
+        """Whether chunk 0's gradients were cleared since its last backward pass: every one set to None
+        (``zero_grad()``), or (``zero_grad(set_to_none=False)``) those of its first and last parameters
+        zeroed in place, which changes their version counters (accumulation leaves them as they were)."""
+        if not any(p.grad is not None for p in self._chunk0_params):
+            return True
+        marked = [(p.grad, self._grad_marks.get(id(p))) for p in self._marked_params]
+        return any(g is not None for g, _ in marked) and all(
+            g is None or (m is not None and m[0]() is g and g._version != m[1]) for g, m in marked)
 
     def _on_micro_step(self) -> None:
         """A training forward of chunk 0 begins. One more than ``grad_acc_steps`` in this step, after a
@@ -686,12 +702,13 @@ class TrainerMon(StepCollector):
         optimizer step never ran: a GradScaler or DeepSpeed found inf/NaN gradients and skipped it.
         That step ends here, marked so, and this forward begins the next (without it, the next step's
         rows would land in the skipped one). Several forwards before one backward (contrastive and
-        siamese nets) and accumulation beyond ``grad_acc_steps`` (gradients still there) go on."""
+        siamese nets) and accumulation beyond ``grad_acc_steps`` (gradients still there, as they were)
+        go on."""
         if not torch.is_grad_enabled():
             return  # no backward follows: not a micro step
         n = self._forwards + 1
         if (n > self._grad_acc and self._backward_seen and self._opt is not None and not self._manual_steps
-                and not any(p.grad is not None for p in self._chunk0_params)):
+                and self._grads_cleared()):
             self._end_step(optimizer_skipped=True)
             n = 1
             self._skips_in_a_row += 1

@@ -19,8 +19,10 @@ def ends(events) -> list[tuple[int, bool]]:
     return [(e.step, e.optimizer_skipped) for e in events if isinstance(e, StepEnded)]
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("grad_acc", [1, 2])
-def test_grad_scaler_skipped_step_ends_at_the_next_forward_with_its_own_gradients(tmp_path, out, grad_acc):
+def test_grad_scaler_skipped_step_ends_at_the_next_forward_with_its_own_gradients(tmp_path, out, grad_acc,
+                                                                                  set_to_none):
     cfg = {"wg_distribution": True, "xy_distribution": True, "mv_distribution": True, "ops": ALL_OPS}
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
     model, opt = make()
@@ -37,7 +39,7 @@ def test_grad_scaler_skipped_step_ends_at_the_next_forward_with_its_own_gradient
         scaler.step(opt)
         scaler.update()
         stepped.append(scaler.get_scale() == before)  # the scale halves where the step was skipped
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)  # False: zeroed in place, which the monitor notices too
     mon.close()
     assert stepped == [True, True, False, True, True]
     ev = events_of(out)
