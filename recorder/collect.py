@@ -77,8 +77,10 @@ class StepCollector:
         counts = st.grad_count
         n = counts.get(index, 0)
         counts[index] = n + 1
-        micro = n % self._grad_acc
         info = self._params[index]
+        micro = st.bwd_micro.get(info.vpp)  # the micro step of the forward this backward pass belongs to
+        if micro is None:
+            micro = n % self._grad_acc
         call = st.fire(info.name_id, 1, micro)
         # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
         # change it, before the batch is measured). main_grad is not (see _main_grad_now).

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import weakref
 from array import array
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -133,7 +134,7 @@ class StepState:
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
                  "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
-                 "open_calls", "grad_hooks", "leaf_hooks")
+                 "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -157,6 +158,7 @@ class StepState:
         # _Once or None)
         self.grad_hooks: dict[int, tuple] = {}
         self.leaf_hooks: list = []  # _Once of leaf tensors hooked in this step, removed at its end
+        self.bwd_micro: dict[int, int] = {}  # vpp stage -> micro step of the backward pass running there
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -508,6 +510,51 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
         return body(module, args)
 
     return hook
+
+
+def make_chunk_hook(mon: TrainerMon, vpp: int):
+    """Forward hook on model chunk ``vpp``, installed for the whole run: a gradient hook on the chunk's
+    output tells the backward pass that reaches it which micro step's forward it belongs to, so weight
+    gradients get that micro step (:attr:`StepState.bwd_micro`): right for a parameter used only in
+    some micro steps (a routed expert, a branch), and for a pipeline stage that runs several forwards
+    before their backward passes (1F1B). Where no backward reaches the output, each parameter's own
+    count of its gradients is used."""
+
+    def body(module, args, output):
+        st = mon._state
+        if (st is None or not mon.config.wg_distribution or not module.training or not torch.is_grad_enabled()
+                or in_backward()):
+            return
+        try:
+            y = _first_grad_tensor(output)
+            if y is not None:
+                micro = (st.chunk_fwd.get(vpp, 1) - 1) % mon._grad_acc
+                y.register_hook(functools.partial(_on_chunk_output_grad, mon, st, vpp, micro))
+        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+            mon._hook_failed("micro step start", exc)
+
+    return eager(body)
+
+
+def _first_grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
+    """The first non-leaf tensor that requires grad in a chunk's output (a tensor, a tuple or list, a
+    dict or an HF ``ModelOutput``, nested a few levels)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad and value.grad_fn is not None else None
+    if depth > 3:
+        return None
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    for v in items:
+        t = _first_grad_tensor(v, depth + 1)
+        if t is not None:
+            return t
+    return None
+
+
+def _on_chunk_output_grad(mon: TrainerMon, st: StepState, vpp: int, micro: int, grad):
+    if mon._state is st:
+        st.bwd_micro[vpp] = micro
+    return None
 
 
 def io_struct(value: Any) -> dict:

@@ -72,7 +72,7 @@ from trainrec.schema.events import (
 from . import runinfo, structure, zero
 from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
-from .hooks import StepState, eager, make_chunk_pre_hook
+from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
 from .stats import StatsEngine
 from .targets import ParamInfo, Targets, build_targets
@@ -298,6 +298,8 @@ class TrainerMon(StepCollector):
         # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
                                for vpp, chunk in enumerate(self._chunks)]
+        self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self, vpp))
+                                for vpp, chunk in enumerate(self._chunks)]
         self._chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
         # a backward ran in this step: the first and last parameters of chunk 0 got a gradient
         self._marked_params = list({id(q): q for q in self._chunk0_params[:1] + self._chunk0_params[-1:]}.values())

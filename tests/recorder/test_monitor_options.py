@@ -523,7 +523,8 @@ def test_reload_xy_switches_activation_hooks_without_stacking(tmp_path, out):
     loss_of(model, 0).backward()
     opt.step()
     mon.reload_xy()  # the reference's default: xy_distribution=False
-    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+    # left: the run's own hook on each model chunk (micro steps of weight gradients), no activation hook
+    assert sum(len(m._forward_hooks) for m in model.modules()) == len(mon._chunks)
     loss_of(model, 1).backward()
     opt.step()
     mon.reload_xy(True)
@@ -700,6 +701,49 @@ def test_gradient_of_a_view_output_modified_in_place_is_recorded(tmp_path, out, 
         row = got[(0, name, slot, 0)]
         assert abs(row["norm"] - g.norm().item()) <= 1e-5 and abs(row["max"] - g.max().item()) <= 1e-6, (name, slot)
     assert sum(1 for k in got if k[1] in ("0", "1", "2")) == 6  # one row per module and slot, no duplicates
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.expert = torch.nn.Linear(4, 4)
+
+    def forward(self, x, route: bool):
+        h = self.a(x)
+        return h + self.expert(h) if route else h  # the expert gets tokens in some micro steps only
+
+
+@pytest.mark.parametrize("schedule", ["routed", "forwards first"])
+def test_weight_gradients_carry_the_micro_step_of_their_backward_pass(tmp_path, out, schedule):
+    """A parameter used in some micro steps only (a routed expert) gets its gradients under those micro
+    steps; a stage that runs every forward before the backward passes (1F1B pipelines) gets each
+    backward's own micro step, not the forwards' count."""
+    torch.manual_seed(0)
+    model = _Routed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}),
+                     params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=4, optimizer=opt)
+    xs = [torch.randn(2, 4) for _ in range(4)]
+    want = {}
+    if schedule == "routed":
+        for m in range(4):
+            model(xs[m], route=m in (1, 3)).pow(2).sum().backward()
+            if m in (1, 3):
+                want[m] = model.expert.bias.grad.norm().item()
+    else:
+        losses = [model(xs[m], route=True).pow(2).sum() for m in range(4)]
+        for m in range(4):
+            losses[m].backward()
+            want[m] = model.expert.bias.grad.norm().item()
+    opt.step()
+    mon.close()
+    un = stats_table(events_of(out), "grad_unreduced")
+    got = {k[3]: v["norm"] for k, v in un.items() if k[1] == "expert.bias"}
+    assert got.keys() == want.keys()
+    assert all(abs(got[m] - want[m]) <= 1e-5 * (1 + want[m]) for m in want), (got, want)
+    assert sorted(k[3] for k in un if k[1] == "a.weight") == [0, 1, 2, 3]
 
 
 class _InPlace(torch.nn.Module):
