@@ -16,8 +16,10 @@ produced). Difference from the reference: ``input_grad`` is the gradient of the 
 the sum over all its uses; it equals the reference's gradient w.r.t. the module's input whenever the
 tensor is consumed by this module only (the usual case; not for a tensor also used by a residual
 branch, or passed to the module twice). A gradient hook on a *view* is lost when that view is later
-modified in place (torch drops it), so such a call records no row for that slot. The backward firing
-of a call (HooksFired) is recorded at its first gradient, with the forward call's micro step.
+modified in place (torch drops it): for a view of a whole tensor (a Linear's output on 3-D input) the
+node that made that tensor gets a pre-hook too, which records the gradient then; a partial view
+modified in place records no row for that slot. The backward firing of a call (HooksFired) is
+recorded at its first gradient, with the forward call's micro step.
 A tensor selected by several calls (a module's output is the next module's input, a container's
 input its first child's) with no in-place change in between gets one gradient hook, which serves
 those calls in the order they selected it (as separate hooks would fire) and measures the gradient
@@ -531,7 +533,7 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
                 micro = (st.chunk_fwd.get(vpp, 1) - 1) % mon._grad_acc
                 y.register_hook(functools.partial(_on_chunk_output_grad, mon, st, vpp, micro))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            mon._hook_failed("micro step start", exc)
+            mon._hook_failed("model chunk output hook", exc)
 
     return eager(body)
 
