@@ -125,6 +125,10 @@ def select(value: Any, sel: Selector | None, key: str) -> torch.Tensor | None:
             v = value[0]
             return v if isinstance(v, torch.Tensor) else None
         raise SelectorMismatch(key, f"expected 'tensor', the module gives {describe(value)}")
+    if isinstance(value, torch.Tensor) and sel.length == 1:
+        # a tensor as a 1-tuple: the reference's gradient hooks see a module's gradients as a tuple, so
+        # its config (and module_struct.json) gives "tuple[1]:0" for the gradient of a tensor output
+        return value
     if not isinstance(value, (tuple, list)) or len(value) != sel.length:
         raise SelectorMismatch(key, f"expected tuple[{sel.length}], the module gives {describe(value)}")
     v = value[sel.index]

@@ -155,6 +155,22 @@ def test_selectors_tuple_and_tensor_on_one_tuple(tmp_path, out):
     assert not [e for e in ev if isinstance(e, HookFailed)]
 
 
+def test_selectors_as_module_struct_prints_them_for_a_linear(tmp_path, out):
+    """module_struct.json (the reference's and ours) gives "tuple[1]" for a Linear's input, input_grad
+    and output_grad, as the reference's hooks see them; "tuple[1]:0" picks the tensor output's gradient
+    as it does in the reference's config example, with the values the defaults give."""
+    sels = {"input": "tuple[1]:0", "output": "tensor", "input_grad": "tuple[1]:0", "output_grad": "tuple[1]:0"}
+    rows = []
+    for cfg in ({"xy_distribution": True, "targets": {"head": sels}}, {"xy_distribution": True, "targets": {"head": {}}}):
+        before = set(rank_dirs(out))
+        train(tmp_path, cfg, steps=1)
+        (new_dir,) = set(rank_dirs(out)) - before
+        rows.append({k: v for kind in ("actv", "actv_grad") for k, v in stats_table(events_of(new_dir), kind).items()})
+    got, want = rows
+    assert set(got) == {(0, "head", slot, 0) for slot in sels} == set(want)
+    assert got == want
+
+
 def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path, out):
     """pair takes (x, y): "tensor" cannot fit its inputs, which only its first call shows. That call is
     in the run's first step: a ConfigError out of the forward, before training time is spent, also
