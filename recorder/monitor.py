@@ -74,7 +74,7 @@ from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
-from .stats import StatsEngine
+from .stats import StatsEngine, StepStats
 from .targets import ParamInfo, Targets, build_targets
 from .writer import LogWriter, install_sigterm_handler
 
@@ -255,9 +255,16 @@ class TrainerMon(StepCollector):
 
     @ops.setter
     def ops(self, value) -> None:
+        """New ops (validated): from now on where the step in progress has recorded nothing yet, else from
+        the next step (a step's rows share one list of ops)."""
         new = parse_config({**self.config.raw, "ops": list(value)}, "ops")
         self.config = new
-        self._engine = StatsEngine(new.ops, new.eps)
+        st = self._state
+        if st is None or not (st.stats or st.pending):
+            self._engine = StatsEngine(new.ops, new.eps)
+            if st is not None:
+                st.stats = StepStats(new.ops)
+        # else _begin_step makes the engine for the new ops when this step has ended
 
     @classmethod
     def set_wrapped_optimizer(cls, _wrapped_optimizer) -> None:
@@ -572,7 +579,10 @@ class TrainerMon(StepCollector):
                 self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
             if not self._step_handles:
                 self._attach()
-            self._state = StepState(self._step, self.config.ops, self._mark_began)
+            cfg = self.config
+            if self._engine.ops != tuple(cfg.ops) or self._engine.eps != cfg.eps:
+                self._engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
+            self._state = StepState(self._step, cfg.ops, self._mark_began)
         else:
             if self._step_handles:
                 self._detach()

@@ -116,6 +116,28 @@ def test_ops_setter_validates(tmp_path, out):
     mon.close()
 
 
+def test_ops_set_during_training_take_effect_at_a_step_boundary(tmp_path, out):
+    """ops set after install apply at once (nothing recorded yet); set in the middle of a step they apply
+    from the next one, so each step's rows share one list of ops and the log reads cleanly."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}),
+                     params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    mon.ops = ["max", "norm"]
+    for s in range(3):
+        loss_of(model, s).backward()
+        if s == 1:
+            mon.ops = ["norm", "min"]  # between backward and the optimizer step
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)  # asserts the reader found no problem
+    ops = {e.step: e.ops for e in ev if isinstance(e, TensorStatsRecorded)}
+    assert ops == {0: ("max", "norm"), 1: ("max", "norm"), 2: ("norm", "min")}
+    red = stats_table(ev, "grad_reduced")
+    assert set(red[(1, "head.weight", "", 0)]) == {"max", "norm"} and set(red[(2, "head.weight", "", 0)]) == {"norm", "min"}
+
+
 def test_targets_select_params_on_segment_boundaries(tmp_path, out):
     model, _ = make()
     model.layers.append(torch.nn.Identity())  # layers.2 has no params; layers.1 must not match layers.1x
