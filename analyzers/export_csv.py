@@ -36,6 +36,7 @@ from trainrec.analyzers.projection import (
     RowLayout,
     StepAssembler,
     StepSet,
+    reference_rows,
 )
 from trainrec.schema.events import CSV_FILE_PREFIX, SLOT_INPUT, SLOT_INPUT_GRAD, Event
 
@@ -105,6 +106,7 @@ def format_rows(values: np.ndarray, ndigits: int | None) -> list[str]:
 class _CsvLayout:
     prefixes: list[str]  # "vpp,name," per output row
     take: np.ndarray | None  # actv: (m, 2) frame-row index per side, -1 when absent
+    rows: np.ndarray | None = None  # other kinds: the frame rows written, where not all (reference_rows)
     block: tuple = ()  # the prefixes as a byte matrix and mask (csv_format.prefix_block)
 
     def __post_init__(self) -> None:
@@ -113,8 +115,10 @@ class _CsvLayout:
 
 def _csv_layout(lay: RowLayout) -> _CsvLayout:
     if lay.kind not in ACTV_KINDS:
-        prefixes = [f"{v},{_quote(n)}," for v, n in zip(lay.vpps.tolist(), lay.names, strict=True)]
-        return _CsvLayout(prefixes, None)
+        rows = reference_rows(lay)  # grad_unreduced: the last micro step's, as the reference's files
+        idx = range(len(lay)) if rows is None else rows.tolist()
+        prefixes = [f"{int(lay.vpps[i])},{_quote(lay.names[i])}," for i in idx]
+        return _CsvLayout(prefixes, None, rows)
     order: dict[tuple[int, str, int], int] = {}
     pairs: list[list[int]] = []
     for i, (v, n, m, s) in enumerate(zip(lay.vpps.tolist(), lay.names, lay.micros.tolist(), lay.slots.tolist(), strict=True)):
@@ -176,6 +180,8 @@ class CsvProjector(Projector):
         cl = lay.cache.get("csv")
         if cl is None:
             cl = lay.cache["csv"] = _csv_layout(lay)
+        if cl.rows is not None:
+            values = values[cl.rows]
         if cl.take is not None:
             k = len(ops)
             grouped = np.full((len(cl.take), 2 * k), np.nan, dtype=values.dtype)

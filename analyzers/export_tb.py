@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from trainrec.analyzers.projection import KindFrame, Note, Projector, Rewind, StepAssembler, StepSet
+from trainrec.analyzers.projection import (
+    KindFrame,
+    Note,
+    Projector,
+    Rewind,
+    StepAssembler,
+    StepSet,
+    reference_rows,
+)
 from trainrec.analyzers.tb_encode import ScalarTemplate, event_bytes, text_summary
 from trainrec.schema.events import Event
 from trainrec.schema.naming import reference_tag
@@ -54,8 +62,9 @@ def frame_tags(frame: KindFrame) -> list[str]:
     lay = frame.layout
     rank = frame.rank
     tags: list[str] = []
-    for i, name in enumerate(lay.names):
-        base = reference_tag(lay.kind, name, int(lay.slots[i]), int(lay.micros[i]), rank, int(lay.vpps[i]))
+    rows = reference_rows(lay)  # grad_unreduced: the last micro step's (its tags have no micro step)
+    for i in range(len(lay)) if rows is None else rows.tolist():
+        base = reference_tag(lay.kind, lay.names[i], int(lay.slots[i]), int(lay.micros[i]), rank, int(lay.vpps[i]))
         tags.extend(f"{base}_{op}" for op in lay.ops)
     return tags
 
@@ -102,7 +111,9 @@ class TbProjector(Projector):
         if tmpl is None:
             tmpl = ScalarTemplate(frame_tags(frame))
             lay.cache[key] = tmpl
-        self.sink.write(event_bytes(frame.wall, frame.step, summary=tmpl.summary(frame.values)))
+        rows = reference_rows(lay)
+        values = frame.values if rows is None else frame.values[rows]
+        self.sink.write(event_bytes(frame.wall, frame.step, summary=tmpl.summary(values)))
         self.summary.events += 1
         self.summary.scalars += len(tmpl)
         self.summary.steps.add(frame.step)

@@ -404,6 +404,27 @@ def _unique_last(lay: RowLayout) -> np.ndarray | None:
     return np.array([last[k] for k in order], dtype=np.int64)
 
 
+def reference_rows(lay: RowLayout) -> np.ndarray | None:
+    """Rows of a frame the reference's files hold, where they are fewer than the log's: ``grad_unreduced``
+    has one row per micro step in the log, and the reference one per step and parameter, the gradient
+    accumulated at the last micro step (its ``acc_grad``: the file has no micro-step column). The indices
+    of each (vpp stage, name)'s row of the highest micro step, in the log's order; None where every row
+    is kept. Cached on the layout."""
+    if lay.kind != "grad_unreduced" or not len(lay) or not lay.micros.any():
+        return None
+    got = lay.cache.get("reference_rows", False)
+    if got is not False:
+        return got
+    best: dict = {}
+    for i, (v, n, m) in enumerate(zip(lay.vpps.tolist(), lay.names, lay.micros.tolist(), strict=True)):
+        j = best.get((v, n))
+        if j is None or m >= int(lay.micros[j]):
+            best[(v, n)] = i
+    rows = np.array(sorted(best.values()), dtype=np.int64)
+    lay.cache["reference_rows"] = rows if len(rows) < len(lay) else None
+    return lay.cache["reference_rows"]
+
+
 def _merge_layouts(kind: str, lays: list[RowLayout]) -> tuple[RowLayout, list[list[int]], np.ndarray | None]:
     ops: list[str] = []
     for lay in lays:

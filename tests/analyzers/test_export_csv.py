@@ -219,3 +219,37 @@ def test_vectorised_text_is_repr_of_the_rounded_double(ndigits):
     m = v[:600].reshape(100, 6)
     body = render_rows(prefix_block([f"{i % 2},näme{i}," for i in range(100)]), b"42,", m, ndigits)
     assert body.decode() == "".join(f"{i % 2},näme{i},42,{r}\n" for i, r in enumerate(format_rows(m, ndigits)))
+
+
+def _unreduced_per_micro_step_log(rdir, micro_steps: int = 3):
+    """grad_unreduced as the recorder writes it with gradient accumulation: one row per parameter and
+    micro step (the micro steps in one record, and a last micro step in a record of its own)."""
+    w = LogWriter(rdir, rank=0, world_size=1, run_id="run-x", flush_interval=0.02)
+    ids = w.intern(PARAMS, step=-1)
+    rng = np.random.default_rng(5)
+    last = {}
+    for step in range(2):
+        head = [(pid, m) for m in range(micro_steps - 1) for pid in ids]
+        vals = rng.standard_normal((len(head), len(OPS))).astype(np.float32)
+        w.write(stats_record(0, step, "grad_unreduced", [p for p, _ in head], vals, micro=[m for _, m in head]))
+        tail = rng.standard_normal((len(ids), len(OPS))).astype(np.float32)
+        w.write(stats_record(0, step, "grad_unreduced", ids, tail, micro=[micro_steps - 1] * len(ids)))
+        for j, name in enumerate(PARAMS):
+            last[(step, name)] = tail[j]
+        w.write(StepEnded(rank=0, step=step, wall=1000.9 + step, duration=0.9, collected=True))
+    w.close()
+    return last
+
+
+def test_grad_unreduced_has_the_reference_one_row_per_parameter_the_last_micro_step(tmp_path):
+    """The reference writes one acc_grad row per step and parameter, the gradient accumulated at the last
+    micro step, in a file without a micro-step column: rows of the earlier micro steps would be
+    duplicated (name, step) rows there (its csv2tensorboard raises on them)."""
+    rdir = rank_dir(tmp_path, 0)
+    last = _unreduced_per_micro_step_log(rdir)
+    out, _ = _export(tmp_path, rdir, ndigits=None)
+    for step in range(2):
+        rows = _read(out / f"grad_unreduced_{step}-{step}.csv")[1:]
+        assert [r[1] for r in rows] == PARAMS
+        for r in rows:
+            np.testing.assert_array_equal(np.array([float(x) for x in r[3:]], dtype=np.float32), last[(step, r[1])])

@@ -128,3 +128,20 @@ def test_template_encoding_round_trips(tmp_path):
     assert np.isnan(got["a"][1][2]) and got["b/ü"][1][2] == np.inf
     assert got["x" * 300][2][2] == np.float32(0.1)
     assert os.path.getsize(path) > 0
+
+
+def test_grad_unreduced_tags_hold_the_last_micro_step(tmp_path):
+    """grad_unreduced tags have no micro step (the reference's acc_grad): each step's point is the
+    gradient accumulated at the last micro step, once."""
+    from test_export_csv import _unreduced_per_micro_step_log
+
+    rdir = rank_dir(tmp_path, 0)
+    last = _unreduced_per_micro_step_log(rdir)
+    out = tmp_path / "tb"
+    with TbEventFile(str(out / "events.out.tfevents.1.test")) as f:
+        export_tb(_events(rdir), f)
+    got = scalars(out)
+    for (step, name), vals in last.items():
+        for op, v in zip(OPS, vals, strict=True):
+            points = [p for p in got[f"{reference_tag('grad_unreduced', name, 0, 0, 0, 0)}_{op}"] if p[0] == step]
+            assert len(points) == 1 and np.float32(points[0][2]) == v, (step, name, op, points)
