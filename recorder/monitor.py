@@ -317,9 +317,10 @@ class TrainerMon(StepCollector):
             self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
                                   previous_files=self._resumed_from, last_step=self._step - 1,
                                   reason="append_output"))
-        if self.config.print_struct:
+        if self.config.print_struct and not self.dynamic:
             self._attach_struct_hooks()
         else:
+            # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
             self._check_handles = self._targets.first_call_checks()
             if not self.dynamic:
                 self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
@@ -444,6 +445,8 @@ class TrainerMon(StepCollector):
         self._collections = 0
         self._first_step = step + 1
         self._monitoring = True
+        if config.print_struct and self._chunks and self._struct is None and reason != "static":
+            self._attach_struct_hooks()  # switched on with print_struct: the next step writes it and ends the run
         self._emit(ConfigApplied(rank=self.rank, step=step, wall=time.time(),
                                  path=os.fspath(self.config_file_path) if self.config_file_path else "",
                                  content_hash=content_hash, config=dict(config.raw),

@@ -127,3 +127,28 @@ def test_dynamic_start_stop_restart_with_trainermon(tmp_path, monkeypatch, one_t
     assert kinds == {"grad_unreduced", "grad_reduced"}
     # The file holds the user's invalid edit, which the write-back must not overwrite.
     assert json.loads(cfg.read_text()) == {**second, "collect_times": "two"}
+
+
+def test_print_struct_waits_for_the_switch(tmp_path, monkeypatch, one_thread):
+    """In dynamic mode nothing runs before the switch says so: print_struct in a file that says
+    "switch": false leaves training alone; switched on, the next step writes module_struct.json and
+    ends the run with the reference's exception."""
+    from trainrec.recorder.monitor import PRINT_STRUCT_EXIT
+
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    cfg = tmp_path / "config.json"
+    doc = {"xy_distribution": True, "print_struct": True, "switch": False}
+    cfg.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    mon = TrainerMon(str(cfg), output_dir=str(out), live_export=False)
+    try:
+        t = Training(mon)
+        t.until(lambda: t.step >= 5, "idle steps with print_struct and the switch off")
+        assert not (out / "module_struct.json").exists()
+        save(cfg, {**doc, "switch": True})
+        with pytest.raises(Exception, match=PRINT_STRUCT_EXIT):
+            t.until(lambda: False, "the struct step", timeout=20.0)
+        struct = json.loads((out / "module_struct.json").read_text())
+        assert {"0:0", "0:2"} <= set(struct)
+    finally:
+        mon.close()
