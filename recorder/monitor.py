@@ -438,6 +438,12 @@ class TrainerMon(StepCollector):
                 self._attach()
         self.config = config
         _warn_unrecorded(config)
+        changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
+        if changed and reason != "static":
+            keeps = ("it writes no log (format 'api')" if self._writer is None else
+                     "its log keeps everything, and `trainrec export` makes csv or tensorboard files from it")
+            _warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
+                       f"this run's output was set up at its start: {keeps}; the change applies at the next launch")
         if config.ops != old.ops or config.eps != old.eps:
             self._engine = StatsEngine(config.ops, config.eps)
         if config.alert != old.alert:

@@ -550,6 +550,25 @@ def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_con
     assert steps_with(ev, "grad_reduced") == [0, 1]
 
 
+@pytest.mark.parametrize("first", ["api", "tensorboard"])
+def test_a_dynamic_change_of_format_says_it_applies_at_the_next_launch(tmp_path, out, caplog, monkeypatch, first):
+    """The output (log, live export) is set up when the monitor is made: a config switched on later with
+    another format says so, and what this run gives instead, rather than writing nothing silently."""
+    from trainrec.recorder import monitor as monitor_module
+    from trainrec.recorder.config import parse_config
+
+    monkeypatch.setattr(monitor_module, "_warned", set())
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": first}), live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        mon._apply_config(parse_config({"wg_distribution": True, "format": "csv"}), 0, "abc")
+    mon.close()
+    (msg,) = [r.getMessage() for r in caplog.records if "format changed" in r.getMessage()]
+    assert "next launch" in msg
+    assert ("writes no log" in msg) == (first == "api") and ("trainrec export" in msg) == (first != "api")
+
+
 def test_reload_xy_switches_activation_hooks_without_stacking(tmp_path, out):
     mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "wg_distribution": True}), live_export=False)
     model, opt = make()
