@@ -115,10 +115,12 @@ def _check_input_selectors(module: torch.nn.Module, full: str, sel: dict, target
             if cap is None:
                 return
         if s.length > cap:
+            hint = (f"use 'tensor' or 'tuple[{cap}]:i'" if cap else
+                    "its inputs are keyword arguments, which hooks do not see, so leave the selector out")
             raise ConfigError(
                 f"expected {s.spec!r} to fit the module's inputs, but {full or type(module).__name__!r} "
                 f"({type(module).__name__}) takes at most {cap} positional input(s): "
-                f"use 'tensor' or 'tuple[{cap}]:i' (print_struct shows the real structure)",
+                f"{hint} (print_struct shows the real structure)",
                 f"targets.{target}.{key}",
             )
 
