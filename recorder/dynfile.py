@@ -450,10 +450,21 @@ class ConfigFileLoader:
         if content_hash(current) != applied_hash:
             log.info("trainrec: %s changed since it was applied; leaving it as it is (no switch=false)", path)
             return
+
+        def unchanged() -> bool:  # again, right before the rename: an edit saved meanwhile is kept
+            try:
+                with open(path, "rb") as f:
+                    return content_hash(f.read()) == applied_hash
+            except OSError:
+                return False
+
         try:
-            atomic_write(path, data)
+            written = atomic_write(path, data, precondition=unchanged)
         except OSError as exc:
             self._write_back_failed(exc)
+            return
+        if written is None:
+            log.info("trainrec: %s changed while switch=false was being written; leaving it as it is", path)
             return
         log.info("trainrec: wrote switch=false back to %s", path)
 

@@ -131,11 +131,14 @@ def set_top_level(text: str, key: str, value: bool | int | float | str | None) -
     return _BOM + out if bom else out
 
 
-def atomic_write(path: str, data: bytes, *, fsync: bool = True) -> str:
+def atomic_write(path: str, data: bytes, *, fsync: bool = True, precondition=None) -> str | None:
     """Replace ``path`` by ``data`` atomically; returns the real path written.
 
     Readers see either the old or the new content, never a mix. A symlink is followed (its target is
-    replaced, the link stays). The new file keeps the old one's permission bits.
+    replaced, the link stays). The new file keeps the old one's permission bits. ``precondition``
+    (a callable) is asked once the new content is written and flushed, right before the rename: False
+    leaves the file as it is and returns None. Files have no compare-and-swap; this keeps the window in
+    which a concurrent edit is lost to the rename alone, not the write and fsync before it.
     """
     real = os.path.realpath(path)
     directory = os.path.dirname(real) or "."
@@ -154,6 +157,9 @@ def atomic_write(path: str, data: bytes, *, fsync: bool = True) -> str:
                 os.fchmod(f.fileno(), mode)
             if fsync:
                 os.fsync(f.fileno())
+        if precondition is not None and not precondition():
+            os.unlink(tmp)
+            return None
         os.replace(tmp, real)
     except BaseException:
         try:

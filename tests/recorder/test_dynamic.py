@@ -465,3 +465,29 @@ def test_network_filesystem_uses_stat_checks(make, monkeypatch, caplog):
     assert "nfs4 filesystem" in warning.getMessage()
     write(path, doc(switch=True))
     loop.until_update("the start seen by stat checks")
+
+
+def test_an_edit_saved_while_switch_false_is_written_back_is_kept(make, monkeypatch):
+    """The write-back checks the file again right before its rename: an edit the user saves while the
+    new content is being written and fsynced (the slow part) is kept, not replaced by switch=false."""
+    from trainrec.recorder import jsonedit
+
+    w, path, events, loop = make(doc(switch=True, collect_times=1))
+    loop.until_update("the first start")
+    edit = doc(switch=True, collect_times=7)
+    real_fsync = jsonedit.os.fsync
+    saved = []
+
+    def fsync_with_a_concurrent_save(fd):
+        if not saved:
+            saved.append(True)
+            write(path, edit)  # the user saves while the write-back's temporary file is being fsynced
+        return real_fsync(fd)
+
+    monkeypatch.setattr(jsonedit.os, "fsync", fsync_with_a_concurrent_save)
+    w.collection_finished(loop.step)
+    loop.until(lambda u: saved and not any(n.endswith(".trainrec-tmp") for n in os.listdir(path.parent)),
+               "the write-back attempt")
+    loop.steps(5)
+    assert saved and path.read_text() == edit
+    assert sorted(os.listdir(path.parent)) == ["config.json"]
