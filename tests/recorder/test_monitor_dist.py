@@ -3,6 +3,7 @@ shared run id, pipeline stage from process_group, and dp_group / tp_group dedupl
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import socket
@@ -176,6 +177,11 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             with open(os.path.join(os.path.dirname(cfg_path), f"local_grads_{rank}.json"), "w") as f:
                 json.dump(expected, f)
         del pg
+        # DDP's reducer, ZeRO's optimizer and their gloo work objects go while the process group is alive:
+        # left to the interpreter's exit, gloo's teardown sometimes aborted a worker ("terminate called
+        # without an active exception", SIGABRT) in full-suite runs
+        net = opt = mon = model = local = None  # noqa: F841
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
