@@ -77,8 +77,8 @@ def test_compiled_model_records_what_the_eager_model_records(tmp_path, monkeypat
             for k, c in enumerate(compiled_frames) if c.co_filename.startswith(RECORDER_DIR)]
     if when == "before":
         assert ours == [], f"dynamo compiled the monitor's own code: {ours}"
-    else:  # at most the chunk's pre-hook, which notices the compilation, in the first step
-        chunk_hook = hooks.make_chunk_pre_hook.__code__.co_consts
+    else:  # at most the chunk hooks' wrapper, which notices the compilation, in the first step
+        chunk_hook = hooks._run_hook.__code__.co_consts
         assert all(k < graphs_at[0] and any(getattr(c, "co_firstlineno", None) == int(name.rsplit(":", 1)[1])
                                             and getattr(c, "co_name", None) == "hook" for c in chunk_hook)
                    for k, name in ours), ours
