@@ -148,7 +148,9 @@ class RunFollower:
             mtime = os.stat(d).st_mtime_ns
         except OSError:
             return
-        if self._dir_mtimes.get(d) != mtime:
+        # A directory's mtime has the kernel's clock granularity (milliseconds): a file created in the
+        # same tick as the last listing leaves it unchanged. Listed again while it is that recent.
+        if self._dir_mtimes.get(d) != mtime or time.time_ns() - mtime < _RACY_MTIME_NS:
             self._dir_mtimes[d] = mtime
             for p in layout.list_logs(d):
                 if p not in self._seen:
@@ -185,6 +187,9 @@ class RunFollower:
         if self._first and not self._from_start:
             self._skip.add(path)
 
+
+# how long after its last change a directory is listed on every poll (see RunFollower._scan_dir)
+_RACY_MTIME_NS = 2_000_000_000
 
 def follow(
     run_path: str,

@@ -119,3 +119,24 @@ def test_follow_ignores_other_launches(tmp_path):
     later = f.poll()
     assert [type(e).__name__ for e in later] == ["FileClosed"]
     assert len(f.readers) == 1
+
+
+def test_a_file_created_in_the_same_mtime_tick_as_the_last_listing_is_found(tmp_path):
+    """A directory's mtime is as coarse as the kernel's clock tick: a log created right after the
+    follower listed the directory may leave its mtime as it was (made so here with os.utime). The
+    follower lists a recently changed directory again instead of trusting the unchanged mtime."""
+    import os
+
+    out = tmp_path / "monitor_output"
+    d = rank_dir(str(out), 0)
+    os.makedirs(d)
+    w0 = LogWriter(rank_dir(str(out), 1), rank=1, world_size=2, run_id="tick", flush_interval=0.01)
+    w0.close()
+    f = RunFollower(str(out))
+    f.poll()
+    before = os.stat(d)
+    w = LogWriter(d, rank=0, world_size=2, run_id="tick", flush_interval=0.01)
+    w.close()
+    os.utime(d, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same tick: mtime unchanged
+    f.poll()
+    assert f.ranks == [0, 1] and f.closed
