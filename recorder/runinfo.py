@@ -3,8 +3,9 @@
 - Rank, world size, pipeline stage and group mates: from ``torch.distributed`` when it is initialized
   (``process_group`` gives the pipeline stage, as in the reference; without one the world group is
   used), else from the ``RANK`` / ``WORLD_SIZE`` environment variables.
-- The run id shared by all ranks of a launch: broadcast from rank 0 when ``torch.distributed`` is
-  initialized, else ``TORCHELASTIC_RUN_ID`` / ``TRAINREC_RUN_ID`` from the environment, else new.
+- The run id shared by all ranks of a launch: ``TRAINREC_RUN_ID``, else rank 0's, through the process
+  group's store when ``torch.distributed`` is initialized (no collective: a monitor made on some ranks
+  only blocks nobody), else ``TORCHELASTIC_RUN_ID``, else new.
 - The rank directory: ``$MONITOR_OUTPUT_DIR/{Mon}{DD}_{HH}-{MM}-{SS}-rank{R}-{8 hex}`` in local time,
   or, with ``append_output: [start, end]``, the existing directory of this rank whose time stamp lies
   in the range (both ends inclusive; the latest when several do). This works without
@@ -14,6 +15,8 @@
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import logging
 import os
 import subprocess
@@ -69,13 +72,46 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def shared_run_id() -> str:
-    """A run id all ranks agree on (a collective call when torch.distributed is initialized)."""
+RUN_ID_WAIT_S = 60.0
+_monitors_made = itertools.count()
+
+
+def shared_run_id(wait_s: float | None = None) -> str:
+    """A run id all ranks of a launch agree on, without a collective call, so that a monitor made on
+    some ranks only (rank 0's, say) blocks nobody.
+
+    ``TRAINREC_RUN_ID`` set: that. torch.distributed initialized: rank 0 posts a new id in the
+    process group's key-value store (the rendezvous store every rank already shares) and goes on;
+    every other rank reads it there, waiting up to ``wait_s`` seconds (RUN_ID_WAIT_S) for rank 0 to
+    make its monitor, the n-th monitor of each process pairing with rank 0's n-th. Rank 0 making none
+    in that time: a warning, and an id of this rank's own (its log is then listed as a run of its own).
+    Otherwise ``TORCHELASTIC_RUN_ID`` from the environment, else new."""
+    env = os.environ.get("TRAINREC_RUN_ID")
+    if env:
+        return env
     dist = _dist()
     if dist is not None:
-        obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(obj, src=0)
-        return str(obj[0])
+        nth = next(_monitors_made)
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - a process group without a store
+            store = None
+        if store is not None:
+            key = f"trainrec/run_id/{nth}"
+            if dist.get_rank() == 0:
+                rid = uuid.uuid4().hex
+                store.set(key, rid)
+                return rid
+            wait = RUN_ID_WAIT_S if wait_s is None else wait_s
+            try:
+                store.wait([key], datetime.timedelta(seconds=wait))
+                return store.get(key).decode()
+            except Exception:  # noqa: BLE001 - timed out (the store says so in its own words)
+                log.warning("trainrec: rank 0 has made no TrainerMon within %.0f s of this rank's (a monitor on "
+                            "some ranks only?); this rank's log gets a run id of its own, so `trainrec` lists "
+                            "it as a run of its own. Set TRAINREC_RUN_ID in every rank's environment to name "
+                            "the run instead.", wait)
+                return uuid.uuid4().hex
     for var in ("TRAINREC_RUN_ID", "TORCHELASTIC_RUN_ID"):
         v = os.environ.get(var)
         if v and v.lower() != "none":

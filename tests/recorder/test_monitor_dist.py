@@ -396,6 +396,58 @@ def test_monitor_made_before_init_process_group_still_dedups(tmp_path, monkeypat
     assert stats_table(h[1][2], "grad_reduced") == {}  # rank 1 of dp_group: a duplicate of rank 0's
 
 
+def _some_ranks_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
+    """A monitor on some ranks only: first rank 1's alone, which waits for rank 0's run id a moment
+    (shortened here), warns, and takes one of its own; then rank 0's (the other trains unmonitored)."""
+    import logging
+
+    from trainrec.recorder import TrainerMon, runinfo
+
+    runinfo.RUN_ID_WAIT_S = 2.0
+    warned: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("trainrec.recorder.runinfo").addHandler(handler)
+    init_gloo(rank, world, port)
+    try:
+        for owner in (1, 0):
+            model, _ = make(seed=0)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+            mon = None
+            if rank == owner:
+                mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+                mon.monitor_gnorm_with_ad(model, optimizer=opt)
+            for step in range(2):
+                loss_of(ddp, 10 * rank + step).backward()  # DDP's all-reduce: every rank must get here
+                opt.step()
+                opt.zero_grad()
+            if mon is not None:
+                mon.close()
+            ddp = opt = mon = model = None  # noqa: F841
+            gc.collect()
+            dist.barrier()
+        if rank == 1:
+            assert any("rank 0 has made no TrainerMon" in m for m in warned), warned
+    finally:
+        dist.destroy_process_group()
+
+
+def test_monitor_on_some_ranks_only_blocks_no_rank(tmp_path, monkeypatch):
+    """The run id reaches the other ranks through the process group's store, not a collective: a monitor
+    made on rank 1 only, then on rank 0 only, lets DDP training go on, and each records its steps."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    monkeypatch.delenv("TRAINREC_RUN_ID", raising=False)
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]})
+    spawn_and_join(_some_ranks_worker, (2, free_port(), cfg), 2, TIMEOUT, "2-process gloo run, one monitor")
+    h = headers(out)
+    assert sorted(h) == [0, 1] and {fo.world_size for _, fo, _ in h.values()} == {2}
+    assert h[0][1].run_id != h[1][1].run_id  # rank 1's monitor waited for rank 0's in vain
+    for r in (0, 1):
+        assert {k[0] for k in stats_table(h[r][2], "grad_unreduced")} == {0, 1}
+
+
 def _stage_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
     """Two pipeline-like stages: rank 0 holds the embedding and a layer, rank 1 a layer and the head (each
     trains its own part here; the monitor sees only this rank's modules, as under pipeline parallelism)."""
