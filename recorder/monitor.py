@@ -284,18 +284,19 @@ class TrainerMon(StepCollector):
         self._tp_group = tp_group
         if not self._distributed:
             self._join_process_group()
-        fsdp1 = _fsdp1_wrapped(self._chunks)
+        fsdp1 = _fsdp1_units(self._chunks)
         if dp_group is not None and self._distributed and not fsdp1:  # FSDP1: every gradient is a shard
             import torch.distributed as dist
 
             self._dp_duplicate = dist.get_rank(group=dp_group) != 0
-        if fsdp1:
-            _warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1), which "
-                       "accumulates gradients in its flat parameters, outside the parameters' own gradient "
-                       "hooks: weight gradients before reduction (grad_unreduced) are not recorded. Reduced "
-                       "gradients, parameters and Adam state are this rank's shards (with "
-                       "use_orig_params=False, one flat parameter per FSDP unit); activations are recorded "
-                       "as usual. FSDP2 (torch.distributed.fsdp.fully_shard) is supported in full.")
+        if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
+            _warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
+                       "use_orig_params=True, which accumulates gradients in its flat parameters, outside the "
+                       "parameters' own gradient hooks: weight gradients before reduction (grad_unreduced) are "
+                       "not recorded for them (with use_orig_params=False they are, per flat parameter: this "
+                       "rank's whole local gradient of the FSDP unit). Reduced gradients, parameters and Adam "
+                       "state are this rank's shards; activations are recorded as usual. FSDP2 "
+                       "(torch.distributed.fsdp.fully_shard) records every parameter's unreduced gradient.")
         try:
             self._targets = self._build(self.config)  # raises ConfigError before any training
         except ConfigError:
@@ -833,8 +834,8 @@ def _uncompiled(model):
     return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model
 
 
-def _fsdp1_wrapped(chunks) -> bool:
-    """Whether FSDP1 (``FullyShardedDataParallel``, not FSDP2's ``fully_shard``) wraps part of the model."""
+def _fsdp1_units(chunks) -> list:
+    """The FSDP1 units (``FullyShardedDataParallel``, not FSDP2's ``fully_shard``) in the model."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: not in use (and no import cost)
     cls = getattr(fsdp, "FullyShardedDataParallel", None)
-    return cls is not None and any(isinstance(m, cls) for c in chunks for m in c.modules())
+    return [] if cls is None else [m for c in chunks for m in c.modules() if isinstance(m, cls)]

@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
             mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
             mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dist.group.WORLD)
-        elif mode == "fsdp1":  # orig params are 1-d views of this rank's part of FSDP's flat parameters
+        elif mode in ("fsdp1", "fsdp1_flat"):  # orig params: 1-d views of this rank's part of the flat parameters
             import logging
 
             from torch.distributed.fsdp import FullyShardedDataParallel
@@ -105,7 +105,11 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             handler = logging.Handler()
             handler.emit = lambda record: warned.append(record.getMessage())
             logging.getLogger("trainrec.recorder.monitor").addHandler(handler)
-            net = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+            if mode == "fsdp1_flat":
+                import copy
+
+                local = copy.deepcopy(model)
+            net = FullyShardedDataParallel(model, use_orig_params=mode == "fsdp1", device_id=torch.device("cpu"))
             opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
             mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
             mon.monitor_gnorm_with_ad(net, optimizer=opt, dp_group=dist.group.WORLD)
@@ -132,9 +136,16 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dp_group, tp_group=tp_group)
             net = model
             pg = dp_group
-        expected = {} if mode != "fsdp1" else expected
+        expected = {} if not mode.startswith("fsdp1") else expected
         for step in range(2):
-            if local is not None:
+            if mode == "fsdp1_flat":  # the flat parameter's gradient before reduce-scatter: the whole unit's
+                with FullyShardedDataParallel.summon_full_params(net):
+                    local.load_state_dict({k.replace("_fsdp_wrapped_module.", ""): v.clone() for k, v in
+                                           net.state_dict().items()})
+                local.zero_grad()
+                loss_of(local, 100 * rank + step).backward()
+                expected[f"flat{step}"] = float(torch.cat([q.grad.flatten() for q in local.parameters()]).norm())
+            elif local is not None:
                 local.load_state_dict(model.state_dict())
                 local.zero_grad()
                 loss_of(local, 100 * rank + step).backward()
@@ -166,12 +177,12 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
                                   for n, q in model.named_parameters() if q in state}
             opt.zero_grad()
         mon.close()
-        if mode in ("zero", "fsdp2", "fsdp1"):
+        if mode in ("zero", "fsdp2", "fsdp1", "fsdp1_flat"):
             import json
 
             with open(os.path.join(os.path.dirname(cfg_path), f"{mode}_state_{rank}.json"), "w") as f:
                 json.dump(expected, f)
-        if local is not None:
+        if local is not None and mode != "fsdp1_flat":
             import json
 
             with open(os.path.join(os.path.dirname(cfg_path), f"local_grads_{rank}.json"), "w") as f:
@@ -343,6 +354,26 @@ def test_fsdp1_warns_and_records_each_ranks_shards(tmp_path, monkeypatch):
         for (step, name, _, _), row in red.items():
             w = want[f"grad{step}"][name]
             assert abs(row["norm"] - w) <= 1e-5 * w + 1e-9, (r, name, row["norm"], w)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_fsdp1_flat_parameters_record_unreduced_gradients_without_a_warning(tmp_path, monkeypatch):
+    """FSDP1 with use_orig_params=False: the flat parameter is the module's parameter, its gradient hook
+    sees this rank's whole local gradient of the unit before reduce-scatter, so no warning says
+    otherwise and each rank's unreduced row is that gradient."""
+    import json
+
+    out = run(2, tmp_path, monkeypatch, "fsdp1_flat", {"wg_distribution": True, "ops": ["norm"]})
+    h = headers(out)
+    for r in (0, 1):
+        with open(tmp_path / f"fsdp1_flat_state_{r}.json") as f:
+            want = json.load(f)
+        assert not [m for m in want["warned"] if "FSDP1" in m], want["warned"]
+        un = stats_table(h[r][2], "grad_unreduced")
+        assert {(s, n) for s, n, _, _ in un} == {(s, "_fsdp_wrapped_module._flat_param") for s in (0, 1)}, sorted(un)
+        for (step, _, _, _), row in un.items():
+            w = want[f"flat{step}"]
+            assert abs(row["norm"] - w) <= 1e-5 * w, (r, step, row["norm"], w)
 
 
 def test_ddp_gradient_accumulation_with_no_sync_records_each_micro_steps_own_gradient(tmp_path, monkeypatch):
