@@ -464,10 +464,22 @@ def make_first_call_check(t: ModuleTarget):
     return eager(hook)
 
 
-def make_grad_hook(mon: TrainerMon, index: int, incoming: bool = False):
+def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):
     """Post-accumulate-grad hook of monitored parameter ``index``; with ``incoming``, a gradient hook
     on the parameter instead (``Tensor.register_hook``: it runs before the gradient is accumulated,
-    and before any post-accumulate-grad hook), given this micro step's gradient."""
+    and before any post-accumulate-grad hook), given this micro step's gradient; with ``incoming ==
+    "unsharded"``, the post-accumulate-grad hook of FSDP2's unsharded parameter, whose gradient is this
+    rank's own before FSDP reduce-scatters it (and then drops it): measured at once."""
+    if incoming == "unsharded":
+        def unsharded_hook(param):
+            if mon._state is None or param.grad is None:
+                return
+            try:
+                mon._on_grad_accumulated(index, param.grad)
+            except Exception as exc:  # noqa: BLE001
+                mon._hook_failed(f"gradient hook of {mon._params[index].name!r}", exc)
+
+        return unsharded_hook
 
     def hook(param_or_grad):
         if mon._state is None:
@@ -535,6 +547,8 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
 
     def body(module, args, output):
         st = mon._state
+        if mon._fsdp2_waiting and st is not None:
+            mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
         if (st is None or not mon.config.wg_distribution or not module.training or not torch.is_grad_enabled()
                 or in_backward()):
             return

@@ -48,7 +48,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import time
 import weakref
 
@@ -69,7 +68,7 @@ from trainrec.schema.events import (
     StepEnded,
 )
 
-from . import runinfo, structure, zero
+from . import fsdp, runinfo, structure, zero
 from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
@@ -126,6 +125,7 @@ class TrainerMon(StepCollector):
         self._file_ids = np.zeros(0, dtype=np.uint32)
         self._step_handles: list = []
         self._frozen: list[int] = []  # monitored parameters without a gradient hook: frozen when attached
+        self._fsdp2_waiting: list = []  # (index, FSDPParam) whose unsharded parameter FSDP2 has not made yet
         self._opt_handles: list = []
         self._global_handles: list = []
         self._struct_handles: list = []
@@ -284,7 +284,7 @@ class TrainerMon(StepCollector):
         self._tp_group = tp_group
         if not self._distributed:
             self._join_process_group()
-        fsdp1 = _fsdp1_units(self._chunks)
+        fsdp1 = fsdp.fsdp1_units(self._chunks)
         if dp_group is not None and self._distributed and not fsdp1:  # FSDP1: every gradient is a shard
             import torch.distributed as dist
 
@@ -622,12 +622,25 @@ class TrainerMon(StepCollector):
         self._hooks_compiled = self._compiled
         self._step_handles = t.attach(self)
         self._frozen = []
+        self._fsdp2_waiting = []
         if self.config.wg_distribution:
+            sharded, unreadable = fsdp.fsdp2_params(self._chunks)
+            if unreadable:
+                _warn_once("fsdp2", "trainrec: the state of an FSDP2 (fully_shard) module could not be read in this "
+                           "torch version: its parameters' unreduced gradients are not recorded (reduced "
+                           "gradients, parameters and Adam state are, as this rank's shards)")
             for i, p in enumerate(self._params):
                 if not p.param.requires_grad:
                     # frozen since the targets were chosen (fine-tuning schedules): torch refuses a
                     # gradient hook on it; hooked again at a collected step after it is unfrozen
                     self._frozen.append(i)
+                    continue
+                fp = sharded.get(id(p.param))
+                if fp is not None or (unreadable and fsdp.is_dtensor(p.param)):
+                    # FSDP2: the hook goes on the unsharded parameter, where this rank's own gradient is
+                    # accumulated (the sharded one's hooks get the reduced shard), once it exists
+                    if fp is not None:
+                        self._fsdp2_waiting.append((i, fp))
                     continue
                 try:
                     if zero.is_partitioned(p.param):
@@ -640,6 +653,24 @@ class TrainerMon(StepCollector):
                     self._hook_failed(f"weight-gradient hook of {p.name!r}", exc)
                     continue
                 self._step_handles.append(h)
+            if self._fsdp2_waiting:
+                self._hook_fsdp2()
+
+    def _hook_fsdp2(self) -> None:
+        """Gradient hooks on the FSDP2 unsharded parameters that exist by now (made at a module's first
+        all-gather: the first forward ends with every one of them made)."""
+        waiting = []
+        for i, fp in self._fsdp2_waiting:
+            u = fsdp.unsharded_param(fp)
+            if u is None:
+                waiting.append((i, fp))
+                continue
+            try:
+                self._step_handles.append(
+                    u.register_post_accumulate_grad_hook(self._targets.grad_hook(self, i, incoming="unsharded")))
+            except RuntimeError as exc:
+                self._hook_failed(f"weight-gradient hook of {self._params[i].name!r}", exc)
+        self._fsdp2_waiting = waiting
 
     def _detach(self) -> None:
         for h in self._step_handles:
@@ -832,10 +863,3 @@ def _uncompiled(model):
     its submodules are part of the compiled forward (see :func:`~trainrec.recorder.hooks.eager`)."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model
-
-
-def _fsdp1_units(chunks) -> list:
-    """The FSDP1 units (``FullyShardedDataParallel``, not FSDP2's ``fully_shard``) in the model."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: not in use (and no import cost)
-    cls = getattr(fsdp, "FullyShardedDataParallel", None)
-    return [] if cls is None else [m for c in chunks for m in c.modules() if isinstance(m, cls)]

@@ -64,7 +64,7 @@ class Targets:
                     self._hook(mon, ("fwd", k), make_forward_hook, t, self.forward, self.backward)))
         return handles
 
-    def grad_hook(self, mon, index: int, incoming: bool):
+    def grad_hook(self, mon, index: int, incoming: bool | str):
         """The weight-gradient hook of parameter ``index`` (:func:`.hooks.make_grad_hook`)."""
         return self._hook(mon, ("grad", index, incoming), make_grad_hook, index, incoming)
 

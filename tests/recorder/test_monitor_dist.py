@@ -78,9 +78,12 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
 
             local = copy.deepcopy(model)  # the same net without DDP: this rank's own gradients
         if mode == "fsdp2":  # parameters, gradients and Adam state are DTensors: each rank holds a shard
+            import copy
+
             from torch.distributed.fsdp import fully_shard
 
             pg = None
+            fsdp2_local = copy.deepcopy(model)  # this rank's own gradient, before FSDP reduce-scatters it
             fully_shard(model)
             net = model
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -154,9 +157,16 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
                 short = squash_all([n for n, _ in local.named_parameters()])  # the names the log uses
                 expected[step] = {short[n]: float(q.grad.norm()) for n, q in local.named_parameters()
                                   if q.grad is not None}
-            loss_of(net, 100 * rank + step).backward()
             if mode == "fsdp2":
                 from trainrec.recorder.names import squash_all
+
+                fsdp2_local.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+                fsdp2_local.zero_grad()
+                loss_of(fsdp2_local, 100 * rank + step).backward()
+                short = squash_all([n for n, _ in fsdp2_local.named_parameters()])
+                expected[f"un{step}"] = {short[n]: float(q.grad.norm()) for n, q in fsdp2_local.named_parameters()}
+            loss_of(net, 100 * rank + step).backward()
+            if mode == "fsdp2":
 
                 short = squash_all([n for n, _ in model.named_parameters()])
                 expected[step] = {short[n]: float(q.to_local().norm()) for n, q in model.named_parameters()}
@@ -301,7 +311,8 @@ def test_zero_redundancy_optimizer_each_rank_records_its_shards_adam_state(tmp_p
 def test_fsdp2_dtensors_record_each_ranks_local_shard(tmp_path, monkeypatch):
     """FSDP2 (fully_shard) makes parameters, gradients and Adam state DTensors without storage of their
     own: training runs (the statistics kernel was given address 0 and crashed the process before), no
-    hook fails, and each rank records the statistics of its local shards."""
+    hook fails, each rank records the statistics of its local shards, and its unreduced gradients are
+    its own whole ones, taken before FSDP reduce-scatters them (they were the reduced shards)."""
     import json
 
     from trainrec.schema.events import HookFailed
@@ -324,7 +335,12 @@ def test_fsdp2_dtensors_record_each_ranks_local_shard(tmp_path, monkeypatch):
         for (step, name, _, _), row in red.items():
             w = want[f"grad{step}"][name]
             assert abs(row["norm"] - w) <= 1e-5 * w + 1e-9, (r, name, row["norm"], w)
-        for kind in ("grad_unreduced", "grad_reduced", "exp_avg", "ratio", "actv"):
+        un = stats_table(ev, "grad_unreduced")  # this rank's whole gradient, before reduce-scatter
+        assert len(un) == 2 * len(want["0"])
+        for (step, name, _, _), row in un.items():
+            w = want[f"un{step}"][name]
+            assert abs(row["norm"] - w) <= 1e-5 * w + 1e-9, (r, name, row["norm"], w)
+        for kind in ("exp_avg", "ratio", "actv"):
             assert stats_table(ev, kind), (r, kind)
 
 
