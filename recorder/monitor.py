@@ -183,6 +183,7 @@ class TrainerMon(StepCollector):
         if cfg.append_output:
             self._rank_dir = runinfo.find_append_dir(self.output_dir, self.rank, cfg.append_output)
             self._resumed_from = tuple(os.path.basename(p) for p in layout.list_logs(self._rank_dir))
+            self.run_id = runinfo.previous_run_id(self._rank_dir) or self.run_id
         else:
             self._rank_dir = runinfo.new_rank_dir(self.output_dir, self.rank)
         os.makedirs(self._rank_dir, mode=0o750, exist_ok=True)
@@ -315,6 +316,12 @@ class TrainerMon(StepCollector):
             self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(self._on_backward)))
         self._bind_optimizer(optimizer)
         if self._resumed_from:
+            if self._step == 0:
+                log.warning("trainrec: append_output resumes the run in this launch, but training starts "
+                           "at step 0 here (start_iteration not given): replay takes every step from 0 on as "
+                           "re-run, so what the earlier launches recorded is superseded (hidden from inspect, "
+                           "exports and anomalies; the live CSV export removes its files). Pass "
+                           "monitor_gnorm_with_ad(..., start_iteration=<the step training resumes at>)")
             self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
                                   previous_files=self._resumed_from, last_step=self._step - 1,
                                   reason="append_output"))

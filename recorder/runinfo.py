@@ -24,8 +24,9 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from trainrec.schema import layout
+from trainrec.schema import codec, framing, layout
 from trainrec.schema.errors import ConfigError
+from trainrec.schema.events import FileOpened
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,29 @@ def shared_run_id(wait_s: float | None = None) -> str:
         if v and v.lower() != "none":
             return v
     return uuid.uuid4().hex
+
+
+def previous_run_id(rank_dir: str) -> str | None:
+    """The run id of the newest log file in ``rank_dir`` whose first record can be read: a launch that
+    appends to the directory (``append_output``) continues that run under the same id, so that its
+    file is grouped with the run's earlier ones even where it never got as far as its RunResumed
+    record (a resume that failed at start-up)."""
+    for path in reversed(layout.list_logs(rank_dir)):
+        try:
+            with open(path, "rb") as f:
+                data = f.read(1 << 16)
+            head = framing.decode_file_header(data)
+            if head is None:
+                continue
+            status, payload, _ = framing.read_frame(data, framing.FILE_HEADER_SIZE)
+            if status is not framing.Frame.OK:
+                continue
+            ev = codec.decode(payload, head[0])
+        except Exception:  # noqa: BLE001 - an unreadable or foreign file says nothing
+            continue
+        if isinstance(ev, FileOpened) and ev.run_id:
+            return ev.run_id
+    return None
 
 
 def new_rank_dir(output_dir: str, rank: int) -> str:

@@ -75,13 +75,20 @@ class RunFollower:
 
     @property
     def closed(self) -> bool:
-        """Every rank of the launch has been seen and every followed file is closed cleanly."""
+        """Every rank of the launch has been seen and each rank's latest file is closed cleanly (an
+        earlier one that a crash left unclosed never will be: a resumed launch wrote after it)."""
         if not self._readers:
             return False
         world = max((r.header.world_size for r in self._readers.values() if r.header is not None), default=1)
         if len(self.ranks) < world and self._mode == "output":
             return False
-        return all(r.closed_cleanly for r in self._readers.values())
+        latest: dict[int, tuple] = {}
+        for path, r in self._readers.items():
+            key = (r.header.start_time if r.header is not None else float("inf"), path)
+            rank = self._ranks[path]
+            if rank not in latest or key > latest[rank][0]:
+                latest[rank] = (key, r)
+        return all(r.closed_cleanly for _, r in latest.values())
 
     # ------------------------------------------------------------------ polling
     def poll(self) -> list[Event]:

@@ -431,6 +431,41 @@ def test_append_output_resumes_into_the_matching_rank_dir(tmp_path, out):
     assert steps_with(ev, "grad_reduced") == [2, 3]
 
 
+def test_a_resume_that_fails_at_start_up_keeps_the_run_whole(tmp_path, out):
+    """A resume whose config fails in monitor_gnorm_with_ad (a target that matches nothing) has already
+    opened its log file: it carries the run's own id, so that file joins the run instead of starting
+    one of its own that became the "latest" run, which the next, good resume then continued, hiding
+    the steps before the crash from every replay."""
+    from trainrec.replay import open_run
+
+    train(tmp_path, {"wg_distribution": True}, steps=3)
+    (first,) = rank_dirs(out)
+    stamp = os.path.basename(first).split("-rank")[0]
+    resume = {"wg_distribution": True, "append_output": [stamp, stamp]}
+    mon = TrainerMon(write_config(tmp_path, {**resume, "xy_distribution": True, "targets": {"nope": {}}}),
+                     params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError):
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    mon.close()
+    train(tmp_path, resume, steps=2, start_iteration=3)
+    assert len(os.listdir(first)) == 3
+    for where in (str(out), first):
+        run = open_run(where)
+        assert sorted({e.step for e in run.events() if isinstance(e, StepEnded)}) == [0, 1, 2, 3, 4], where
+
+
+def test_a_resume_without_start_iteration_warns_that_it_supersedes_the_run(tmp_path, out, caplog):
+    train(tmp_path, {"wg_distribution": True}, steps=2)
+    stamp = os.path.basename(rank_dirs(out)[0]).split("-rank")[0]
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        train(tmp_path, {"wg_distribution": True, "append_output": [stamp, stamp]}, steps=1, start_iteration=2)
+    assert "start_iteration" not in caplog.text
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        train(tmp_path, {"wg_distribution": True, "append_output": [stamp, stamp]}, steps=1)
+    assert "training starts at step 0 here (start_iteration not given)" in caplog.text
+
+
 def test_append_output_without_a_match_is_a_clear_error(tmp_path, out):
     with pytest.raises(ConfigError, match="no rank directory of rank 0") as ei:
         TrainerMon(write_config(tmp_path, {"append_output": ["Jan01_00-00-00", "Jan01_00-00-01"]}))

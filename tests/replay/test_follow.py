@@ -140,3 +140,29 @@ def test_a_file_created_in_the_same_mtime_tick_as_the_last_listing_is_found(tmp_
     os.utime(d, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same tick: mtime unchanged
     f.poll()
     assert f.ranks == [0, 1] and f.closed
+
+
+def test_until_closed_ends_on_a_resumed_rank_whose_crashed_file_never_closed(tmp_path):
+    """A rank's first file was cut off by kill -9 (never closed); the resumed launch's file after it
+    closes cleanly: the run is closed (it waited for the crashed file's close, i.e. forever, which kept
+    the live CSV export of every resumed run alive until close() killed it 30 s later)."""
+    out = str(tmp_path / "out")
+    d = rank_dir(out, 0)
+    w = LogWriter(d, rank=0, world_size=1, run_id="crashed-1", flush_interval=0.01)
+    ids = w.intern(["a"])
+    _steps(w, 0, range(0, 3), ids, pause=0)
+    w.flush(timeout=10)
+    with open(w.path, "rb") as f:
+        cut = f.read()  # what a kill -9 leaves: everything flushed, no FileClosed
+    w.close()
+    with open(w.path, "wb") as f:
+        f.write(cut)
+    w2 = LogWriter(d, rank=0, world_size=1, run_id="crashed-1", flush_interval=0.01)
+    w2.write(RunResumed(rank=0, step=3, last_step=2))
+    _steps(w2, 0, range(3, 5), w2.intern(["a"]), pause=0)
+    w2.close()
+    t0 = time.monotonic()
+    got = list(follow(out, poll_interval=0.01, until_closed=True, idle_timeout=20))
+    assert time.monotonic() - t0 < 10
+    assert sorted({e.step for e in got if isinstance(e, StepBegan)}) == [0, 1, 2, 3, 4]
+    assert sum(isinstance(e, FileClosed) for e in got) == 1
