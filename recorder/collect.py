@@ -32,6 +32,7 @@ in between; they are measured again otherwise.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -53,9 +54,14 @@ from . import fused, zero
 from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
-from .stats import StatsPart, build_stats_events
+from .stats import StatsPart, StepStats, build_stats_events
 
 log = logging.getLogger(__name__)
+
+# A collected step open this long has what it recorded so far written while it goes on (StepCollector._spill),
+# checked every SPILL_TICK_S seconds.
+SPILL_AFTER_S = 1.0
+SPILL_TICK_S = 0.5
 
 
 class StepCollector:
@@ -328,27 +334,64 @@ class StepCollector:
                              optimizer_skipped=optimizer_skipped))
 
     def _write_step(self, st: StepState) -> None:
-        """The step's hook firings and statistics, to the log (and to the api metrics)."""
+        """The step's hook firings and statistics, to the log (and to the api metrics); less what
+        :meth:`_spill` has written of them while the step went on."""
         if st.pending:
             self._flush_grads()
         for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
             leaf.handle.remove()
         st.leaf_hooks.clear()
         writer = self._writer
-        hs = st.stats.finish(st.step, to_host=writer is not None)
-        self._collections += 1
-        self._last = {"hs": hs}
+        with self._spill_lock:
+            st.written = True
+            hs = st.stats.finish(st.step, to_host=writer is not None)
+            self._collections += 1
+            self._last = {"hs": hs}
+            if st.spilled_parts:
+                rest = StepStats(st.stats.ops)
+                rest.parts = st.stats.parts[st.spilled_parts:]
+                hs = rest.finish(st.step, to_host=True)
+            if writer is not None and not writer.closed and writer.error is None:
+                self._write_records(writer, st, hs, st.spilled_fires, len(st.micro))
+
+    def _write_records(self, writer, st: StepState, hs, f0: int, f1: int) -> None:
+        """HooksFired of firings ``f0:f1`` and the stats records of ``hs`` (caller holds _spill_lock)."""
+        self._sync_names()
+        fids = self._file_ids
         wall = time.time()
-        if writer is not None and not writer.closed and writer.error is None:
-            self._sync_names()
-            fids = self._file_ids
-            if len(st.mod_ids):
-                mod = fids[np.frombuffer(st.mod_ids, dtype=np.uint32)].astype("<u4")
-                writer.write(HooksFired(rank=self.rank, step=st.step, wall=wall, module_ids=mod.tobytes(),
-                                        directions=st.dirs.tobytes(), call_ids=st.call_ids.tobytes(),
-                                        micro_steps=st.micro.tobytes()))
-            if hs.kinds:
-                writer.write(deferred_stats(hs, self.rank, fids, wall, self._alerts, self._names))
+        if f1 > f0:
+            mod = fids[np.frombuffer(st.mod_ids, dtype=np.uint32)[f0:f1]].astype("<u4")
+            writer.write(HooksFired(rank=self.rank, step=st.step, wall=wall, module_ids=mod.tobytes(),
+                                    directions=st.dirs[f0:f1].tobytes(), call_ids=st.call_ids[f0:f1].tobytes(),
+                                    micro_steps=st.micro[f0:f1].tobytes()))
+        if hs.kinds:
+            writer.write(deferred_stats(hs, self.rank, fids, wall, self._alerts, self._names))
+
+    def _spill(self) -> None:
+        """Runs on the spill thread (:func:`spill_loop`): a collected step open for SPILL_AFTER_S or more
+        has the rows and hook firings it has recorded so far written now, so that a process killed in
+        the middle of a step (kill -9 of a rank hung in a collective, an OOM kill) leaves them in the
+        log. Rows still on an accelerator wait for the step's end (reading them here would wait on the
+        device). Nothing happens for steps shorter than SPILL_AFTER_S."""
+        st = self._state
+        writer = self._writer
+        if (st is None or writer is None or writer.closed or writer.error is not None
+                or time.perf_counter() - self._step_t0 < SPILL_AFTER_S):
+            return
+        with self._spill_lock:
+            if st.written or self._state is not st:
+                return
+            f1 = len(st.micro)  # appended last by StepState.fire: the other columns hold as many
+            parts = st.stats.parts
+            k0 = k1 = st.spilled_parts
+            while k1 < len(parts) and _on_host(parts[k1].values):
+                k1 += 1
+            if k1 == k0 and f1 == st.spilled_fires:
+                return
+            batch = StepStats(st.stats.ops)
+            batch.parts = parts[k0:k1]
+            self._write_records(writer, st, batch.finish(st.step, to_host=False), st.spilled_fires, f1)
+            st.spilled_parts, st.spilled_fires = k1, f1
 
     # ------------------------------------------------------------------ api metrics
     def _metrics(self, kind: str) -> dict:
@@ -479,3 +522,21 @@ def deferred_stats(hs, rank: int, file_ids: np.ndarray, wall: float, alerts, nam
         return out
 
     return build
+
+
+def _on_host(values) -> bool:
+    return isinstance(values, np.ndarray) or values.device.type == "cpu"
+
+
+def spill_loop(ref, stop: threading.Event) -> None:
+    """The spill thread of a monitor (``ref``: a weak reference to it, so that the thread keeps nothing
+    alive): :meth:`StepCollector._spill` every SPILL_TICK_S seconds until ``stop`` is set."""
+    while not stop.wait(SPILL_TICK_S):
+        mon = ref()
+        if mon is None:
+            return
+        try:
+            mon._spill()
+        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+            mon._hook_failed("writing the step in progress", exc)
+        del mon

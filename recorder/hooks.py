@@ -140,7 +140,7 @@ class StepState:
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
                  "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
-                 "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro")
+                 "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro", "spilled_parts", "spilled_fires", "written")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -165,6 +165,9 @@ class StepState:
         self.grad_hooks: dict[int, tuple] = {}
         self.leaf_hooks: list = []  # _Once of leaf tensors hooked in this step, removed at its end
         self.bwd_micro: dict[int, int] = {}  # vpp stage -> micro step of the backward pass running there
+        self.spilled_parts = 0  # stats parts and hook firings already written while the step went on
+        self.spilled_fires = 0
+        self.written = False  # the step's records have gone to the writer (no more spills)
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several

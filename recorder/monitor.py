@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import weakref
 
@@ -69,7 +70,7 @@ from trainrec.schema.events import (
 )
 
 from . import fsdp, runinfo, structure, zero
-from .collect import StepCollector
+from .collect import StepCollector, spill_loop
 from .config import MonitorConfig, load_config, parse_config
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
@@ -171,6 +172,8 @@ class TrainerMon(StepCollector):
         self._manual_steps = False
         self._warned_no_optimizer = False
         self._closed = False
+        self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
+        self._spill_stop = threading.Event()
         if self.config.format != "api":
             self._open_output()
         if self.dynamic:
@@ -190,6 +193,8 @@ class TrainerMon(StepCollector):
         self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
                                  pp_stage=self.pp_stage, group_mates=self.group_mates)
         install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread
+        threading.Thread(target=spill_loop, args=(weakref.ref(self), self._spill_stop), daemon=True,
+                         name=f"trainrec-spill-rank{self.rank}").start()
         if cfg.format in ("csv", "tensorboard") and self._live_export_enabled:
             self._live = runinfo.LiveExport(cfg.format, self._rank_dir, cfg.ndigits, cfg.step_count_per_record)
         self._make_alerts(cfg)
@@ -378,6 +383,7 @@ class TrainerMon(StepCollector):
         if self._closed:
             return
         self._closed = True
+        self._spill_stop.set()
         self._detach()
         st = self._state
         if st is not None and (st.stats or st.pending or len(st.mod_ids)):
@@ -488,6 +494,10 @@ class TrainerMon(StepCollector):
 
     def _sync_names(self) -> None:
         """Announce new names to the writer once, and keep the local -> file id map."""
+        with self._spill_lock:
+            self._sync_names_locked()
+
+    def _sync_names_locked(self) -> None:
         n = len(self._file_ids)
         if n == len(self._names):
             return

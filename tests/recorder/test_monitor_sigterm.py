@@ -93,3 +93,55 @@ def test_a_step_cut_short_by_an_exception_keeps_its_rows(tmp_path):
     un = stats_table(events, "grad_unreduced")
     assert un[(2, "0.weight", "", 0)]["nans"] > 0 and un[(1, "0.weight", "", 0)]["nans"] == 0
     assert stats_table(events, "actv")[(2, "0", "output", 0)]["nans"] > 0
+
+
+HANG = textwrap.dedent("""
+    import sys, time, torch
+    from trainrec.recorder import TrainerMon
+    mon = TrainerMon({"xy_distribution": True, "wg_distribution": True, "ops": ["norm"]}, live_export=False,
+                     output_dir=sys.argv[1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for step in range(3):
+        model(torch.randn(8, 4)).sum().backward()
+        if step == 2:
+            print("hung", flush=True)
+            time.sleep(600)  # a rank stuck in a collective, until the job's watchdog kills it
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def test_kill_9_in_a_hung_step_keeps_what_the_step_recorded(tmp_path):
+    """A step open for more than SPILL_AFTER_S has its rows and hook firings written while it goes on: a
+    rank killed with SIGKILL while hung after its backward (no atexit, no signal handler) still leaves
+    that step's activations and unreduced gradients in the log (they stayed in memory until the step
+    ended before, and the step the post-mortem needs most was lost)."""
+    import time
+
+    from trainmon_util import stats_table
+    from trainrec.recorder.collect import SPILL_AFTER_S, SPILL_TICK_S
+    from trainrec.schema.events import HooksFired
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", HANG, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "hung"
+        time.sleep(SPILL_AFTER_S + 2 * SPILL_TICK_S + 1.0)  # + the writer's flush interval
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+    (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
+    reader, events = read_log(log_path)
+    assert not reader.closed_cleanly and [e.step for e in events if isinstance(e, StepEnded)] == [0, 1]
+    un, act = stats_table(events, "grad_unreduced"), stats_table(events, "actv")
+    assert {k[0] for k in un} == {0, 1, 2} and {k[0] for k in act} == {0, 1, 2}
+    assert len([k for k in un if k[0] == 2]) == 4 and len([k for k in act if k[0] == 2]) == len(
+        [k for k in act if k[0] == 1])
+    assert {e.step for e in events if isinstance(e, HooksFired)} == {0, 1, 2}
