@@ -146,8 +146,10 @@ def build_rules(args) -> list[Rule]:
 
 
 # ---------------------------------------------------------------------------------------- output
-def _num(x: float) -> str:
-    if isinstance(x, float) and math.isnan(x):
+def _num(x: float, missing: bool = False) -> str:
+    """A value for the table: NaN is ``nan`` (a NaN found by NaNInf), or ``-`` where it stands for
+    nothing (a baseline that does not exist)."""
+    if missing and isinstance(x, float) and math.isnan(x):
         return "-"
     return f"{x:.6g}"
 
@@ -159,7 +161,7 @@ def format_table(ranked: Sequence[AnomalyDetected]) -> str:
     for i, ev in enumerate(ranked, 1):
         stage = f"{ev.pp_stage}" if ev.vpp_stage == 0 else f"{ev.pp_stage}.{ev.vpp_stage}"
         rows.append((str(i), str(ev.rank), str(ev.step), str(ev.micro_step), PHASE_NAMES[phase_of(ev)], stage,
-                     str(ev.call_id) if ev.call_id >= 0 else "-", ev.op or "?", _num(ev.value), _num(ev.baseline),
+                     str(ev.call_id) if ev.call_id >= 0 else "-", ev.op or "?", _num(ev.value), _num(ev.baseline, missing=True),
                      ev.rule or "?", ev.tag_name))
     widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
     right = {0, 1, 2, 3, 5, 6, 8, 9}

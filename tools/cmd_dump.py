@@ -16,11 +16,12 @@ import argparse
 import sys
 
 import orjson
+from trainrec.analyzers.projection import parse_kinds
 from trainrec.replay.names import NameResolver
 from trainrec.replay.render import event_dict, stat_lines
 from trainrec.replay.run import resolve_types
 from trainrec.schema.errors import TrainrecError
-from trainrec.schema.events import TensorStatsRecorded
+from trainrec.schema.events import KINDS, TensorStatsRecorded
 
 from .runarg import add_run_arguments, open_run_from_args
 
@@ -52,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
         missing = sorted(set(args.rank) - set(r.ranks))
         if missing:
             raise TrainrecError(f"rank(s) {missing} not in run {r.run_id!r} (ranks: {r.ranks})")
-    kinds = set(args.kinds) if args.kinds else None
+    try:
+        kinds = set(parse_kinds(args.kinds, valid=KINDS)) if args.kinds else None
+    except ValueError as exc:
+        raise TrainrecError(f"--kind: {exc}") from None
     resolver = NameResolver()
     write = sys.stdout.buffer.write if hasattr(sys.stdout, "buffer") else None
     dumps = orjson.dumps

@@ -132,3 +132,16 @@ def test_no_anomalies(tmp_path, capsys):
     assert json.loads((tmp_path / "none.json").read_text()) == []
     code, _, err = cli(capsys, tmp_path / "nowhere")
     assert code == 2 and "error" in err
+
+
+def test_table_tells_nan_from_inf_and_a_missing_baseline():
+    """NaNInf's findings: the value column said "-" for NaN (and "inf" for Inf), so the table could
+    not tell a NaN from a missing number; "-" now stands only for a baseline that does not exist."""
+    from trainrec.schema.events import AnomalyDetected
+    from trainrec.tools.cmd_anomalies import format_table
+
+    evs = [AnomalyDetected(rank=0, step=3, op="norm", value=v, baseline=float("nan"), rule="NaNInf", tag_name=t)
+           for v, t in ((float("nan"), "a"), (float("inf"), "b"), (2.5, "c"))]
+    lines = format_table(evs).splitlines()
+    cells = [line.split() for line in lines[1:]]
+    assert [(c[8], c[9]) for c in cells] == [("nan", "-"), ("inf", "-"), ("2.5", "-")]

@@ -177,3 +177,13 @@ def test_errors_exit_2_with_a_clear_message(run_dir, tmp_path, capsys):
     assert "2 runs match" in err and "cli-run" in err and "cli-other" in err
     assert main(["inspect", run_dir, "--time-end", "Nov30_11-59-59", "--json"]) == 0
     assert orjson.loads(capsys.readouterr().out)["run_id"] == "cli-run"
+
+
+def test_dump_rejects_an_unknown_kind_naming_the_valid_ones(run_dir, capsys):
+    """--kind actvv printed no statistics and exited 0, while anomalies --kinds and export --types
+    reject a misspelt kind."""
+    assert main(["dump", run_dir, "--kind", "actvv"]) == 2
+    err = capsys.readouterr().err
+    assert "--kind: unknown data type 'actvv'" in err and "actv_grad" in err
+    assert main(["dump", run_dir, "--kind", "actv", "--type", "ts"]) == 0
+    assert {r["kind"] for r in _lines(capsys)} == {"actv"}
