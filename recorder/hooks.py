@@ -444,7 +444,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
 _SLOTS = ("input", "input_grad", "output", "output_grad")
 
 
-def make_first_call_check(t: ModuleTarget):
+def make_first_call_check(t: ModuleTarget, source: str | None = None):
     """Forward hook installed until the run's first step ends: at the module's first call, its
     selectors against its real inputs and outputs. One that does not fit is a ConfigError raised out
     of that forward, at start-up, before training time is spent (later, in a step the monitor
@@ -462,7 +462,7 @@ def make_first_call_check(t: ModuleTarget):
                 select(args if slot.startswith("input") else output, sel, f"targets.{t.name}.{slot}")
             except SelectorMismatch as exc:
                 raise ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
-                                  f"first step; print_struct shows the real structure)", exc.key) from None
+                                  f"first step; print_struct shows the real structure)", exc.key, source) from None
 
     return eager(hook)
 

@@ -236,6 +236,9 @@ class TrainerMon(StepCollector):
         )
         self._watcher.start()
 
+    def _config_source(self) -> str | None:
+        return os.fspath(self.config_file_path) if self.config_file_path is not None else None
+
     def _emit(self, event) -> None:
         """Hand an event to the writer; a failed writer is reported once and never raised into training."""
         w = self._writer
@@ -305,9 +308,9 @@ class TrainerMon(StepCollector):
                        "(torch.distributed.fsdp.fully_shard) records every parameter's unreduced gradient.")
         try:
             self._targets = self._build(self.config)  # raises ConfigError before any training
-        except ConfigError:
+        except ConfigError as exc:
             self._chunks = []  # nothing installed: the caller may fix the config and call again
-            raise
+            raise exc.with_source(self._config_source()) from None
         self._write_structure()
         # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
@@ -334,7 +337,7 @@ class TrainerMon(StepCollector):
             self._attach_struct_hooks()
         else:
             # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
-            self._check_handles = self._targets.first_call_checks()
+            self._check_handles = self._targets.first_call_checks(self._config_source())
             if not self.dynamic:
                 self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
         self._begin_step()

@@ -62,8 +62,15 @@ class ConfigError(TrainrecError):
         if key:
             prefix += f"config key {key!r}: "
         super().__init__(prefix + message)
+        self.message = message
         self.key = key
         self.source = source
+
+    def with_source(self, source: str | None) -> ConfigError:
+        """The same error naming ``source`` (the config file), unless it names one already."""
+        if self.source or not source:
+            return self
+        return ConfigError(self.message, self.key, source)
 
 
 class WriterError(TrainrecError):

@@ -155,6 +155,8 @@ def test_target_that_matches_nothing_fails_before_training(tmp_path, out):
     with pytest.raises(ConfigError, match="matches no module") as ei:
         mon.monitor_gnorm_with_ad(model, optimizer=opt)
     assert ei.value.key == "targets.layer.0"
+    assert str(ei.value).startswith(f"{ei.value.source}: config key 'targets.layer.0'")
+    assert ei.value.source.endswith(".json")  # the file to fix, as for errors found when it is read
     mon.close()
 
 
@@ -205,6 +207,7 @@ def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path,
         with pytest.raises(ConfigError) as err:
             loss_of(model, 0)
         assert "targets.pair.input" in str(err.value) and "gives tuple[2]" in str(err.value)
+        assert err.value.source and str(err.value).startswith(err.value.source)
         mon.close()
 
 
