@@ -113,11 +113,8 @@ def shared_run_id(wait_s: float | None = None) -> str:
                             "it as a run of its own. Set TRAINREC_RUN_ID in every rank's environment to name "
                             "the run instead.", wait)
                 return uuid.uuid4().hex
-    for var in ("TRAINREC_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        v = os.environ.get(var)
-        if v and v.lower() != "none":
-            return v
-    return uuid.uuid4().hex
+    v = os.environ.get("TORCHELASTIC_RUN_ID")
+    return v if v and v.lower() != "none" else uuid.uuid4().hex
 
 
 def previous_run_id(rank_dir: str) -> str | None:
