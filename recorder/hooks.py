@@ -140,7 +140,8 @@ class StepState:
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
                  "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
-                 "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro", "spilled_parts", "spilled_fires", "written")
+                 "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro", "spilled_parts", "spilled_fires", "written",
+                 "nograd_fwd")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -168,6 +169,7 @@ class StepState:
         self.spilled_parts = 0  # stats parts and hook firings already written while the step went on
         self.spilled_fires = 0
         self.written = False  # the step's records have gone to the writer (no more spills)
+        self.nograd_fwd = False  # a model chunk's forward runs under no_grad: not a micro step, not recorded
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -413,7 +415,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
 
     def hook(module, args, output):
         st = mon._state
-        if st is None or not module.training:
+        if st is None or not module.training or st.nograd_fwd:
             return
         if backward:  # also in a recomputation (reentrant checkpointing: its gradients flow from there)
             opened = st.open_calls.get(mid)
@@ -508,7 +510,11 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
                     mon._on_micro_step()
                 st = mon._state
                 if st is not None:
-                    st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
+                    # a training-mode forward under no_grad (a target computed with the model, a sample
+                    # logged) is no micro step: its activations would take a micro step's place
+                    st.nograd_fwd = not torch.is_grad_enabled()
+                    if not st.nograd_fwd:
+                        st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed("micro step start", exc)
         if mon._state is not None and mon._state.pending:
@@ -550,6 +556,8 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
 
     def body(module, args, output):
         st = mon._state
+        if st is not None:
+            st.nograd_fwd = False
         if mon._fsdp2_waiting and st is not None:
             mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
         if (st is None or not mon.config.wg_distribution or not module.training or not torch.is_grad_enabled()

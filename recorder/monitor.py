@@ -57,6 +57,7 @@ import torch
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError, WriterError
 from trainrec.schema.events import (
+    KIND_ACTV_GRAD,
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
     KIND_PARAM,
@@ -137,6 +138,7 @@ class TrainerMon(StepCollector):
         self._forwards = 0  # training forwards of chunk 0 in this step
         self._backward_seen = False  # and whether a backward pass ran in it
         self._skips_in_a_row = 0
+        self._passes = 1  # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took
         self._state: StepState | None = None
         self._step = 0
         self._step_t0 = time.perf_counter()
@@ -771,25 +773,59 @@ class TrainerMon(StepCollector):
 
     def _on_micro_step(self) -> None:
         """A training forward of chunk 0 begins. One more than ``grad_acc_steps`` in this step, after a
-        backward pass, with every gradient of chunk 0 cleared since (``zero_grad``), means the
-        optimizer step never ran: a GradScaler or DeepSpeed found inf/NaN gradients and skipped it.
-        That step ends here, marked so, and this forward begins the next (without it, the next step's
-        rows would land in the skipped one). Several forwards before one backward (contrastive and
-        siamese nets) and accumulation beyond ``grad_acc_steps`` (gradients still there, as they were)
-        go on."""
+        backward pass, with every gradient of chunk 0 cleared since (``zero_grad``), means either that
+        the optimizer step never ran (a GradScaler or DeepSpeed found inf/NaN gradients and skipped it)
+        or that this run makes several passes per optimizer step (SAM's two, a GAN's discriminator also
+        used in the generator's pass, LBFGS's closure). The step's gradient rows tell them apart where
+        it has any: inf/NaN in them is a skip. Elsewhere (a step not collected) the number of passes
+        the run's last optimizer step took does: more than that is a skip. A skipped step ends here,
+        marked so, and this forward begins the next (without it, the next step's rows would land in the
+        skipped one). Several forwards before one backward (contrastive and siamese nets) and
+        accumulation beyond ``grad_acc_steps`` (gradients still there, as they were) go on."""
         if not torch.is_grad_enabled():
             return  # no backward follows: not a micro step
         n = self._forwards + 1
         if (n > self._grad_acc and self._backward_seen and self._opt is not None and not self._manual_steps
                 and self._grads_cleared()):
-            self._end_step(optimizer_skipped=True)
-            n = 1
-            self._skips_in_a_row += 1
-            if self._skips_in_a_row == _SKIPS_TO_WARN:
-                _warn_once("skips", f"trainrec: {_SKIPS_TO_WARN} optimizer steps in a row never ran (inf/NaN gradients "
-                           f"skipped by a loss scaler?); if this run accumulates gradients over more than "
-                           f"grad_acc_steps={self._grad_acc} micro steps, pass the right grad_acc_steps")
+            non_finite = self._gradients_non_finite()
+            if non_finite is None:
+                non_finite = n > self._passes * self._grad_acc
+            if non_finite:
+                self._end_step(optimizer_skipped=True)
+                n = 1
+                self._skips_in_a_row += 1
+                if self._skips_in_a_row == _SKIPS_TO_WARN:
+                    _warn_once("skips", f"trainrec: {_SKIPS_TO_WARN} optimizer steps in a row never ran (inf/NaN "
+                               f"gradients skipped by a loss scaler?); if this run accumulates gradients over more "
+                               f"than grad_acc_steps={self._grad_acc} micro steps, pass the right grad_acc_steps")
+            else:
+                self._backward_seen = False  # another pass of this step begins: its backward comes later
         self._forwards = n
+
+    def _gradients_non_finite(self) -> bool | None:
+        """Whether the gradient rows this step recorded so far (weight and activation gradients) hold
+        inf or NaN; None where it recorded none. A device's rows are read back here (a sync, only at
+        such a pass boundary)."""
+        st = self._state
+        if st is None:
+            return None
+        if st.pending:
+            self._flush_grads()
+        ops = st.stats.ops
+        col = ops.index("norm") if "norm" in ops else ops.index("nans") if "nans" in ops else None
+        seen = False
+        for part in st.stats.parts:
+            if part.kind not in (KIND_GRAD_UNREDUCED, KIND_ACTV_GRAD):
+                continue
+            seen = True
+            v = torch.as_tensor(part.values)
+            v = v[:, col] if col is not None else v
+            if col is not None and ops[col] == "nans":
+                if bool((v != 0).any()):
+                    return True
+            elif not bool(torch.isfinite(v).all()):
+                return True
+        return False if seen else None
 
     def _end_step(self, optimizer_skipped: bool = False) -> None:
         for h in self._check_handles:  # the first step ran: selectors are checked by the hooks from now on
@@ -797,6 +833,7 @@ class TrainerMon(StepCollector):
         self._check_handles.clear()
         if not optimizer_skipped:
             self._skips_in_a_row = 0
+            self._passes = max(1, -(-self._forwards // self._grad_acc))  # passes per optimizer step, lately
         finished = self._step
         st = self._state
         self._mark_began()

@@ -139,3 +139,87 @@ def test_many_skipped_steps_in_a_row_warn_once_about_grad_acc_steps(tmp_path, ou
     warned = [r.getMessage() for r in caplog.records if "in a row never ran" in r.getMessage()]
     assert len(warned) == 1 and "grad_acc_steps=1" in warned[0]
     assert ends(events_of(out)) == [(s, True) for s in range(11)]  # step 11 had no next forward
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_several_passes_per_optimizer_step_are_one_step(tmp_path, out, interval):
+    """SAM (a pass, zero_grad, a second pass at perturbed weights, the optimizer step) and a GAN whose
+    discriminator also runs in the generator's pass: more forwards than grad_acc_steps after a
+    backward, gradients cleared, as after a skipped step, but every gradient is finite, so no step is
+    taken for skipped (each optimizer step was logged as two, one of them "skipped"). On steps that are
+    not collected (interval 3) the number of passes the last optimizer step took decides."""
+    cfg = {"wg_distribution": True, "ops": ["norm"], "step_interval": interval}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    reduced = {}
+    for s in range(7):  # SAM
+        loss_of(model, s).backward()
+        with torch.no_grad():
+            eps = [0.01 * p.grad for p in model.parameters()]
+            for p, e in zip(model.parameters(), eps, strict=True):
+                p.add_(e)
+        opt.zero_grad()
+        loss_of(model, s).backward()
+        with torch.no_grad():
+            for p, e in zip(model.parameters(), eps, strict=True):
+                p.sub_(e)
+        reduced[s] = float(model.head.weight.grad.norm())
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    assert ends(ev) == [(s, False) for s in range(7)]
+    red = stats_table(ev, "grad_reduced")
+    assert {k[0] for k in red} == set(range(0, 7, interval))
+    for s in range(0, 7, interval):
+        assert abs(red[(s, "head.weight", "", 0)]["norm"] - reduced[s]) <= 1e-6 * reduced[s]
+
+
+def test_a_gan_discriminator_used_in_the_generator_pass_keeps_its_step_count(tmp_path, out):
+    cfg = {"wg_distribution": True, "ops": ["norm"], "step_interval": 2}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    disc, opt_d = make()
+    gen = torch.nn.Embedding(50, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    mon.monitor_gnorm_with_ad(disc, optimizer=opt_d)
+    for s in range(6):
+        opt_d.zero_grad()
+        real, fake = loss_of(disc, s), disc(torch.zeros(2, 3, dtype=torch.long)).mean() * gen.weight[s].sum().detach()
+        (real + fake).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        (disc(torch.ones(2, 3, dtype=torch.long)).mean() * gen.weight[s].sum()).backward()  # D's grads too
+        opt_g.step()
+    mon.close()
+    assert ends(events_of(out)) == [(s, False) for s in range(6)]
+
+
+def test_no_grad_forwards_in_training_mode_take_no_micro_step(tmp_path, out):
+    """A forward under no_grad with the model in train() (a target computed with the model) before each
+    micro step: the training forwards are micro steps 0 and 1, their gradients too, and the no_grad
+    forwards' activations are not recorded (they were micro 0, and shifted both training forwards to 1)."""
+    cfg = {"wg_distribution": True, "xy_distribution": True, "ops": ["norm"]}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+    outs, grads = {}, {}
+    for s in range(2):
+        for m in range(2):
+            with torch.no_grad():
+                model(torch.zeros(2, 3, dtype=torch.long) + 7)
+            x = torch.tensor([[s, m, 3], [4, 5, 6]])
+            y = model(x)
+            outs[(s, m)] = float(y.detach().norm())
+            y.pow(2).mean().backward()
+            grads[(s, m)] = float(model.head.weight.grad.norm())
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    act = {k: v["norm"] for k, v in stats_table(ev, "actv").items() if k[1:3] == ("head", "output")}
+    assert sorted(act) == [(s, "head", "output", m) for s in range(2) for m in range(2)]
+    for (s, _, _, m), v in act.items():
+        assert abs(v - outs[(s, m)]) <= 1e-5 * outs[(s, m)]
+    un = {k: v["norm"] for k, v in stats_table(ev, "grad_unreduced").items() if k[1] == "head.weight"}
+    assert {(k[0], k[3]): v for k, v in un.items()} == pytest.approx(grads, rel=1e-5)
