@@ -785,6 +785,11 @@ class TrainerMon(StepCollector):
         if not torch.is_grad_enabled():
             return  # no backward follows: not a micro step
         n = self._forwards + 1
+        if n > self._grad_acc and self._backward_seen and self._manual_steps and self._grads_cleared():
+            _warn_once("manual", "trainrec: a new training step seems to begin (gradients cleared after a backward "
+                       "pass) but step() was not called: without an optimizer, call rec.step() once per "
+                       "training step, after its backward pass and before the weights change; until then "
+                       "every backward pass goes into the same step")
         if (n > self._grad_acc and self._backward_seen and self._opt is not None and not self._manual_steps
                 and self._grads_cleared()):
             non_finite = self._gradients_non_finite()

@@ -15,7 +15,9 @@
 ``config`` is a dict, a path to a JSON file, a :class:`MonitorConfig` or None (:data:`DEFAULT_CONFIG`:
 weight gradients and parameters with all six ops). The keys are the reference's (see
 :mod:`.config`). ``model`` may be a module or a list of modules (virtual pipeline chunks). Without an
-optimizer, call ``rec.step()`` at the end of each training step. Unlike ``TrainerMon``, a config
+optimizer, call ``rec.step()`` once per training step, after its backward pass(es) and before the
+weights change (it measures that step's gradients and parameters, as an optimizer's pre-step hook
+would); without either, every backward pass goes into step 0 (a warning says so). Unlike ``TrainerMon``, a config
 without ``format`` writes only the log (no live CSV/TensorBoard projection).
 """
 
@@ -47,9 +49,15 @@ class Recorder:
         output_dir: str | None = None,
         *,
         grad_acc_steps: int = 1,
-        start_step: int = 0,
+        start_iteration: int = 0,
         params_have_main_grad: bool = False,
+        **unknown,
     ) -> None:
+        if unknown:
+            name = next(iter(unknown))
+            hint = (" (start_step is a config key, the first step collected; the number the first step gets "
+                    "is start_iteration)" if name == "start_step" else "")
+            raise TypeError(f"record() got an unexpected keyword argument {name!r}{hint}")
         if config is None:
             cfg = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG")
         elif isinstance(config, MonitorConfig):
@@ -63,8 +71,12 @@ class Recorder:
                                   live_export=live)
         self._manual = optimizer is None
         self.monitor._manual_steps = self._manual  # no optimizer to hook: steps come from step()
-        self.monitor.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
-                                           start_iteration=start_step)
+        try:
+            self.monitor.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
+                                               start_iteration=start_iteration)
+        except BaseException:
+            self.monitor.close()  # a bad config: no log left open, no threads left running
+            raise
 
     @property
     def log_path(self) -> str | None:

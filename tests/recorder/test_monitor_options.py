@@ -569,6 +569,43 @@ def test_native_record_detects_steps_through_the_optimizer(tmp_path, out):
     assert steps_with(ev, "grad_reduced") == [0] and steps_with(ev, "param") == [0]
 
 
+def test_native_record_without_steps_warns_and_start_iteration_numbers_steps(tmp_path, out, caplog, monkeypatch):
+    """No optimizer and no rec.step(): every backward pass goes into step 0, and a warning says what to
+    call (nothing did); start_iteration numbers the steps (the keyword was start_step, which is also a
+    config key of another meaning, and a TypeError now says so)."""
+    from trainrec.recorder import monitor as monitor_module
+    from trainrec.recorder import record
+
+    monkeypatch.setattr(monitor_module, "_warned", set())
+    model, _ = make()
+    with pytest.raises(TypeError, match="start_step is a config key"):
+        record(model, start_step=3, output_dir=str(tmp_path / "bad"))
+    with caplog.at_level("WARNING", logger="trainrec"), record(
+            model, config={"wg_distribution": True, "ops": ["norm"]}, output_dir=str(tmp_path / "native")):
+        for s in range(3):
+            loss_of(model, s).backward()
+            model.zero_grad()
+    assert [r for r in caplog.records if "step() was not called" in r.getMessage()]
+    with record(model, config={"wg_distribution": True, "ops": ["norm"]}, start_iteration=5,
+                output_dir=str(tmp_path / "numbered")) as rec:
+        loss_of(model, 0).backward()
+        rec.step()
+    assert steps_with(events_of(tmp_path / "numbered"), "grad_reduced") == [5]
+
+
+def test_native_record_with_a_bad_config_leaves_no_log_open(tmp_path, out):
+    """A target that matches nothing: the ConfigError comes out of record(), and the monitor it made is
+    closed (its log closed cleanly, its threads gone), not left running until the process exits."""
+    from trainrec.recorder import record
+    from trainrec.replay.reader import read_log
+
+    model, _ = make()
+    with pytest.raises(ConfigError, match="matches no module"):
+        record(model, config={"xy_distribution": True, "targets": {"nope": {}}}, output_dir=str(tmp_path / "bad"))
+    (log_path,) = glob.glob(str(tmp_path / "bad" / "*" / "*.trl"))
+    assert read_log(log_path)[0].closed_cleanly  # close() ran: the writer and spill threads stopped
+
+
 def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_config_goes_on(tmp_path, out):
     from trainrec.recorder.config import parse_config
     from trainrec.schema.events import ConfigRejected
