@@ -360,7 +360,9 @@ class StepCollector:
         fids = self._file_ids
         wall = time.time()
         if f1 > f0:
-            mod = fids[np.frombuffer(st.mod_ids, dtype=np.uint32)[f0:f1]].astype("<u4")
+            # slices first: a numpy view of the live arrays would lock them against the training
+            # thread's appends (BufferError in its hooks) while the spill thread writes
+            mod = fids[np.frombuffer(st.mod_ids[f0:f1], dtype=np.uint32)].astype("<u4")
             writer.write(HooksFired(rank=self.rank, step=st.step, wall=wall, module_ids=mod.tobytes(),
                                     directions=st.dirs[f0:f1].tobytes(), call_ids=st.call_ids[f0:f1].tobytes(),
                                     micro_steps=st.micro[f0:f1].tobytes()))

@@ -1,0 +1,59 @@
+"""The spill thread writes what a long step has recorded while the step goes on: racing the training
+thread's hooks, it loses nothing, duplicates nothing and changes no value (a numpy view of the step's
+live firing arrays made the hooks' appends fail with BufferError)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from trainmon_util import events_of, loss_of, make, stats_table, write_config
+from trainrec.recorder import TrainerMon, collect
+from trainrec.schema.events import HookFailed, HooksFired, TensorStatsRecorded
+
+CFG = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
+       "ops": ["norm", "max", "nans"]}
+
+
+def _comparable(table: dict) -> dict:
+    return {k: {op: "nan" if math.isnan(v) else v for op, v in row.items()} for k, row in table.items()}
+
+
+def _train(tmp_path, name: str) -> list:
+    out = tmp_path / name
+    mon = TrainerMon(write_config(tmp_path, CFG, f"{name}.json"), params_have_main_grad=False, live_export=False,
+                     output_dir=str(out))
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=24, optimizer=opt)
+    for s in range(3):
+        for m in range(24):
+            loss_of(model, 100 * s + m).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    return events_of(out)
+
+
+def test_spilling_all_the_time_records_exactly_what_one_write_per_step_does(tmp_path, monkeypatch):
+    calm = _train(tmp_path, "calm")
+    monkeypatch.setattr(collect, "SPILL_AFTER_S", 0.0)
+    monkeypatch.setattr(collect, "SPILL_TICK_S", 0.0002)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns between almost any two bytecodes
+    try:
+        busy = _train(tmp_path, "busy")
+    finally:
+        sys.setswitchinterval(interval)
+    assert not [e for e in busy if isinstance(e, HookFailed)]
+    pieces = [e for e in busy if isinstance(e, HooksFired)]
+    assert len(pieces) > 3  # it did spill, in the middle of steps
+    for kind in ("actv", "actv_grad", "grad_unreduced", "grad_reduced", "param"):
+        assert _comparable(stats_table(busy, kind)) == _comparable(stats_table(calm, kind)), kind
+    n_rows = sum(len(e) for e in calm if isinstance(e, TensorStatsRecorded))
+    assert sum(len(e) for e in busy if isinstance(e, TensorStatsRecorded)) == n_rows  # no duplicates
+
+    def firings(events):
+        return sorted((e.step, c) for e in events if isinstance(e, HooksFired)
+                      for c in (r[2] for r in e.rows()))
+
+    assert firings(busy) == firings(calm)
