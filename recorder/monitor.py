@@ -77,7 +77,7 @@ from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
 from .stats import StatsEngine, StepStats
 from .targets import ParamInfo, Targets, build_targets
-from .writer import LogWriter, install_sigterm_handler
+from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ class TrainerMon(StepCollector):
         self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
                                  pp_stage=self.pp_stage, group_mates=self.group_mates)
         install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread
+        before_sigterm_close(self._write_unfinished_step)
         threading.Thread(target=spill_loop, args=(weakref.ref(self), self._spill_stop), daemon=True,
                          name=f"trainrec-spill-rank{self.rank}").start()
         if cfg.format in ("csv", "tensorboard") and self._live_export_enabled:
@@ -237,6 +238,16 @@ class TrainerMon(StepCollector):
             writes_back=self.rank == 0, group=None,
         )
         self._watcher.start()
+
+    def _write_unfinished_step(self) -> None:
+        """A step that never ended (an exception, SIGTERM, a NaN check that stopped the run): what it
+        recorded is written, with no StepEnded after it, for the post-mortem. Once."""
+        st = self._state
+        if st is not None and not st.written and (st.stats or st.pending or len(st.mod_ids)):
+            try:
+                self._write_step(st)
+            except Exception as exc:  # noqa: BLE001
+                self._hook_failed("the unfinished step at close", exc)
 
     def _config_source(self) -> str | None:
         return os.fspath(self.config_file_path) if self.config_file_path is not None else None
@@ -390,14 +401,7 @@ class TrainerMon(StepCollector):
         self._closed = True
         self._spill_stop.set()
         self._detach()
-        st = self._state
-        if st is not None and (st.stats or st.pending or len(st.mod_ids)):
-            # a step that never ended (an exception, a signal, a NaN check that stopped the run): what
-            # it recorded is written, with no StepEnded after it, for the post-mortem
-            try:
-                self._write_step(st)
-            except Exception as exc:  # noqa: BLE001
-                self._hook_failed("the unfinished step at close", exc)
+        self._write_unfinished_step()
         for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles,
                         self._check_handles):
             for h in handles:

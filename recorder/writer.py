@@ -563,6 +563,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# Weak references to callables run on SIGTERM before the writers close (a monitor writes the step in
+# progress with them): see before_sigterm_close.
+_BEFORE_SIGTERM_CLOSE: list = []
+
+
+def before_sigterm_close(method) -> None:
+    """Run the bound ``method`` on SIGTERM before the writers close, for as long as its object lives."""
+    _BEFORE_SIGTERM_CLOSE[:] = [r for r in _BEFORE_SIGTERM_CLOSE if r() is not None]
+    _BEFORE_SIGTERM_CLOSE.append(weakref.WeakMethod(method))
+
+
 def install_sigterm_handler() -> bool:
     """Close every live writer on SIGTERM, then hand the signal to the previous handler.
 
@@ -581,6 +592,13 @@ def install_sigterm_handler() -> bool:
         return False
 
     def handler(signum, frame):
+        for ref in list(_BEFORE_SIGTERM_CLOSE):
+            fn = ref()
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - the writers close whatever happens
+                    log.debug("trainrec: a SIGTERM callback failed", exc_info=True)
         _close_all(reason="sigterm")
         if callable(previous):
             previous(signum, frame)

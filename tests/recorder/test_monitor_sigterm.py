@@ -145,3 +145,28 @@ def test_kill_9_in_a_hung_step_keeps_what_the_step_recorded(tmp_path):
     assert len([k for k in un if k[0] == 2]) == 4 and len([k for k in act if k[0] == 2]) == len(
         [k for k in act if k[0] == 1])
     assert {e.step for e in events if isinstance(e, HooksFired)} == {0, 1, 2}
+
+
+def test_sigterm_in_the_middle_of_a_step_keeps_what_the_step_recorded(tmp_path):
+    """Preemption between backward and the optimizer step: the SIGTERM handler writes the open step's
+    rows before it closes the log (it closed the log with nothing of that step)."""
+    from trainmon_util import stats_table
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", HANG, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "hung"
+        os.kill(proc.pid, signal.SIGTERM)  # at once: before the spill thread's first look at the step
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+    assert rc == -signal.SIGTERM
+    (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
+    reader, events = read_log(log_path)
+    assert reader.closed_cleanly and events[-1].reason == "sigterm"
+    assert [e.step for e in events if isinstance(e, StepEnded)] == [0, 1]
+    assert {k[0] for k in stats_table(events, "grad_unreduced")} == {0, 1, 2}
+    assert {k[0] for k in stats_table(events, "actv")} == {0, 1, 2}
