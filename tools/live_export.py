@@ -106,7 +106,7 @@ def live_export(
     reason = "stopped"
     clean = False
     try:
-        events = first
+        events, first = first, None  # the first poll is the whole earlier log on a resume: not kept
         while True:
             if events:
                 last_data = time.monotonic()

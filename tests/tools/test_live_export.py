@@ -173,3 +173,34 @@ def test_stop_and_bad_arguments(tmp_path):
     r = subprocess.run([PY, "-m", "trainrec.tools.live_export", "--format", "csv", "--rank-dir", str(tmp_path),
                         "--step-count-per-record", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "must be >= 1" in r.stderr
+
+
+def test_the_first_poll_is_not_kept_for_the_whole_export(tmp_path, monkeypatch):
+    """Started on a log with history (a resume, a restarted export), the first poll is the whole earlier
+    log: its decoded events are let go once projected (they stayed alive until the export ended)."""
+    import gc
+    import warnings
+
+    from trainrec.schema.events import Event
+    from trainrec.tools import live_export as le
+
+    rdir = rank_dir(tmp_path / "run", 0)
+    with LogWriter(rdir, rank=0, run_id="big", flush_interval=0.01) as w:
+        ids = w.intern(["p"], step=-1)
+        for s in range(300):
+            w.write(stats_record(0, s, "param", ids, np.full((1, 6), s, np.float32)))
+            w.write(StepEnded(rank=0, step=s, wall=1.0))
+    alive = []
+    finish = le.CsvProjector.finish
+
+    def counting_finish(self, clean):
+        gc.collect()
+        with warnings.catch_warnings():  # some of torch's module objects warn when looked at
+            warnings.simplefilter("ignore")
+            alive.append(sum(type(o).__module__ == Event.__module__ for o in gc.get_objects()))
+        return finish(self, clean)
+
+    monkeypatch.setattr(le.CsvProjector, "finish", counting_finish)
+    res = live_export(rdir, "csv", str(tmp_path / "live"), poll_interval=0.01, idle_timeout=10)
+    assert res.reason == "closed" and res.steps == 300
+    assert alive and alive[0] < 50  # 600+ were read
