@@ -8,7 +8,9 @@
  * temporaries before the statistics. The quotients are computed exactly as the torch path does (IEEE
  * single sqrt, max, add and divide are correctly rounded), so their values are bitwise the same.
  *
- * Accumulation: float lanes within blocks of BLOCK elements (vectorised), block totals in double.
+ * Accumulation: float lanes within blocks of BLOCK elements (vectorised), block totals in double; a
+ * block of finite values whose sum or sum of squares leaves float's range (|x| > 1.8e19: an exploding
+ * gradient) is summed again in double, so its norm is not an inf that the tensor does not hold.
  * Counts within a block are exact in float (at most BLOCK per lane). min/max ignore NaNs here; the
  * caller reports NaN for min/max where the NaN count is not zero (torch's aminmax propagates NaN).
  *
@@ -83,8 +85,17 @@ static inline float bf16_to_f32(uint16_t u) {
             mn = v < mn ? v : mn;                                                                  \
             mx = v > mx ? v : mx;                                                                  \
         }                                                                                          \
-        a->s += s;                                                                                 \
-        a->ss += ss;                                                                               \
+        double bs = s, bss = ss;                                                                   \
+        if ((!isfinite(bs) || !isfinite(bss)) && nn == 0.f && isfinite(mn) && isfinite(mx)) {      \
+            bs = bss = 0.0; /* finite values past float's range when squared: again in double */  \
+            for (int64_t i = b; i < e; i++) {                                                      \
+                double v = (double)(LOAD);                                                         \
+                bs += v;                                                                           \
+                bss += v * v;                                                                      \
+            }                                                                                      \
+        }                                                                                          \
+        a->s += bs;                                                                                \
+        a->ss += bss;                                                                              \
         a->z += z;                                                                                 \
         a->nan += nn;                                                                              \
         if (mn < a->mn) a->mn = mn;                                                                \
@@ -145,18 +156,28 @@ __attribute__((target("avx2,fma"))) static void stats_f32_avx2(const float *x, i
             z0 = _mm256_sub_epi32(z0, _mm256_castps_si256(_mm256_cmp_ps(_mm256_and_ps(v0, absmask), veps, _CMP_LT_OQ)));
             z1 = _mm256_sub_epi32(z1, _mm256_castps_si256(_mm256_cmp_ps(_mm256_and_ps(v1, absmask), veps, _CMP_LT_OQ)));
         }
-        double vs = hsum_ps(_mm256_add_ps(s0, s1)), nn = 0.0;
+        double vs = hsum_ps(_mm256_add_ps(s0, s1)), vss = hsum_ps(_mm256_add_ps(q0, q1)), nn = 0.0;
         if (!isfinite(vs)) /* a NaN makes the sum NaN: only then are NaNs counted */
             for (int64_t k = b; k < i; k++) nn += x[k] != x[k];
+        float m[8], bmn = INFINITY, bmx = -INFINITY;
+        _mm256_storeu_ps(m, _mm256_min_ps(mn0, mn1));
+        for (int k = 0; k < 8; k++) bmn = m[k] < bmn ? m[k] : bmn;
+        _mm256_storeu_ps(m, _mm256_max_ps(mx0, mx1));
+        for (int k = 0; k < 8; k++) bmx = m[k] > bmx ? m[k] : bmx;
+        if ((!isfinite(vs) || !isfinite(vss)) && nn == 0.0 && isfinite(bmn) && isfinite(bmx)) {
+            vs = vss = 0.0; /* finite values past float's range when squared (or summed): again in double */
+            for (int64_t k = b; k < i; k++) {
+                double d = x[k];
+                vs += d;
+                vss += d * d;
+            }
+        }
         a->s += vs;
-        a->ss += hsum_ps(_mm256_add_ps(q0, q1));
+        a->ss += vss;
         a->z += hsum_epi32(_mm256_add_epi32(z0, z1));
         a->nan += nn;
-        float m[8];
-        _mm256_storeu_ps(m, _mm256_min_ps(mn0, mn1));
-        for (int k = 0; k < 8; k++) a->mn = m[k] < a->mn ? m[k] : a->mn;
-        _mm256_storeu_ps(m, _mm256_max_ps(mx0, mx1));
-        for (int k = 0; k < 8; k++) a->mx = m[k] > a->mx ? m[k] : a->mx;
+        a->mn = bmn < a->mn ? bmn : a->mn;
+        a->mx = bmx > a->mx ? bmx : a->mx;
         if (i < e) { /* the block's last few elements */
             acc_t t;
             acc_init(&t);

@@ -410,6 +410,8 @@ class StatsEngine:
                     cols["norm"] = torch.where(is_norm, sq, sq.clamp(min=0).sqrt())
             else:
                 cols["norm"] = sq.sqrt()
+            if cpu and bool(torch.isinf(cols["norm"]).any()):
+                cols["norm"] = self._unoverflowed_norms(cols["norm"], xs)
             j += 1
         if scale_t is not None:
             for op in ("min", "max", "norm", "mean"):
@@ -435,6 +437,19 @@ class StatsEngine:
                 zeros = torch.zeros_like(numel_t)  # |x| < 0 never holds
             cols["zeros"] = zeros
         return torch.stack([cols[op] for op in self.ops], dim=1)
+
+    @staticmethod
+    def _unoverflowed_norms(norms: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
+        """Norms that came out inf for tensors of finite values past float32's range when squared (an
+        exploding gradient): ``max|x| * ||x / max|x|||`` instead (a temporary the size of the tensor, on
+        this rare path only). A tensor holding an inf keeps its inf."""
+        norms = norms.clone()
+        for i in torch.isinf(norms).nonzero().flatten().tolist():
+            x = xs[i] if xs[i].is_floating_point() else xs[i].float()
+            amax = x.abs().max()
+            if torch.isfinite(amax) and amax > 0:
+                norms[i] = amax.float() * torch.linalg.vector_norm(x / amax, dtype=torch.float32)
+        return norms
 
     @staticmethod
     def _nonfinite_rows(means: torch.Tensor) -> list[int]:

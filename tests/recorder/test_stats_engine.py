@@ -189,3 +189,19 @@ def test_combined_part_rows_equal_the_whole_tensors_row(ops):
                 assert math.isnan(a), (op, a, b)
             else:
                 assert a == pytest.approx(b, rel=1e-5, abs=1e-7), (op, a, b)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_norm_of_finite_values_past_float32_range_when_squared_is_not_inf(kernel):
+    """An exploding gradient: finite float32 values above 1.8e19, whose squares leave float32's range.
+    The norm was inf (nans 0) on both paths, an inf the tensor does not hold; a real inf stays inf."""
+    g = torch.Generator().manual_seed(3)
+    huge = torch.randn(10_000, generator=g) * 8e19
+    mixed = torch.cat([torch.randn(5_000, generator=g), huge[:7]])  # a few huge values among normal ones
+    with_inf = torch.cat([huge[:100], torch.tensor([float("inf")])])
+    eng = engine(OPS, 1e-8, kernel)
+    rows = eng.compute([huge, mixed, with_inf, huge.view(100, 100).t()])
+    for t, row in zip([huge, mixed, with_inf, huge.view(100, 100).t()], rows.tolist(), strict=True):
+        want = ref(t, 1e-8)
+        assert all(a == b if math.isinf(b) else close(a, b) for a, b in zip(row, want, strict=True)), (row, want)
+    assert math.isinf(rows[2, OPS.index("norm")])
