@@ -822,6 +822,8 @@ class TrainerMon(StepCollector):
             self._flush_grads()
         ops = st.stats.ops
         col = ops.index("norm") if "norm" in ops else ops.index("nans") if "nans" in ops else None
+        if col is None and not {"min", "max", "mean"} & set(ops):
+            return None  # zeros alone cannot show an inf or a NaN
         seen = False
         for part in st.stats.parts:
             if part.kind not in (KIND_GRAD_UNREDUCED, KIND_ACTV_GRAD):
