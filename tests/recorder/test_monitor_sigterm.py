@@ -33,26 +33,43 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sigterm_closes_the_log(tmp_path):
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(out)], stdout=subprocess.PIPE, text=True)
+def _signal_when(script: str, out, line: str, sig: int, delay: float = 0.0):
+    """Run ``script`` (a training process writing to ``out``); once it prints ``line``, wait ``delay``
+    seconds and send it ``sig``. Returns its exit status and the events of its rank-0 log."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "ready"
-        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.stdout.readline().strip() == line
+        time.sleep(delay)
+        os.kill(proc.pid, sig)
         rc = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
         proc.stdout.close()
-    assert rc == -signal.SIGTERM  # the default disposition still ends the process
     (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
-    reader, events = read_log(log_path)
+    return (rc, *read_log(log_path))
+
+
+def test_sigterm_closes_the_log(tmp_path):
+    rc, reader, events = _signal_when(SCRIPT, tmp_path / "out", "ready", signal.SIGTERM)
+    assert rc == -signal.SIGTERM  # the default disposition still ends the process
     assert reader.problems == []
     assert isinstance(events[-1], FileClosed) and reader.closed_cleanly
     assert events[-1].reason == "sigterm"
     assert sum(isinstance(e, StepEnded) for e in events) >= 3
 
+
+# a small model trained for three steps, after the script has made its TrainerMon `mon`
+_TRAIN3 = """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for step in range(3):
+"""
 
 CRASH = textwrap.dedent("""
     import sys, torch
@@ -60,12 +77,7 @@ CRASH = textwrap.dedent("""
     mon = TrainerMon({"xy_distribution": True, "wg_distribution": True, "format": "csv",
                       "ops": ["norm", "nans"]}, live_export=False,
                      output_dir=sys.argv[1])
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    for step in range(3):
-        x = torch.randn(8, 4)
+""" + _TRAIN3 + """        x = torch.randn(8, 4)
         if step == 2:
             x[0, 0] = float("nan")
         loss = model(x).sum()
@@ -100,12 +112,7 @@ HANG = textwrap.dedent("""
     from trainrec.recorder import TrainerMon
     mon = TrainerMon({"xy_distribution": True, "wg_distribution": True, "ops": ["norm"]}, live_export=False,
                      output_dir=sys.argv[1])
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    for step in range(3):
-        model(torch.randn(8, 4)).sum().backward()
+""" + _TRAIN3 + """        model(torch.randn(8, 4)).sum().backward()
         if step == 2:
             print("hung", flush=True)
             time.sleep(600)  # a rank stuck in a collective, until the job's watchdog kills it
@@ -119,26 +126,13 @@ def test_kill_9_in_a_hung_step_keeps_what_the_step_recorded(tmp_path):
     rank killed with SIGKILL while hung after its backward (no atexit, no signal handler) still leaves
     that step's activations and unreduced gradients in the log (they stayed in memory until the step
     ended before, and the step the post-mortem needs most was lost)."""
-    import time
-
     from trainmon_util import stats_table
     from trainrec.recorder.collect import SPILL_AFTER_S, SPILL_TICK_S
     from trainrec.schema.events import HooksFired
 
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", HANG, str(out)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "hung"
-        time.sleep(SPILL_AFTER_S + 2 * SPILL_TICK_S + 1.0)  # + the writer's flush interval
-        proc.kill()
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        proc.stdout.close()
-    (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
-    reader, events = read_log(log_path)
+    # + the writer's flush interval
+    _, reader, events = _signal_when(HANG, tmp_path / "out", "hung", signal.SIGKILL,
+                                     SPILL_AFTER_S + 2 * SPILL_TICK_S + 1.0)
     assert not reader.closed_cleanly and [e.step for e in events if isinstance(e, StepEnded)] == [0, 1]
     un, act = stats_table(events, "grad_unreduced"), stats_table(events, "actv")
     assert {k[0] for k in un} == {0, 1, 2} and {k[0] for k in act} == {0, 1, 2}
@@ -152,20 +146,9 @@ def test_sigterm_in_the_middle_of_a_step_keeps_what_the_step_recorded(tmp_path):
     rows before it closes the log (it closed the log with nothing of that step)."""
     from trainmon_util import stats_table
 
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", HANG, str(out)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "hung"
-        os.kill(proc.pid, signal.SIGTERM)  # at once: before the spill thread's first look at the step
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        proc.stdout.close()
+    # at once: before the spill thread's first look at the step
+    rc, reader, events = _signal_when(HANG, tmp_path / "out", "hung", signal.SIGTERM)
     assert rc == -signal.SIGTERM
-    (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
-    reader, events = read_log(log_path)
     assert reader.closed_cleanly and events[-1].reason == "sigterm"
     assert [e.step for e in events if isinstance(e, StepEnded)] == [0, 1]
     assert {k[0] for k in stats_table(events, "grad_unreduced")} == {0, 1, 2}

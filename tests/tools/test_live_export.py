@@ -72,6 +72,15 @@ def _scalars(d):
             for t in ea.Tags()["scalars"]}
 
 
+def _param_steps(rdir, run_id: str, steps) -> None:
+    """A closed log of one parameter "p" whose six values at step s are all s."""
+    with LogWriter(rdir, rank=0, run_id=run_id, flush_interval=0.01) as w:
+        ids = w.intern(["p"], step=-1)
+        for s in steps:
+            w.write(stats_record(0, s, "param", ids, np.full((1, 6), s, np.float32)))
+            w.write(StepEnded(rank=0, step=s, wall=1.0))
+
+
 def test_csv_follows_and_exits_at_file_closed(tmp_path):
     rdir = rank_dir(tmp_path / "run", 0)
     out = tmp_path / "live"
@@ -140,11 +149,7 @@ def test_parent_gone_exports_what_is_complete(tmp_path):
 def test_resume_rewinds_superseded_csv_rows(tmp_path):
     """Followed live, a resume removes the rows of superseded steps, even inside a window file."""
     rdir = rank_dir(tmp_path / "run", 0)
-    with LogWriter(rdir, rank=0, run_id="res", flush_interval=0.01) as w:
-        ids = w.intern(["p"], step=-1)
-        for s in range(5):
-            w.write(stats_record(0, s, "param", ids, np.full((1, 6), s, np.float32)))
-            w.write(StepEnded(rank=0, step=s, wall=1.0))
+    _param_steps(rdir, "res", range(5))
     with LogWriter(rdir, rank=0, run_id="res", flush_interval=0.01) as w:
         w.write(RunResumed(rank=0, step=3, wall=2.0, last_step=2))
         ids = w.intern(["p"], step=-1)
@@ -185,11 +190,7 @@ def test_the_first_poll_is_not_kept_for_the_whole_export(tmp_path, monkeypatch):
     from trainrec.tools import live_export as le
 
     rdir = rank_dir(tmp_path / "run", 0)
-    with LogWriter(rdir, rank=0, run_id="big", flush_interval=0.01) as w:
-        ids = w.intern(["p"], step=-1)
-        for s in range(300):
-            w.write(stats_record(0, s, "param", ids, np.full((1, 6), s, np.float32)))
-            w.write(StepEnded(rank=0, step=s, wall=1.0))
+    _param_steps(rdir, "big", range(300))
     alive = []
     finish = le.CsvProjector.finish
 
