@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 # checked every SPILL_TICK_S seconds.
 SPILL_AFTER_S = 1.0
 SPILL_TICK_S = 0.5
+SPILL_IDLE_S = 5.0  # how often the idle spill thread looks whether its monitor is gone
 
 
 class StepCollector:
@@ -530,10 +531,17 @@ def _on_host(values) -> bool:
     return isinstance(values, np.ndarray) or values.device.type == "cpu"
 
 
-def spill_loop(ref, stop: threading.Event) -> None:
+def spill_loop(ref, stop: threading.Event, step_open: threading.Event) -> None:
     """The spill thread of a monitor (``ref``: a weak reference to it, so that the thread keeps nothing
-    alive): :meth:`StepCollector._spill` every SPILL_TICK_S seconds until ``stop`` is set."""
-    while not stop.wait(SPILL_TICK_S):
+    alive): :meth:`StepCollector._spill` every SPILL_TICK_S seconds while a collected step is open
+    (``step_open``), asleep otherwise (steps the config skips wake nothing), until ``stop`` is set."""
+    while not stop.is_set():
+        if not step_open.wait(SPILL_IDLE_S):
+            if ref() is None:
+                return
+            continue
+        if stop.wait(SPILL_TICK_S):
+            return
         mon = ref()
         if mon is None:
             return

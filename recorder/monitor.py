@@ -176,6 +176,7 @@ class TrainerMon(StepCollector):
         self._closed = False
         self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
         self._spill_stop = threading.Event()
+        self._step_open = threading.Event()  # a collected step is open: the spill thread looks at it
         if self.config.format != "api":
             self._open_output()
         if self.dynamic:
@@ -196,8 +197,8 @@ class TrainerMon(StepCollector):
                                  pp_stage=self.pp_stage, group_mates=self.group_mates)
         install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread
         before_sigterm_close(self._write_unfinished_step)
-        threading.Thread(target=spill_loop, args=(weakref.ref(self), self._spill_stop), daemon=True,
-                         name=f"trainrec-spill-rank{self.rank}").start()
+        threading.Thread(target=spill_loop, args=(weakref.ref(self), self._spill_stop, self._step_open),
+                         daemon=True, name=f"trainrec-spill-rank{self.rank}").start()
         if cfg.format in ("csv", "tensorboard") and self._live_export_enabled:
             self._live = runinfo.LiveExport(cfg.format, self._rank_dir, cfg.ndigits, cfg.step_count_per_record)
         self._make_alerts(cfg)
@@ -400,6 +401,7 @@ class TrainerMon(StepCollector):
             return
         self._closed = True
         self._spill_stop.set()
+        self._step_open.set()  # wakes the spill thread, which sees the stop
         self._detach()
         self._write_unfinished_step()
         for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles,
@@ -623,6 +625,11 @@ class TrainerMon(StepCollector):
             if self._step_handles:
                 self._detach()
             self._state = None
+        if (self._state is not None) != self._step_open.is_set():
+            if self._state is not None:
+                self._step_open.set()
+            else:
+                self._step_open.clear()
 
     def _mark_began(self) -> None:
         """StepBegan is written at the step's first sign of life (a hook firing, an optimizer step),

@@ -57,3 +57,33 @@ def test_spilling_all_the_time_records_exactly_what_one_write_per_step_does(tmp_
                       for c in (r[2] for r in e.rows()))
 
     assert firings(busy) == firings(calm)
+
+
+def test_the_spill_thread_sleeps_through_steps_that_are_not_collected(tmp_path, monkeypatch):
+    """Between collected steps there is nothing to write: the spill thread waits for the next one
+    instead of waking every tick (background wake-ups on every step a config skips)."""
+    import time
+
+    calls = []
+    monkeypatch.setattr(collect, "SPILL_TICK_S", 0.01)
+    monkeypatch.setattr(collect.StepCollector, "_spill", lambda self: calls.append(self._state is not None))
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"], "start_step": 1,
+                                             "collect_times": 1}),
+                     params_have_main_grad=False, live_export=False, output_dir=str(tmp_path / "out"))
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    loss_of(model, 0).backward()  # step 0: not collected
+    time.sleep(0.3)
+    assert calls == []
+    opt.step()
+    opt.zero_grad()
+    loss_of(model, 1).backward()  # step 1: collected
+    time.sleep(0.3)
+    assert len(calls) >= 5 and all(calls)
+    opt.step()
+    opt.zero_grad()
+    n = len(calls)
+    loss_of(model, 2).backward()  # monitoring stopped after one collection
+    time.sleep(0.3)
+    assert len(calls) <= n + 1
+    mon.close()
