@@ -179,6 +179,8 @@ class TrainerMon(StepCollector):
         self._step_open = threading.Event()  # a collected step is open: the spill thread looks at it
         if self.config.format != "api":
             self._open_output()
+        else:
+            self._make_alerts(self.config)  # says that format api detects nothing
         if self.dynamic:
             self._start_watcher()
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -210,6 +212,10 @@ class TrainerMon(StepCollector):
             except Exception as exc:  # noqa: BLE001
                 log.warning("trainrec: closing the anomaly engine failed: %r", exc)
             self._alerts = None
+        if cfg.alert is not None and self._writer is None:
+            log.warning("trainrec: alert is configured with format \"api\", which writes no log: anomalies are "
+                        "detected on the writer thread as the log is written, so none are detected here. Use "
+                        "another format (the log is always written), or trainrec anomalies on a recorded run.")
         if cfg.alert is None or self._writer is None:
             return
         try:

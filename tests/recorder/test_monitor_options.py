@@ -515,6 +515,20 @@ def test_alert_engine_runs_on_the_writer_thread(tmp_path, out):
     assert not [e for e in ev if isinstance(e, HookFailed)]
 
 
+def test_alert_with_format_api_says_that_nothing_is_detected(tmp_path, out, caplog):
+    """format api writes no log, and detection runs as the log is written: the alert config was
+    silently ignored."""
+    cfg = {"wg_distribution": True, "ops": ["norm"], "format": "api",
+           "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}]}}
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        train(tmp_path, cfg, steps=1)
+    assert 'alert is configured with format "api"' in caplog.text
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        caplog.clear()
+        train(tmp_path, {k: v for k, v in cfg.items() if k != "alert"}, steps=1)
+    assert "alert is configured" not in caplog.text
+
+
 def test_native_record_with_chunks_and_manual_steps(tmp_path, out):
     from trainrec.recorder import record
 
