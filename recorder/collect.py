@@ -345,13 +345,14 @@ class StepCollector:
         writer = self._writer
         with self._spill_lock:
             st.written = True
-            hs = st.stats.finish(st.step, to_host=writer is not None)
             self._collections += 1
-            self._last = {"hs": hs}
+            rest = st.stats
             if st.spilled_parts:
                 rest = StepStats(st.stats.ops)
                 rest.parts = st.stats.parts[st.spilled_parts:]
-                hs = rest.finish(st.step, to_host=True)
+            hs = rest.finish(st.step, to_host=writer is not None)
+            # the api metrics: the step's rows, made when asked for where some went out early
+            self._last = {"hs": hs} if rest is st.stats else {"stats": st.stats, "step": st.step}
             if writer is not None and not writer.closed and writer.error is None:
                 self._write_records(writer, st, hs, st.spilled_fires, len(st.micro))
 
@@ -398,9 +399,13 @@ class StepCollector:
 
     # ------------------------------------------------------------------ api metrics
     def _metrics(self, kind: str) -> dict:
+        if "stats" in self._last:
+            self._last = {"hs": self._last["stats"].finish(self._last["step"], to_host=False)}
         last = self._last.get("hs")
         if last is None:
             return {}
+        if last.event is not None:
+            last.event.synchronize()  # the host copy made for the writer may still be in flight
         out: dict = {}
         vals = last.values
         for k, a, b in last.kinds:

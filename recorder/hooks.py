@@ -475,16 +475,6 @@ def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):
     and before any post-accumulate-grad hook), given this micro step's gradient; with ``incoming ==
     "unsharded"``, the post-accumulate-grad hook of FSDP2's unsharded parameter, whose gradient is this
     rank's own before FSDP reduce-scatters it (and then drops it): measured at once."""
-    if incoming == "unsharded":
-        def unsharded_hook(param):
-            if mon._state is None or param.grad is None:
-                return
-            try:
-                mon._on_grad_accumulated(index, param.grad)
-            except Exception as exc:  # noqa: BLE001
-                mon._hook_failed(f"gradient hook of {mon._params[index].name!r}", exc)
-
-        return unsharded_hook
 
     def hook(param_or_grad):
         if mon._state is None:
@@ -494,6 +484,12 @@ def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):
         except Exception as exc:  # noqa: BLE001
             mon._hook_failed(f"gradient hook of {mon._params[index].name!r}", exc)
 
+    if incoming == "unsharded":
+        def unsharded_hook(param):
+            if param.grad is not None:
+                hook(param.grad)
+
+        return unsharded_hook
     return hook
 
 
@@ -558,8 +554,8 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
         st = mon._state
         if st is not None:
             st.nograd_fwd = False
-        if mon._fsdp2_waiting and st is not None:
-            mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
+            if mon._fsdp2_waiting:
+                mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
         if (st is None or not mon.config.wg_distribution or not module.training or not torch.is_grad_enabled()
                 or in_backward()):
             return

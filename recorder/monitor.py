@@ -511,19 +511,16 @@ class TrainerMon(StepCollector):
 
     def _sync_names(self) -> None:
         """Announce new names to the writer once, and keep the local -> file id map."""
-        with self._spill_lock:
-            self._sync_names_locked()
-
-    def _sync_names_locked(self) -> None:
-        n = len(self._file_ids)
-        if n == len(self._names):
-            return
-        new = self._names[n:]
-        if self._writer is not None:
-            ids = self._writer.intern(new, self._step)
-        else:
-            ids = list(range(n, len(self._names)))
-        self._file_ids = np.concatenate([self._file_ids, np.asarray(ids, dtype=np.uint32)])
+        with self._spill_lock:  # the spill thread writes records too
+            n = len(self._file_ids)
+            if n == len(self._names):
+                return
+            new = self._names[n:]
+            if self._writer is not None:
+                ids = self._writer.intern(new, self._step)
+            else:
+                ids = list(range(n, len(self._names)))
+            self._file_ids = np.concatenate([self._file_ids, np.asarray(ids, dtype=np.uint32)])
 
     def _build(self, cfg: MonitorConfig) -> Targets:
         targets, self._params = self._select(cfg)
@@ -802,26 +799,27 @@ class TrainerMon(StepCollector):
         if not torch.is_grad_enabled():
             return  # no backward follows: not a micro step
         n = self._forwards + 1
-        if n > self._grad_acc and self._backward_seen and self._manual_steps and self._grads_cleared():
-            _warn_once("manual", "trainrec: a new training step seems to begin (gradients cleared after a backward "
-                       "pass) but step() was not called: without an optimizer, call rec.step() once per "
-                       "training step, after its backward pass and before the weights change; until then "
-                       "every backward pass goes into the same step")
-        if (n > self._grad_acc and self._backward_seen and self._opt is not None and not self._manual_steps
-                and self._grads_cleared()):
-            non_finite = self._gradients_non_finite()
-            if non_finite is None:
-                non_finite = n > self._passes * self._grad_acc
-            if non_finite:
-                self._end_step(optimizer_skipped=True)
-                n = 1
-                self._skips_in_a_row += 1
-                if self._skips_in_a_row == _SKIPS_TO_WARN:
-                    _warn_once("skips", f"trainrec: {_SKIPS_TO_WARN} optimizer steps in a row never ran (inf/NaN "
-                               f"gradients skipped by a loss scaler?); if this run accumulates gradients over more "
-                               f"than grad_acc_steps={self._grad_acc} micro steps, pass the right grad_acc_steps")
-            else:
-                self._backward_seen = False  # another pass of this step begins: its backward comes later
+        if n > self._grad_acc and self._backward_seen and self._grads_cleared():
+            if self._manual_steps:
+                _warn_once("manual", "trainrec: a new training step seems to begin (gradients cleared after a "
+                           "backward pass) but step() was not called: without an optimizer, call rec.step() once "
+                           "per training step, after its backward pass and before the weights change; until "
+                           "then every backward pass goes into the same step")
+            elif self._opt is not None:
+                non_finite = self._gradients_non_finite()
+                if non_finite is None:
+                    non_finite = n > self._passes * self._grad_acc
+                if non_finite:
+                    self._end_step(optimizer_skipped=True)
+                    n = 1
+                    self._skips_in_a_row += 1
+                    if self._skips_in_a_row == _SKIPS_TO_WARN:
+                        _warn_once("skips", f"trainrec: {_SKIPS_TO_WARN} optimizer steps in a row never ran (inf/"
+                                   f"NaN gradients skipped by a loss scaler?); if this run accumulates gradients "
+                                   f"over more than grad_acc_steps={self._grad_acc} micro steps, pass the right "
+                                   f"grad_acc_steps")
+                else:
+                    self._backward_seen = False  # another pass of this step begins: its backward comes later
         self._forwards = n
 
     def _gradients_non_finite(self) -> bool | None:
@@ -837,19 +835,20 @@ class TrainerMon(StepCollector):
         col = ops.index("norm") if "norm" in ops else ops.index("nans") if "nans" in ops else None
         if col is None and not {"min", "max", "mean"} & set(ops):
             return None  # zeros alone cannot show an inf or a NaN
-        seen = False
+        flags = []  # per part, on its device: whether it holds an inf or NaN
         for part in st.stats.parts:
             if part.kind not in (KIND_GRAD_UNREDUCED, KIND_ACTV_GRAD):
                 continue
-            seen = True
             v = torch.as_tensor(part.values)
-            v = v[:, col] if col is not None else v
-            if col is not None and ops[col] == "nans":
-                if bool((v != 0).any()):
-                    return True
-            elif not bool(torch.isfinite(v).all()):
-                return True
-        return False if seen else None
+            if col is None:
+                flags.append(~torch.isfinite(v).all())
+            elif ops[col] == "nans":
+                flags.append((v[:, col] != 0).any())
+            else:
+                flags.append(~torch.isfinite(v[:, col]).all())
+        if not flags:
+            return None
+        return bool(torch.stack([f.to(flags[0].device) for f in flags]).any())  # one read-back
 
     def _end_step(self, optimizer_skipped: bool = False) -> None:
         for h in self._check_handles:  # the first step ran: selectors are checked by the hooks from now on

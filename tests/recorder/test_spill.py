@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 from trainmon_util import events_of, loss_of, make, stats_table, write_config
 from trainrec.recorder import TrainerMon, collect
@@ -62,7 +63,6 @@ def test_spilling_all_the_time_records_exactly_what_one_write_per_step_does(tmp_
 def test_the_spill_thread_sleeps_through_steps_that_are_not_collected(tmp_path, monkeypatch):
     """Between collected steps there is nothing to write: the spill thread waits for the next one
     instead of waking every tick (background wake-ups on every step a config skips)."""
-    import time
 
     calls = []
     monkeypatch.setattr(collect, "SPILL_TICK_S", 0.01)
@@ -87,3 +87,23 @@ def test_the_spill_thread_sleeps_through_steps_that_are_not_collected(tmp_path, 
     time.sleep(0.3)
     assert len(calls) <= n + 1
     mon.close()
+
+
+def test_api_metrics_of_a_spilled_step_hold_the_whole_step(tmp_path, monkeypatch):
+    def metrics(name: str) -> dict:
+        mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}, f"{name}.json"),
+                         params_have_main_grad=False, live_export=False, output_dir=str(tmp_path / name))
+        model, opt = make()
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        loss_of(model, 0).backward()
+        time.sleep(0.05)
+        opt.step()
+        got = {which: {tag: float(v["norm"]) for tag, v in m.items()}
+               for which, m in zip(("reduced", "unreduced"), mon.generate_wgrad_metrics(), strict=True)}
+        mon.close()
+        return got
+
+    calm = metrics("calm")
+    monkeypatch.setattr(collect, "SPILL_AFTER_S", 0.0)
+    monkeypatch.setattr(collect, "SPILL_TICK_S", 0.001)
+    assert metrics("busy") == calm and calm["reduced"] and calm["unreduced"]
