@@ -53,7 +53,3 @@ def fsdp2_params(chunks) -> tuple[dict[int, Any], bool]:
 def unsharded_param(fsdp_param) -> Any:
     """The unsharded parameter FSDP computes on, or None before its first all-gather."""
     return getattr(fsdp_param, "_unsharded_param", None)
-
-
-def is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")

@@ -73,6 +73,7 @@ from trainrec.schema.events import (
 from . import fsdp, runinfo, structure, zero
 from .collect import StepCollector, spill_loop
 from .config import MonitorConfig, load_config, parse_config
+from .fused import local_tensor
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
 from .stats import StatsEngine, StepStats
@@ -672,7 +673,7 @@ class TrainerMon(StepCollector):
                     self._frozen.append(i)
                     continue
                 fp = sharded.get(id(p.param))
-                if fp is not None or (unreadable and fsdp.is_dtensor(p.param)):
+                if fp is not None or (unreadable and local_tensor(p.param) is not p.param):  # a DTensor
                     # FSDP2: the hook goes on the unsharded parameter, where this rank's own gradient is
                     # accumulated (the sharded one's hooks get the reduced shard), once it exists
                     if fp is not None:

@@ -17,8 +17,8 @@ weight gradients and parameters with all six ops). The keys are the reference's 
 :mod:`.config`). ``model`` may be a module or a list of modules (virtual pipeline chunks). Without an
 optimizer, call ``rec.step()`` once per training step, after its backward pass(es) and before the
 weights change (it measures that step's gradients and parameters, as an optimizer's pre-step hook
-would); without either, every backward pass goes into step 0 (a warning says so). Unlike ``TrainerMon``, a config
-without ``format`` writes only the log (no live CSV/TensorBoard projection).
+would); without either, every backward pass goes into step 0 (a warning says so). Unlike
+``TrainerMon``, a config without ``format`` writes only the log (no live CSV/TensorBoard projection).
 """
 
 from __future__ import annotations
