@@ -21,7 +21,9 @@ Output goes to a :class:`CsvSink`; creating files is the caller's business (``tr
 
 from __future__ import annotations
 
+import bisect
 import logging
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,6 +36,7 @@ from trainrec.analyzers.projection import (
     Projector,
     Rewind,
     RowLayout,
+    SeenSteps,
     StepAssembler,
     StepSet,
     reference_rows,
@@ -58,12 +61,11 @@ class CsvSink(Protocol):
 
 @dataclass
 class CsvSummary:
-    """What a CSV projection wrote."""
+    """What a CSV projection wrote (the files: the sink's)."""
 
     rows: int = 0
     values: int = 0
-    files: set = field(default_factory=set)
-    steps: set = field(default_factory=set)
+    steps: SeenSteps = field(default_factory=SeenSteps)
     dropped_steps: list = field(default_factory=list)
     bad_records: int = 0
 
@@ -132,6 +134,45 @@ def _csv_layout(lay: RowLayout) -> _CsvLayout:
     return _CsvLayout(prefixes, np.array(pairs, dtype=np.int64).reshape(-1, 2))
 
 
+class _WindowOps:
+    """The ops of each window file's header, per kind: a window's rows keep the columns its first
+    step gave it. 10 bytes per window (starts in order, an index into the few distinct op lists),
+    so a live export's memory does not grow with the files it writes."""
+
+    def __init__(self) -> None:
+        self._starts: dict[str, array] = {}
+        self._idx: dict[str, array] = {}
+        self._table: list[tuple[str, ...]] = []
+
+    def ops(self, kind: str, start: int, ops: tuple[str, ...]) -> tuple[str, ...]:
+        """The window's ops; ``ops`` where the window is new to this export."""
+        starts = self._starts.get(kind)
+        if starts is None:
+            starts = self._starts[kind] = array("q")
+            self._idx[kind] = array("H")
+        idx = self._idx[kind]
+        if starts and starts[-1] == start:
+            return self._table[idx[-1]]
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] == start:
+            return self._table[idx[i]]
+        try:
+            j = self._table.index(ops)
+        except ValueError:
+            j = len(self._table)
+            self._table.append(ops)
+        starts.insert(i, start)
+        idx.insert(i, j)
+        return ops
+
+    def drop_from(self, step: int) -> None:
+        """Forget the windows that begin at ``step`` or later (a rewind removed their files)."""
+        for kind, starts in self._starts.items():
+            i = bisect.bisect_left(starts, step)
+            del starts[i:]
+            del self._idx[kind][i:]
+
+
 class CsvProjector(Projector):
     """Feeds events of one rank, appends CSV rows to ``sink`` as steps complete."""
 
@@ -155,7 +196,7 @@ class CsvProjector(Projector):
         self.rewind = rewind
         self.assembler = StepAssembler(kinds, steps, notes=False)
         self.summary = CsvSummary()
-        self._window_ops: dict[tuple[str, int], tuple[str, ...]] = {}
+        self._windows = _WindowOps()
         self._warned: set = set()
 
     def _item(self, item) -> None:
@@ -163,7 +204,9 @@ class CsvProjector(Projector):
             self._frame(item)
         elif isinstance(item, Rewind) and self.rewind:
             self.sink.rewind(item.step)
-            self._window_ops = {k: v for k, v in self._window_ops.items() if k[1] < item.step}
+            self._windows.drop_from(item.step)
+            self.summary.steps.drop_from(item.step)
+            self._warned = {w for w in self._warned if w[1] < item.step}
         elif isinstance(item, Note):  # pragma: no cover - the assembler is built without notes
             pass
 
@@ -172,7 +215,7 @@ class CsvProjector(Projector):
         start, end = window_of(frame.step, self.per_record)
         ops = frame.ops
         values = frame.values
-        wops = self._window_ops.setdefault((kind, start), ops)
+        wops = self._windows.ops(kind, start, ops)
         if wops != ops:
             values = self._remap(frame, wops)
             ops = wops
@@ -196,7 +239,6 @@ class CsvProjector(Projector):
         s = self.summary
         s.rows += len(cl.prefixes)
         s.values += values.size
-        s.files.add((prefix, start, end))
         s.steps.add(frame.step)
 
     def _remap(self, frame: KindFrame, wops: tuple[str, ...]) -> np.ndarray:

@@ -27,6 +27,7 @@ from trainrec.analyzers.projection import (
     Note,
     Projector,
     Rewind,
+    SeenSteps,
     StepAssembler,
     StepSet,
     reference_rows,
@@ -52,7 +53,7 @@ class TbSummary:
     events: int = 0
     scalars: int = 0
     notes: int = 0
-    steps: set = field(default_factory=set)
+    steps: SeenSteps = field(default_factory=SeenSteps)
     dropped_steps: list = field(default_factory=list)
     bad_records: int = 0
 
@@ -103,6 +104,7 @@ class TbProjector(Projector):
             if self.rewind:
                 self.sink.write(event_bytes(item.wall, item.step, session_start=True))
                 self.summary.events += 1
+                self.summary.steps.drop_from(item.step)
 
     def _frame(self, frame: KindFrame) -> None:
         lay = frame.layout

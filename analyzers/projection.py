@@ -24,8 +24,10 @@ built once and cached by the bytes of their columns; consumers cache their own d
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -54,6 +56,7 @@ __all__ = [
     "Projector",
     "Rewind",
     "RowLayout",
+    "SeenSteps",
     "StepAssembler",
     "StepSet",
     "parse_kinds",
@@ -80,6 +83,48 @@ class StepSet:
 
     def text(self) -> str:
         return ",".join(f"{lo}" if lo == hi else f"{lo}-{'' if hi is None else hi}" for lo, hi in self.ranges)
+
+
+class SeenSteps:
+    """The steps an export wrote, in 8 bytes each (a live export runs as long as training does).
+
+    Steps come in increasing order but for a resume's rewind (:meth:`drop_from`), which supersedes
+    the steps from one on; an older step added again (an offline export of several files) is inserted
+    in order. Iterates in step order."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, steps: Iterable[int] = ()) -> None:
+        self._steps = array("q", sorted(set(steps)))
+
+    def add(self, step: int) -> None:
+        a = self._steps
+        if not a or step > a[-1]:
+            a.append(step)
+            return
+        i = bisect.bisect_left(a, step)
+        if a[i] != step:
+            a.insert(i, step)
+
+    def drop_from(self, step: int) -> None:
+        """Forget the steps >= ``step``."""
+        del self._steps[bisect.bisect_left(self._steps, step) :]
+
+    def __contains__(self, step: object) -> bool:
+        a = self._steps
+        if not isinstance(step, int):
+            return False
+        i = bisect.bisect_left(a, step)
+        return i < len(a) and a[i] == step
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __repr__(self) -> str:
+        return f"SeenSteps({list(self._steps)!r})"
 
 
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")

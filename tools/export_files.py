@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import bisect
 import csv
 import io
 import logging
@@ -22,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -125,13 +127,18 @@ class TbEventFile:
 
 # ---------------------------------------------------------------------------------------- CSV
 class CsvDirSink:
-    """CSV window files of one rank in ``directory`` (see the module docstring)."""
+    """CSV window files of one rank in ``directory`` (see the module docstring).
+
+    What it wrote is kept as three integers per window file, per data type (window start and end, the
+    last step written there), ordered by start: a live export runs as long as training does, so its
+    bookkeeping must not grow by more than that per file. Paths are made from them when asked."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
-        self._written: dict[tuple[str, int], list] = {}  # (kind, start) -> [path, end, max step]
-        self._open: dict[str, tuple[int, io.BufferedWriter]] = {}  # kind -> (start, file)
+        # kind -> (starts, ends, last step written), ordered by start
+        self._written: dict[str, tuple[array, array, array]] = {}
+        self._open: dict[str, tuple[int, io.BufferedWriter, int]] = {}  # kind -> (start, file, window index)
 
     def path(self, kind: str, start: int, end: int) -> str:
         return os.path.join(self.directory, f"{kind}_{start}-{end}.csv")
@@ -143,53 +150,41 @@ class CsvDirSink:
             del self._open[kind]
             cur = None
         if cur is None:
-            entry = self._written.get((kind, start))
-            if entry is None:
-                path = self.path(kind, start, end)
-                f = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - kept open across steps
-                f.write(header.encode("utf-8") + b"\n")
-                self._written[(kind, start)] = [path, end, step]
+            starts, ends, lasts = self._written.get(kind) or self._written.setdefault(
+                kind, (array("q"), array("q"), array("q")))
+            i = bisect.bisect_left(starts, start)
+            if i < len(starts) and starts[i] == start:
+                f = open(self.path(kind, start, ends[i]), "ab", buffering=1 << 20)  # noqa: SIM115
             else:
-                f = open(entry[0], "ab", buffering=1 << 20)  # noqa: SIM115
-            self._open[kind] = cur = (start, f)
+                f = open(self.path(kind, start, end), "wb", buffering=1 << 20)  # noqa: SIM115 - kept open across steps
+                f.write(header.encode("utf-8") + b"\n")
+                starts.insert(i, start)
+                ends.insert(i, end)
+                lasts.insert(i, step)
+            self._open[kind] = cur = (start, f, i)
         cur[1].write(text)
-        entry = self._written[(kind, start)]
-        if step > entry[2]:
-            entry[2] = step
+        lasts = self._written[kind][2]
+        if step > lasts[cur[2]]:
+            lasts[cur[2]] = step
 
     def rewind(self, step: int) -> None:
         """Drop the rows of steps >= ``step`` from the files this sink wrote."""
         self.flush_close()
-        for key, (path, _end, max_step) in list(self._written.items()):
-            if max_step < step:
-                continue
-            if key[1] >= step:
-                os.remove(path)
-                del self._written[key]
-                continue
-            with open(path, encoding="utf-8", newline="") as f:
-                lines = f.read().splitlines(keepends=True)
-            kept = lines[:1]
-            last = -1
-            for line in lines[1:]:
-                row = next(csv.reader([line]))
-                try:
-                    s = int(row[2])
-                except (IndexError, ValueError):
-                    continue
-                if s < step:
-                    kept.append(line)
-                    last = max(last, s)
-            with open(path, "w", encoding="utf-8", newline="") as f:
-                f.writelines(kept)
-            self._written[key][2] = last
+        for kind, (starts, ends, lasts) in self._written.items():
+            # windows do not overlap: those that begin at step or later go, the one before may hold it
+            i = bisect.bisect_left(starts, step)
+            for j in range(i, len(starts)):
+                os.remove(self.path(kind, starts[j], ends[j]))
+            del starts[i:], ends[i:], lasts[i:]
+            if i and lasts[i - 1] >= step:
+                lasts[i - 1] = _trim_csv(self.path(kind, starts[i - 1], ends[i - 1]), step)
 
     def flush(self) -> None:
-        for _, f in self._open.values():
+        for _, f, _ in self._open.values():
             f.flush()
 
     def flush_close(self) -> None:
-        for _, f in self._open.values():
+        for _, f, _ in self._open.values():
             f.close()
         self._open.clear()
 
@@ -197,7 +192,28 @@ class CsvDirSink:
 
     @property
     def files(self) -> list[str]:
-        return sorted(v[0] for v in self._written.values())
+        return sorted(self.path(kind, s, e) for kind, (starts, ends, _) in self._written.items()
+                      for s, e in zip(starts, ends, strict=True))
+
+
+def _trim_csv(path: str, step: int) -> int:
+    """Keep the header and the rows of steps < ``step`` in a window file; the last step kept (-1: none)."""
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = f.read().splitlines(keepends=True)
+    kept = lines[:1]
+    last = -1
+    for line in lines[1:]:
+        row = next(csv.reader([line]))
+        try:
+            s = int(row[2])
+        except (IndexError, ValueError):
+            continue
+        if s < step:
+            kept.append(line)
+            last = max(last, s)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.writelines(kept)
+    return last
 
 
 # ---------------------------------------------------------------------------------------- tasks

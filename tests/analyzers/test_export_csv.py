@@ -54,7 +54,7 @@ def test_files_headers_and_rounded_values(tmp_path):
     out, summary = _export(tmp_path, rdir)
     kinds = ("actv", "actv_grad", "grad_unreduced", "grad_reduced", "param", "exp_avg", "exp_avg_sq")
     assert sorted(os.listdir(out)) == sorted(f"{k}_{s}-{s}.csv" for k in kinds for s in range(3))
-    assert summary.steps == {0, 1, 2}
+    assert list(summary.steps) == [0, 1, 2]
     checked = 0
     for kind in kinds:
         for step in range(3):
@@ -119,7 +119,7 @@ def test_step_count_per_record_and_selection(tmp_path):
     expected, _ = write_rank_log(rdir, steps=range(7), kinds=("grad_reduced", "param"))
     out, summary = _export(tmp_path, rdir, step_count_per_record=3, kinds=["param"], steps=parse_steps("1-4,6"))
     assert sorted(os.listdir(out)) == ["param_0-2.csv", "param_3-5.csv", "param_6-8.csv"]
-    assert summary.steps == {1, 2, 3, 4, 6}
+    assert list(summary.steps) == [1, 2, 3, 4, 6]
     rows = _read(out / "param_0-2.csv")
     assert rows[0][0] == "vpp_stage" and sum(r[0] == "vpp_stage" for r in rows) == 1
     assert [int(r[2]) for r in rows[1:]] == [1] * 5 + [2] * 5
@@ -253,3 +253,29 @@ def test_grad_unreduced_has_the_reference_one_row_per_parameter_the_last_micro_s
         assert [r[1] for r in rows] == PARAMS
         for r in rows:
             np.testing.assert_array_equal(np.array([float(x) for x in r[3:]], dtype=np.float32), last[(step, r[1])])
+
+
+def test_dir_sink_rewind_trims_and_removes_window_files_per_kind(tmp_path):
+    sink = CsvDirSink(str(tmp_path))
+    for step in range(6):
+        for kind in ("param", "grad_reduced"):
+            start = step // 2 * 2
+            sink.append(kind, start, start + 1, "vpp_stage,param_name,step,norm", f"0,w,{step},{step}.5\n".encode(), step)
+    sink.rewind(3)
+    assert sorted(os.listdir(tmp_path)) == ["grad_reduced_0-1.csv", "grad_reduced_2-3.csv", "param_0-1.csv", "param_2-3.csv"]
+    assert (tmp_path / "param_2-3.csv").read_text() == "vpp_stage,param_name,step,norm\n0,w,2,2.5\n"
+    sink.append("param", 2, 3, "vpp_stage,param_name,step,norm", b"0,w,3,30.5\n", 3)  # appended, header kept once
+    sink.append("param", 4, 5, "vpp_stage,param_name,step,norm", b"0,w,4,40.5\n", 4)
+    sink.close()
+    assert (tmp_path / "param_2-3.csv").read_text() == "vpp_stage,param_name,step,norm\n0,w,2,2.5\n0,w,3,30.5\n"
+    sink.rewind(2)  # a window that begins at the rewound step goes whole
+    assert sink.files == [str(tmp_path / f) for f in ("grad_reduced_0-1.csv", "param_0-1.csv")]
+    assert sorted(os.listdir(tmp_path)) == ["grad_reduced_0-1.csv", "param_0-1.csv"]
+    # a window whose rows all go keeps its header; a later rewind before it removes it
+    sink.append("param", 2, 3, "vpp_stage,param_name,step,norm", b"0,w,3,3.5\n", 3)
+    sink.rewind(3)
+    assert (tmp_path / "param_2-3.csv").read_text() == "vpp_stage,param_name,step,norm\n"
+    sink.append("param", 4, 5, "vpp_stage,param_name,step,norm", b"0,w,4,4.5\n", 4)
+    sink.rewind(1)
+    assert sorted(os.listdir(tmp_path)) == ["grad_reduced_0-1.csv", "param_0-1.csv"]
+    assert (tmp_path / "param_0-1.csv").read_text() == "vpp_stage,param_name,step,norm\n0,w,0,0.5\n"

@@ -205,3 +205,34 @@ def test_the_first_poll_is_not_kept_for_the_whole_export(tmp_path, monkeypatch):
     res = live_export(rdir, "csv", str(tmp_path / "live"), poll_interval=0.01, idle_timeout=10)
     assert res.reason == "closed" and res.steps == 300
     assert alive and alive[0] < 50  # 600+ were read
+
+
+def test_bookkeeping_per_window_file_stays_small(tmp_path, monkeypatch):
+    """A live export runs as long as training: what it remembers of each file it wrote (to rewind on a
+    resume, to list its files) must stay a few integers, not paths and tuples (~730 bytes per file
+    before, 0.5 GB for a 100k-step run with one file per step and kind)."""
+    import gc
+    import tracemalloc
+
+    from trainrec.tools import live_export as le
+
+    held = {}
+    finish = le.CsvProjector.finish
+
+    def measuring_finish(self, clean):
+        gc.collect()
+        held[len(self.summary.steps)] = tracemalloc.get_traced_memory()[0]
+        return finish(self, clean)
+
+    monkeypatch.setattr(le.CsvProjector, "finish", measuring_finish)
+    for n in (200, 2200):
+        rdir = rank_dir(tmp_path / f"run{n}", 0)
+        _param_steps(rdir, f"b{n}", range(n))
+        tracemalloc.start()
+        try:
+            res = live_export(rdir, "csv", str(tmp_path / f"live{n}"), poll_interval=0.01, idle_timeout=10)
+        finally:
+            tracemalloc.stop()
+        assert res.reason == "closed" and res.steps == n and len(res.files) == n
+    per_file = (held[2200] - held[200]) / 2000
+    assert per_file < 100, f"{per_file:.0f} bytes of bookkeeping per CSV file"
