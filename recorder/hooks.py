@@ -476,8 +476,11 @@ def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):
     "unsharded"``, the post-accumulate-grad hook of FSDP2's unsharded parameter, whose gradient is this
     rank's own before FSDP reduce-scatters it (and then drops it): measured at once."""
 
+    ref = weakref.ref(mon)  # a tensor's hooks are out of the garbage collector's sight (see TrainerMon)
+
     def hook(param_or_grad):
-        if mon._state is None:
+        mon = ref()
+        if mon is None or mon._state is None:
             return
         try:
             mon._on_grad_accumulated(index, param_or_grad if incoming else None)

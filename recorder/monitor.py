@@ -165,10 +165,11 @@ class TrainerMon(StepCollector):
         self._tp_group = None
         self._last: dict[str, list] = {}
         self._failures: dict[str, int] = {}
-        self._writer: LogWriter | None = None
-        self._live: runinfo.LiveExport | None = None
-        self._alerts = None
-        self._watcher = None
+        # the log, the live export, the detector and the config watcher, held apart from the monitor so
+        # that a monitor dropped without close() (with its model) still has its log closed (_release)
+        self._owned = _Owned(threading.Event(), threading.Event())
+        self._finalizer = weakref.finalize(self, _release, self._owned)
+        self._finalizer.atexit = False  # at exit, _close_at_exit closes a live monitor in full
         self._rank_dir: str | None = None
         self._resumed_from: tuple = ()
         self._struct: dict | None = None
@@ -176,8 +177,8 @@ class TrainerMon(StepCollector):
         self._warned_no_optimizer = False
         self._closed = False
         self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
-        self._spill_stop = threading.Event()
-        self._step_open = threading.Event()  # a collected step is open: the spill thread looks at it
+        self._spill_stop = self._owned.spill_stop
+        self._step_open = self._owned.step_open  # a collected step is open: the spill thread looks at it
         if self.config.format != "api":
             self._open_output()
         else:
@@ -185,6 +186,11 @@ class TrainerMon(StepCollector):
         if self.dynamic:
             self._start_watcher()
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    _writer = property(lambda self: self._owned.writer, lambda self, v: setattr(self._owned, "writer", v))
+    _live = property(lambda self: self._owned.live, lambda self, v: setattr(self._owned, "live", v))
+    _alerts = property(lambda self: self._owned.alerts, lambda self, v: setattr(self._owned, "alerts", v))
+    _watcher = property(lambda self: self._owned.watcher, lambda self, v: setattr(self._owned, "watcher", v))
 
     # ------------------------------------------------------------------ output
     def _open_output(self) -> None:
@@ -242,7 +248,7 @@ class TrainerMon(StepCollector):
             return
         path = os.fspath(self.config_file_path)
         self._watcher = DynamicConfigWatcher(
-            path, validate=lambda raw: parse_config(raw, path), emit=self._emit, rank=self.rank,
+            path, validate=lambda raw: parse_config(raw, path), emit=_weak_call(self._emit), rank=self.rank,
             writes_back=self.rank == 0, group=None,
         )
         self._watcher.start()
@@ -342,7 +348,9 @@ class TrainerMon(StepCollector):
         # a backward ran in this step: the first and last parameters of chunk 0 got a gradient
         self._marked_params = list({id(q): q for q in self._chunk0_params[:1] + self._chunk0_params[-1:]}.values())
         for p in self._marked_params:
-            self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(self._on_backward)))
+            # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
+            # the monitor (which holds the model) would keep both alive until exit
+            self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(_weak_call(self._on_backward))))
         self._bind_optimizer(optimizer)
         if self._resumed_from:
             if self._step == 0:
@@ -407,6 +415,7 @@ class TrainerMon(StepCollector):
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self._spill_stop.set()
         self._step_open.set()  # wakes the spill thread, which sees the stop
         self._detach()
@@ -927,6 +936,52 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(message)
+
+
+class _Owned:
+    """What a monitor owns that must be closed even when the monitor is dropped without close()."""
+
+    __slots__ = ("spill_stop", "step_open", "writer", "live", "alerts", "watcher")
+
+    def __init__(self, spill_stop: threading.Event, step_open: threading.Event) -> None:
+        self.spill_stop = spill_stop
+        self.step_open = step_open
+        self.writer: LogWriter | None = None
+        self.live: runinfo.LiveExport | None = None
+        self.alerts = None
+        self.watcher = None
+
+
+def _release(owned: _Owned) -> None:
+    """A monitor was garbage-collected without close() (its model and optimizer were dropped too): stop
+    its threads and close its log, so that the log ends with FileClosed and its live export finishes.
+    Runs wherever the collector runs: nothing here waits for long, and nothing raises."""
+    where = owned.writer.path if owned.writer is not None else "format api"
+    log.info("trainrec: a TrainerMon was dropped without close() (%s): its log is closed now; a step begun "
+             "after the last optimizer step, if any, is not in it (close() writes it)", where)
+    owned.spill_stop.set()
+    owned.step_open.set()
+    for what in ("watcher", "alerts", "writer"):
+        obj = getattr(owned, what)
+        if obj is None:
+            continue
+        try:
+            obj.close(timeout=10.0) if what == "writer" else obj.close()
+        except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
+            log.warning("trainrec: closing the %s of a dropped monitor failed: %r", what, exc)
+    if owned.live is not None:  # it exits after reading FileClosed: reaped off this thread
+        threading.Thread(target=owned.live.wait, daemon=True, name="trainrec-live-export-reaper").start()
+
+
+def _weak_call(method):
+    """``method`` (bound) called through a weak reference to its object: a no-op once it is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        m = ref()
+        return None if m is None else m(*args, **kwargs)
+
+    return call
 
 
 def _close_at_exit(ref) -> None:

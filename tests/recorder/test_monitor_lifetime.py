@@ -1,0 +1,79 @@
+"""A monitor dropped without close() (with its model and optimizer) is collected, and its log closed."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+import weakref
+
+import torch
+from trainrec.recorder import TrainerMon
+from trainrec.replay import open_run
+from trainrec.schema.events import FileClosed
+
+
+def _train_and_drop(cfg_path, out_dir):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMon(str(cfg_path), params_have_main_grad=False, output_dir=str(out_dir))
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return weakref.ref(mon), weakref.ref(model), weakref.ref(opt)
+
+
+def _threads(prefix):
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_dropped_monitor_is_collected_and_its_log_closed(tmp_path, monkeypatch):
+    """Hooks on parameters are out of the collector's sight, so one holding the monitor kept the
+    monitor, the model and the optimizer alive until exit, with the log open and two threads running.
+    Dynamic mode's watcher thread did the same."""
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"wg_distribution": True, "xy_distribution": True, "mv_distribution": True,
+                               "format": "csv", "switch": True}))
+    before = {t.ident for t in threading.enumerate()}
+    refs = _train_and_drop(cfg, tmp_path / "out")
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(t.ident not in before and t.is_alive() for t in threading.enumerate()):
+        time.sleep(0.05)
+    assert [t.name for t in threading.enumerate() if t.ident not in before] == []  # writer, spill, watcher, export
+    run = open_run(str(tmp_path / "out"))
+    events = list(run.events())
+    assert isinstance(events[-1], FileClosed)
+    assert sorted({e.step for e in events if type(e).__name__ == "StepEnded"}) == [0, 1, 2]
+    # the live export read the log to its end and exited (dynamic mode starts recording at step 1)
+    recorded = sorted({e.step for e in events if getattr(e, "kind", None) == "grad_reduced"})
+    assert recorded == [1, 2]
+    rank_dir = next((tmp_path / "out").iterdir())
+    assert sorted(p.name for p in rank_dir.glob("grad_reduced_*.csv")) == [f"grad_reduced_{s}-{s}.csv" for s in recorded]
+
+
+def test_a_monitor_in_use_is_not_collected(tmp_path):
+    """The model's hooks keep a monitor alive while the model is: dropping only the monitor object
+    records on (as before)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"wg_distribution": True, "format": "api"}))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(str(cfg), params_have_main_grad=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    ref = weakref.ref(mon)
+    del mon
+    gc.collect()
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon = ref()
+    assert mon is not None
+    assert mon.generate_wgrad_metrics()  # still recording
+    mon.close()
