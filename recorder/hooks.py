@@ -330,7 +330,11 @@ def _grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once | None, gr
     if mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
         return None
     rows = None
-    for gc, slot, name in users:
+    # last hooked first: backward runs the forward in reverse. A module returning its child's output
+    # gets the gradient before that child (as the reference's backward hooks, which wrap the output
+    # again), and a gradient that is one module's input and the module before it's output is the
+    # later module's input gradient first
+    for gc, slot, name in reversed(users):
         try:
             if gc.call is None:
                 gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)

@@ -68,7 +68,9 @@ def test_files_headers_and_rounded_values(tmp_path):
             else:
                 assert rows[0] == ["vpp_stage", "param_name", "step", *OPS]
             labels = [r[1] for r in rows[1:]]
-            if kind in ("actv", "actv_grad"):
+            if kind == "actv":  # the reference's order: by module, then micro step
+                assert labels == [f"{m}_{mi}" for m in MODULES for mi in range(2)]
+            elif kind == "actv_grad":  # as recorded, micro step by micro step (the reference's too)
                 assert labels == [f"{m}_{mi}" for mi in range(2) for m in MODULES]
             else:
                 assert labels == PARAMS
@@ -92,9 +94,9 @@ def test_pandas_reads_what_the_reference_writes(tmp_path):
             ours = (out / f"{kind}_{step}-{step}.csv").read_text()
             header = csv_header(kind, OPS).split(",")
             rows = []
-            if kind == "actv":
-                for mi in range(2):
-                    for i, m in enumerate(MODULES):
+            if kind == "actv":  # the reference's row order: by module, then micro step
+                for i, m in enumerate(MODULES):
+                    for mi in range(2):
                         vpp = 0 if i < 3 else 1
                         vals = _expected_row(expected, kind, step, vpp, f"{m}_{mi}")
                         rows.append([str(vpp), f"{m}_{mi}", step, *[v.item() for v in vals.astype(np.float64)]])

@@ -61,3 +61,44 @@ def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
         rows = list(csv.reader(f))
     assert rows[0] == ["vpp_stage", "param_name", "step", "norm", "max"]
     assert all(len(v.split(".")[-1]) <= 3 for r in rows[1:] for v in r[3:] if "." in v)
+
+
+def test_csv_row_order_with_gradient_accumulation_is_the_references(tmp_path, monkeypatch):
+    """Row order as mindstudio-probe 1.2.1 writes it (run here on this model, grad_acc_steps=2, step
+    1's files): activations grouped by module, in the order modules first finished a forward, each
+    with its micro steps; activation gradients in backward order per micro step, a module before the
+    child whose output it returns (the root before ``c``). Scripts that read rows by position rely on it."""
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(self.a(x))))
+
+    pytest.importorskip("trainrec.tools.live_export")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "format": "csv", "ops": ["norm"]}
+    torch.manual_seed(0)
+    model = M()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+    for _ in range(2):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    (d,) = rank_dirs(tmp_path / "out")
+
+    def names(kind):
+        with open(os.path.join(d, f"{kind}_1-1.csv")) as f:
+            return [row[1] for row in list(csv.reader(f))[1:]]
+
+    assert names("actv") == ["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "_0", "_1"]
+    assert names("actv_grad") == ["_0", "c_0", "b_0", "a_0", "_1", "c_1", "b_1", "a_1"]
+    assert names("grad_unreduced") == ["c.bias", "c.weight", "b.bias", "b.weight", "a.bias", "a.weight"]
+    assert names("grad_reduced") == ["a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"]
