@@ -411,15 +411,24 @@ class StepCollector:
         for k, a, b in last.kinds:
             if k != kind:
                 continue
+            # the reference's dtypes: norm and mean float64, the NaN count int64, the rest float32 (min and
+            # max are the tensor's own dtype there: float32 holds bfloat16 and float16 values exactly); a
+            # tensor that was not there (a NaN row) is float32 NaN throughout, as the reference's
+            block = vals[a:b]
+            cols = [block[:, j].to(_API_DTYPES.get(op, torch.float32)) for j, op in enumerate(last.ops)]
+            missing = torch.isnan(block).all(dim=1).tolist()
             for r in range(a, b):
                 name = self._names[int(last.name_ids[r])]
                 tag = reference_tag(kind, name, int(last.slots[r]), int(last.micro_steps[r]), self.rank,
                                     int(last.vpp_stages[r]))
-                out[tag] = {op: vals[r, j] for j, op in enumerate(last.ops)}
+                i = r - a
+                out[tag] = ({op: block[i, j] for j, op in enumerate(last.ops)} if missing[i]
+                            else {op: cols[j][i] for j, op in enumerate(last.ops)})
         return out
 
 
 _warned: list = []
+_API_DTYPES = {"norm": torch.float64, "mean": torch.float64, "nans": torch.int64}
 
 
 def _queue_end_of_backward(fn) -> None:

@@ -350,6 +350,13 @@ def test_format_api_writes_nothing_and_returns_metrics(tmp_path, out):
     assert "0:pair_0/rank0/input" in actv and "0:head_0/rank0/output_grad" in actv_grad
     m = reduced["0:head.weight/rank0/post_grad"]
     assert set(m) == set(ALL_OPS) and all(torch.is_tensor(v) and v.dim() == 0 for v in m.values())
+    # the reference's dtypes (msprobe-monitor.md): norm and mean float64, nans int64, the rest float32
+    assert {op: v.dtype for op, v in m.items()} == {
+        "min": torch.float32, "max": torch.float32, "norm": torch.float64, "mean": torch.float64,
+        "zeros": torch.float32, "nans": torch.int64}
+    # a gradient that never came (the input of the first module here) is float32 NaN throughout, as there
+    missing = [v for tag, v in actv_grad.items() if tag.endswith("/input_grad") and torch.isnan(v["norm"])]
+    assert missing and all(t.dtype == torch.float32 and torch.isnan(t) for v in missing for t in v.values())
     g = model.head.weight.grad  # zero_grad(set_to_none) ran; compare norms via a fresh computation instead
     assert g is None and float(m["norm"]) > 0
 
