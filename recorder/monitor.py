@@ -176,6 +176,10 @@ class TrainerMon(StepCollector):
         self._manual_steps = False
         self._warned_no_optimizer = False
         self._closed = False
+        self._emitted = False  # an event went to the log (its directory is kept whatever happens)
+        self._made_rank_dir = False  # the rank directory is this monitor's own (not append_output's)
+        self._output_discarded = False  # a config error removed the empty output (_discard_empty_output)
+        self._spilling = False
         self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
         self._spill_stop = self._owned.spill_stop
         self._step_open = self._owned.step_open  # a collected step is open: the spill thread looks at it
@@ -204,13 +208,45 @@ class TrainerMon(StepCollector):
         os.makedirs(self._rank_dir, mode=0o750, exist_ok=True)
         self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
                                  pp_stage=self.pp_stage, group_mates=self.group_mates)
+        self._made_rank_dir = not cfg.append_output
         install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread
-        before_sigterm_close(self._write_unfinished_step)
-        threading.Thread(target=spill_loop, args=(weakref.ref(self), self._spill_stop, self._step_open),
-                         daemon=True, name=f"trainrec-spill-rank{self.rank}").start()
+        if not self._spilling:  # once per monitor (the output is opened again after a config error)
+            self._spilling = True
+            before_sigterm_close(self._write_unfinished_step)
+            threading.Thread(target=spill_loop, args=(weakref.ref(self), self._spill_stop, self._step_open),
+                             daemon=True, name=f"trainrec-spill-rank{self.rank}").start()
         if cfg.format in ("csv", "tensorboard") and self._live_export_enabled:
             self._live = runinfo.LiveExport(cfg.format, self._rank_dir, cfg.ndigits, cfg.step_count_per_record)
         self._make_alerts(cfg)
+
+    def _discard_empty_output(self) -> None:
+        """``monitor_gnorm_with_ad`` failed on the config, before anything was recorded: the rank directory
+        this monitor made (with its empty log) goes, so that a fixed relaunch leaves no empty run beside
+        its own. A later successful call opens a new one (:meth:`_open_output`). A resumed run's
+        directory (append_output) and anything else found in the directory stay."""
+        w = self._writer
+        if w is None or not self._made_rank_dir or self._emitted:
+            return
+        self._writer = None
+        try:
+            w.close()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("trainrec: closing the log failed: %r", exc)
+        if self._live is not None:
+            self._live.wait(10.0)
+            self._live = None
+        rank_dir, self._rank_dir = self._rank_dir, None
+        for name in os.listdir(rank_dir):
+            if name == "live_export.out" or name == os.path.basename(w.path):
+                try:
+                    os.remove(os.path.join(rank_dir, name))
+                except OSError:
+                    pass
+        try:
+            os.rmdir(rank_dir)
+        except OSError:
+            pass  # something else is in it: left as it is
+        self._output_discarded = True
 
     def _make_alerts(self, cfg: MonitorConfig) -> None:
         if self._alerts is not None:
@@ -270,6 +306,7 @@ class TrainerMon(StepCollector):
         """Hand an event to the writer; a failed writer is reported once and never raised into training."""
         w = self._writer
         if w is not None and not w.closed:
+            self._emitted = True
             try:
                 w.write(event)
             except WriterError as exc:
@@ -337,7 +374,11 @@ class TrainerMon(StepCollector):
             self._targets = self._build(self.config)  # raises ConfigError before any training
         except ConfigError as exc:
             self._chunks = []  # nothing installed: the caller may fix the config and call again
+            self._discard_empty_output()
             raise exc.with_source(self._config_source()) from None
+        if self._output_discarded:  # an earlier call failed on the config: this one records
+            self._output_discarded = False
+            self._open_output()
         self._write_structure()
         # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))

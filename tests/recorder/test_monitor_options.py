@@ -6,11 +6,13 @@ import glob
 import json
 import math
 import os
+import threading
 import time
 import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 from trainmon_util import ALL_OPS, Pair, events_of, loss_of, make, rank_dirs, stats_table, write_config
 from trainrec.recorder import TrainerMon
 from trainrec.recorder.monitor import PRINT_STRUCT_EXIT
@@ -157,7 +159,17 @@ def test_target_that_matches_nothing_fails_before_training(tmp_path, out):
     assert ei.value.key == "targets.layer.0"
     assert str(ei.value).startswith(f"{ei.value.source}: config key 'targets.layer.0'")
     assert ei.value.source.endswith(".json")  # the file to fix, as for errors found when it is read
+    assert rank_dirs(out) == []  # its empty log and directory went: a fixed relaunch leaves no empty run beside
+    # called again with a model the config fits, it records, in a new directory
+    fitting = nn.Sequential()
+    fitting.add_module("layer", nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    opt = torch.optim.SGD(fitting.parameters(), lr=0.1)
+    mon.monitor_gnorm_with_ad(fitting, optimizer=opt)
+    fitting(torch.randn(2, 4)).sum().backward()
+    opt.step()
     mon.close()
+    assert len(rank_dirs(out)) == 1
+    assert steps_with(events_of(out), "grad_reduced") == [0]
 
 
 def test_squash_name_switch(tmp_path, out):
@@ -618,13 +630,16 @@ def test_native_record_with_a_bad_config_leaves_no_log_open(tmp_path, out):
     """A target that matches nothing: the ConfigError comes out of record(), and the monitor it made is
     closed (its log closed cleanly, its threads gone), not left running until the process exits."""
     from trainrec.recorder import record
-    from trainrec.replay.reader import read_log
 
     model, _ = make()
+    before = set(threading.enumerate())
     with pytest.raises(ConfigError, match="matches no module"):
         record(model, config={"xy_distribution": True, "targets": {"nope": {}}}, output_dir=str(tmp_path / "bad"))
-    (log_path,) = glob.glob(str(tmp_path / "bad" / "*" / "*.trl"))
-    assert read_log(log_path)[0].closed_cleanly  # close() ran: the writer and spill threads stopped
+    assert glob.glob(str(tmp_path / "bad" / "*")) == []  # nothing recorded: its empty log and directory went
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and set(threading.enumerate()) - before:
+        time.sleep(0.02)
+    assert set(threading.enumerate()) - before == set()  # close() ran: the writer and spill threads stopped
 
 
 def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_config_goes_on(tmp_path, out):
