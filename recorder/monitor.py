@@ -236,16 +236,15 @@ class TrainerMon(StepCollector):
             self._live.wait(10.0)
             self._live = None
         rank_dir, self._rank_dir = self._rank_dir, None
-        for name in os.listdir(rank_dir):
-            if name == "live_export.out" or name == os.path.basename(w.path):
-                try:
-                    os.remove(os.path.join(rank_dir, name))
-                except OSError:
-                    pass
+        for name in ("live_export.out", os.path.basename(w.path)):
+            try:
+                os.remove(os.path.join(rank_dir, name))
+            except OSError:
+                pass
         try:
             os.rmdir(rank_dir)
         except OSError:
-            pass  # something else is in it: left as it is
+            pass  # something else is in it (or it is gone): left as it is
         self._output_discarded = True
 
     def _make_alerts(self, cfg: MonitorConfig) -> None:
