@@ -145,3 +145,43 @@ def test_our_csv_export_converts_to_the_recorded_values(tmp_path):
             assert (math.isnan(got) and math.isnan(v)) or np.float32(got) == v, tag
             n += 1
     assert n == len(expected) * 6
+
+
+MSPROBE_PY = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", ".venv-msprobe", "bin", "python")
+
+
+@pytest.mark.skipif(not os.path.exists(MSPROBE_PY), reason="the reference's venv (benchmarks/.venv-msprobe) is absent")
+def test_the_reference_csv2tb_reads_our_csv_directories_as_ours_does(tmp_path):
+    """mindstudio-probe's own csv2tensorboard_by_step on trainrec's CSV export (rank directories that
+    also hold the log and live_export.out, as the recorder leaves them) gives the same scalars as
+    trainrec's csv2tb."""
+    import subprocess
+
+    rdir = rank_dir(tmp_path / "run", 0)
+    write_rank_log(rdir, steps=range(3))
+    csv_dir = tmp_path / "csv"
+    assert main(["export", "csv", str(tmp_path / "run"), "-o", str(csv_dir)]) == 0
+    (rank_out,) = [p for p in csv_dir.iterdir() if p.is_dir()]
+    (rank_out / "trainrec-00000.trl").write_bytes(b"TRLOG")  # what the recorder leaves beside the CSV files
+    (rank_out / "live_export.out").write_text("")
+    # the reference never closes its SummaryWriters (made in pool workers, which exit without a flush),
+    # so its event files lose their last events at random: its writers flush after every scalar here
+    script = ("import sys\nimport msprobe.pytorch.monitor.csv2tb as m\n"
+              "class W(m.SummaryWriter):\n"
+              "    def add_scalar(self, *a, **k):\n        super().add_scalar(*a, **k)\n        self.flush()\n"
+              "m.SummaryWriter = W\n"
+              "m.csv2tensorboard_by_step(sys.argv[1], output_dirpath=sys.argv[2])\n")
+    proc = subprocess.run([MSPROBE_PY, "-c", script, str(csv_dir), str(tmp_path / "theirs")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    csv2tensorboard_by_step(str(csv_dir), None, None, output_dirpath=str(tmp_path / "ours"), process_num=1)
+    kinds = sorted(p.name for p in (tmp_path / "theirs" / "rank0").iterdir())
+    assert kinds == ["actv", "actv_grad", "exp_avg", "exp_avg_sq", "grad_reduced", "grad_unreduced", "param"]
+    for kind in kinds:
+        theirs = _scalars(tmp_path / "theirs" / "rank0" / kind)
+        ours = _scalars(tmp_path / "ours" / "rank0" / kind)
+        assert theirs and sorted(theirs) == sorted(ours), kind
+        for tag, series in theirs.items():
+            assert len(series) == 3 and all(
+                a[0] == b[0] and (a[1] == b[1] or (math.isnan(a[1]) and math.isnan(b[1])))
+                for a, b in zip(series, ours[tag], strict=True)), (kind, tag)
