@@ -208,6 +208,7 @@ class TrainerMon(StepCollector):
         os.makedirs(self._rank_dir, mode=0o750, exist_ok=True)
         self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
                                  pp_stage=self.pp_stage, group_mates=self.group_mates)
+        self._file_ids = np.zeros(0, dtype=np.uint32)  # a new file: every name is announced to it again
         self._made_rank_dir = not cfg.append_output
         install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread
         if not self._spilling:  # once per monitor (the output is opened again after a config error)
@@ -236,11 +237,16 @@ class TrainerMon(StepCollector):
             self._live.wait(10.0)
             self._live = None
         rank_dir, self._rank_dir = self._rank_dir, None
-        for name in ("live_export.out", os.path.basename(w.path)):
-            try:
-                os.remove(os.path.join(rank_dir, name))
-            except OSError:
-                pass
+        try:
+            names = os.listdir(rank_dir)
+        except OSError:
+            names = []
+        for name in names:  # the log, and what the live export made of it (a TensorBoard file's header)
+            if name in ("live_export.out", os.path.basename(w.path)) or name.startswith("events.out.tfevents."):
+                try:
+                    os.remove(os.path.join(rank_dir, name))
+                except OSError:
+                    pass
         try:
             os.rmdir(rank_dir)
         except OSError:
@@ -1001,7 +1007,7 @@ def _release(owned: _Owned) -> None:
              "after the last optimizer step, if any, is not in it (close() writes it)", where)
     owned.spill_stop.set()
     owned.step_open.set()
-    for what in ("watcher", "alerts", "writer"):
+    for what in ("watcher", "writer", "alerts"):  # as close(): the writer's thread runs the detector
         obj = getattr(owned, what)
         if obj is None:
             continue

@@ -77,3 +77,43 @@ def test_a_monitor_in_use_is_not_collected(tmp_path):
     assert mon is not None
     assert mon.generate_wgrad_metrics()  # still recording
     mon.close()
+
+
+def _alert_run(tmp_path, name, close):
+    cfg = tmp_path / f"{name}.json"
+    cfg.write_text(json.dumps({"format": "csv", "xy_distribution": True, "all_xy": True, "wg_distribution": True,
+                               "param_distribution": True, "mv_distribution": True,
+                               "alert": {"rules": [{"rule_name": "AnomalyTurbulence",
+                                                    "args": {"threshold": 1e-9, "warmup": 1, "noise": 0,
+                                                             "range_floor": 0}}], "dump": True}}))
+    out = tmp_path / name
+
+    def body():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[m for _ in range(150) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = TrainerMon(str(cfg), params_have_main_grad=False, output_dir=str(out))
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(6):
+            model(torch.randn(2, 8, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if close:
+            mon.close()
+
+    body()
+    gc.collect()
+    from collections import Counter
+
+    events = list(open_run(str(out)).events())
+    assert isinstance(events[-1], FileClosed)
+    return Counter(e.step for e in events if type(e).__name__ == "AnomalyDetected")
+
+
+def test_a_dropped_monitor_keeps_the_anomalies_of_its_last_steps(tmp_path):
+    """Detection runs on the writer's thread: the detector is closed after the writer has drained (it
+    was closed first, and the anomalies of the steps still queued were lost)."""
+    closed = _alert_run(tmp_path, "closed", close=True)
+    dropped = _alert_run(tmp_path, "dropped", close=False)
+    assert closed[5] > 0 and dropped == closed

@@ -170,6 +170,21 @@ def test_target_that_matches_nothing_fails_before_training(tmp_path, out):
     mon.close()
     assert len(rank_dirs(out)) == 1
     assert steps_with(events_of(out), "grad_reduced") == [0]
+    # its names went to the new log (they were interned while it had none: rows without names)
+    assert sorted({k[1] for k in stats_table(events_of(out), "grad_reduced")}) == ["0.bias", "0.weight"]
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
+def test_a_config_error_leaves_no_directory_with_the_live_export_on(tmp_path, out, fmt):
+    """The live TensorBoard export has written its file's header into the directory by then: it goes
+    too (a directory left with it alone was then the one append_output resumed into)."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": fmt, "targets": {"nope": {}}}))
+    model, opt = make()
+    time.sleep(1.0)  # the export process has started and seen the log
+    with pytest.raises(ConfigError, match="matches no module"):
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    mon.close()
+    assert rank_dirs(out) == []
 
 
 def test_squash_name_switch(tmp_path, out):
