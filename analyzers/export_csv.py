@@ -6,8 +6,8 @@ Per data type and per window of ``step_count_per_record`` steps, one file ``{kin
 * ``actv``: ``vpp_stage,module_name,step,input.min,...,input.nans,output.min,...,output.nans``; one row
   per module call ``{module}_{micro_step}``, inputs then outputs (a side never recorded is ``nan``);
   rows grouped by module, each with its micro steps, as the reference writes them;
-* ``actv_grad``: the same with ``input_grad.*`` / ``output_grad.*``; rows in backward order, micro step
-  by micro step (the reference's order too);
+* ``actv_grad``: the same with ``input_grad.*`` / ``output_grad.*``; rows in the order the modules'
+  backward passes ended (with their input gradient), micro step by micro step, as the reference's;
 * everything else (``grad_unreduced``, ``grad_reduced``, ``param``, ``exp_avg``, ``exp_avg_sq`` and
   ours, ``update``, ``ratio``): ``vpp_stage,param_name,step,<ops in config order>``.
 
@@ -135,13 +135,19 @@ def _csv_layout(lay: RowLayout) -> _CsvLayout:
     keys = list(order)
     if lay.kind == "actv":
         # the reference's activation rows: grouped by module (in the order modules first appear), each
-        # with its micro steps; its activation-gradient rows stay in recorded order, micro step by step
+        # with its micro steps
         first: dict[tuple[int, str], int] = {}
         for v, n, _ in keys:
             first.setdefault((v, n), len(first))
         perm = sorted(range(len(keys)), key=lambda j: first[keys[j][:2]])
-        keys = [keys[j] for j in perm]
-        pairs = [pairs[j] for j in perm]
+    else:
+        # its activation-gradient rows: in the order modules' backward passes end, micro step by micro
+        # step (its full backward hook fires with the module's input gradient), so a module comes
+        # after the modules inside it; where the input has no gradient (the model's own input: a NaN
+        # row written with the output's), when its output gradient came
+        perm = sorted(range(len(keys)), key=lambda j: pairs[j][0] if pairs[j][0] >= 0 else pairs[j][1])
+    keys = [keys[j] for j in perm]
+    pairs = [pairs[j] for j in perm]
     prefixes = [f"{v},{_quote(f'{n}_{m}')}," for (v, n, m) in keys]
     return _CsvLayout(prefixes, np.array(pairs, dtype=np.int64).reshape(-1, 2))
 

@@ -66,17 +66,21 @@ def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
 def test_csv_row_order_with_gradient_accumulation_is_the_references(tmp_path, monkeypatch):
     """Row order as mindstudio-probe 1.2.1 writes it (run here on this model, grad_acc_steps=2, step
     1's files): activations grouped by module, in the order modules first finished a forward, each
-    with its micro steps; activation gradients in backward order per micro step, a module before the
-    child whose output it returns (the root before ``c``). Scripts that read rows by position rely on it."""
+    with its micro steps; activation gradients micro step by micro step, in the order modules'
+    backward passes ended (its full backward hook fires with the input gradient: a container after
+    the modules inside it; the root, whose input has no gradient, first). Scripts that read rows by
+    position rely on it."""
     import torch
 
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+            self.a = torch.nn.Linear(4, 4)
+            self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+            self.c = torch.nn.Linear(4, 1)
 
         def forward(self, x):
-            return self.c(torch.relu(self.b(self.a(x))))
+            return self.c(self.inner(self.a(x)))
 
     pytest.importorskip("trainrec.tools.live_export")
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
@@ -98,7 +102,9 @@ def test_csv_row_order_with_gradient_accumulation_is_the_references(tmp_path, mo
         with open(os.path.join(d, f"{kind}_1-1.csv")) as f:
             return [row[1] for row in list(csv.reader(f))[1:]]
 
-    assert names("actv") == ["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "_0", "_1"]
-    assert names("actv_grad") == ["_0", "c_0", "b_0", "a_0", "_1", "c_1", "b_1", "a_1"]
-    assert names("grad_unreduced") == ["c.bias", "c.weight", "b.bias", "b.weight", "a.bias", "a.weight"]
-    assert names("grad_reduced") == ["a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"]
+    assert names("actv") == ["a_0", "a_1", "inner.0_0", "inner.0_1", "inner.1_0", "inner.1_1", "inner_0", "inner_1",
+                             "c_0", "c_1", "_0", "_1"]
+    assert names("actv_grad") == ["_0", "c_0", "inner.1_0", "inner.0_0", "inner_0", "a_0",
+                                  "_1", "c_1", "inner.1_1", "inner.0_1", "inner_1", "a_1"]
+    assert names("grad_unreduced") == ["c.bias", "c.weight", "inner.0.bias", "inner.0.weight", "a.bias", "a.weight"]
+    assert names("grad_reduced") == ["a.weight", "a.bias", "inner.0.weight", "inner.0.bias", "c.weight", "c.bias"]
