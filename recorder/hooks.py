@@ -308,7 +308,7 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
         # when it is modified in place later (ReLU(inplace=True), x += y): then the node that made its
         # base, still in the graph, gets the gradient of the value the module produced, in the base's
         # shape (the same elements). Whichever runs first records it, once.
-        base.grad_fn.register_prehook(functools.partial(_node_grad_cb, mon, st, users, once))
+        base.grad_fn.register_prehook(functools.partial(_node_grad_cb, mon._ref, st, users, once))
     st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing, once)
 
 
@@ -322,12 +322,13 @@ class _Once:
         self.fired = False
 
 
-def _grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once | None, grad):
+def _grad_cb(mon_ref, st: StepState, users: list, once: _Once | None, grad):
     if once is not None:
         if once.fired:  # an earlier backward pass's call, or the view's base node ran first
             return None
         once.fired = True
-    if mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
+    mon = mon_ref()  # weak: a graph kept alive (the last loss in a variable) must not keep the monitor
+    if mon is None or mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
         return None
     rows = None
     # last hooked first: backward runs the forward in reverse. A module returning its child's output
@@ -353,10 +354,10 @@ def _grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once | None, gr
     return None
 
 
-def _node_grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once, grad_outputs):
+def _node_grad_cb(mon_ref, st: StepState, users: list, once: _Once, grad_outputs):
     """Pre-hook on the node that made a view's base: :func:`_grad_cb` with the gradient of its output."""
     if not once.fired and grad_outputs and grad_outputs[0] is not None:
-        _grad_cb(mon, st, users, once, grad_outputs[0])
+        _grad_cb(mon_ref, st, users, once, grad_outputs[0])
     return None
 
 
@@ -369,7 +370,7 @@ def _grad_cb_eager():
 def _make_grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once | None = None):
     """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
     tensor, several per module call, cost 5-10 us each)."""
-    return functools.partial(_grad_cb_eager() if mon._compiled else _grad_cb, mon, st, users, once)
+    return functools.partial(_grad_cb_eager() if mon._compiled else _grad_cb, mon._ref, st, users, once)
 
 
 def _with_nan_row(rows, nan_second: bool):
@@ -480,7 +481,7 @@ def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):
     "unsharded"``, the post-accumulate-grad hook of FSDP2's unsharded parameter, whose gradient is this
     rank's own before FSDP reduce-scatters it (and then drops it): measured at once."""
 
-    ref = weakref.ref(mon)  # a tensor's hooks are out of the garbage collector's sight (see TrainerMon)
+    ref = mon._ref  # a tensor's hooks are out of the garbage collector's sight (see TrainerMon)
 
     def hook(param_or_grad):
         mon = ref()
@@ -570,7 +571,7 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
             y = _first_grad_tensor(output)
             if y is not None:
                 micro = (st.chunk_fwd.get(vpp, 1) - 1) % mon._grad_acc
-                y.register_hook(functools.partial(_on_chunk_output_grad, mon, st, vpp, micro))
+                y.register_hook(functools.partial(_on_chunk_output_grad, mon._ref, st, vpp, micro))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed("model chunk output hook", exc)
 
@@ -592,8 +593,9 @@ def _first_grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
     return None
 
 
-def _on_chunk_output_grad(mon: TrainerMon, st: StepState, vpp: int, micro: int, grad):
-    if mon._state is st:
+def _on_chunk_output_grad(mon_ref, st: StepState, vpp: int, micro: int, grad):
+    mon = mon_ref()
+    if mon is not None and mon._state is st:
         st.bwd_micro[vpp] = micro
     return None
 

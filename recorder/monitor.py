@@ -167,9 +167,12 @@ class TrainerMon(StepCollector):
         self._failures: dict[str, int] = {}
         # the log, the live export, the detector and the config watcher, held apart from the monitor so
         # that a monitor dropped without close() (with its model) still has its log closed (_release)
+        # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
+        # monitor through this: out of the collector's sight, a strong reference there keeps it alive
+        self._ref = weakref.ref(self)
         self._owned = _Owned(threading.Event(), threading.Event())
         self._finalizer = weakref.finalize(self, _release, self._owned)
-        self._finalizer.atexit = False  # at exit, _close_at_exit closes a live monitor in full
+        self._finalizer.atexit = False  # at exit, _close_open_monitors closes a live monitor in full
         self._rank_dir: str | None = None
         self._resumed_from: tuple = ()
         self._struct: dict | None = None
@@ -189,7 +192,7 @@ class TrainerMon(StepCollector):
             self._make_alerts(self.config)  # says that format api detects nothing
         if self.dynamic:
             self._start_watcher()
-        atexit.register(_close_at_exit, weakref.ref(self))
+        _open_monitors.add(self)  # closed at exit (_close_open_monitors)
 
     _writer = property(lambda self: self._owned.writer, lambda self, v: setattr(self._owned, "writer", v))
     _live = property(lambda self: self._owned.live, lambda self, v: setattr(self._owned, "live", v))
@@ -462,6 +465,7 @@ class TrainerMon(StepCollector):
             return
         self._closed = True
         self._finalizer.detach()
+        _open_monitors.discard(self)
         self._spill_stop.set()
         self._step_open.set()  # wakes the spill thread, which sees the stop
         self._detach()
@@ -620,11 +624,13 @@ class TrainerMon(StepCollector):
             self._bind_instance(opt, wrapped)
             return
         param_ids = {id(p) for c in self._chunks for p in c.parameters()}
+        ref = self._ref  # the global registry would keep this monitor alive for good
 
         def pre(o, args, kwargs):
-            if self._opt is None and not self._closed:
+            mon = ref()
+            if mon is not None and mon._opt is None and not mon._closed:
                 if any(id(p) in param_ids for g in o.param_groups for p in g["params"]):
-                    self._bind_instance(o, o)  # the instance hooks run right after the global ones
+                    mon._bind_instance(o, o)  # the instance hooks run right after the global ones
                 else:
                     _warn_once(f"unmatched-opt-{id(o)}", "trainrec: an optimizer without the monitored model's "
                                "parameters stepped; it is not monitored")
@@ -651,8 +657,10 @@ class TrainerMon(StepCollector):
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
         self._chain = [t for _, t in chain] if chain else []
         for t in self._chain or [opt]:
-            self._opt_handles += [t.register_step_pre_hook(eager(self._pre_step)),
-                                 t.register_step_post_hook(eager(self._post_step))]
+            # weak: an optimizer kept (set_wrapped_optimizer's class attribute holds one) must not keep
+            # a dropped monitor; its model's module hooks keep a monitor in use alive
+            self._opt_handles += [t.register_step_pre_hook(eager(_weak_call(self._pre_step))),
+                                 t.register_step_post_hook(eager(_weak_call(self._post_step)))]
 
     # ------------------------------------------------------------------ step boundaries
     def _collects(self, step: int) -> bool:
@@ -679,7 +687,7 @@ class TrainerMon(StepCollector):
             cfg = self.config
             if self._engine.ops != tuple(cfg.ops) or self._engine.eps != cfg.eps:
                 self._engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
-            self._state = StepState(self._step, cfg.ops, self._mark_began)
+            self._state = StepState(self._step, cfg.ops, _weak_call(self._mark_began))
         else:
             if self._step_handles:
                 self._detach()
@@ -1030,13 +1038,20 @@ def _weak_call(method):
     return call
 
 
-def _close_at_exit(ref) -> None:
-    mon = ref()
-    if mon is not None:
+_open_monitors: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_open_monitors() -> None:
+    """At exit: close every monitor still open (one handler for all: a registration per monitor stayed
+    for the process's life, one per monitor ever made)."""
+    for mon in list(_open_monitors):
         try:
             mon.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+atexit.register(_close_open_monitors)
 
 
 def _uncompiled(model):

@@ -117,3 +117,43 @@ def test_a_dropped_monitor_keeps_the_anomalies_of_its_last_steps(tmp_path):
     closed = _alert_run(tmp_path, "closed", close=True)
     dropped = _alert_run(tmp_path, "dropped", close=False)
     assert closed[5] > 0 and dropped == closed
+
+
+def test_a_kept_loss_or_a_missing_optimizer_does_not_keep_a_dropped_monitor(tmp_path):
+    """The last loss in a variable (a notebook) holds its graph, whose gradient hooks held the monitor;
+    a monitor given no optimizer waits for one through a global optimizer hook, which held it for good
+    where it was dropped before any optimizer step."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"xy_distribution": True, "all_xy": True, "wg_distribution": True, "format": "api"}))
+
+    def with_kept_loss():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mon = TrainerMon(str(cfg), params_have_main_grad=False)
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        loss = None
+        for _ in range(2):
+            loss = model(torch.randn(2, 4)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return weakref.ref(mon), loss
+
+    def without_optimizer():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        mon = TrainerMon(str(cfg), params_have_main_grad=False, output_dir=str(tmp_path / "noopt"))
+        mon.monitor_gnorm_with_ad(model)
+        model(torch.randn(2, 4)).sum().backward()  # a cell that failed before the optimizer stepped
+        return weakref.ref(mon)
+
+    ref, loss = with_kept_loss()
+    gc.collect()
+    assert ref() is None and loss.grad_fn is not None
+    ref = without_optimizer()
+    gc.collect()
+    assert ref() is None
+    # and an optimizer stepping afterwards finds no monitor to bind
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.sum().backward()
+    opt.step()
