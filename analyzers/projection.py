@@ -454,7 +454,9 @@ def reference_rows(lay: RowLayout) -> np.ndarray | None:
     has one row per micro step in the log, and the reference one per step and parameter, the gradient
     accumulated at the last micro step (its ``acc_grad``: the file has no micro-step column). The indices
     of each (vpp stage, name)'s row of the highest micro step, in the log's order; None where every row
-    is kept. Cached on the layout."""
+    is kept. They come in the order parameters first got a gradient in the step (the reference's: its
+    table of them is filled as gradients first arrive), not in the last micro step's (a parameter used
+    in a later micro step only comes after the others). Cached on the layout."""
     if lay.kind != "grad_unreduced" or not len(lay) or not lay.micros.any():
         return None
     got = lay.cache.get("reference_rows", False)
@@ -465,7 +467,7 @@ def reference_rows(lay: RowLayout) -> np.ndarray | None:
         j = best.get((v, n))
         if j is None or m >= int(lay.micros[j]):
             best[(v, n)] = i
-    rows = np.array(sorted(best.values()), dtype=np.int64)
+    rows = np.array(list(best.values()), dtype=np.int64)  # in first-appearance order of (vpp, name)
     lay.cache["reference_rows"] = rows if len(rows) < len(lay) else None
     return lay.cache["reference_rows"]
 

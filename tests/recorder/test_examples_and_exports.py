@@ -108,3 +108,43 @@ def test_csv_row_order_with_gradient_accumulation_is_the_references(tmp_path, mo
                                   "_1", "c_1", "inner.1_1", "inner.0_1", "inner_1", "a_1"]
     assert names("grad_unreduced") == ["c.bias", "c.weight", "inner.0.bias", "inner.0.weight", "a.bias", "a.weight"]
     assert names("grad_reduced") == ["a.weight", "a.bias", "inner.0.weight", "inner.0.bias", "c.weight", "c.bias"]
+
+
+def test_grad_unreduced_rows_in_the_order_parameters_first_got_a_gradient(tmp_path, monkeypatch):
+    """A parameter used in a later micro step only (a branch) comes after the others, as in the
+    reference's file (run here: late, shared, a, branch); it came before ``a``, in the last micro
+    step's order."""
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.late, self.a, self.branch, self.shared = (torch.nn.Linear(4, 4) for _ in range(4))
+            self.n = 0
+
+        def forward(self, x):
+            self.n += 1
+            h = self.a(x)
+            if self.n % 2 == 0:
+                h = self.branch(h)
+            return self.late(self.shared(h))
+
+    pytest.importorskip("trainrec.tools.live_export")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = M()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "csv", "ops": ["norm"]}),
+                     params_have_main_grad=False)
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+    for _ in range(2):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    (d,) = rank_dirs(tmp_path / "out")
+    with open(os.path.join(d, "grad_unreduced_1-1.csv")) as f:
+        assert [row[1] for row in list(csv.reader(f))[1:]] == [
+            "late.bias", "late.weight", "shared.bias", "shared.weight", "a.bias", "a.weight", "branch.bias",
+            "branch.weight"]
