@@ -57,8 +57,9 @@ class CsvSink(Protocol):
     def append(self, kind: str, start: int, end: int, header: str, text: bytes, step: int) -> None:
         """Append ``text`` (whole UTF-8 lines of ``step``) to the window file, creating it with ``header`` first."""
 
-    def rewind(self, step: int) -> None:
-        """Forget the rows of steps >= ``step`` written by this export."""
+    def rewind(self, step: int) -> Iterable[tuple[str, int]] | None:
+        """Forget the rows of steps >= ``step`` written by this export; optionally, ``(file prefix,
+        start)`` of the window files that are gone (their columns are chosen again)."""
 
 
 @dataclass
@@ -183,6 +184,16 @@ class _WindowOps:
         idx.insert(i, j)
         return ops
 
+    def kinds(self) -> list[str]:
+        return list(self._starts)
+
+    def forget(self, kind: str, start: int) -> None:
+        starts = self._starts[kind]
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] == start:
+            del starts[i]
+            del self._idx[kind][i]
+
     def drop_from(self, step: int) -> None:
         """Forget the windows that begin at ``step`` or later (a rewind removed their files)."""
         for kind, starts in self._starts.items():
@@ -221,8 +232,11 @@ class CsvProjector(Projector):
         if isinstance(item, KindFrame):
             self._frame(item)
         elif isinstance(item, Rewind) and self.rewind:
-            self.sink.rewind(item.step)
+            removed = self.sink.rewind(item.step) or ()
             self._windows.drop_from(item.step)
+            for prefix, start in removed:  # a window emptied by the rewind takes the next rows' ops
+                for kind in [k for k in self._windows.kinds() if CSV_FILE_PREFIX.get(k, k) == prefix]:
+                    self._windows.forget(kind, start)
             self.summary.steps.drop_from(item.step)
             self._warned = {w for w in self._warned if w[1] < item.step}
         elif isinstance(item, Note):  # pragma: no cover - the assembler is built without notes

@@ -347,6 +347,8 @@ class StepAssembler:
     def _drop_from(self, step: int) -> None:
         for kind in [k for k, p in self._pending.items() if p.step >= step]:
             del self._pending[kind]
+        # a step cut short and then re-run by the resume is not missing from the export
+        self.dropped_steps = [s for s in self.dropped_steps if s < step]
         self._notes = [n for n in self._notes if n.step < step]
 
     def _flush_upto(self, step: int | None, out: list[Item]) -> None:

@@ -167,17 +167,27 @@ class CsvDirSink:
         if step > lasts[cur[2]]:
             lasts[cur[2]] = step
 
-    def rewind(self, step: int) -> None:
-        """Drop the rows of steps >= ``step`` from the files this sink wrote."""
+    def rewind(self, step: int) -> list[tuple[str, int]]:
+        """Drop the rows of steps >= ``step`` from the files this sink wrote; ``(kind, start)`` of the
+        window files removed (a window left without rows goes too: its header may name other ops than
+        the rows the resumed run writes there, and the offline export has no such file)."""
         self.flush_close()
+        removed: list[tuple[str, int]] = []
         for kind, (starts, ends, lasts) in self._written.items():
             # windows do not overlap: those that begin at step or later go, the one before may hold it
             i = bisect.bisect_left(starts, step)
-            for j in range(i, len(starts)):
-                os.remove(self.path(kind, starts[j], ends[j]))
-            del starts[i:], ends[i:], lasts[i:]
             if i and lasts[i - 1] >= step:
                 lasts[i - 1] = _trim_csv(self.path(kind, starts[i - 1], ends[i - 1]), step)
+            if i and lasts[i - 1] < 0:
+                i -= 1
+            for j in range(i, len(starts)):
+                removed.append((kind, starts[j]))
+                try:
+                    os.remove(self.path(kind, starts[j], ends[j]))
+                except FileNotFoundError:
+                    pass  # removed by hand, or by an export of another launch following this directory
+            del starts[i:], ends[i:], lasts[i:]
+        return removed
 
     def flush(self) -> None:
         for _, f, _ in self._open.values():
@@ -198,8 +208,11 @@ class CsvDirSink:
 
 def _trim_csv(path: str, step: int) -> int:
     """Keep the header and the rows of steps < ``step`` in a window file; the last step kept (-1: none)."""
-    with open(path, encoding="utf-8", newline="") as f:
-        lines = f.read().splitlines(keepends=True)
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        return -1
     kept = lines[:1]
     last = -1
     for line in lines[1:]:

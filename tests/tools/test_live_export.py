@@ -236,3 +236,41 @@ def test_bookkeeping_per_window_file_stays_small(tmp_path, monkeypatch):
         assert res.reason == "closed" and res.steps == n and len(res.files) == n
     per_file = (held[2200] - held[200]) / 2000
     assert per_file < 100, f"{per_file:.0f} bytes of bookkeeping per CSV file"
+
+
+def test_a_window_emptied_by_a_resume_takes_the_resumed_runs_ops(tmp_path):
+    """Window 3-5 held step 4 alone (step_interval 2), with ops norm and max; the resume at 4 records
+    norm, min and mean: the window file is made again with those columns, as the offline export makes
+    it (it kept its old header, and min and mean were lost). A step cut short and re-run is not
+    reported as dropped either."""
+    from trainrec.schema.events import TensorStatsRecorded
+
+    def rec(step, ops, vals):
+        return TensorStatsRecorded(rank=0, step=step, wall=1.0, kind="param", ops=tuple(ops), dtype="f",
+                                   name_ids=np.array([0], "<u4").tobytes(),
+                                   values=np.array([vals], "<f4").tobytes(), micro_steps=b"", slots=b"",
+                                   vpp_stages=b"")
+
+    rdir = rank_dir(tmp_path / "run", 0)
+    with LogWriter(rdir, rank=0, run_id="gap", flush_interval=0.01) as w:
+        w.intern(["p"], step=-1)
+        for s in (0, 2, 4):
+            w.write(rec(s, ("norm", "max"), [s, s + 0.5]))
+            w.write(StepEnded(rank=0, step=s, wall=1.0))
+        w.write(rec(6, ("norm", "max"), [6, 6.5]))  # cut short: no StepEnded
+    with LogWriter(rdir, rank=0, run_id="gap", flush_interval=0.01) as w:
+        w.write(RunResumed(rank=0, step=4, wall=2.0, last_step=3))
+        w.intern(["p"], step=-1)
+        for s in (4, 6):
+            w.write(rec(s, ("norm", "min", "mean"), [10 * s, 10 * s + 1, 10 * s + 2]))
+            w.write(StepEnded(rank=0, step=s, wall=2.0))
+    out = tmp_path / "live"
+    res = live_export(rdir, "csv", str(out), step_count_per_record=3, poll_interval=0.01, idle_timeout=10)
+    assert res.reason == "closed" and res.dropped_steps == []
+    assert (out / "param_3-5.csv").read_text() == "vpp_stage,param_name,step,norm,min,mean\n0,p,4,40.0,41.0,42.0\n"
+    assert main(["export", "csv", str(tmp_path / "run"), "-o", str(tmp_path / "off"), "--step-count-per-record", "3"]) == 0
+    offline = tmp_path / "off" / os.path.basename(rdir)
+    files = sorted(os.listdir(offline))
+    assert sorted(p.name for p in out.iterdir()) == files
+    match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
+    assert not mismatch and not errors
