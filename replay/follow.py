@@ -62,6 +62,8 @@ class RunFollower:
         self._seen: set[str] = set()  # files looked at (followed or not)
         self._waiting: set[str] = set()  # files whose header could not be read yet
         self._dir_mtimes: dict[str, int] = {}
+        self._dir_listed: dict[str, float] = {}  # when each directory was last listed in full
+        self._next_log: dict[str, int] = {}  # the index the next log file of each directory will have
         self.file_errors: dict[str, FormatError] = {}
 
     # ------------------------------------------------------------------ state
@@ -158,11 +160,25 @@ class RunFollower:
         # A directory's mtime has the kernel's clock granularity (milliseconds): a file created in the
         # same tick as the last listing leaves it unchanged. Listed again while it is that recent.
         if self._dir_mtimes.get(d) != mtime or time.time_ns() - mtime < _RACY_MTIME_NS:
-            self._dir_mtimes[d] = mtime
-            for p in layout.list_logs(d):
-                if p not in self._seen:
-                    self._seen.add(p)
-                    self._waiting.add(p)
+            now = time.monotonic()
+            last = self._dir_listed.get(d)
+            if last is None or now - last >= _LIST_EVERY_S:
+                self._dir_mtimes[d] = mtime
+                self._dir_listed[d] = now
+                for p in layout.list_logs(d):
+                    self._next_log[d] = max(self._next_log.get(d, 0), (layout.log_index(os.path.basename(p)) or 0) + 1)
+                    if p not in self._seen:
+                        self._seen.add(p)
+                        self._waiting.add(p)
+            else:
+                # A live export writes its CSV files into this directory, which changes its mtime at
+                # every step: listing it at every poll cost 70 ms at 100k files. Between listings, the
+                # next log file (a resume's) is looked for by its name.
+                nxt = os.path.join(d, layout.log_file_name(self._next_log.get(d, 0)))
+                if nxt not in self._seen and os.path.exists(nxt):
+                    self._next_log[d] = self._next_log.get(d, 0) + 1
+                    self._seen.add(nxt)
+                    self._waiting.add(nxt)
         for p in sorted(w for w in self._waiting if os.path.dirname(w) == d):
             self._consider(p)
 
@@ -197,6 +213,7 @@ class RunFollower:
 
 # how long after its last change a directory is listed on every poll (see RunFollower._scan_dir)
 _RACY_MTIME_NS = 2_000_000_000
+_LIST_EVERY_S = 5.0  # a changing directory is listed in full at most this often (see _scan_dir)
 
 def follow(
     run_path: str,

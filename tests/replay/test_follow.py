@@ -166,3 +166,38 @@ def test_until_closed_ends_on_a_resumed_rank_whose_crashed_file_never_closed(tmp
     assert time.monotonic() - t0 < 10
     assert sorted({e.step for e in got if isinstance(e, StepBegan)}) == [0, 1, 2, 3, 4]
     assert sum(isinstance(e, FileClosed) for e in got) == 1
+
+
+def test_a_directory_a_live_export_writes_into_is_not_listed_at_every_poll(tmp_path, monkeypatch):
+    """The live CSV export writes its files into the rank directory it follows, which changes the
+    directory's mtime at every step: each poll listed it (70 ms at 100k files). Between full listings
+    (at most every few seconds) the next log file, a resume's, is found by its name."""
+    import importlib
+    import os
+
+    follow_mod = importlib.import_module("trainrec.replay.follow")  # the package exports a function of that name
+
+    rdir = rank_dir(tmp_path, 0)
+    with LogWriter(rdir, rank=0, run_id="r", flush_interval=0.01) as w:
+        w.write(StepBegan(rank=0, step=0, wall=1.0))
+    listed = []
+    real = follow_mod.layout.list_logs
+    monkeypatch.setattr(follow_mod.layout, "list_logs", lambda d: listed.append(d) or real(d))
+    f = RunFollower(rdir)
+    f.poll()
+    n0 = len(listed)
+    for i in range(20):
+        with open(os.path.join(rdir, f"param_{i}-{i}.csv"), "w"):
+            pass
+        f.poll()
+    assert len(listed) - n0 <= 1
+    with LogWriter(rdir, rank=0, run_id="r", flush_interval=0.01) as w:  # a resume: trainrec-00001.trl
+        w.write(RunResumed(rank=0, step=1, wall=2.0, last_step=0))
+    got = []
+    for _ in range(50):
+        got += f.poll()
+        if any(isinstance(e, RunResumed) for e in got):
+            break
+        time.sleep(0.01)
+    assert any(isinstance(e, RunResumed) for e in got)
+    assert len(listed) - n0 <= 1
