@@ -111,6 +111,8 @@ def live_export(
             if events:
                 last_data = time.monotonic()
                 for ev in events:
+                    if stop.is_set():  # SIGTERM in a long batch (a resume's first poll is the whole log):
+                        break  # stop between events, and close the files written so far whole
                     proj.feed(ev)
                 sink.flush()
             elif follower.closed:

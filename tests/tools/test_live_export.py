@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "analyzers"))
 
-from export_logs import PARAMS, rank_dir, stats_record, write_rank_log  # noqa: E402
+from export_logs import OPS, PARAMS, rank_dir, stats_record, write_rank_log  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from trainrec.recorder.writer import LogWriter  # noqa: E402
 from trainrec.schema.events import RunResumed, StepBegan, StepEnded  # noqa: E402
@@ -274,3 +274,33 @@ def test_a_window_emptied_by_a_resume_takes_the_resumed_runs_ops(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == files
     match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
     assert not mismatch and not errors
+
+
+def test_a_stop_in_a_long_batch_comes_between_events_and_leaves_whole_files(tmp_path, monkeypatch):
+    """A resumed launch's export starts on the whole earlier log in one batch: SIGTERM (close()'s
+    timeout, a preempted job) was honoured only after it, and the kill that followed left window files
+    truncated to nothing. The stop now comes between events, and the files written are closed whole."""
+    from trainrec.tools import live_export as le
+
+    rdir = rank_dir(tmp_path / "run", 0)
+    _param_steps(rdir, "long", range(400))
+    stop = threading.Event()
+    fed = []
+    feed = le.CsvProjector.feed
+
+    def feed_then_stop(self, ev):
+        fed.append(ev)
+        if len(fed) == 200:
+            stop.set()
+        return feed(self, ev)
+
+    monkeypatch.setattr(le.CsvProjector, "feed", feed_then_stop)
+    out = tmp_path / "live"
+    res = live_export(rdir, "csv", str(out), poll_interval=0.01, idle_timeout=10, stop=stop)
+    assert res.reason == "stopped" and len(fed) == 200 and 0 < res.steps < 400
+    files = sorted(out.iterdir())
+    assert len(files) == res.steps
+    for f in files:
+        step = int(f.name.split("_")[1].split("-")[0])
+        assert f.read_text() == f"vpp_stage,param_name,step,{','.join(OPS)}\n0,p,{step}," + ",".join(
+            [repr(float(step))] * 6) + "\n"
