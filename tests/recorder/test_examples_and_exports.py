@@ -63,6 +63,33 @@ def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
     assert all(len(v.split(".")[-1]) <= 3 for r in rows[1:] for v in r[3:] if "." in v)
 
 
+def _step1_row_labels(tmp_path, monkeypatch, model_cls, cfg):
+    """Record 2 steps of 2 micro steps of ``model_cls()`` with format csv; the row labels (column 2) of
+    step 1's file of a kind, as ``names(kind)``."""
+    import torch
+
+    pytest.importorskip("trainrec.tools.live_export")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = model_cls()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMon(write_config(tmp_path, {**cfg, "format": "csv", "ops": ["norm"]}), params_have_main_grad=False)
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+    for _ in range(2):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    (d,) = rank_dirs(tmp_path / "out")
+
+    def names(kind):
+        with open(os.path.join(d, f"{kind}_1-1.csv")) as f:
+            return [row[1] for row in list(csv.reader(f))[1:]]
+
+    return names
+
+
 def test_csv_row_order_with_gradient_accumulation_is_the_references(tmp_path, monkeypatch):
     """Row order as mindstudio-probe 1.2.1 writes it (run here on this model, grad_acc_steps=2, step
     1's files): activations grouped by module, in the order modules first finished a forward, each
@@ -82,26 +109,8 @@ def test_csv_row_order_with_gradient_accumulation_is_the_references(tmp_path, mo
         def forward(self, x):
             return self.c(self.inner(self.a(x)))
 
-    pytest.importorskip("trainrec.tools.live_export")
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
-    cfg = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "format": "csv", "ops": ["norm"]}
-    torch.manual_seed(0)
-    model = M()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
-    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
-    for _ in range(2):
-        for _ in range(2):
-            model(torch.randn(3, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    mon.close()
-    (d,) = rank_dirs(tmp_path / "out")
-
-    def names(kind):
-        with open(os.path.join(d, f"{kind}_1-1.csv")) as f:
-            return [row[1] for row in list(csv.reader(f))[1:]]
-
+    names = _step1_row_labels(tmp_path, monkeypatch, M, {"xy_distribution": True, "all_xy": True,
+                                                          "wg_distribution": True})
     assert names("actv") == ["a_0", "a_1", "inner.0_0", "inner.0_1", "inner.1_0", "inner.1_1", "inner_0", "inner_1",
                              "c_0", "c_1", "_0", "_1"]
     assert names("actv_grad") == ["_0", "c_0", "inner.1_0", "inner.0_0", "inner_0", "a_0",
@@ -129,22 +138,7 @@ def test_grad_unreduced_rows_in_the_order_parameters_first_got_a_gradient(tmp_pa
                 h = self.branch(h)
             return self.late(self.shared(h))
 
-    pytest.importorskip("trainrec.tools.live_export")
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
-    torch.manual_seed(0)
-    model = M()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "csv", "ops": ["norm"]}),
-                     params_have_main_grad=False)
-    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
-    for _ in range(2):
-        for _ in range(2):
-            model(torch.randn(3, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    mon.close()
-    (d,) = rank_dirs(tmp_path / "out")
-    with open(os.path.join(d, "grad_unreduced_1-1.csv")) as f:
-        assert [row[1] for row in list(csv.reader(f))[1:]] == [
-            "late.bias", "late.weight", "shared.bias", "shared.weight", "a.bias", "a.weight", "branch.bias",
-            "branch.weight"]
+    names = _step1_row_labels(tmp_path, monkeypatch, M, {"wg_distribution": True})
+    assert names("grad_unreduced") == [
+        "late.bias", "late.weight", "shared.bias", "shared.weight", "a.bias", "a.weight", "branch.bias",
+        "branch.weight"]
