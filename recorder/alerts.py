@@ -45,10 +45,13 @@ class AnomalyJsonDump:
     def __init__(self, dump_dir: str, rank: int, *, resume: bool = False) -> None:
         self.dir = os.path.join(dump_dir, f"rank{rank}")
         self.path = os.path.join(self.dir, ANOMALY_JSON)
+        made_dir = not os.path.isdir(self.dir)
         os.makedirs(self.dir, mode=0o750, exist_ok=True)
         self._keys: set[str] = set()
         self._count = 0
         self._file = None
+        self._aside: str | None = None  # where an earlier run's anomaly.json was moved
+        self._made_dir = made_dir
         if os.path.exists(self.path):
             if resume and self._adopt():
                 return
@@ -99,6 +102,7 @@ class AnomalyJsonDump:
             aside = os.path.join(self.dir, f"anomaly-{stamp}{'' if i == 0 else f'-{i}'}.json")
             if not os.path.exists(aside):
                 os.replace(self.path, aside)
+                self._aside = aside
                 log.warning("trainrec: kept the earlier %s as %s", self.path, aside)
                 return
 
@@ -140,6 +144,23 @@ class AnomalyJsonDump:
                 os.chmod(self.path, 0o640)
             except OSError:
                 pass
+
+
+    def discard(self) -> None:
+        """Undo a dump that wrote nothing (its monitor failed on its config at start-up): the empty file
+        goes, an earlier run's file moved aside comes back, a directory made for it goes if empty."""
+        if self._file is None or self._count or self._keys:
+            return
+        self.close()
+        try:
+            os.remove(self.path)
+            if self._aside is not None:
+                os.replace(self._aside, self.path)
+            if self._made_dir:
+                os.rmdir(self.dir)
+                os.rmdir(os.path.dirname(self.dir))  # anomaly_detected, when nothing else is in it
+        except OSError:
+            pass
 
 
 class AlertEngine:
@@ -230,6 +251,12 @@ class AlertEngine:
         if self._step_count > self.log_limit:
             log.warning("trainrec: rank %d step %s: %d anomalies (%d shown above)", self.rank, self._step,
                         self._step_count, self.log_limit)
+
+    def discard(self) -> None:
+        """Close, and undo the dump file where nothing was detected (see AnomalyJsonDump.discard)."""
+        if self.dump is not None and not self.total:
+            self.dump.discard()
+        self.close()
 
     def close(self) -> None:
         """Log the last step's summary and close the dump file. Idempotent."""

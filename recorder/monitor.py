@@ -239,6 +239,12 @@ class TrainerMon(StepCollector):
         if self._live is not None:
             self._live.wait(10.0)
             self._live = None
+        if self._alerts is not None:  # an empty anomaly.json (alert.dump) goes too
+            try:
+                self._alerts.discard()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
+            self._alerts = None
         rank_dir, self._rank_dir = self._rank_dir, None
         try:
             names = os.listdir(rank_dir)

@@ -1080,3 +1080,26 @@ def test_input_selector_that_cannot_fit_the_forward_signature_fails_at_start_up(
                      live_export=False)
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     mon.close()
+
+
+def test_a_config_error_leaves_no_empty_anomaly_json(tmp_path, out):
+    """With alert.dump, the monitor had made rank0/anomaly.json (and moved an earlier run's aside): a
+    config error at start-up undoes both, as it removes the empty rank directory."""
+    cfg = {"wg_distribution": True, "targets": {"nope": {}},
+           "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}], "dump": True}}
+    mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError, match="matches no module"):
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    mon.close()
+    assert not (out / "anomaly_detected").exists() and rank_dirs(out) == []
+    earlier = out / "anomaly_detected" / "rank0" / "anomaly.json"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text('{\n "k": {"step": 3}\n}\n')
+    mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError, match="matches no module"):
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    mon.close()
+    assert sorted(p.name for p in earlier.parent.iterdir()) == ["anomaly.json"]
+    assert earlier.read_text() == '{\n "k": {"step": 3}\n}\n'
