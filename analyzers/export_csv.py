@@ -154,8 +154,8 @@ def _csv_layout(lay: RowLayout) -> _CsvLayout:
 
 
 class _WindowOps:
-    """The ops of each window file's header, per kind: a window's rows keep the columns its first
-    step gave it. 10 bytes per window (starts in order, an index into the few distinct op lists),
+    """The ops of each window file's header, per file prefix (the sink's key): a window's rows keep the
+    columns its first step gave it. 10 bytes per window (starts in order, an index into the few distinct op lists),
     so a live export's memory does not grow with the files it writes."""
 
     def __init__(self) -> None:
@@ -184,11 +184,10 @@ class _WindowOps:
         idx.insert(i, j)
         return ops
 
-    def kinds(self) -> list[str]:
-        return list(self._starts)
-
     def forget(self, kind: str, start: int) -> None:
-        starts = self._starts[kind]
+        starts = self._starts.get(kind)
+        if starts is None:
+            return
         i = bisect.bisect_left(starts, start)
         if i < len(starts) and starts[i] == start:
             del starts[i]
@@ -235,8 +234,7 @@ class CsvProjector(Projector):
             removed = self.sink.rewind(item.step) or ()
             self._windows.drop_from(item.step)
             for prefix, start in removed:  # a window emptied by the rewind takes the next rows' ops
-                for kind in [k for k in self._windows.kinds() if CSV_FILE_PREFIX.get(k, k) == prefix]:
-                    self._windows.forget(kind, start)
+                self._windows.forget(prefix, start)
             self.summary.steps.drop_from(item.step)
             self._warned = {w for w in self._warned if w[1] < item.step}
         elif isinstance(item, Note):  # pragma: no cover - the assembler is built without notes
@@ -247,7 +245,8 @@ class CsvProjector(Projector):
         start, end = window_of(frame.step, self.per_record)
         ops = frame.ops
         values = frame.values
-        wops = self._windows.ops(kind, start, ops)
+        prefix = CSV_FILE_PREFIX.get(kind, kind)  # mg_direction goes to the reference's "other" files
+        wops = self._windows.ops(prefix, start, ops)
         if wops != ops:
             values = self._remap(frame, wops)
             ops = wops
@@ -266,7 +265,6 @@ class CsvProjector(Projector):
                 grouped[ok, side * k : (side + 1) * k] = values[idx[ok]]
             values = grouped
         body = render_rows(cl.block, f"{frame.step},".encode(), values, self.ndigits)
-        prefix = CSV_FILE_PREFIX.get(kind, kind)  # mg_direction goes to the reference's "other" files
         self.sink.append(prefix, start, end, csv_header(kind, ops), body, frame.step)
         s = self.summary
         s.rows += len(cl.prefixes)

@@ -94,8 +94,8 @@ class SeenSteps:
 
     __slots__ = ("_steps",)
 
-    def __init__(self, steps: Iterable[int] = ()) -> None:
-        self._steps = array("q", sorted(set(steps)))
+    def __init__(self) -> None:
+        self._steps = array("q")
 
     def add(self, step: int) -> None:
         a = self._steps
@@ -109,13 +109,6 @@ class SeenSteps:
     def drop_from(self, step: int) -> None:
         """Forget the steps >= ``step``."""
         del self._steps[bisect.bisect_left(self._steps, step) :]
-
-    def __contains__(self, step: object) -> bool:
-        a = self._steps
-        if not isinstance(step, int):
-            return False
-        i = bisect.bisect_left(a, step)
-        return i < len(a) and a[i] == step
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._steps)

@@ -145,11 +145,10 @@ class AnomalyJsonDump:
             except OSError:
                 pass
 
-
     def discard(self) -> None:
         """Undo a dump that wrote nothing (its monitor failed on its config at start-up): the empty file
         goes, an earlier run's file moved aside comes back, a directory made for it goes if empty."""
-        if self._file is None or self._count or self._keys:
+        if self._file is None or self._keys:
             return
         self.close()
         try:
@@ -254,7 +253,7 @@ class AlertEngine:
 
     def discard(self) -> None:
         """Close, and undo the dump file where nothing was detected (see AnomalyJsonDump.discard)."""
-        if self.dump is not None and not self.total:
+        if self.dump is not None:
             self.dump.discard()
         self.close()
 

@@ -165,12 +165,13 @@ class TrainerMon(StepCollector):
         self._tp_group = None
         self._last: dict[str, list] = {}
         self._failures: dict[str, int] = {}
-        # the log, the live export, the detector and the config watcher, held apart from the monitor so
-        # that a monitor dropped without close() (with its model) still has its log closed (_release)
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
         self._ref = weakref.ref(self)
-        self._owned = _Owned(threading.Event(), threading.Event())
+        self._mark_began_weakly = _weak_call(self._mark_began)  # each collected step's first-firing callback
+        # the log, the live export, the detector and the config watcher, held apart from the monitor so
+        # that a monitor dropped without close() (with its model) still has its log closed (_release)
+        self._owned = _Owned()
         self._finalizer = weakref.finalize(self, _release, self._owned)
         self._finalizer.atexit = False  # at exit, _close_open_monitors closes a live monitor in full
         self._rank_dir: str | None = None
@@ -185,7 +186,7 @@ class TrainerMon(StepCollector):
         self._spilling = False
         self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
         self._spill_stop = self._owned.spill_stop
-        self._step_open = self._owned.step_open  # a collected step is open: the spill thread looks at it
+        self._step_open = self._owned.step_open
         if self.config.format != "api":
             self._open_output()
         else:
@@ -693,7 +694,7 @@ class TrainerMon(StepCollector):
             cfg = self.config
             if self._engine.ops != tuple(cfg.ops) or self._engine.eps != cfg.eps:
                 self._engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
-            self._state = StepState(self._step, cfg.ops, _weak_call(self._mark_began))
+            self._state = StepState(self._step, cfg.ops, self._mark_began_weakly)
         else:
             if self._step_handles:
                 self._detach()
@@ -1003,9 +1004,9 @@ class _Owned:
 
     __slots__ = ("spill_stop", "step_open", "writer", "live", "alerts", "watcher")
 
-    def __init__(self, spill_stop: threading.Event, step_open: threading.Event) -> None:
-        self.spill_stop = spill_stop
-        self.step_open = step_open
+    def __init__(self) -> None:
+        self.spill_stop = threading.Event()
+        self.step_open = threading.Event()  # a collected step is open: the spill thread looks at it
         self.writer: LogWriter | None = None
         self.live: runinfo.LiveExport | None = None
         self.alerts = None
@@ -1021,12 +1022,13 @@ def _release(owned: _Owned) -> None:
              "after the last optimizer step, if any, is not in it (close() writes it)", where)
     owned.spill_stop.set()
     owned.step_open.set()
-    for what in ("watcher", "writer", "alerts"):  # as close(): the writer's thread runs the detector
+    # as close() does: the writer before the detector, which runs on the writer's thread
+    for what, kwargs in (("watcher", {}), ("writer", {"timeout": 10.0}), ("alerts", {})):
         obj = getattr(owned, what)
         if obj is None:
             continue
         try:
-            obj.close(timeout=10.0) if what == "writer" else obj.close()
+            obj.close(**kwargs)
         except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
             log.warning("trainrec: closing the %s of a dropped monitor failed: %r", what, exc)
     if owned.live is not None:  # it exits after reading FileClosed: reaped off this thread

@@ -165,11 +165,13 @@ class RunFollower:
             if last is None or now - last >= _LIST_EVERY_S:
                 self._dir_mtimes[d] = mtime
                 self._dir_listed[d] = now
-                for p in layout.list_logs(d):
-                    self._next_log[d] = max(self._next_log.get(d, 0), (layout.log_index(os.path.basename(p)) or 0) + 1)
+                logs = layout.list_logs(d)  # in index order
+                for p in logs:
                     if p not in self._seen:
                         self._seen.add(p)
                         self._waiting.add(p)
+                if logs:
+                    self._next_log[d] = (layout.log_index(os.path.basename(logs[-1])) or 0) + 1
             else:
                 # A live export writes its CSV files into this directory, which changes its mtime at
                 # every step: listing it at every poll cost 70 ms at 100k files. Between listings, the

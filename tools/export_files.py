@@ -150,8 +150,9 @@ class CsvDirSink:
             del self._open[kind]
             cur = None
         if cur is None:
-            starts, ends, lasts = self._written.get(kind) or self._written.setdefault(
-                kind, (array("q"), array("q"), array("q")))
+            if kind not in self._written:
+                self._written[kind] = (array("q"), array("q"), array("q"))
+            starts, ends, lasts = self._written[kind]
             i = bisect.bisect_left(starts, start)
             if i < len(starts) and starts[i] == start:
                 f = open(self.path(kind, start, ends[i]), "ab", buffering=1 << 20)  # noqa: SIM115
