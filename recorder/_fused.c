@@ -43,19 +43,29 @@
 #define CLONES
 #endif
 
+/* at_mn, at_mx: where min and max were found, as the start of a stretch of at most BLOCK elements that
+ * holds them (the first such stretch in element order; -1: none yet); find_at() gives the element. */
 typedef struct {
     double mn, mx, s, ss, z, nan;
+    int64_t at_mn, at_mx;
 } acc_t;
 
 static inline void acc_init(acc_t *a) {
     a->mn = INFINITY;
     a->mx = -INFINITY;
     a->s = a->ss = a->z = a->nan = 0.0;
+    a->at_mn = a->at_mx = -1;
 }
 
 static inline void acc_merge(acc_t *a, const acc_t *b) {
-    if (b->mn < a->mn) a->mn = b->mn;
-    if (b->mx > a->mx) a->mx = b->mx;
+    if (b->mn < a->mn) {
+        a->mn = b->mn;
+        a->at_mn = b->at_mn;
+    }
+    if (b->mx > a->mx) {
+        a->mx = b->mx;
+        a->at_mx = b->at_mx;
+    }
     a->s += b->s;
     a->ss += b->ss;
     a->z += b->z;
@@ -98,8 +108,14 @@ static inline float bf16_to_f32(uint16_t u) {
         a->ss += bss;                                                                              \
         a->z += z;                                                                                 \
         a->nan += nn;                                                                              \
-        if (mn < a->mn) a->mn = mn;                                                                \
-        if (mx > a->mx) a->mx = mx;                                                                \
+        if (mn < a->mn) {                                                                          \
+            a->mn = mn;                                                                            \
+            a->at_mn = b;                                                                          \
+        }                                                                                          \
+        if (mx > a->mx) {                                                                          \
+            a->mx = mx;                                                                            \
+            a->at_mx = b;                                                                          \
+        }                                                                                          \
     }
 
 CLONES static void stats_f32_generic(const float *x, int64_t lo, int64_t hi, float eps, acc_t *a) {
@@ -176,8 +192,14 @@ __attribute__((target("avx2,fma"))) static void stats_f32_avx2(const float *x, i
         a->ss += vss;
         a->z += hsum_epi32(_mm256_add_epi32(z0, z1));
         a->nan += nn;
-        a->mn = bmn < a->mn ? bmn : a->mn;
-        a->mx = bmx > a->mx ? bmx : a->mx;
+        if (bmn < a->mn) {
+            a->mn = bmn;
+            a->at_mn = b;
+        }
+        if (bmx > a->mx) {
+            a->mx = bmx;
+            a->at_mx = b;
+        }
         if (i < e) { /* the block's last few elements */
             acc_t t;
             acc_init(&t);
@@ -326,8 +348,26 @@ static void find_gomp(void) {
 
 static int gomp_usable(void) { return use_gomp && gomp_parallel != NULL && getpid() == gomp_pid; }
 
-/* Runs the job on nthreads threads (the caller's one included); res: [n * per][NF]. */
-static int run_parallel(job_t *base, int nthreads, double *res) {
+/* The first element from `at` (a stretch of at most BLOCK elements, within numel) equal to v; -1: none. */
+static int64_t find_at(int kind, uint64_t addr, int64_t numel, int64_t at, double v) {
+    if (at < 0) return -1;
+    int64_t end = at + BLOCK < numel ? at + BLOCK : numel;
+    if (kind == KIND_F32) {
+        const float *x = (const float *)(uintptr_t)addr;
+        for (int64_t i = at; i < end; i++)
+            if ((double)x[i] == v) return i;
+    } else {
+        const uint16_t *x = (const uint16_t *)(uintptr_t)addr;
+        for (int64_t i = at; i < end; i++)
+            if ((double)bf16_to_f32(x[i]) == v) return i;
+    }
+    return -1;
+}
+
+/* Runs the job on nthreads threads (the caller's one included); res: [n * per][NF]. ext (plain
+ * statistics only, or NULL): per tensor the element index of its min and of its max, and their values,
+ * as [n][4] doubles; -1, -1, NaN, NaN where the tensor has a NaN, is empty, or an extreme is infinite. */
+static int run_parallel(job_t *base, int nthreads, double *res, double *ext) {
     int per = base->kind == KIND_ADAM ? 4 : 1;
     Py_ssize_t n = base->n;
     int64_t *first = (int64_t *)PyMem_RawMalloc(sizeof(int64_t) * (size_t)(n + 1));
@@ -371,6 +411,20 @@ static int run_parallel(job_t *base, int nthreads, double *res) {
             for (int64_t c = first[t]; c < first[t + 1]; c++) acc_merge(&a, &parts[c * per + k]);
             double *o = res + (t * per + k) * NF;
             o[0] = a.mn; o[1] = a.mx; o[2] = a.s; o[3] = a.ss; o[4] = a.z; o[5] = a.nan;
+            if (ext != NULL && per == 1) {
+                double *w = ext + t * 4;
+                int64_t i = -1, j = -1;
+                if (a.nan == 0 && isfinite(a.mn) && isfinite(a.mx)) {
+                    i = find_at(base->kind, base->a[t], base->numel[t], a.at_mn, a.mn);
+                    j = find_at(base->kind, base->a[t], base->numel[t], a.at_mx, a.mx);
+                }
+                if (i < 0 || j < 0) {
+                    w[0] = w[1] = -1.0;
+                    w[2] = w[3] = NAN;
+                } else {
+                    w[0] = (double)i; w[1] = (double)j; w[2] = a.mn; w[3] = a.mx;
+                }
+            }
         }
     }
     PyMem_RawFree(first); PyMem_RawFree(owner); PyMem_RawFree(parts);
@@ -482,14 +536,14 @@ fail:
 /* Runs the job and writes the rows of the requested ops: ``per`` rows per tensor, the rows k >= first_scaled
  * of a tensor multiplied by its scale (Adam: update and ratio, not m and v). */
 static int run_and_finish(job_t *job, int threads, const double *scale, int per, int first_scaled,
-                          const unsigned char *ops, Py_ssize_t nops, float *out) {
+                          const unsigned char *ops, Py_ssize_t nops, float *out, double *ext) {
     Py_ssize_t n = job->n;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     double *res = (double *)PyMem_RawMalloc(sizeof(double) * NF * (size_t)per * (size_t)(n > 0 ? n : 1));
     int rc = res == NULL ? -1 : 0;
     Py_BEGIN_ALLOW_THREADS
-    if (rc == 0) rc = run_parallel(job, threads, res);
+    if (rc == 0) rc = run_parallel(job, threads, res, ext);
     if (rc == 0)
         for (Py_ssize_t t = 0; t < n; t++)
             for (int k = 0; k < per; k++)
@@ -520,7 +574,7 @@ static PyObject *py_stats(PyObject *self, PyObject *args) {
     job_t job = {.kind = kind, .n = a.n, .a = (const uint64_t *)a.bufs[0].buf,
                  .numel = (const int64_t *)a.bufs[1].buf, .eps = (const double *)a.bufs[2].buf};
     int rc = run_and_finish(&job, threads, (const double *)a.bufs[3].buf, 1, 0, (const unsigned char *)a.bufs[4].buf,
-                            a.nops, (float *)a.bufs[5].buf);
+                            a.nops, (float *)a.bufs[5].buf, NULL);
     release_args(&a);
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -549,7 +603,7 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
                  .b = (const uint64_t *)a.bufs[1].buf, .numel = (const int64_t *)a.bufs[2].buf,
                  .eps = (const double *)a.bufs[3].buf, .shift = (const double *)a.bufs[4].buf};
     int rc = run_and_finish(&job, threads, (const double *)a.bufs[5].buf, 4, 2, (const unsigned char *)a.bufs[6].buf,
-                            a.nops, (float *)a.bufs[7].buf);
+                            a.nops, (float *)a.bufs[7].buf, NULL);
     release_args(&a);
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -635,13 +689,13 @@ static int tensor_entry(PyObject *x, PyObject *types, PyObject *dtype, uint64_t 
 }
 
 static PyObject *py_stats_tensors(PyObject *self, PyObject *args) {
-    PyObject *xs, *ops, *types, *dtype, *out;
+    PyObject *xs, *ops, *types, *dtype, *out, *extremes = Py_None;
     double eps;
     long long parallel_numel;
     int threads;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OdOO!OOLi", &xs, &eps, &ops, &PyTuple_Type, &types, &dtype, &out, &parallel_numel,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "OdOO!OOLi|O", &xs, &eps, &ops, &PyTuple_Type, &types, &dtype, &out, &parallel_numel,
+                          &threads, &extremes))
         return NULL;
     /* a tuple of its own: it holds every tensor (so its memory) while the GIL is released */
     PyObject *seq = PySequence_Check(xs) ? PySequence_Tuple(xs) : NULL;
@@ -654,11 +708,11 @@ static PyObject *py_stats_tensors(PyObject *self, PyObject *args) {
     }
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject **items = &PyTuple_GET_ITEM(seq, 0);
-    Py_buffer opb, outb;
+    Py_buffer opb, outb, extb;
     int got = 0, rc = -1;
     uint64_t *addr = NULL;
     int64_t *numel = NULL;
-    double *epsv = NULL;
+    double *epsv = NULL, *ext = NULL;
     Py_ssize_t *slot = NULL;
     float *rows = NULL;
     if (PyObject_GetBuffer(ops, &opb, PyBUF_C_CONTIGUOUS) < 0) goto done;
@@ -667,6 +721,10 @@ static PyObject *py_stats_tensors(PyObject *self, PyObject *args) {
     Py_ssize_t nops = opb.len;
     if (get_buf(out, &outb, 4, n * nops, "out", 1) < 0) goto done;
     got = 2;
+    if (extremes != Py_None) {
+        if (get_buf(extremes, &extb, 8, n * 4, "extremes", 1) < 0) goto done;
+        got = 3;
+    }
     size_t cap = (size_t)(n > 0 ? n : 1);
     addr = (uint64_t *)PyMem_Malloc(8 * cap);
     numel = (int64_t *)PyMem_Malloc(8 * cap);
@@ -693,13 +751,18 @@ static PyObject *py_stats_tensors(PyObject *self, PyObject *args) {
         m++;
     }
     float *o = (float *)outb.buf;
+    double *e = got > 2 ? (double *)extb.buf : NULL;
     if (m < n && (rows = (float *)PyMem_Malloc(sizeof(float) * (size_t)(m > 0 ? m : 1) * (size_t)nops)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (m < n && e != NULL && (ext = (double *)PyMem_Malloc(sizeof(double) * 4 * (size_t)(m > 0 ? m : 1))) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     job_t job = {.kind = KIND_F32, .n = m, .a = addr, .numel = numel, .eps = epsv};
     if (run_and_finish(&job, total >= parallel_numel ? threads : 1, NULL, 1, 1, (const unsigned char *)opb.buf, nops,
-                       rows != NULL ? rows : o) < 0) {
+                       rows != NULL ? rows : o, ext != NULL ? ext : e) < 0) {
         PyErr_NoMemory();
         goto done;
     }
@@ -707,10 +770,19 @@ static PyObject *py_stats_tensors(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < n * nops; i++) o[i] = NAN;
         for (Py_ssize_t t = 0; t < m; t++) memcpy(o + slot[t] * nops, rows + t * nops, sizeof(float) * (size_t)nops);
     }
+    if (ext != NULL) { /* likewise: no extremes for None and empty tensors */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            e[4 * i] = e[4 * i + 1] = -1.0;
+            e[4 * i + 2] = e[4 * i + 3] = NAN;
+        }
+        for (Py_ssize_t t = 0; t < m; t++) memcpy(e + slot[t] * 4, ext + t * 4, sizeof(double) * 4);
+    }
     rc = 1;
 done:
+    if (got > 2) PyBuffer_Release(&extb);
     if (got > 1) PyBuffer_Release(&outb);
     if (got > 0) PyBuffer_Release(&opb);
+    PyMem_Free(ext);
     PyMem_Free(addr);
     PyMem_Free(numel);
     PyMem_Free(epsv);
@@ -719,6 +791,47 @@ done:
     Py_DECREF(seq);
     if (rc < 0) return NULL;
     return PyBool_FromLong(rc);
+}
+
+/* unchanged(xs, types, dtype, extremes) -> bytes: per tensor 1 where it still holds, at the element
+ * indices extremes gave it (stats_tensors), the min and max values it had then; 0 where not, or where it
+ * had no extremes, or is no longer for that path. Two element reads per tensor. */
+static PyObject *py_unchanged(PyObject *self, PyObject *args) {
+    PyObject *xs, *types, *dtype, *extremes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO!OO", &xs, &PyTuple_Type, &types, &dtype, &extremes)) return NULL;
+    PyObject *seq = PySequence_Fast(xs, "xs: expected a sequence of tensors");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer eb;
+    if (get_buf(extremes, &eb, 8, n * 4, "extremes", 0) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject *res = PyBytes_FromStringAndSize(NULL, n);
+    if (res != NULL) {
+        char *r = PyBytes_AS_STRING(res);
+        const double *e = (const double *)eb.buf;
+        for (Py_ssize_t t = 0; t < n; t++) {
+            r[t] = 0;
+            uint64_t addr = 0;
+            int64_t numel = 0;
+            int ok = items[t] == Py_None ? 0 : tensor_entry(items[t], types, dtype, &addr, &numel);
+            if (ok < 0) {
+                Py_CLEAR(res);
+                break;
+            }
+            int64_t i = (int64_t)e[4 * t], j = (int64_t)e[4 * t + 1];
+            if (ok && i >= 0 && j >= 0 && i < numel && j < numel) {
+                const float *x = (const float *)(uintptr_t)addr;
+                r[t] = (double)x[i] == e[4 * t + 2] && (double)x[j] == e[4 * t + 3];
+            }
+        }
+    }
+    PyBuffer_Release(&eb);
+    Py_DECREF(seq);
+    return res;
 }
 
 static PyObject *py_set_kernel(PyObject *self, PyObject *args) {
@@ -787,15 +900,23 @@ PyDoc_STRVAR(set_kernel_doc,
              "CPU has AVX2 and FMA); returns the previous one. For tests and benchmarks: not thread-safe.");
 
 PyDoc_STRVAR(stats_tensors_doc,
-             "stats_tensors(xs, eps, ops, types, dtype, out, parallel_numel, threads) -> bool\n\n"
+             "stats_tensors(xs, eps, ops, types, dtype, out, parallel_numel, threads[, extremes]) -> bool\n\n"
              "stats() of the tensors xs themselves (None and empty: NaN rows), each of one of the exact types,\n"
              "of dtype, on the CPU and contiguous or a permutation of a contiguous block; False (out untouched)\n"
-             "where one is not.");
+             "where one is not. extremes: None, or a writable n x 4 float64 buffer given per tensor the element\n"
+             "index of its min and of its max (in memory order from its data address) and their values; -1, -1,\n"
+             "NaN, NaN where it has none (None, empty, a NaN, an infinite extreme).");
+
+PyDoc_STRVAR(unchanged_doc,
+             "unchanged(xs, types, dtype, extremes) -> bytes\n\n"
+             "Per tensor 1 where it still holds, at the indices stats_tensors() gave in extremes, the min and max\n"
+             "values it had; else 0.");
 
 static PyMethodDef methods[] = {
     {"stats", py_stats, METH_VARARGS, stats_doc},
     {"adam", py_adam, METH_VARARGS, adam_doc},
     {"stats_tensors", py_stats_tensors, METH_VARARGS, stats_tensors_doc},
+    {"unchanged", py_unchanged, METH_VARARGS, unchanged_doc},
     {"set_kernel", py_set_kernel, METH_VARARGS, set_kernel_doc},
     {"kernel", py_kernel, METH_NOARGS, kernel_doc},
     {"threads", py_threads, METH_NOARGS, threads_doc},

@@ -21,12 +21,18 @@ A parameter that DeepSpeed ZeRO partitions is measured in a gradient hook that r
 gradient is accumulated (DeepSpeed's own post-accumulate-grad hook moves it into a bucket that is
 reduced while backward goes on): its unreduced row is that micro step's gradient on this rank
 (DeepSpeed accumulates micro steps in its own partitions, not in ``.grad``).
-Reduced gradients (optimizer pre-step) are measured again where the one-pass kernel measures them
-(CPU, any dtype but float64): the check below would read the whole gradient too, so a second
-measurement costs the same and depends on nothing. Elsewhere (the torch reductions) they reuse the
-last unreduced row of a parameter whose gradient is the same tensor with the same version counter
-and the same norm (recomputed: one dot product), i.e. no reduction, clipping or unscaling happened
-in between; they are measured again otherwise.
+Reduced gradients (optimizer pre-step) reuse the last unreduced row of a parameter whose gradient is
+still the tensor measured then, with the same version counter, where a check shows it unchanged: AMP's
+unscale, apex/Megatron fused scaling, ``.data`` and numpy writes leave the version counter as it was.
+On the one-pass kernel's path (CPU float32) the check reads back the two elements where the kernel found
+the tensor's min and max (:func:`fused.unchanged`): a scaling, clipping, shift or average changes one of
+them, unless it leaves the tensor as it was; a write that bypasses the version counter and leaves both
+alone goes unseen (changing one element of a gradient through ``.data`` between backward and step, say).
+This saves the second read of every gradient: about 40% of the cost of ``wg_distribution`` on the
+benchmark model (benchmarks/RESULTS.md).
+On the torch path (on CPU) the check is the norm, recomputed exactly as the engine computes it (one dot
+product, bitwise reproducible). Elsewhere (accelerators: the check would cost a synchronisation) they
+are measured again.
 """
 
 from __future__ import annotations
@@ -136,15 +142,20 @@ class StepCollector:
         if not pend:
             return
         grads = [g if g is not None else self._grad_of(self._params[i].param) for i, _, _, g in pend]
-        rows = self._rows_of(grads, [i for i, _, _, _ in pend], "gradient")
+        extremes = np.empty((len(pend), 4))
+        rows = self._rows_of(grads, [i for i, _, _, _ in pend], "gradient", extremes)
         st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _, _ in pend],
                                [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
                                [self._params[i].vpp for i, _, _, _ in pend]))
-        if isinstance(rows, np.ndarray):
-            return  # measured by the one-pass kernel, which measures reduced gradients again (_reusable)
+        last = st.last_unreduced
+        if isinstance(rows, np.ndarray):  # the one-pass kernel's: with fingerprints where it gave them
+            for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
+                if g is not None and extremes[r, 0] >= 0:
+                    last[i] = (rows, r, g, g._version, extremes[r])
+            return
         for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
             if g is not None and self._reusable(g):
-                st.last_unreduced[i] = (rows, r, g, g._version)
+                last[i] = (rows, r, g, g._version, None)
 
     @torch.no_grad()
     def _rows_of_sum(self, a: torch.Tensor, b: torch.Tensor, index: int) -> torch.Tensor:
@@ -199,33 +210,57 @@ class StepCollector:
                 yield i, g
 
     def _reduced_grads(self, st: StepState, partitioned_only: bool = False) -> None:
-        eng = self._engine
-        cand_rows, cand_idx, cand_g, todo, todo_idx = [], [], [], [], []
-        for i, g in self._own_grads(partitioned_only):
-            last = st.last_unreduced.get(i)  # only kept where _reusable(g)
-            if last is not None and last[2] is g and last[3] == g._version:
-                cand_rows.append(last[0][last[1]])
-                cand_idx.append(i)
-                cand_g.append(g)
+        """The reduced gradient rows, in the order of the monitored parameters. A gradient that is still
+        the tensor measured at the end of the backward pass, with the same version counter, reuses that
+        row where a check shows it unchanged (see the module docstring); the others are measured."""
+        own = list(self._own_grads(partitioned_only))
+        if not own:
+            return
+        rows: list = [None] * len(own)
+        fp_at, fp_g, fp_ext, fp_rows, nm_at, nm_g, nm_rows = [], [], [], [], [], [], []
+        for k, (i, g) in enumerate(own):
+            last = st.last_unreduced.get(i)
+            if last is None or last[2] is not g or last[3] != g._version:
+                continue
+            if last[4] is not None:
+                fp_at.append(k)
+                fp_g.append(g)
+                fp_ext.append(last[4])
+                fp_rows.append(last[0][last[1]])
             else:
-                todo.append(g)
-                todo_idx.append(i)
-        if cand_rows:
-            # Same tensor, same version counter: unchanged, unless a kernel wrote it without bumping the
-            # counter (AMP's unscale, apex/Megatron fused scaling do). The norm, recomputed exactly as the
-            # engine computes it (one dot product per tensor, bitwise reproducible), must match too.
-            rows = torch.stack(cand_rows)
-            same = (eng.norms(cand_g) == rows[:, eng.ops.index("norm")]).tolist()
-            keep = [k for k, ok in enumerate(same) if ok]
-            if keep:
-                self._add_rows(st, KIND_GRAD_REDUCED, rows[keep] if len(keep) < len(same) else rows,
-                               [cand_idx[k] for k in keep])
-            for k, ok in enumerate(same):
-                if not ok:
-                    todo.append(cand_g[k])
-                    todo_idx.append(cand_idx[k])
+                nm_at.append(k)
+                nm_g.append(g)
+                nm_rows.append(last[0][last[1]])
+        if fp_at:
+            # The version counter misses writes that bypass autograd's view of the tensor: AMP's
+            # unscale, apex/Megatron fused scaling, .data, numpy. Each tensor's min and max, read again
+            # at the elements where the kernel found them, must be what they were.
+            for k, row, ok in zip(fp_at, fp_rows, fused.unchanged(fp_g, np.stack(fp_ext)), strict=True):
+                if ok:
+                    rows[k] = row
+        if nm_at:
+            # The torch path's check: the norm, recomputed exactly as the engine computes it (one dot
+            # product per tensor, bitwise reproducible), must match.
+            eng = self._engine
+            cand = torch.stack(nm_rows)
+            same = (eng.norms(nm_g) == cand[:, eng.ops.index("norm")]).tolist()
+            for k, row, ok in zip(nm_at, cand, same, strict=True):
+                if ok:
+                    rows[k] = row
+        todo = [k for k, r in enumerate(rows) if r is None]
         if todo:
-            self._add_rows(st, KIND_GRAD_REDUCED, self._rows_of(todo, todo_idx, "reduced gradient"), todo_idx)
+            measured = self._rows_of([own[k][1] for k in todo], [own[k][0] for k in todo], "reduced gradient")
+            if len(todo) == len(own):  # nothing reused (on accelerators always): the batch as it is
+                self._add_rows(st, KIND_GRAD_REDUCED, measured, [i for i, _ in own])
+                return
+            for j, k in enumerate(todo):
+                rows[k] = measured[j]
+        if all(isinstance(r, np.ndarray) for r in rows):
+            out = np.stack(rows)
+        else:
+            dev = next(r.device for r in rows if isinstance(r, torch.Tensor))
+            out = torch.stack([torch.from_numpy(r).to(dev) if isinstance(r, np.ndarray) else r for r in rows])
+        self._add_rows(st, KIND_GRAD_REDUCED, out, [i for i, _ in own])
 
     def _param_pieces(self) -> tuple[list, list]:
         """The monitored parameters as this rank holds them, and their indices: under ZeRO 3, the
@@ -249,14 +284,17 @@ class StepCollector:
         if tensors:
             self._add_rows(st, kind, self._rows_of(tensors, list(indices), kind), list(indices))
 
-    def _rows_of(self, tensors: list, indices: list, what: str) -> torch.Tensor | np.ndarray:
+    def _rows_of(self, tensors: list, indices: list, what: str,
+                 extremes: np.ndarray | None = None) -> torch.Tensor | np.ndarray:
         """The engine's rows of a batch (:meth:`StatsEngine.rows`: a numpy array where the one-pass kernel
-        measured every tensor, else a tensor); where the batch fails, each tensor alone, so that one
-        tensor the engine cannot measure costs its own row (NaN, and a HookFailed naming it), not the
-        batch's."""
+        measured every tensor, else a tensor; ``extremes`` filled as it fills them); where the batch
+        fails, each tensor alone, so that one tensor the engine cannot measure costs its own row (NaN,
+        and a HookFailed naming it), not the batch's."""
         try:
-            return self._engine.rows(tensors)
+            return self._engine.rows(tensors, extremes=extremes)
         except Exception:  # noqa: BLE001 - monitoring never kills training
+            if extremes is not None:
+                fused.no_fingerprints(extremes)
             rows = []
             for t, i in zip(tensors, indices, strict=True):
                 try:

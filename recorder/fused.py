@@ -177,20 +177,27 @@ def stats(xs: Sequence[torch.Tensor], eps: Sequence[float], ops: Sequence[str] |
 
 
 def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
-              scales: Sequence[float] | None = None, numpy: bool = False) -> torch.Tensor | np.ndarray | None:
+              scales: Sequence[float] | None = None, numpy: bool = False,
+              extremes: np.ndarray | None = None) -> torch.Tensor | np.ndarray | None:
     """:func:`stats` for the hooks' case, with the least Python per call: float32 CPU tensors; None and
     empty tensors give NaN rows (as the engine's general path); a non-contiguous tensor is measured where
     it lies if it is a permutation of a contiguous block and no scales are given (a transpose: the ops
     ignore element order), else through a contiguous copy. Anything else gives None: the caller takes
     the general path.
     ``eps`` is one threshold for all (divided by each scale here). ``numpy``: the rows as the numpy
-    array the kernel wrote (no tensor made per call; the step's end makes one of all)."""
+    array the kernel wrote (no tensor made per call; the step's end makes one of all).
+    ``extremes``: a float64 ``[len(xs), 4]`` array to fill with each tensor's fingerprint for
+    :func:`unchanged` (where its min and max lie, and their values), where the kernel measured the
+    tensor where it lies; rows of -1, -1, NaN, NaN elsewhere."""
     if scales is None and _stats_tensors is not None:
         # the common case without a Python loop over the tensors (inside training every bytecode counts:
         # the backward's kernels leave the interpreter's own data out of the CPU caches)
         out = np.empty((len(xs), len(codes)), dtype=np.float32)
-        if _stats_tensors(xs, eps, codes, _PLAIN, torch.float32, out, PARALLEL_NUMEL, torch.get_num_threads()):
+        if _stats_tensors(xs, eps, codes, _PLAIN, torch.float32, out, PARALLEL_NUMEL, torch.get_num_threads(),
+                          extremes):
             return out if numpy else torch.from_numpy(out)
+    if extremes is not None:
+        no_fingerprints(extremes)
     ptrs = array("Q")
     numels = array("q")
     total = 0
@@ -224,6 +231,20 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
             out[present] = rows
         rows = out
     return rows if numpy else torch.from_numpy(rows)
+
+
+def no_fingerprints(extremes: np.ndarray) -> None:
+    """Fill ``extremes`` (see :func:`stats_f32`) with rows that :func:`unchanged` never accepts."""
+    extremes[:, :2] = -1
+    extremes[:, 2:] = np.nan
+
+
+def unchanged(xs: Sequence[torch.Tensor | None], extremes: np.ndarray) -> bytes:
+    """Per tensor 1 where it still holds the min and max values :func:`stats_f32` found in it, at the
+    elements it found them (``extremes``, one row per tensor), else 0: two element reads per tensor.
+    Any change that scales, shifts, clips or averages a tensor changes at least one of them (unless it
+    leaves the tensor as it was); a write to other elements alone goes unseen."""
+    return _fused.unchanged(xs, _PLAIN, torch.float32, extremes)
 
 
 def _run(kind: int, ptrs: array, numels: array, total: int, thresholds: array, scales: Sequence[float] | None,

@@ -199,16 +199,20 @@ class StatsEngine:
         rows = self.rows(tensors, scales)
         return torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
 
-    def rows(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None
-             ) -> torch.Tensor | np.ndarray:
+    def rows(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None,
+             extremes: np.ndarray | None = None) -> torch.Tensor | np.ndarray:
         """:meth:`compute` as the hooks want it: on the kernel's path the numpy array it wrote (a hook
-        makes no tensor per call; :meth:`StepStats.finish` makes one of the step's rows), else a tensor."""
+        makes no tensor per call; :meth:`StepStats.finish` makes one of the step's rows), else a tensor.
+        ``extremes``: filled with the tensors' fingerprints (:func:`fused.stats_f32`), where the kernel
+        gives them."""
         if self.fused and self.host_paths:
             # the hooks' common case, kept lean (it runs for every monitored call): float32 CPU tensors
             # straight to the one-pass kernel, which reads memory and records no autograd
-            rows = fused.stats_f32(tensors, self.eps, self._codes, scales, numpy=True)
+            rows = fused.stats_f32(tensors, self.eps, self._codes, scales, numpy=True, extremes=extremes)
             if rows is not None:
                 return rows
+        if extremes is not None:
+            fused.no_fingerprints(extremes)
         # DTensors (FSDP2, tensor parallel): the statistics of this rank's local shard
         return self._compute([fused.local_tensor(t) for t in tensors], scales)
 

@@ -343,3 +343,58 @@ def test_tensor_entry_equals_the_python_loop(monkeypatch):
         fused._fused.stats_tensors([x, p], 1e-3, b"\x09", fused._PLAIN, torch.float32, out[:, :1].copy(), 1, 1)
     with pytest.raises(TypeError, match="sequence"):
         fused._fused.stats_tensors(5, *args)
+
+
+@pytest.mark.skipif(fused._stats_tensors is None, reason="the kernel was built without stats_tensors")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fingerprints_are_the_first_min_and_max_elements(monkeypatch, threads):
+    """``extremes``: per tensor the memory index of its first min and first max element (torch's argmin
+    and argmax), and their values, across blocks (4096), chunks (262144) and threads; none for None,
+    empty, NaN or infinite tensors, nor where the general path measured (a scale, a copy)."""
+    monkeypatch.setattr(fused, "PARALLEL_NUMEL", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(11)
+    sizes = [1, 5, 4095, 4097, 262145, 3 * 262144 + 11]
+    xs = [torch.randn(n, generator=g) for n in sizes]
+    ties = torch.randint(-3, 4, (600_000,), generator=g).float()  # every value many times, in every chunk
+    big = torch.randn(700, 900, generator=g)
+    nan, inf = torch.randn(5000, generator=g), torch.randn(5000, generator=g)
+    nan[4500], inf[17] = float("nan"), float("inf")
+    cases = xs + [ties, big.t(), None, torch.empty(0), nan, inf]
+    ext = np.empty((len(cases), 4))
+    fused.stats_f32(cases, 1e-8, fused.op_codes(OPS), numpy=True, extremes=ext)
+    for k, x in enumerate(xs + [ties]):
+        flat = x.reshape(-1)
+        assert ext[k].tolist() == [flat.argmin().item(), flat.argmax().item(), flat.min().item(), flat.max().item()]
+    flat = big.reshape(-1)  # the transpose is measured where it lies: indices in memory order
+    assert ext[len(xs) + 1].tolist() == [flat.argmin().item(), flat.argmax().item(), flat.min().item(),
+                                         flat.max().item()]
+    for k in range(len(xs) + 2, len(cases)):
+        assert ext[k, 0] == ext[k, 1] == -1 and np.isnan(ext[k, 2:]).all(), cases[k]
+    scaled = np.zeros((2, 4))
+    fused.stats_f32(xs[:2], 1e-8, fused.op_codes(OPS), [2.0, 2.0], numpy=True, extremes=scaled)
+    assert (scaled[:, :2] == -1).all()
+
+
+@pytest.mark.skipif(fused._stats_tensors is None, reason="the kernel was built without stats_tensors")
+def test_unchanged_sees_scaling_and_writes_at_the_extremes():
+    """:func:`fused.unchanged` reads the two elements back: untouched tensors pass; AMP's unscale (which
+    leaves the version counter as it was), any scaling, and a write at an extreme element fail; so do
+    tensors without fingerprints and tensors the kernel does not take."""
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(300, 700, generator=g) for _ in range(5)] + [torch.randn(4, generator=g), None]
+    ext = np.empty((len(xs), 4))
+    fused.stats_f32(xs, 1e-8, fused.op_codes(OPS), numpy=True, extremes=ext)
+    assert fused.unchanged(xs, ext) == b"\x01" * 6 + b"\x00"
+    v = xs[0]._version
+    torch._amp_foreach_non_finite_check_and_unscale_([xs[0]], torch.zeros(1), torch.full((1,), 0.5))
+    assert xs[0]._version == v  # unseen by the version counter
+    xs[1].numpy()[...] *= 1.0000001  # the smallest change float32 keeps
+    flat = xs[2].numpy().reshape(-1)
+    flat[flat.argmax()] = 0.0
+    xs[3].view(-1)[int(ext[3, 0])] = 0.0  # the min
+    got = fused.unchanged(xs[:4] + [xs[4].double(), xs[5]], ext[:6])
+    assert got == b"\x00\x00\x00\x00\x00\x01"
+    assert fused.unchanged([xs[4]], np.full((1, 4), -1.0)) == b"\x00"
+    with pytest.raises(ValueError, match="extremes"):
+        fused.unchanged(xs, ext[:2])

@@ -129,8 +129,8 @@ def test_recorded_values_equal_independent_statistics(tmp_path, monkeypatch, gra
 
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 def test_reduced_gradients_reuse_unchanged_rows_and_see_in_place_changes(tmp_path, monkeypatch, kernel):
-    """Without a reduction between backward and step, reduced == last unreduced (the torch path reuses the
-    row, the one-pass kernel measures again, bitwise the same); a clip (in place) is seen."""
+    """Without a reduction between backward and step, reduced == last unreduced (both paths reuse the
+    row); a clip (in place) is seen."""
     if kernel == "fused" and not fused.AVAILABLE:
         pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
     monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
@@ -154,6 +154,65 @@ def test_reduced_gradients_reuse_unchanged_rows_and_see_in_place_changes(tmp_pat
         assert red[(0, short, "", 0)] == unred[(0, short, "", 0)]
         assert_close(red[(1, short, "", 0)], ref_stats(clipped[n]), what=f"clipped {short}")
         assert red[(1, short, "", 0)]["norm"] < unred[(1, short, "", 0)]["norm"]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("write", [".data", "numpy", "numpy, at the max alone"])
+def test_reduced_gradients_see_writes_the_version_counter_misses(tmp_path, monkeypatch, kernel, write):
+    """Writes through ``.data`` or numpy leave a gradient's version counter as it was: the reused row's
+    check sees them (the kernel's fingerprint: its min and max elements; the torch path's norm), and the
+    reduced rows are the statistics of the gradients the optimizer got."""
+    if kernel == "fused" and not fused.AVAILABLE:
+        pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
+    monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    loss_of(model, 0).backward()
+    for p in model.parameters():
+        v = p.grad._version
+        if write == ".data":
+            p.grad.data.mul_(0.5)
+        elif write == "numpy":
+            p.grad.numpy()[...] *= 0.5
+        else:
+            flat = p.grad.numpy().reshape(-1)
+            flat[flat.argmax()] *= 0.5
+        assert p.grad._version == v
+    written = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    mon.close()
+    events = events_of(tmp_path / "out")
+    unred, red = stats_table(events, "grad_unreduced"), stats_table(events, "grad_reduced")
+    for n, short in squash_all([n for n, _ in model.named_parameters()]).items():
+        assert_close(red[(0, short, "", 0)], ref_stats(written[n]), what=f"written {short}")
+        assert red[(0, short, "", 0)]["max"] < unred[(0, short, "", 0)]["max"]
+
+
+@pytest.mark.skipif(not fused.AVAILABLE or fused._stats_tensors is None, reason="the one-pass kernel is not built")
+def test_reduced_gradients_unchanged_since_the_backward_are_not_read_again(tmp_path, monkeypatch):
+    """In a plain loop the kernel reads each gradient once per step: at the end of the backward pass. The
+    optimizer step's rows are those, after reading two elements of each gradient back."""
+    calls = []
+    real = fused._stats_tensors
+    monkeypatch.setattr(fused, "_stats_tensors", lambda xs, *a: (calls.append(len(xs)), real(xs, *a))[1])
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    n = len(list(model.parameters()))
+    for step in range(3):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert calls == [n] * 3
+    events = events_of(tmp_path / "out")
+    unred, red = stats_table(events, "grad_unreduced"), stats_table(events, "grad_reduced")
+    assert len(red) == 3 * n and all(red[k] == unred[k] for k in red)
 
 
 def test_main_grad_is_used_for_reduced_when_present(tmp_path, monkeypatch):
