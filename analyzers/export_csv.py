@@ -24,9 +24,10 @@ Output goes to a :class:`CsvSink`; creating files is the caller's business (``tr
 from __future__ import annotations
 
 import bisect
+import csv
 import logging
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,6 +86,18 @@ def csv_header(kind: str, ops: Iterable[str]) -> str:
         cols = [f"{side}.{op}" for side in _SIDES[kind] for op in ops]
         return ",".join(["vpp_stage", "module_name", "step", *map(_quote, cols)])
     return ",".join(["vpp_stage", "param_name", "step", *map(_quote, ops)])
+
+
+def ops_from_header(header: str) -> tuple[str, ...]:
+    """The ops of a window file's header line (:func:`csv_header`'s inverse); ValueError where it is none."""
+    cols = next(csv.reader([header.rstrip("\r\n")]), [])
+    if len(cols) < 4 or cols[0] != "vpp_stage" or cols[2] != "step" or cols[1] not in ("param_name", "module_name"):
+        raise ValueError(f"not a window file header: {header[:200]!r}")
+    rest = cols[3:]
+    if cols[1] == "param_name":
+        return tuple(rest)
+    side = rest[0].split(".", 1)[0] + "."
+    return tuple(c[len(side):] for c in rest if c.startswith(side))
 
 
 def _quote(text: str) -> str:
@@ -158,13 +171,15 @@ class _WindowOps:
     columns its first step gave it. 10 bytes per window (starts in order, an index into the few distinct op lists),
     so a live export's memory does not grow with the files it writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, existing: Callable[[str, int], tuple[str, ...] | None] | None = None) -> None:
         self._starts: dict[str, array] = {}
         self._idx: dict[str, array] = {}
         self._table: list[tuple[str, ...]] = []
+        self._existing = existing
 
     def ops(self, kind: str, start: int, ops: tuple[str, ...]) -> tuple[str, ...]:
-        """The window's ops; ``ops`` where the window is new to this export."""
+        """The window's ops; where the window is new to this export, those of the file the sink already
+        has for it (``existing``: a live export going on where an earlier one ended), else ``ops``."""
         starts = self._starts.get(kind)
         if starts is None:
             starts = self._starts[kind] = array("q")
@@ -175,6 +190,8 @@ class _WindowOps:
         i = bisect.bisect_left(starts, start)
         if i < len(starts) and starts[i] == start:
             return self._table[idx[i]]
+        if self._existing is not None:
+            ops = self._existing(kind, start) or ops
         try:
             j = self._table.index(ops)
         except ValueError:
@@ -224,7 +241,7 @@ class CsvProjector(Projector):
         self.rewind = rewind
         self.assembler = StepAssembler(kinds, steps, notes=False)
         self.summary = CsvSummary()
-        self._windows = _WindowOps()
+        self._windows = _WindowOps(getattr(sink, "existing_ops", None))
         self._warned: set = set()
 
     def _item(self, item) -> None:

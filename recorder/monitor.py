@@ -252,7 +252,8 @@ class TrainerMon(StepCollector):
         except OSError:
             names = []
         for name in names:  # the log, and what the live export made of it (a TensorBoard file's header)
-            if name in ("live_export.out", os.path.basename(w.path)) or name.startswith("events.out.tfevents."):
+            if name in ("live_export.out", "live_export.done", os.path.basename(w.path)) or \
+                    name.startswith("events.out.tfevents."):
                 try:
                     os.remove(os.path.join(rank_dir, name))
                 except OSError:

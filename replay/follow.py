@@ -48,7 +48,10 @@ _BOOKKEEPING = (FileOpened, NamesInterned)
 class RunFollower:
     """Incremental reader of a whole run; see the module docstring."""
 
-    def __init__(self, path: str, *, run_id: str | None = None, from_start: bool = True) -> None:
+    def __init__(self, path: str, *, run_id: str | None = None, from_start: bool = True,
+                 skip_files: Iterable[str] = ()) -> None:
+        """``skip_files``: log files never read (a live export resuming after one that projected them
+        whole)."""
         self.path = os.path.abspath(path)
         self.run_id = run_id  # a prefix until the launch is found, then the exact id
         self._resolved = False
@@ -59,7 +62,7 @@ class RunFollower:
         self._ranks: dict[str, int] = {}
         self._skip: set[str] = set()  # files whose initial content is skipped (from_start=False)
         self._dirs: set[str] = set()  # rank directories followed
-        self._seen: set[str] = set()  # files looked at (followed or not)
+        self._seen: set[str] = {os.path.abspath(f) for f in skip_files}  # files looked at (followed or not)
         self._waiting: set[str] = set()  # files whose header could not be read yet
         self._dir_mtimes: dict[str, int] = {}
         self._dir_listed: dict[str, float] = {}  # when each directory was last listed in full

@@ -20,6 +20,7 @@ import io
 import logging
 import multiprocessing
 import os
+import re
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainrec.analyzers.export_csv import CsvProjector
+from trainrec.analyzers.export_csv import CsvProjector, ops_from_header
 from trainrec.analyzers.export_tb import TbProjector
 from trainrec.analyzers.projection import StepSet
 from trainrec.analyzers.tb_encode import FILE_VERSION, event_bytes
@@ -98,9 +99,13 @@ def tb_file_name(start_time: float, host: str, suffix: str = "") -> str:
 class TbEventFile:
     """A TensorBoard event file: ``write(event_bytes)`` appends one TFRecord."""
 
-    def __init__(self, path: str, wall: float | None = None) -> None:
+    def __init__(self, path: str, wall: float | None = None, *, append: bool = False) -> None:
+        """``append``: add to the file where it exists (it has its file version event already)."""
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
+        if append and os.path.isfile(path) and os.path.getsize(path) > 0:
+            self._f = open(path, "ab", buffering=1 << 20)  # noqa: SIM115 - closed in close()
+            return
         self._f = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in close()
         self.write(event_bytes(time.time() if wall is None else wall, file_version=FILE_VERSION))
 
@@ -143,6 +148,51 @@ class CsvDirSink:
     def path(self, kind: str, start: int, end: int) -> str:
         return os.path.join(self.directory, f"{kind}_{start}-{end}.csv")
 
+    def adopt(self, step_count_per_record: int) -> int:
+        """Take the window files of ``step_count_per_record`` steps already in the directory as this
+        sink's own (a live export going on where an earlier one ended): rows go on being appended to
+        them, and a rewind trims or removes them. Their last steps are read when a rewind needs them.
+        Returns how many were taken."""
+        spcr = step_count_per_record
+        found: dict[str, list[tuple[int, int]]] = {}
+        with os.scandir(self.directory) as it:
+            for e in it:
+                m = _WINDOW_FILE.match(e.name)
+                if m is None:
+                    continue
+                start, end = int(m.group(2)), int(m.group(3))
+                if start % spcr == 0 and end == start + spcr - 1:
+                    found.setdefault(m.group(1), []).append((start, end))
+        n = 0
+        for kind, windows in found.items():
+            windows.sort()
+            starts, ends, lasts = self._written.setdefault(kind, (array("q"), array("q"), array("q")))
+            for start, end in windows:
+                i = bisect.bisect_left(starts, start)
+                if i < len(starts) and starts[i] == start:
+                    continue
+                starts.insert(i, start)
+                ends.insert(i, end)
+                lasts.insert(i, _UNREAD)
+                n += 1
+        return n
+
+    def existing_ops(self, kind: str, start: int) -> tuple[str, ...] | None:
+        """The ops in the header of window file ``(kind, start)`` where this sink has it (adopted, or
+        written by it), else None."""
+        written = self._written.get(kind)
+        if written is None:
+            return None
+        starts, ends, _ = written
+        i = bisect.bisect_left(starts, start)
+        if i == len(starts) or starts[i] != start:
+            return None
+        try:
+            with open(self.path(kind, start, ends[i]), encoding="utf-8", newline="") as f:
+                return ops_from_header(f.readline())
+        except (OSError, ValueError):
+            return None
+
     def append(self, kind: str, start: int, end: int, header: str, text: bytes, step: int) -> None:
         cur = self._open.get(kind)
         if cur is not None and cur[0] != start:
@@ -177,7 +227,7 @@ class CsvDirSink:
         for kind, (starts, ends, lasts) in self._written.items():
             # windows do not overlap: those that begin at step or later go, the one before may hold it
             i = bisect.bisect_left(starts, step)
-            if i and lasts[i - 1] >= step:
+            if i and (lasts[i - 1] >= step or lasts[i - 1] == _UNREAD):
                 lasts[i - 1] = _trim_csv(self.path(kind, starts[i - 1], ends[i - 1]), step)
             if i and lasts[i - 1] < 0:
                 i -= 1
@@ -207,6 +257,10 @@ class CsvDirSink:
                       for s, e in zip(starts, ends, strict=True))
 
 
+_WINDOW_FILE = re.compile(r"^(.+)_(\d+)-(\d+)\.csv$")
+_UNREAD = -2  # the last step of an adopted window file, not read yet
+
+
 def _trim_csv(path: str, step: int) -> int:
     """Keep the header and the rows of steps < ``step`` in a window file; the last step kept (-1: none)."""
     try:
@@ -225,8 +279,9 @@ def _trim_csv(path: str, step: int) -> int:
         if s < step:
             kept.append(line)
             last = max(last, s)
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.writelines(kept)
+    if len(kept) < len(lines):  # (an adopted window's last step is not known before it is read)
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.writelines(kept)
     return last
 
 

@@ -15,13 +15,21 @@ are removed; TensorBoard gets a ``SessionLog.START`` at the resume step).
 
 It stops after it has read ``FileClosed`` of the last log file, or once ``--parent-pid`` is gone and a
 last poll brings no more data (then it exports the steps that are complete), or after
-``--idle-timeout`` seconds without new data, or on SIGTERM/SIGINT. Restarting it re-exports from the
-first log file and rewrites the same files.
+``--idle-timeout`` seconds without new data, or on SIGTERM/SIGINT.
+
+Ended the first way, it writes ``live_export.done`` into ``--out``: the log files it projected whole
+(names and sizes) and its options. Started again on the same directory (a resumed launch's export), it
+takes that record, where its options are the same and those files are still the directory's first
+ones, unchanged: it reads only the later log files, and goes on with the files already there (CSV
+window files are trimmed, removed or appended to as the resume requires; the TensorBoard file is
+appended to). Otherwise it re-exports from the first log file and rewrites the same files. Either way
+the record is removed when it starts: until it ends cleanly too, the output is work in progress.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -89,19 +97,26 @@ def live_export(
             return LiveResult(reason, 0, [], [])
         stop.wait(poll_interval)
 
-    follower = RunFollower(rank_dir)
+    options = {"format": fmt, "ndigits": ndigits, "step_count_per_record": step_count_per_record}
+    done = _take_done_record(out, rank_dir, options)
+    follower = RunFollower(rank_dir, skip_files=done.logs if done else ())
     first = follower.poll()
     sink: CsvDirSink | TbEventFile
     if fmt == "csv":
         sink = CsvDirSink(out)
+        if done:
+            sink.adopt(step_count_per_record)
         proj: CsvProjector | TbProjector = CsvProjector(
             sink, ndigits=ndigits, step_count_per_record=step_count_per_record, rewind=True
         )
     else:
-        header = next((r.header for r in follower.readers.values() if r.header is not None), None)
-        start = header.start_time if header is not None else time.time()
-        host = header.host if header is not None else socket.gethostname()
-        sink = TbEventFile(os.path.join(out, tb_file_name(start, host)), wall=start)
+        if done:
+            sink = TbEventFile(os.path.join(out, done.tb_file), append=True)
+        else:
+            header = next((r.header for r in follower.readers.values() if r.header is not None), None)
+            start = header.start_time if header is not None else time.time()
+            host = header.host if header is not None else socket.gethostname()
+            sink = TbEventFile(os.path.join(out, tb_file_name(start, host)), wall=start)
         proj = TbProjector(sink, rewind=True)
     reason = "stopped"
     clean = False
@@ -141,8 +156,78 @@ def live_export(
     finally:
         summary = proj.finish(clean)
         sink.close()
+    if clean:
+        logs = (done.logs if done else []) + list(follower.readers)
+        _write_done_record(out, logs, options, None if isinstance(sink, CsvDirSink) else sink.path)
     files = sink.files if isinstance(sink, CsvDirSink) else [sink.path]
     return LiveResult(reason, len(summary.steps), files, list(summary.dropped_steps))
+
+
+# ---------------------------------------------------------------------------------------- resuming
+DONE_FILE = "live_export.done"
+
+
+@dataclass
+class _Done:
+    logs: list[str]  # paths of the log files projected whole, in order
+    tb_file: str | None
+
+
+def _take_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
+    """What an earlier export of this rank directory into ``out`` projected, where it ended cleanly
+    (every log file closed, all of it written) with the same options: those log files need not be read
+    again (a resumed launch's export goes on from the next file, on the files already there). None
+    where there is no such record, or where it does not fit what is there now (a file of another size,
+    missing, or not the directory's first ones). The record is removed either way: from here on the
+    output is this export's work in progress, until it too ends cleanly and writes a new one."""
+    path = os.path.join(out, DONE_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 20)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cannot read %s (%s): exporting the whole log again", path, exc)
+        return None
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+    try:
+        rec = json.loads(raw)
+        names = [(str(n), int(size)) for n, size in rec["logs"]]
+        tb_file = rec.get("tb_file")
+        fits = rec.get("version") == 1 and all(rec.get(k) == v for k, v in options.items()) and names
+    except (ValueError, KeyError, TypeError):
+        log.warning("%s is not an export record: exporting the whole log again", path)
+        return None
+    logs = layout.list_logs(rank_dir)
+    if not fits or len(logs) < len(names):
+        return None
+    for p, (name, size) in zip(logs, names, strict=False):
+        try:
+            if os.path.basename(p) != name or os.path.getsize(p) != size:
+                return None
+        except OSError:
+            return None
+    if options["format"] != "csv":
+        if not isinstance(tb_file, str) or os.path.basename(tb_file) != tb_file or \
+                not os.path.isfile(os.path.join(out, tb_file)):
+            return None
+    return _Done(logs[: len(names)], tb_file)
+
+
+def _write_done_record(out: str, logs: list[str], options: dict, tb_path: str | None) -> None:
+    rec = {"version": 1, **options, "logs": [[os.path.basename(p), os.path.getsize(p)] for p in logs],
+           "tb_file": os.path.basename(tb_path) if tb_path else None}
+    path = os.path.join(out, DONE_FILE)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(rec, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write %s (%s): a resumed launch's export will read the whole log again", path, exc)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -468,6 +468,49 @@ def test_append_output_resumes_into_the_matching_rank_dir(tmp_path, out):
     assert steps_with(ev, "grad_reduced") == [2, 3]
 
 
+def test_a_resumed_launchs_live_csv_export_reads_only_its_own_log(tmp_path, out):
+    """format csv, live export on: the first launch's export ends cleanly and records the log it
+    exported; the resumed launch's export reads only the new log file, and the rank directory ends
+    with the CSV files ``trainrec export`` writes for the whole run."""
+    import filecmp
+    import json
+
+    from trainrec.tools.cli import main as cli
+
+    def launch(cfg, steps, **kw):
+        mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
+        model, opt = make()
+        mon.monitor_gnorm_with_ad(model, optimizer=opt, **kw)
+        for s in range(steps):
+            loss_of(model, s).backward()
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+
+    cfg = {"wg_distribution": True, "format": "csv", "step_count_per_record": 2}
+    launch(cfg, 5)
+    (first,) = rank_dirs(out)
+    with open(os.path.join(first, "live_export.done")) as f:
+        assert [n for n, _ in json.load(f)["logs"]] == ["trainrec-00000.trl"]
+    stamp = os.path.basename(first).split("-rank")[0]
+    before = {n: os.stat(os.path.join(first, n)).st_mtime_ns for n in os.listdir(first) if n.endswith("_0-1.csv")}
+    assert len(before) == 2  # grad_unreduced, grad_reduced
+    time.sleep(0.05)
+    launch({**cfg, "append_output": [stamp, stamp]}, 3, start_iteration=3)
+    # not rewritten: the resumed launch's export did not read the first log again
+    assert {n: os.stat(os.path.join(first, n)).st_mtime_ns for n in before} == before
+    with open(os.path.join(first, "live_export.done")) as f:
+        assert [n for n, _ in json.load(f)["logs"]] == ["trainrec-00000.trl", "trainrec-00001.trl"]
+    with open(os.path.join(first, "live_export.out")) as f:
+        assert "error" not in f.read().lower()
+    assert cli(["export", "csv", str(out), "-o", str(tmp_path / "off"), "--step-count-per-record", "2"]) == 0
+    offline = tmp_path / "off" / os.path.basename(first)
+    files = sorted(os.listdir(offline))
+    assert sorted(n for n in os.listdir(first) if n.endswith(".csv")) == files and len(files) == 2 * 3
+    match, mismatch, errors = filecmp.cmpfiles(first, offline, files, shallow=False)
+    assert not mismatch and not errors
+
+
 def test_a_resume_that_fails_at_start_up_keeps_the_run_whole(tmp_path, out):
     """A resume whose config fails in monitor_gnorm_with_ad (a target that matches nothing) has already
     opened its log file: it carries the run's own id, so that file joins the run instead of starting

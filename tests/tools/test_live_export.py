@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "analyzers"))
 from export_logs import OPS, PARAMS, rank_dir, stats_record, write_rank_log  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from trainrec.recorder.writer import LogWriter  # noqa: E402
+from trainrec.schema import layout  # noqa: E402
 from trainrec.schema.events import RunResumed, StepBegan, StepEnded  # noqa: E402
 from trainrec.tools.cli import main  # noqa: E402
 from trainrec.tools.live_export import live_export  # noqa: E402
@@ -65,6 +66,11 @@ def _offline(run_dir, fmt, out):
     return out / name
 
 
+def _csv_files(d):
+    """The CSV files in ``d`` (a live export's output has its record of what it exported beside them)."""
+    return sorted(n for n in os.listdir(d) if n.endswith(".csv"))
+
+
 def _scalars(d):
     ea = EventAccumulator(str(d), size_guidance={"scalars": 0})
     ea.Reload()
@@ -98,7 +104,7 @@ def test_csv_follows_and_exits_at_file_closed(tmp_path):
         _end(proc)
     offline = _offline(tmp_path / "run", "csv", tmp_path / "offline")
     files = sorted(os.listdir(offline))
-    assert sorted(os.listdir(out)) == files and len(files) == 3 * 6
+    assert _csv_files(out) == files and len(files) == 3 * 6
     match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
     assert not mismatch and not errors
 
@@ -143,7 +149,7 @@ def test_parent_gone_exports_what_is_complete(tmp_path):
     finally:
         _end(proc, parent)
         w.close()
-    assert sorted(os.listdir(out)) == [f"param_{s}-{s}.csv" for s in range(3)]
+    assert _csv_files(out) == [f"param_{s}-{s}.csv" for s in range(3)]
 
 
 def test_resume_rewinds_superseded_csv_rows(tmp_path):
@@ -162,7 +168,7 @@ def test_resume_rewinds_superseded_csv_rows(tmp_path):
     assert main(["export", "csv", str(tmp_path / "run"), "-o", str(tmp_path / "off"), "--step-count-per-record", "2"]) == 0
     offline = tmp_path / "off" / os.path.basename(rdir)
     files = sorted(os.listdir(offline))
-    assert sorted(os.listdir(out)) == files == ["param_0-1.csv", "param_2-3.csv", "param_4-5.csv", "param_6-7.csv"]
+    assert _csv_files(out) == files == ["param_0-1.csv", "param_2-3.csv", "param_4-5.csv", "param_6-7.csv"]
     match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
     assert not mismatch and not errors
     assert [line.split(",")[3] for line in (out / "param_2-3.csv").read_text().splitlines()[1:]] == ["2.0", "30.0"]
@@ -271,7 +277,7 @@ def test_a_window_emptied_by_a_resume_takes_the_resumed_runs_ops(tmp_path):
     assert main(["export", "csv", str(tmp_path / "run"), "-o", str(tmp_path / "off"), "--step-count-per-record", "3"]) == 0
     offline = tmp_path / "off" / os.path.basename(rdir)
     files = sorted(os.listdir(offline))
-    assert sorted(p.name for p in out.iterdir()) == files
+    assert _csv_files(out) == files
     match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
     assert not mismatch and not errors
 
@@ -304,3 +310,87 @@ def test_a_stop_in_a_long_batch_comes_between_events_and_leaves_whole_files(tmp_
         step = int(f.name.split("_")[1].split("-")[0])
         assert f.read_text() == f"vpp_stage,param_name,step,{','.join(OPS)}\n0,p,{step}," + ",".join(
             [repr(float(step))] * 6) + "\n"
+
+
+def _resumed_param_log(rdir, run_id, resume_at, steps):
+    """A later launch's log: RunResumed at ``resume_at``, then parameter "p" at ``steps`` with values 10 * s."""
+    with LogWriter(rdir, rank=0, run_id=run_id, flush_interval=0.01) as w:
+        w.write(RunResumed(rank=0, step=resume_at, wall=2.0, last_step=resume_at - 1))
+        ids = w.intern(["p"], step=-1)
+        for s in steps:
+            w.write(stats_record(0, s, "param", ids, np.full((1, 6), 10 * s, np.float32)))
+            w.write(StepEnded(rank=0, step=s, wall=2.0))
+
+
+
+@pytest.mark.parametrize(("per_record", "resume_at"), [(1, 3), (3, 4), (3, 3), (3, 9)])
+def test_a_resumed_launchs_export_goes_on_from_its_own_log_file(tmp_path, per_record, resume_at):
+    """An export that ended cleanly leaves a record of the log files it projected; the next launch's
+    export (a resume) reads only the new file, goes on with the window files already there (trimming,
+    removing, appending), and leaves what a full export of the whole run leaves, byte for byte."""
+    rdir = rank_dir(tmp_path / "run", 0)
+    out = tmp_path / "live"
+    _param_steps(rdir, "res", range(8))
+    first = live_export(rdir, "csv", str(out), step_count_per_record=per_record, poll_interval=0.01, idle_timeout=10)
+    assert first.reason == "closed" and first.steps == 8
+    assert os.path.exists(out / "live_export.done")
+    untouched = {n: os.stat(out / n).st_mtime_ns for n in _csv_files(out)
+                 if int(n.split("_")[1].split("-")[1][:-4]) < resume_at - resume_at % per_record}
+    time.sleep(0.05)
+    _resumed_param_log(rdir, "res", resume_at, range(resume_at, 12))
+    second = live_export(rdir, "csv", str(out), step_count_per_record=per_record, poll_interval=0.01,
+                         idle_timeout=10)
+    assert second.reason == "closed"
+    assert second.steps == 12 - resume_at  # the first launch's steps were not projected again
+    assert {n: os.stat(out / n).st_mtime_ns for n in untouched} == untouched
+    assert main(["export", "csv", str(tmp_path / "run"), "-o", str(tmp_path / "off"),
+                 "--step-count-per-record", str(per_record)]) == 0
+    offline = tmp_path / "off" / os.path.basename(rdir)
+    files = _csv_files(offline)
+    assert _csv_files(out) == files
+    match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
+    assert not mismatch and not errors
+
+
+def test_a_resumed_launchs_tensorboard_export_appends_to_the_earlier_file(tmp_path):
+    rdir = rank_dir(tmp_path / "run", 0)
+    _param_steps(rdir, "res", range(6))
+    first = live_export(rdir, "tensorboard", poll_interval=0.01, idle_timeout=10)
+    _resumed_param_log(rdir, "res", 3, range(3, 8))
+    second = live_export(rdir, "tensorboard", poll_interval=0.01, idle_timeout=10)
+    assert second.reason == "closed" and second.steps == 5 and second.files == first.files
+    assert [n for n in os.listdir(rdir) if n.startswith("events.out.tfevents.")] == \
+        [os.path.basename(first.files[0])]
+
+    def values(d):
+        return {t: [(s, v) for s, _, v in pts] for t, pts in _scalars(d).items()}
+
+    live = values(rdir)
+    assert live == values(_offline(tmp_path / "run", "tb", tmp_path / "offline")) and live
+    (norm,) = [t for t in live if t.endswith("norm")]
+    assert [v for _, v in live[norm]] == [0.0, 1.0, 2.0, 30.0, 40.0, 50.0, 60.0, 70.0]
+
+
+@pytest.mark.parametrize("change", ["ndigits", "log size", "no record", "stopped"])
+def test_without_a_fitting_record_the_whole_log_is_exported_again(tmp_path, change):
+    """The record is trusted only as written by an export that ended cleanly, with the same options,
+    for log files still as they were; it is removed when an export starts (its output is then work in
+    progress). Otherwise the export reads every log file from the start, as before."""
+    rdir = rank_dir(tmp_path / "run", 0)
+    out = tmp_path / "live"
+    _param_steps(rdir, "res", range(5))
+    stop = threading.Event()
+    if change == "stopped":
+        stop.set()  # stopped before its first batch: not clean, no record
+    first = live_export(rdir, "csv", str(out), poll_interval=0.01, idle_timeout=10, stop=stop)
+    assert os.path.exists(out / "live_export.done") == (change != "stopped")
+    if change == "no record":
+        os.remove(out / "live_export.done")
+    _resumed_param_log(rdir, "res", 3, range(3, 6))
+    if change == "log size":
+        with open(layout.list_logs(rdir)[0], "ab") as f:
+            f.write(b"\0")
+    second = live_export(rdir, "csv", str(out), ndigits=3 if change == "ndigits" else 6, poll_interval=0.01,
+                         idle_timeout=10)
+    assert second.reason == "closed" and second.steps == 6  # steps 0-2, and 3-5 again
+    assert first.reason == ("stopped" if change == "stopped" else "closed")
