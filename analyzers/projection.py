@@ -305,6 +305,19 @@ class StepAssembler:
                 self._notes.append(Note(ev.rank, ev.step, ev.wall, nt[0], nt[1], getattr(ev, "kind", "")))
         return out
 
+    @property
+    def saw_step_end(self) -> bool:
+        """Whether the stream had step markers (StepEnded): only then is a last step without its end
+        known to be torn."""
+        return self._saw_step_end
+
+    def continue_after(self, saw_step_end: bool, last_step_ended: int) -> None:
+        """Go on from a stream that was not fed here (an earlier export projected it): whether it had
+        step markers, and the last step that ended in it (what tells a torn last step, see
+        :meth:`finish`)."""
+        self._saw_step_end = self._saw_step_end or saw_step_end
+        self.last_step_ended = max(self.last_step_ended, last_step_ended)
+
     def finish(self, clean: bool = True) -> list[Item]:
         """Items still held at the end of the stream. ``clean=False``: the log did not end with FileClosed."""
         out: list[Item] = []
@@ -340,6 +353,8 @@ class StepAssembler:
     def _drop_from(self, step: int) -> None:
         for kind in [k for k, p in self._pending.items() if p.step >= step]:
             del self._pending[kind]
+        # the superseded steps' ends no longer count: a re-run step torn by a crash is dropped again
+        self.last_step_ended = min(self.last_step_ended, step - 1)
         # a step cut short and then re-run by the resume is not missing from the export
         self.dropped_steps = [s for s in self.dropped_steps if s < step]
         self._notes = [n for n in self._notes if n.step < step]

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import bisect
-import csv
 import io
 import logging
 import multiprocessing
@@ -25,7 +24,7 @@ import socket
 import threading
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from trainrec.analyzers.export_csv import CsvProjector, ops_from_header
@@ -148,17 +147,23 @@ class CsvDirSink:
     def path(self, kind: str, start: int, end: int) -> str:
         return os.path.join(self.directory, f"{kind}_{start}-{end}.csv")
 
-    def adopt(self, step_count_per_record: int) -> int:
-        """Take the window files of ``step_count_per_record`` steps already in the directory as this
-        sink's own (a live export going on where an earlier one ended): rows go on being appended to
-        them, and a rewind trims or removes them. Their last steps are read when a rewind needs them.
-        Returns how many were taken."""
+    @property
+    def kinds(self) -> list[str]:
+        """The file prefixes this sink has window files of."""
+        return sorted(k for k, (starts, _, _) in self._written.items() if starts)
+
+    def adopt(self, step_count_per_record: int, kinds: Iterable[str]) -> int:
+        """Take the window files of ``step_count_per_record`` steps with these prefixes already in the
+        directory as this sink's own (a live export going on where an earlier one ended): rows go on
+        being appended to them, and a rewind trims or removes them. Their last steps are read when a
+        rewind needs them. Returns how many were taken."""
         spcr = step_count_per_record
+        kinds = set(kinds)
         found: dict[str, list[tuple[int, int]]] = {}
         with os.scandir(self.directory) as it:
             for e in it:
                 m = _WINDOW_FILE.match(e.name)
-                if m is None:
+                if m is None or m.group(1) not in kinds:
                     continue
                 start, end = int(m.group(2)), int(m.group(3))
                 if start % spcr == 0 and end == start + spcr - 1:
@@ -227,9 +232,9 @@ class CsvDirSink:
         for kind, (starts, ends, lasts) in self._written.items():
             # windows do not overlap: those that begin at step or later go, the one before may hold it
             i = bisect.bisect_left(starts, step)
-            if i and (lasts[i - 1] >= step or lasts[i - 1] == _UNREAD):
+            if i and ends[i - 1] >= step and (lasts[i - 1] >= step or lasts[i - 1] == _UNREAD):
                 lasts[i - 1] = _trim_csv(self.path(kind, starts[i - 1], ends[i - 1]), step)
-            if i and lasts[i - 1] < 0:
+            if i and lasts[i - 1] == -1:
                 i -= 1
             for j in range(i, len(starts)):
                 removed.append((kind, starts[j]))
@@ -262,27 +267,62 @@ _UNREAD = -2  # the last step of an adopted window file, not read yet
 
 
 def _trim_csv(path: str, step: int) -> int:
-    """Keep the header and the rows of steps < ``step`` in a window file; the last step kept (-1: none)."""
+    """Keep the header and the rows of steps < ``step`` in a window file; the last step kept (-1: none).
+    The file is rewritten only where a row goes."""
     try:
         with open(path, encoding="utf-8", newline="") as f:
-            lines = f.read().splitlines(keepends=True)
+            text = f.read()
     except FileNotFoundError:
         return -1
-    kept = lines[:1]
-    last = -1
-    for line in lines[1:]:
-        row = next(csv.reader([line]))
-        try:
-            s = int(row[2])
-        except (IndexError, ValueError):
-            continue
-        if s < step:
-            kept.append(line)
-            last = max(last, s)
-    if len(kept) < len(lines):  # (an adopted window's last step is not known before it is read)
+    rows = _csv_rows(text)
+    kept = [r for r, s in rows if s is None or s < step]
+    last = max((s for _, s in rows if s is not None and s < step), default=-1)
+    if len(kept) < len(rows):
         with open(path, "w", encoding="utf-8", newline="") as f:
             f.writelines(kept)
     return last
+
+
+def _csv_rows(text: str) -> list[tuple[str, int | None]]:
+    """The lines of a window file with their steps (None: the header, or a line without one). A row is
+    ``vpp_stage,name,step,values`` where only the name may be quoted, and a quoted name may hold any
+    character, line breaks included (``str.splitlines`` would cut it there)."""
+    n = len(text)
+    nl = text.find("\n")
+    i = n if nl < 0 else nl + 1
+    out: list[tuple[str, int | None]] = [(text[:i], None)]
+    while i < n:
+        j = text.find(",", i)
+        k = text.find("\n", i)
+        if j < 0 or 0 <= k < j:  # a line without fields
+            end = n if k < 0 else k + 1
+            out.append((text[i:end], None))
+            i = end
+            continue
+        j += 1  # the name
+        if text.startswith('"', j):
+            j += 1
+            while True:
+                q = text.find('"', j)
+                if q < 0:
+                    j = n
+                    break
+                j = q + 2 if text.startswith('"', q + 1) else q + 1
+                if j == q + 1:
+                    break
+        else:
+            c = text.find(",", j)
+            j = n if c < 0 else c
+        end = text.find("\n", j)
+        end = n if end < 0 else end + 1
+        fields = text[j:end].split(",", 2)  # "", step, values
+        try:
+            step = int(fields[1]) if len(fields) == 3 else None
+        except ValueError:
+            step = None
+        out.append((text[i:end], step))
+        i = end
+    return out
 
 
 # ---------------------------------------------------------------------------------------- tasks

@@ -98,19 +98,24 @@ def live_export(
         stop.wait(poll_interval)
 
     options = {"format": fmt, "ndigits": ndigits, "step_count_per_record": step_count_per_record}
-    done = _take_done_record(out, rank_dir, options)
+    done = _read_done_record(out, rank_dir, options)
+    if done is None:
+        _remove_done_record(out)  # this export writes everything again: until it ends, no record holds
     follower = RunFollower(rank_dir, skip_files=done.logs if done else ())
     first = follower.poll()
+    if done is not None and not follower.readers and parent_pid is None:
+        # run again on a directory exported whole, and nothing since: the files are there already
+        return LiveResult("closed", 0, [], [])
     sink: CsvDirSink | TbEventFile
     if fmt == "csv":
         sink = CsvDirSink(out)
-        if done:
-            sink.adopt(step_count_per_record)
+        if done is not None:
+            sink.adopt(step_count_per_record, done.kinds)
         proj: CsvProjector | TbProjector = CsvProjector(
             sink, ndigits=ndigits, step_count_per_record=step_count_per_record, rewind=True
         )
     else:
-        if done:
+        if done is not None:
             sink = TbEventFile(os.path.join(out, done.tb_file), append=True)
         else:
             header = next((r.header for r in follower.readers.values() if r.header is not None), None)
@@ -118,6 +123,9 @@ def live_export(
             host = header.host if header is not None else socket.gethostname()
             sink = TbEventFile(os.path.join(out, tb_file_name(start, host)), wall=start)
         proj = TbProjector(sink, rewind=True)
+    if done is not None:
+        proj.assembler.continue_after(done.saw_step_end, done.last_step_ended)
+    record_held = done is not None  # removed before this export changes a file
     reason = "stopped"
     clean = False
     try:
@@ -125,6 +133,9 @@ def live_export(
         while True:
             if events:
                 last_data = time.monotonic()
+                if record_held:
+                    _remove_done_record(out)
+                    record_held = False
                 for ev in events:
                     if stop.is_set():  # SIGTERM in a long batch (a resume's first poll is the whole log):
                         break  # stop between events, and close the files written so far whole
@@ -158,7 +169,9 @@ def live_export(
         sink.close()
     if clean:
         logs = (done.logs if done else []) + list(follower.readers)
-        _write_done_record(out, logs, options, None if isinstance(sink, CsvDirSink) else sink.path)
+        kinds = sink.kinds if isinstance(sink, CsvDirSink) else []
+        _write_done_record(out, logs, options, None if isinstance(sink, CsvDirSink) else sink.path, kinds,
+                           proj.assembler)
     files = sink.files if isinstance(sink, CsvDirSink) else [sink.path]
     return LiveResult(reason, len(summary.steps), files, list(summary.dropped_steps))
 
@@ -171,15 +184,17 @@ DONE_FILE = "live_export.done"
 class _Done:
     logs: list[str]  # paths of the log files projected whole, in order
     tb_file: str | None
+    kinds: list[str]  # the CSV file prefixes it wrote
+    saw_step_end: bool
+    last_step_ended: int
 
 
-def _take_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
+def _read_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
     """What an earlier export of this rank directory into ``out`` projected, where it ended cleanly
     (every log file closed, all of it written) with the same options: those log files need not be read
     again (a resumed launch's export goes on from the next file, on the files already there). None
     where there is no such record, or where it does not fit what is there now (a file of another size,
-    missing, or not the directory's first ones). The record is removed either way: from here on the
-    output is this export's work in progress, until it too ends cleanly and writes a new one."""
+    missing, or not the directory's first ones; other options)."""
     path = os.path.join(out, DONE_FILE)
     try:
         with open(path, "rb") as f:
@@ -190,15 +205,12 @@ def _take_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
         log.warning("cannot read %s (%s): exporting the whole log again", path, exc)
         return None
     try:
-        os.remove(path)
-    except OSError:
-        pass
-    try:
         rec = json.loads(raw)
         names = [(str(n), int(size)) for n, size in rec["logs"]]
-        tb_file = rec.get("tb_file")
-        fits = rec.get("version") == 1 and all(rec.get(k) == v for k, v in options.items()) and names
-    except (ValueError, KeyError, TypeError):
+        done = _Done([], rec["tb_file"], [str(k) for k in rec["kinds"]], bool(rec["saw_step_end"]),
+                     int(rec["last_step_ended"]))
+        fits = rec["version"] == 1 and all(k in rec and rec[k] == v for k, v in options.items()) and names
+    except Exception:  # noqa: BLE001 - anything but a record of ours (a recursion error included)
         log.warning("%s is not an export record: exporting the whole log again", path)
         return None
     logs = layout.list_logs(rank_dir)
@@ -211,15 +223,27 @@ def _take_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
         except OSError:
             return None
     if options["format"] != "csv":
-        if not isinstance(tb_file, str) or os.path.basename(tb_file) != tb_file or \
-                not os.path.isfile(os.path.join(out, tb_file)):
+        tb = done.tb_file
+        if not isinstance(tb, str) or os.path.basename(tb) != tb or not os.path.isfile(os.path.join(out, tb)):
             return None
-    return _Done(logs[: len(names)], tb_file)
+    done.logs = logs[: len(names)]
+    return done
 
 
-def _write_done_record(out: str, logs: list[str], options: dict, tb_path: str | None) -> None:
+def _remove_done_record(out: str) -> None:
+    try:
+        os.remove(os.path.join(out, DONE_FILE))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove %s (%s)", os.path.join(out, DONE_FILE), exc)
+
+
+def _write_done_record(out: str, logs: list[str], options: dict, tb_path: str | None, kinds: list[str],
+                       assembler) -> None:
     rec = {"version": 1, **options, "logs": [[os.path.basename(p), os.path.getsize(p)] for p in logs],
-           "tb_file": os.path.basename(tb_path) if tb_path else None}
+           "tb_file": os.path.basename(tb_path) if tb_path else None, "kinds": kinds,
+           "saw_step_end": assembler.saw_step_end, "last_step_ended": assembler.last_step_ended}
     path = os.path.join(out, DONE_FILE)
     tmp = path + ".tmp"
     try:
@@ -228,6 +252,10 @@ def _write_done_record(out: str, logs: list[str], options: dict, tb_path: str | 
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("cannot write %s (%s): a resumed launch's export will read the whole log again", path, exc)
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -394,3 +394,72 @@ def test_without_a_fitting_record_the_whole_log_is_exported_again(tmp_path, chan
                          idle_timeout=10)
     assert second.reason == "closed" and second.steps == 6  # steps 0-2, and 3-5 again
     assert first.reason == ("stopped" if change == "stopped" else "closed")
+
+
+def test_a_resumed_export_keeps_rows_of_names_with_line_breaks(tmp_path):
+    """A quoted name may hold a line break: trimming an adopted window keeps such rows whole (they were
+    cut at the line break and lost)."""
+    rdir = rank_dir(tmp_path / "run", 0)
+    out = tmp_path / "live"
+    names = ["p", "a\nb", "c\u2028d"]
+    with LogWriter(rdir, rank=0, run_id="nl", flush_interval=0.01) as w:
+        ids = w.intern(names, step=-1)
+        for s in range(8):
+            w.write(stats_record(0, s, "param", ids, np.full((3, 6), s, np.float32)))
+            w.write(StepEnded(rank=0, step=s, wall=1.0))
+    assert live_export(rdir, "csv", str(out), step_count_per_record=3, poll_interval=0.01,
+                       idle_timeout=10).reason == "closed"
+    with LogWriter(rdir, rank=0, run_id="nl", flush_interval=0.01) as w:
+        w.write(RunResumed(rank=0, step=7, wall=2.0, last_step=6))
+        ids = w.intern(names, step=-1)
+        for s in (7, 8, 9):
+            w.write(stats_record(0, s, "param", ids, np.full((3, 6), 10 * s, np.float32)))
+            w.write(StepEnded(rank=0, step=s, wall=2.0))
+    res = live_export(rdir, "csv", str(out), step_count_per_record=3, poll_interval=0.01, idle_timeout=10)
+    assert res.reason == "closed" and res.steps == 3
+    assert main(["export", "csv", str(tmp_path / "run"), "-o", str(tmp_path / "off"), "--step-count-per-record", "3"]) == 0
+    offline = tmp_path / "off" / os.path.basename(rdir)
+    files = _csv_files(offline)
+    assert _csv_files(out) == files
+    match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
+    assert not mismatch and not errors
+    assert (out / "param_6-8.csv").read_text().count('"a\nb"') == 3  # steps 6, 7 and 8
+
+
+@pytest.mark.parametrize("resume_at", [6, 3])
+@pytest.mark.parametrize("record", [True, False])
+def test_a_resumed_launch_killed_in_its_first_step_has_that_step_dropped(tmp_path, resume_at, record):
+    """The resumed launch dies in its first step (no StepEnded, no FileClosed): that torn step is not
+    exported, and is reported, as the offline export does; with the earlier launch's log skipped (a
+    record) or read again, and whether the resume goes back (3) or on (6)."""
+    rdir = rank_dir(tmp_path / "run", 0)
+    out = tmp_path / "live"
+    _param_steps(rdir, "torn", range(6))
+    assert live_export(rdir, "csv", str(out), poll_interval=0.01, idle_timeout=10).reason == "closed"
+    if not record:
+        os.remove(out / "live_export.done")
+    w = LogWriter(rdir, rank=0, run_id="torn", flush_interval=0.01)
+    try:
+        w.write(RunResumed(rank=0, step=resume_at, wall=2.0, last_step=resume_at - 1))
+        ids = w.intern(["p"], step=-1)
+        w.write(StepBegan(rank=0, step=resume_at, wall=2.0))
+        w.write(stats_record(0, resume_at, "param", ids, np.full((1, 6), 99, np.float32)))
+        w.flush()
+        res = live_export(rdir, "csv", str(out), poll_interval=0.01, idle_timeout=1)
+    finally:
+        w.close()
+    assert res.reason == "idle" and res.dropped_steps == [resume_at]
+    assert _csv_files(out) == [f"param_{s}-{s}.csv" for s in range(resume_at)]
+
+
+def test_run_again_on_a_directory_exported_whole_it_ends_at_once_and_keeps_the_record(tmp_path):
+    rdir = rank_dir(tmp_path / "run", 0)
+    out = tmp_path / "live"
+    _param_steps(rdir, "again", range(5))
+    assert live_export(rdir, "csv", str(out), poll_interval=0.01).reason == "closed"
+    again = live_export(rdir, "csv", str(out), poll_interval=0.01)  # no idle timeout, no parent: must end
+    assert again.reason == "closed" and again.steps == 0
+    assert os.path.exists(out / "live_export.done")
+    _resumed_param_log(rdir, "again", 5, range(5, 7))
+    res = live_export(rdir, "csv", str(out), poll_interval=0.01, idle_timeout=10)
+    assert res.reason == "closed" and res.steps == 2  # the first log still skipped
