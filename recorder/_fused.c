@@ -348,25 +348,41 @@ static void find_gomp(void) {
 
 static int gomp_usable(void) { return use_gomp && gomp_parallel != NULL && getpid() == gomp_pid; }
 
-/* The first element from `at` (a stretch of at most BLOCK elements, within numel) equal to v; -1: none. */
+/* Tensors smaller than this get no fingerprint: finding its two elements reads up to two blocks, as
+ * much as measuring a small tensor again. */
+#define FINGERPRINT_MIN_NUMEL (16 * BLOCK)
+
+/* The first element from `at` (a stretch of at most BLOCK elements, within numel) equal to v; -1: none.
+ * Compared in float (v is a float's value) in runs of 64 without an early exit, which vectorise; only
+ * the run that holds a match is looked at element by element. */
 static int64_t find_at(int kind, uint64_t addr, int64_t numel, int64_t at, double v) {
     if (at < 0) return -1;
     int64_t end = at + BLOCK < numel ? at + BLOCK : numel;
-    if (kind == KIND_F32) {
-        const float *x = (const float *)(uintptr_t)addr;
-        for (int64_t i = at; i < end; i++)
-            if ((double)x[i] == v) return i;
-    } else {
-        const uint16_t *x = (const uint16_t *)(uintptr_t)addr;
-        for (int64_t i = at; i < end; i++)
-            if ((double)bf16_to_f32(x[i]) == v) return i;
+    float fv = (float)v;
+    for (int64_t r = at; r < end; r += 64) {
+        int64_t e = r + 64 < end ? r + 64 : end;
+        int hit = 0;
+        if (kind == KIND_F32) {
+            const float *x = (const float *)(uintptr_t)addr;
+            for (int64_t i = r; i < e; i++) hit |= x[i] == fv;
+            if (hit)
+                for (int64_t i = r; i < e; i++)
+                    if (x[i] == fv) return i;
+        } else {
+            const uint16_t *x = (const uint16_t *)(uintptr_t)addr;
+            for (int64_t i = r; i < e; i++) hit |= bf16_to_f32(x[i]) == fv;
+            if (hit)
+                for (int64_t i = r; i < e; i++)
+                    if (bf16_to_f32(x[i]) == fv) return i;
+        }
     }
     return -1;
 }
 
 /* Runs the job on nthreads threads (the caller's one included); res: [n * per][NF]. ext (plain
  * statistics only, or NULL): per tensor the element index of its min and of its max, and their values,
- * as [n][4] doubles; -1, -1, NaN, NaN where the tensor has a NaN, is empty, or an extreme is infinite. */
+ * as [n][4] doubles; -1, -1, NaN, NaN where the tensor has a NaN, is empty or smaller than
+ * FINGERPRINT_MIN_NUMEL, or an extreme is infinite. */
 static int run_parallel(job_t *base, int nthreads, double *res, double *ext) {
     int per = base->kind == KIND_ADAM ? 4 : 1;
     Py_ssize_t n = base->n;
@@ -414,7 +430,7 @@ static int run_parallel(job_t *base, int nthreads, double *res, double *ext) {
             if (ext != NULL && per == 1) {
                 double *w = ext + t * 4;
                 int64_t i = -1, j = -1;
-                if (a.nan == 0 && isfinite(a.mn) && isfinite(a.mx)) {
+                if (base->numel[t] >= FINGERPRINT_MIN_NUMEL && a.nan == 0 && isfinite(a.mn) && isfinite(a.mx)) {
                     i = find_at(base->kind, base->a[t], base->numel[t], a.at_mn, a.mn);
                     j = find_at(base->kind, base->a[t], base->numel[t], a.at_mx, a.mx);
                 }
@@ -905,7 +921,7 @@ PyDoc_STRVAR(stats_tensors_doc,
              "of dtype, on the CPU and contiguous or a permutation of a contiguous block; False (out untouched)\n"
              "where one is not. extremes: None, or a writable n x 4 float64 buffer given per tensor the element\n"
              "index of its min and of its max (in memory order from its data address) and their values; -1, -1,\n"
-             "NaN, NaN where it has none (None, empty, a NaN, an infinite extreme).");
+             "NaN, NaN where it has none (None, empty, under 65536 elements, a NaN, an infinite extreme).");
 
 PyDoc_STRVAR(unchanged_doc,
              "unchanged(xs, types, dtype, extremes) -> bytes\n\n"

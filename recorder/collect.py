@@ -21,25 +21,28 @@ A parameter that DeepSpeed ZeRO partitions is measured in a gradient hook that r
 gradient is accumulated (DeepSpeed's own post-accumulate-grad hook moves it into a bucket that is
 reduced while backward goes on): its unreduced row is that micro step's gradient on this rank
 (DeepSpeed accumulates micro steps in its own partitions, not in ``.grad``).
-Reduced gradients (optimizer pre-step) reuse the last unreduced row of a parameter whose gradient is
-still the tensor measured then, with the same version counter, where a check shows it unchanged: AMP's
-unscale, apex/Megatron fused scaling, ``.data`` and numpy writes leave the version counter as it was.
-On the one-pass kernel's path (CPU float32) the check reads back the two elements where the kernel found
-the tensor's min and max (:func:`fused.unchanged`): a scaling, clipping, shift or average changes one of
-them, unless it leaves the tensor as it was; a write that bypasses the version counter and leaves both
-alone goes unseen (changing one element of a gradient through ``.data`` between backward and step, say).
-This saves the second read of every gradient: about 40% of the cost of ``wg_distribution`` on the
-benchmark model (benchmarks/RESULTS.md).
-On the torch path (on CPU) the check is the norm, recomputed exactly as the engine computes it (one dot
-product, bitwise reproducible). Elsewhere (accelerators: the check would cost a synchronisation) they
-are measured again.
+Reduced gradients (optimizer pre-step) are measured again, except where the last unreduced row of a
+parameter is known to hold: its gradient is still the tensor measured then, with the same version
+counter, and a check shows it unchanged (AMP's unscale, apex/Megatron fused scaling, ``.data`` and
+numpy writes leave the version counter as it was). On the torch path (CPU) the check is the norm,
+recomputed exactly as the engine computes it (one dot product, bitwise reproducible). On the one-pass
+kernel's path (CPU float32) a norm would read the whole gradient, as measuring it again does; there,
+with ``TRAINREC_REUSE_UNCHANGED_GRADS=1``, the check reads back the two elements where the kernel found
+the min and max of a gradient of 64K elements or more (:func:`fused.unchanged`): a scaling, clip, shift
+or average changes one of them unless it leaves the tensor as it was, but a write that bypasses the
+version counter and leaves both alone goes unseen (zeroing some rows of an embedding's gradient through
+``.data``, a top-k mask), so it is off by default. It saves the second read of every large gradient:
+about 40% of the cost of ``wg_distribution`` on the benchmark model (benchmarks/RESULTS.md).
+Elsewhere (accelerators: the check would cost a synchronisation) they are measured again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -63,6 +66,12 @@ from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
 from .stats import StatsPart, StepStats, build_stats_events
 
 log = logging.getLogger(__name__)
+
+# TRAINREC_REUSE_UNCHANGED_GRADS=1: on the one-pass kernel's path, a reduced gradient whose fingerprint
+# shows it unchanged reuses its unreduced row (see the module docstring). Off by default: a write through
+# .data or numpy that leaves both extreme elements alone (zeroing some rows of an embedding's gradient,
+# a top-k mask) would go unseen.
+REUSE_UNCHANGED = os.environ.get("TRAINREC_REUSE_UNCHANGED_GRADS", "0") == "1"
 
 # A collected step open this long has what it recorded so far written while it goes on (StepCollector._spill),
 # checked every SPILL_TICK_S seconds.
@@ -142,20 +151,25 @@ class StepCollector:
         if not pend:
             return
         grads = [g if g is not None else self._grad_of(self._params[i].param) for i, _, _, g in pend]
-        extremes = np.empty((len(pend), 4))
+        eng = self._engine
+        extremes = np.empty((len(pend), 4)) if REUSE_UNCHANGED and eng.fused and eng.host_paths else None
         rows = self._rows_of(grads, [i for i, _, _, _ in pend], "gradient", extremes)
         st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _, _ in pend],
                                [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
                                [self._params[i].vpp for i, _, _, _ in pend]))
+        # (weak references: one held here would keep an incoming gradient, DeepSpeed's or FSDP2's,
+        # from being taken over as .grad without a copy, and alive to the step's end)
         last = st.last_unreduced
         if isinstance(rows, np.ndarray):  # the one-pass kernel's: with fingerprints where it gave them
-            for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
-                if g is not None and extremes[r, 0] >= 0:
-                    last[i] = (rows, r, g, g._version, extremes[r])
+            if extremes is not None:
+                for r, ((i, _, _, _), g, ok) in enumerate(zip(pend, grads, (extremes[:, 0] >= 0).tolist(),
+                                                               strict=True)):
+                    if ok and g is not None:
+                        last[i] = (rows, r, weakref.ref(g), g._version, extremes[r])
             return
         for r, ((i, _, _, _), g) in enumerate(zip(pend, grads, strict=True)):
             if g is not None and self._reusable(g):
-                last[i] = (rows, r, g, g._version, None)
+                last[i] = (rows, r, weakref.ref(g), g._version, None)
 
     @torch.no_grad()
     def _rows_of_sum(self, a: torch.Tensor, b: torch.Tensor, index: int) -> torch.Tensor:
@@ -175,8 +189,9 @@ class StepCollector:
         return self._engine.combine(torch.cat(parts), sizes)
 
     def _reusable(self, g: torch.Tensor) -> bool:
-        """Whether a reduced gradient may reuse its unreduced row (see the module docstring): on the
-        torch path on CPU, with a norm to check; the one-pass kernel measures again for the same cost."""
+        """Whether a reduced gradient may reuse its unreduced row on the torch path (see the module
+        docstring): on CPU, with a norm to check. (The one-pass kernel's rows carry fingerprints instead,
+        with ``TRAINREC_REUSE_UNCHANGED_GRADS=1``.)"""
         eng = self._engine
         return ("norm" in eng.ops and g.device.type == "cpu" and g.layout is torch.strided
                 and not (eng.fused and fused.supports(g)))
@@ -220,7 +235,7 @@ class StepCollector:
         fp_at, fp_g, fp_ext, fp_rows, nm_at, nm_g, nm_rows = [], [], [], [], [], [], []
         for k, (i, g) in enumerate(own):
             last = st.last_unreduced.get(i)
-            if last is None or last[2] is not g or last[3] != g._version:
+            if last is None or last[2]() is not g or last[3] != g._version:
                 continue
             if last[4] is not None:
                 fp_at.append(k)

@@ -52,6 +52,9 @@ PARALLEL_NUMEL = PARALLEL_NUMEL_PTHREADS  # set below for the runtime in use (_s
 ADAM_PARALLEL_NUMEL = 1 << 18
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _stats_tensors = getattr(_fused, "stats_tensors", None) if AVAILABLE else None
+# fingerprints (stats_f32's extremes, unchanged()): not in an extension built from older sources
+FINGERPRINTS = _stats_tensors is not None and hasattr(_fused, "unchanged")
+FINGERPRINT_MIN_NUMEL = 1 << 16  # _fused.c's: smaller tensors get none
 
 
 def threads() -> str | None:
@@ -188,13 +191,18 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
     array the kernel wrote (no tensor made per call; the step's end makes one of all).
     ``extremes``: a float64 ``[len(xs), 4]`` array to fill with each tensor's fingerprint for
     :func:`unchanged` (where its min and max lie, and their values), where the kernel measured the
-    tensor where it lies; rows of -1, -1, NaN, NaN elsewhere."""
+    tensor where it lies and it has :data:`FINGERPRINT_MIN_NUMEL` elements or more; rows of -1, -1,
+    NaN, NaN elsewhere."""
     if scales is None and _stats_tensors is not None:
         # the common case without a Python loop over the tensors (inside training every bytecode counts:
         # the backward's kernels leave the interpreter's own data out of the CPU caches)
         out = np.empty((len(xs), len(codes)), dtype=np.float32)
-        if _stats_tensors(xs, eps, codes, _PLAIN, torch.float32, out, PARALLEL_NUMEL, torch.get_num_threads(),
-                          extremes):
+        args = (xs, eps, codes, _PLAIN, torch.float32, out, PARALLEL_NUMEL, torch.get_num_threads())
+        if extremes is not None and FINGERPRINTS:
+            args += (extremes,)
+        elif extremes is not None:
+            no_fingerprints(extremes)
+        if _stats_tensors(*args):
             return out if numpy else torch.from_numpy(out)
     if extremes is not None:
         no_fingerprints(extremes)
@@ -244,6 +252,8 @@ def unchanged(xs: Sequence[torch.Tensor | None], extremes: np.ndarray) -> bytes:
     elements it found them (``extremes``, one row per tensor), else 0: two element reads per tensor.
     Any change that scales, shifts, clips or averages a tensor changes at least one of them (unless it
     leaves the tensor as it was); a write to other elements alone goes unseen."""
+    if not FINGERPRINTS:
+        return bytes(len(xs))
     return _fused.unchanged(xs, _PLAIN, torch.float32, extremes)
 
 

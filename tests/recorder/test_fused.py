@@ -350,17 +350,20 @@ def test_tensor_entry_equals_the_python_loop(monkeypatch):
 def test_fingerprints_are_the_first_min_and_max_elements(monkeypatch, threads):
     """``extremes``: per tensor the memory index of its first min and first max element (torch's argmin
     and argmax), and their values, across blocks (4096), chunks (262144) and threads; none for None,
-    empty, NaN or infinite tensors, nor where the general path measured (a scale, a copy)."""
+    empty, NaN or infinite tensors, tensors under 64K elements, nor where the general path measured
+    (a scale, a copy)."""
     monkeypatch.setattr(fused, "PARALLEL_NUMEL", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(11)
-    sizes = [1, 5, 4095, 4097, 262145, 3 * 262144 + 11]
+    sizes = [65536, 65537, 4096 * 17 - 1, 262145, 3 * 262144 + 11]
     xs = [torch.randn(n, generator=g) for n in sizes]
+    xs[1][-1] = 9.0  # the max in the last block's tail
+    xs[2][4096 * 16 + 5] = -9.0  # the min in the last, short block
     ties = torch.randint(-3, 4, (600_000,), generator=g).float()  # every value many times, in every chunk
     big = torch.randn(700, 900, generator=g)
-    nan, inf = torch.randn(5000, generator=g), torch.randn(5000, generator=g)
+    nan, inf = torch.randn(70_000, generator=g), torch.randn(70_000, generator=g)
     nan[4500], inf[17] = float("nan"), float("inf")
-    cases = xs + [ties, big.t(), None, torch.empty(0), nan, inf]
+    cases = xs + [ties, big.t(), None, torch.empty(0), nan, inf, torch.randn(65535, generator=g)]
     ext = np.empty((len(cases), 4))
     fused.stats_f32(cases, 1e-8, fused.op_codes(OPS), numpy=True, extremes=ext)
     for k, x in enumerate(xs + [ties]):
@@ -382,10 +385,10 @@ def test_unchanged_sees_scaling_and_writes_at_the_extremes():
     leaves the version counter as it was), any scaling, and a write at an extreme element fail; so do
     tensors without fingerprints and tensors the kernel does not take."""
     g = torch.Generator().manual_seed(12)
-    xs = [torch.randn(300, 700, generator=g) for _ in range(5)] + [torch.randn(4, generator=g), None]
+    xs = [torch.randn(300, 700, generator=g) for _ in range(6)] + [torch.randn(4, generator=g), None]
     ext = np.empty((len(xs), 4))
     fused.stats_f32(xs, 1e-8, fused.op_codes(OPS), numpy=True, extremes=ext)
-    assert fused.unchanged(xs, ext) == b"\x01" * 6 + b"\x00"
+    assert fused.unchanged(xs, ext) == b"\x01" * 6 + b"\x00\x00"  # the small one has no fingerprint
     v = xs[0]._version
     torch._amp_foreach_non_finite_check_and_unscale_([xs[0]], torch.zeros(1), torch.full((1,), 0.5))
     assert xs[0]._version == v  # unseen by the version counter

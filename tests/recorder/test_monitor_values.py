@@ -13,6 +13,7 @@ import pytest
 import torch
 from trainmon_util import (
     ALL_OPS,
+    TinyNet,
     assert_close,
     events_of,
     loss_of,
@@ -21,7 +22,7 @@ from trainmon_util import (
     stats_table,
     write_config,
 )
-from trainrec.recorder import TrainerMon, fused
+from trainrec.recorder import TrainerMon, collect, fused
 from trainrec.recorder.names import squash_all
 
 
@@ -129,8 +130,8 @@ def test_recorded_values_equal_independent_statistics(tmp_path, monkeypatch, gra
 
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 def test_reduced_gradients_reuse_unchanged_rows_and_see_in_place_changes(tmp_path, monkeypatch, kernel):
-    """Without a reduction between backward and step, reduced == last unreduced (both paths reuse the
-    row); a clip (in place) is seen."""
+    """Without a reduction between backward and step, reduced == last unreduced (the torch path reuses the
+    row, the one-pass kernel measures again by default, bitwise the same); a clip (in place) is seen."""
     if kernel == "fused" and not fused.AVAILABLE:
         pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
     monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
@@ -156,19 +157,28 @@ def test_reduced_gradients_reuse_unchanged_rows_and_see_in_place_changes(tmp_pat
         assert red[(1, short, "", 0)]["norm"] < unred[(1, short, "", 0)]["norm"]
 
 
+def _wide():
+    """TinyNet with an embedding and a head of 64K elements each: gradients large enough for fingerprints."""
+    torch.manual_seed(0)
+    model = TinyNet(vocab=4096, d=16)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 @pytest.mark.parametrize("write", [".data", "numpy", "numpy, at the max alone"])
 def test_reduced_gradients_see_writes_the_version_counter_misses(tmp_path, monkeypatch, kernel, write):
     """Writes through ``.data`` or numpy leave a gradient's version counter as it was: the reused row's
-    check sees them (the kernel's fingerprint: its min and max elements; the torch path's norm), and the
-    reduced rows are the statistics of the gradients the optimizer got."""
+    check sees them (with TRAINREC_REUSE_UNCHANGED_GRADS the kernel's fingerprint, its min and max
+    elements; the torch path's norm), and the reduced rows are the statistics of the gradients the
+    optimizer got."""
     if kernel == "fused" and not fused.AVAILABLE:
         pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
     monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
+    monkeypatch.setattr(collect, "REUSE_UNCHANGED", True)
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
                      live_export=False)
-    model, opt = make()
+    model, opt = _wide()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     loss_of(model, 0).backward()
     for p in model.parameters():
@@ -191,28 +201,52 @@ def test_reduced_gradients_see_writes_the_version_counter_misses(tmp_path, monke
         assert red[(0, short, "", 0)]["max"] < unred[(0, short, "", 0)]["max"]
 
 
-@pytest.mark.skipif(not fused.AVAILABLE or fused._stats_tensors is None, reason="the one-pass kernel is not built")
-def test_reduced_gradients_unchanged_since_the_backward_are_not_read_again(tmp_path, monkeypatch):
-    """In a plain loop the kernel reads each gradient once per step: at the end of the backward pass. The
-    optimizer step's rows are those, after reading two elements of each gradient back."""
+@pytest.mark.skipif(not fused.FINGERPRINTS, reason="the one-pass kernel is not built")
+@pytest.mark.parametrize("reuse", [False, True])
+def test_reduced_gradients_unchanged_since_the_backward_are_read_again_unless_asked(tmp_path, monkeypatch, reuse):
+    """By default the kernel reads each gradient twice per step: at the end of the backward pass and at
+    the optimizer step. With TRAINREC_REUSE_UNCHANGED_GRADS the large ones (64K elements or more) are
+    read once: the optimizer step's rows are the backward's, after two elements of each are read back."""
     calls = []
     real = fused._stats_tensors
     monkeypatch.setattr(fused, "_stats_tensors", lambda xs, *a: (calls.append(len(xs)), real(xs, *a))[1])
+    monkeypatch.setattr(collect, "REUSE_UNCHANGED", reuse)
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
                      live_export=False)
-    model, opt = make()
+    model, opt = _wide()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     n = len(list(model.parameters()))
+    large = sum(p.numel() >= fused.FINGERPRINT_MIN_NUMEL for p in model.parameters())
+    assert large == 2
     for step in range(3):
         loss_of(model, step).backward()
         opt.step()
         opt.zero_grad()
     mon.close()
-    assert calls == [n] * 3
+    assert calls == [n, n - large if reuse else n] * 3
     events = events_of(tmp_path / "out")
     unred, red = stats_table(events, "grad_unreduced"), stats_table(events, "grad_reduced")
     assert len(red) == 3 * n and all(red[k] == unred[k] for k in red)
+
+
+@pytest.mark.parametrize("grad_acc", [1, 2])
+def test_by_default_rows_zeroed_through_data_show_in_the_reduced_gradient(tmp_path, monkeypatch, grad_acc):
+    """Zeroing some rows of the embedding's gradient through ``.data`` (freezing tokens) leaves the
+    version counter and, often, the min and max elements as they were: measured again by default."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = _wide()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt)
+    for m in range(grad_acc):
+        loss_of(model, m).backward()
+    model.embed.weight.grad.data[:16].zero_()
+    written = model.embed.weight.grad.clone()
+    opt.step()
+    mon.close()
+    red = stats_table(events_of(tmp_path / "out"), "grad_reduced")
+    assert_close(red[(0, "embed.weight", "", 0)], ref_stats(written), what="embed.weight")
 
 
 def test_main_grad_is_used_for_reduced_when_present(tmp_path, monkeypatch):
