@@ -68,6 +68,7 @@ class RunFollower:
         self._dir_listed: dict[str, float] = {}  # when each directory was last listed in full
         self._next_log: dict[str, int] = {}  # the index the next log file of each directory will have
         self.file_errors: dict[str, FormatError] = {}
+        self._frozen = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -115,7 +116,19 @@ class RunFollower:
         self._first = False
         return out
 
+    def stop_discovering(self, keep: Callable[[FileOpened | None], bool] | None = None) -> None:
+        """Follow only the files followed so far, and of those only the ones whose header ``keep``
+        accepts: no new directories or files from now on (a live export whose training process is gone
+        must not take up the next launch's log)."""
+        self._frozen = True
+        if keep is not None:
+            for path, reader in list(self._readers.items()):
+                if not keep(reader.header):
+                    del self._readers[path]
+
     def _discover(self) -> None:
+        if self._frozen:
+            return
         if self._mode is None:
             if os.path.isfile(self.path):
                 self._mode = "file"

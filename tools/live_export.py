@@ -130,7 +130,16 @@ def live_export(
     clean = False
     try:
         events, first = first, None  # the first poll is the whole earlier log on a resume: not kept
+        frozen = False
         while True:
+            if not frozen and parent_gone():
+                # The training process is gone (a crash, a kill -9): export what it wrote (one more look
+                # for files first: it may have made one since the last poll), and never take up a file
+                # another process writes, the next launch's (a resume), which that launch's own export
+                # follows: two exports writing the same window files at once would corrupt them
+                events = (events or []) + follower.poll()
+                follower.stop_discovering(lambda h: h is None or h.pid in (0, parent_pid))
+                frozen = True
             if events:
                 last_data = time.monotonic()
                 if record_held:

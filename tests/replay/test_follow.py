@@ -201,3 +201,30 @@ def test_a_directory_a_live_export_writes_into_is_not_listed_at_every_poll(tmp_p
         time.sleep(0.01)
     assert any(isinstance(e, RunResumed) for e in got)
     assert len(listed) - n0 <= 1
+
+
+def test_stop_discovering_keeps_the_files_followed_that_keep_accepts(tmp_path):
+    """A live export whose training process is gone follows only that process's files: files made
+    since are not taken up, and a file of another writer followed already is dropped."""
+    d = rank_dir(tmp_path, 0)
+    w0 = LogWriter(d, rank=0, run_id="r", flush_interval=0.01)
+    w0.write(StepBegan(rank=0, step=0, wall=1.0))
+    w0.flush()
+    f = RunFollower(d)
+    assert any(isinstance(e, StepBegan) for e in f.poll())
+    w1 = LogWriter(d, rank=0, run_id="r", flush_interval=0.01)  # another file, another "process"
+    w1.write(StepBegan(rank=0, step=1, wall=2.0))
+    w1.flush()
+    f.poll()
+    assert len(f.readers) == 2
+    first = min(f.readers)
+    f.stop_discovering(lambda h: h is not None and h.file_index == 0)
+    assert list(f.readers) == [first]
+    w2 = LogWriter(d, rank=0, run_id="r", flush_interval=0.01)  # made after: never taken up
+    w2.write(StepBegan(rank=0, step=2, wall=3.0))
+    w1.write(StepBegan(rank=0, step=3, wall=3.0))
+    w0.write(StepBegan(rank=0, step=4, wall=3.0))
+    for w in (w0, w1, w2):
+        w.close()
+    steps = [e.step for e in f.poll() if isinstance(e, StepBegan)]
+    assert steps == [4] and list(f.readers) == [first]

@@ -463,3 +463,57 @@ def test_run_again_on_a_directory_exported_whole_it_ends_at_once_and_keeps_the_r
     _resumed_param_log(rdir, "again", 5, range(5, 7))
     res = live_export(rdir, "csv", str(out), poll_interval=0.01, idle_timeout=10)
     assert res.reason == "closed" and res.steps == 2  # the first log still skipped
+
+
+def test_an_export_whose_training_died_does_not_take_up_the_next_launchs_log(tmp_path, monkeypatch):
+    """Training killed (-9), then resumed at once, and the killed launch's export has taken up the
+    resumed launch's new file: once it sees its parent gone it ends (dropping that file, written by
+    another process: ``RunFollower.stop_discovering``, tested in tests/replay/test_follow.py) while the
+    resumed launch goes on writing, and leaves that launch's own export alone with the file."""
+    from trainrec.tools import live_export as le
+
+    rdir = rank_dir(tmp_path / "run", 0)
+    out = tmp_path / "live"
+    alive = threading.Event()
+    alive.set()
+    monkeypatch.setattr(le, "pid_alive", lambda pid: alive.is_set())
+    w1 = LogWriter(rdir, rank=0, run_id="kill", flush_interval=0.01)  # this process plays the training
+    ids = w1.intern(["p"], step=-1)
+    for s in range(3):
+        w1.write(stats_record(0, s, "param", ids, np.full((1, 6), s, np.float32)))
+        w1.write(StepEnded(rank=0, step=s, wall=1.0))
+    w1.flush()
+    here = os.path.dirname(os.path.abspath(__file__))
+    resumed = subprocess.Popen([PY, "-c", f"""
+import sys, time
+sys.path.insert(0, {os.path.join(here, "..", "analyzers")!r})
+import numpy as np
+from export_logs import stats_record
+from trainrec.recorder.writer import LogWriter
+from trainrec.schema.events import RunResumed, StepEnded
+with LogWriter({rdir!r}, rank=0, run_id="kill", flush_interval=0.01) as w:
+    w.write(RunResumed(rank=0, step=3, wall=2.0, last_step=2))
+    ids = w.intern(["p"], step=-1)
+    for s in range(3, 100000):
+        w.write(stats_record(0, s, "param", ids, np.full((1, 6), 10 * s, np.float32)))
+        w.write(StepEnded(rank=0, step=s, wall=2.0))
+        w.flush()
+        time.sleep(0.002)  # a step every few ms: every poll of the export finds data
+"""])
+    result = []
+    t = threading.Thread(target=lambda: result.append(
+        live_export(rdir, "csv", str(out), parent_pid=os.getpid(), poll_interval=0.05)))
+    t.start()
+    try:
+        assert _wait_for(lambda: os.path.exists(out / "param_5-5.csv"))  # it took up the new file
+        alive.clear()  # the training process is gone
+        t.join(timeout=10)
+        assert not t.is_alive(), "the killed launch's export went on following the next launch's log"
+        assert resumed.poll() is None  # still writing
+    finally:
+        alive.clear()
+        resumed.kill()
+        resumed.wait(timeout=10)
+        t.join(timeout=30)
+        w1.close()
+    assert result and result[0].reason == "parent gone"
