@@ -14,7 +14,8 @@ step is complete. A resume seen in the log rewinds what was written for the supe
 are removed; TensorBoard gets a ``SessionLog.START`` at the resume step).
 
 It stops after it has read ``FileClosed`` of the last log file, or once ``--parent-pid`` is gone and a
-last poll brings no more data (then it exports the steps that are complete), or after
+last poll brings no more data (then it exports the steps that are complete; from the moment it sees
+that process gone it follows only the files that process wrote, not a resumed launch's new one), or after
 ``--idle-timeout`` seconds without new data, or on SIGTERM/SIGINT.
 
 Ended the first way, it writes ``live_export.done`` into ``--out``: the log files it projected whole
