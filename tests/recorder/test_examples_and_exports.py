@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from trainmon_util import deepspeed_missing, events_of, loss_of, make, rank_dirs, write_config
+from trainmon_util import deepspeed_missing, events_of, loss_of, make, rank_dirs, train_random, write_config
 from trainrec.recorder import TrainerMon
 from trainrec.schema.events import TensorStatsRecorded
 
@@ -75,11 +75,7 @@ def _step1_row_labels(tmp_path, monkeypatch, model_cls, cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = TrainerMon(write_config(tmp_path, {**cfg, "format": "csv", "ops": ["norm"]}), params_have_main_grad=False)
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
-    for _ in range(2):
-        for _ in range(2):
-            model(torch.randn(3, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    train_random(model, opt)
     mon.close()
     (d,) = rank_dirs(tmp_path / "out")
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from trainmon_util import ALL_OPS, assert_close, events_of, ref_stats, stats_table
+from trainmon_util import ALL_OPS, assert_close, events_of, ref_stats, stats_table, train_random
 from trainrec.recorder import TrainerMon
 from trainrec.replay.names import NameResolver
 from trainrec.schema.events import DIR_BACKWARD, DIR_FORWARD, HooksFired, StepEnded
@@ -48,11 +48,7 @@ def test_module_called_twice_per_forward_keeps_its_micro_step(tmp_path):
     model = Shared()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
-    for _step in range(2):
-        for _ in range(2):
-            model(torch.randn(3, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    train_random(model, opt)
     mon.close()
     ev = events_of(out)
     fired = firings(ev, "lin")

@@ -58,6 +58,16 @@ def batch(i: int):
     return torch.randint(0, 32, (4, 5), generator=g), torch.randint(0, 32, (4, 5), generator=g)
 
 
+def train_random(model, opt, steps: int = 2, grad_acc: int = 2, shape: tuple = (3, 4)) -> None:
+    """``steps`` optimizer steps of ``grad_acc`` micro steps each, on random inputs of ``shape`` (the
+    global RNG's), with ``model(x).sum()`` as the loss."""
+    for _ in range(steps):
+        for _ in range(grad_acc):
+            model(torch.randn(*shape)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def loss_of(model, i: int):
     x, y = batch(i)
     return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
