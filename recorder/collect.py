@@ -232,34 +232,26 @@ class StepCollector:
         if not own:
             return
         rows: list = [None] * len(own)
-        fp_at, fp_g, fp_ext, fp_rows, nm_at, nm_g, nm_rows = [], [], [], [], [], [], []
+        fingerprinted, normed = [], []  # (position, gradient, unreduced row, fingerprint)
         for k, (i, g) in enumerate(own):
             last = st.last_unreduced.get(i)
-            if last is None or last[2]() is not g or last[3] != g._version:
-                continue
-            if last[4] is not None:
-                fp_at.append(k)
-                fp_g.append(g)
-                fp_ext.append(last[4])
-                fp_rows.append(last[0][last[1]])
-            else:
-                nm_at.append(k)
-                nm_g.append(g)
-                nm_rows.append(last[0][last[1]])
-        if fp_at:
+            if last is not None and last[2]() is g and last[3] == g._version:
+                (normed if last[4] is None else fingerprinted).append((k, g, last[0][last[1]], last[4]))
+        if fingerprinted:
             # The version counter misses writes that bypass autograd's view of the tensor: AMP's
             # unscale, apex/Megatron fused scaling, .data, numpy. Each tensor's min and max, read again
             # at the elements where the kernel found them, must be what they were.
-            for k, row, ok in zip(fp_at, fp_rows, fused.unchanged(fp_g, np.stack(fp_ext)), strict=True):
+            same = fused.unchanged([c[1] for c in fingerprinted], np.stack([c[3] for c in fingerprinted]))
+            for (k, _, row, _), ok in zip(fingerprinted, same, strict=True):
                 if ok:
                     rows[k] = row
-        if nm_at:
+        if normed:
             # The torch path's check: the norm, recomputed exactly as the engine computes it (one dot
             # product per tensor, bitwise reproducible), must match.
             eng = self._engine
-            cand = torch.stack(nm_rows)
-            same = (eng.norms(nm_g) == cand[:, eng.ops.index("norm")]).tolist()
-            for k, row, ok in zip(nm_at, cand, same, strict=True):
+            cand = torch.stack([c[2] for c in normed])
+            same = (eng.norms([c[1] for c in normed]) == cand[:, eng.ops.index("norm")]).tolist()
+            for (k, *_), row, ok in zip(normed, cand, same, strict=True):
                 if ok:
                     rows[k] = row
         todo = [k for k, r in enumerate(rows) if r is None]

@@ -193,19 +193,15 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
     :func:`unchanged` (where its min and max lie, and their values), where the kernel measured the
     tensor where it lies and it has :data:`FINGERPRINT_MIN_NUMEL` elements or more; rows of -1, -1,
     NaN, NaN elsewhere."""
+    if extremes is not None:
+        no_fingerprints(extremes)  # the kernel overwrites the rows it has fingerprints for
     if scales is None and _stats_tensors is not None:
         # the common case without a Python loop over the tensors (inside training every bytecode counts:
         # the backward's kernels leave the interpreter's own data out of the CPU caches)
         out = np.empty((len(xs), len(codes)), dtype=np.float32)
         args = (xs, eps, codes, _PLAIN, torch.float32, out, PARALLEL_NUMEL, torch.get_num_threads())
-        if extremes is not None and FINGERPRINTS:
-            args += (extremes,)
-        elif extremes is not None:
-            no_fingerprints(extremes)
-        if _stats_tensors(*args):
+        if _stats_tensors(*args, extremes) if extremes is not None and FINGERPRINTS else _stats_tensors(*args):
             return out if numpy else torch.from_numpy(out)
-    if extremes is not None:
-        no_fingerprints(extremes)
     ptrs = array("Q")
     numels = array("q")
     total = 0

@@ -211,7 +211,7 @@ class StatsEngine:
             rows = fused.stats_f32(tensors, self.eps, self._codes, scales, numpy=True, extremes=extremes)
             if rows is not None:
                 return rows
-        if extremes is not None:
+        elif extremes is not None:  # (stats_f32 sets them either way)
             fused.no_fingerprints(extremes)
         # DTensors (FSDP2, tensor parallel): the statistics of this rank's local shard
         return self._compute([fused.local_tensor(t) for t in tensors], scales)

@@ -152,35 +152,25 @@ class CsvDirSink:
         """The file prefixes this sink has window files of."""
         return sorted(k for k, (starts, _, _) in self._written.items() if starts)
 
-    def adopt(self, step_count_per_record: int, kinds: Iterable[str]) -> int:
+    def adopt(self, step_count_per_record: int, kinds: Iterable[str]) -> None:
         """Take the window files of ``step_count_per_record`` steps with these prefixes already in the
-        directory as this sink's own (a live export going on where an earlier one ended): rows go on
-        being appended to them, and a rewind trims or removes them. Their last steps are read when a
-        rewind needs them. Returns how many were taken."""
+        directory as this sink's own, before it writes anything (a live export going on where an earlier
+        one ended): rows go on being appended to them, and a rewind trims or removes them. Their last
+        steps are read when a rewind needs them."""
         spcr = step_count_per_record
         kinds = set(kinds)
         found: dict[str, list[tuple[int, int]]] = {}
         with os.scandir(self.directory) as it:
             for e in it:
                 m = _WINDOW_FILE.match(e.name)
-                if m is None or m.group(1) not in kinds:
-                    continue
-                start, end = int(m.group(2)), int(m.group(3))
-                if start % spcr == 0 and end == start + spcr - 1:
-                    found.setdefault(m.group(1), []).append((start, end))
-        n = 0
+                if m is not None and m.group(1) in kinds:
+                    start, end = int(m.group(2)), int(m.group(3))
+                    if start % spcr == 0 and end == start + spcr - 1:
+                        found.setdefault(m.group(1), []).append((start, end))
         for kind, windows in found.items():
             windows.sort()
-            starts, ends, lasts = self._written.setdefault(kind, (array("q"), array("q"), array("q")))
-            for start, end in windows:
-                i = bisect.bisect_left(starts, start)
-                if i < len(starts) and starts[i] == start:
-                    continue
-                starts.insert(i, start)
-                ends.insert(i, end)
-                lasts.insert(i, _UNREAD)
-                n += 1
-        return n
+            self._written[kind] = (array("q", [s for s, _ in windows]), array("q", [e for _, e in windows]),
+                                   array("q", [_UNREAD]) * len(windows))
 
     def existing_ops(self, kind: str, start: int) -> tuple[str, ...] | None:
         """The ops in the header of window file ``(kind, start)`` where this sink has it (adopted, or
@@ -283,45 +273,32 @@ def _trim_csv(path: str, step: int) -> int:
     return last
 
 
+# a window file's row: vpp_stage, the name (quoted, as pandas quotes, where it holds a comma, a quote or a
+# line break), the step, the values
+_CSV_ROW = re.compile(r'[^,\n]*,(?:"(?:[^"]|"")*"|[^,"\n]*),([^,\n]*)[^\n]*\n?')
+
+
 def _csv_rows(text: str) -> list[tuple[str, int | None]]:
-    """The lines of a window file with their steps (None: the header, or a line without one). A row is
-    ``vpp_stage,name,step,values`` where only the name may be quoted, and a quoted name may hold any
-    character, line breaks included (``str.splitlines`` would cut it there)."""
+    """The lines of a window file with their steps (None: the header, or a line without one); a row
+    whose quoted name holds a line break is one line (``str.splitlines`` would cut it there)."""
     n = len(text)
     nl = text.find("\n")
     i = n if nl < 0 else nl + 1
     out: list[tuple[str, int | None]] = [(text[:i], None)]
     while i < n:
-        j = text.find(",", i)
-        k = text.find("\n", i)
-        if j < 0 or 0 <= k < j:  # a line without fields
-            end = n if k < 0 else k + 1
+        m = _CSV_ROW.match(text, i)
+        if m is None:  # not a row: the line as it is
+            end = text.find("\n", i)
+            end = n if end < 0 else end + 1
             out.append((text[i:end], None))
             i = end
             continue
-        j += 1  # the name
-        if text.startswith('"', j):
-            j += 1
-            while True:
-                q = text.find('"', j)
-                if q < 0:
-                    j = n
-                    break
-                j = q + 2 if text.startswith('"', q + 1) else q + 1
-                if j == q + 1:
-                    break
-        else:
-            c = text.find(",", j)
-            j = n if c < 0 else c
-        end = text.find("\n", j)
-        end = n if end < 0 else end + 1
-        fields = text[j:end].split(",", 2)  # "", step, values
         try:
-            step = int(fields[1]) if len(fields) == 3 else None
+            step: int | None = int(m.group(1))
         except ValueError:
             step = None
-        out.append((text[i:end], step))
-        i = end
+        out.append((m.group(0), step))
+        i = m.end()
     return out
 
 

@@ -23,8 +23,8 @@ Ended the first way, it writes ``live_export.done`` into ``--out``: the log file
 takes that record, where its options are the same and those files are still the directory's first
 ones, unchanged: it reads only the later log files, and goes on with the files already there (CSV
 window files are trimmed, removed or appended to as the resume requires; the TensorBoard file is
-appended to). Otherwise it re-exports from the first log file and rewrites the same files. Either way
-the record is removed when it starts: until it ends cleanly too, the output is work in progress.
+appended to). Otherwise it re-exports from the first log file and rewrites the same files. The record
+is removed before it changes a file: until it ends cleanly too, the output is work in progress.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from trainrec.analyzers.export_csv import CsvProjector
 from trainrec.analyzers.export_tb import TbProjector
+from trainrec.analyzers.projection import StepAssembler
 from trainrec.replay.follow import RunFollower
 from trainrec.schema import layout
 
@@ -178,10 +179,7 @@ def live_export(
         summary = proj.finish(clean)
         sink.close()
     if clean:
-        logs = (done.logs if done else []) + list(follower.readers)
-        kinds = sink.kinds if isinstance(sink, CsvDirSink) else []
-        _write_done_record(out, logs, options, None if isinstance(sink, CsvDirSink) else sink.path, kinds,
-                           proj.assembler)
+        _write_done_record(out, (done.logs if done else []) + list(follower.readers), options, sink, proj.assembler)
     files = sink.files if isinstance(sink, CsvDirSink) else [sink.path]
     return LiveResult(reason, len(summary.steps), files, list(summary.dropped_steps))
 
@@ -217,8 +215,8 @@ def _read_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
     try:
         rec = json.loads(raw)
         names = [(str(n), int(size)) for n, size in rec["logs"]]
-        done = _Done([], rec["tb_file"], [str(k) for k in rec["kinds"]], bool(rec["saw_step_end"]),
-                     int(rec["last_step_ended"]))
+        tb_file, kinds = rec["tb_file"], [str(k) for k in rec["kinds"]]
+        saw_step_end, last_step_ended = bool(rec["saw_step_end"]), int(rec["last_step_ended"])
         fits = rec["version"] == 1 and all(k in rec and rec[k] == v for k, v in options.items()) and names
     except Exception:  # noqa: BLE001 - anything but a record of ours (a recursion error included)
         log.warning("%s is not an export record: exporting the whole log again", path)
@@ -232,12 +230,10 @@ def _read_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
                 return None
         except OSError:
             return None
-    if options["format"] != "csv":
-        tb = done.tb_file
-        if not isinstance(tb, str) or os.path.basename(tb) != tb or not os.path.isfile(os.path.join(out, tb)):
-            return None
-    done.logs = logs[: len(names)]
-    return done
+    if options["format"] != "csv" and not (isinstance(tb_file, str) and os.path.basename(tb_file) == tb_file
+                                           and os.path.isfile(os.path.join(out, tb_file))):
+        return None
+    return _Done(logs[: len(names)], tb_file, kinds, saw_step_end, last_step_ended)
 
 
 def _remove_done_record(out: str) -> None:
@@ -249,10 +245,11 @@ def _remove_done_record(out: str) -> None:
         log.warning("cannot remove %s (%s)", os.path.join(out, DONE_FILE), exc)
 
 
-def _write_done_record(out: str, logs: list[str], options: dict, tb_path: str | None, kinds: list[str],
-                       assembler) -> None:
+def _write_done_record(out: str, logs: list[str], options: dict, sink: CsvDirSink | TbEventFile,
+                       assembler: StepAssembler) -> None:
+    csv_sink = isinstance(sink, CsvDirSink)
     rec = {"version": 1, **options, "logs": [[os.path.basename(p), os.path.getsize(p)] for p in logs],
-           "tb_file": os.path.basename(tb_path) if tb_path else None, "kinds": kinds,
+           "tb_file": None if csv_sink else os.path.basename(sink.path), "kinds": sink.kinds if csv_sink else [],
            "saw_step_end": assembler.saw_step_end, "last_step_ended": assembler.last_step_ended}
     path = os.path.join(out, DONE_FILE)
     tmp = path + ".tmp"
