@@ -34,6 +34,12 @@
 #include <string.h>
 
 #define BLOCK 4096
+/* How far ahead of the element it reads the AVX2 loop asks for memory (_mm_prefetch), in elements:
+ * 8 KiB. The hardware prefetchers alone left a core reading a tensor that is not in the caches at
+ * 6 GB/s on the 2-CPU development VM (the gradients of a 5.3M-parameter model after the backward pass:
+ * 3.5 ms on one thread, 1.8-2.1 ms on two); 2,048 to 16,384 elements ahead gave 1.1-1.3 ms on two,
+ * 256 ahead 1.7 ms. On data in the caches it costs one instruction per 64-byte line. */
+#define PREFETCH_AHEAD 2048
 #define NF 6 /* min, max, sum, sumsq, zeros (|x| < eps), nans */
 #define MAX_THREADS 64
 
@@ -159,6 +165,8 @@ __attribute__((target("avx2,fma"))) static void stats_f32_avx2(const float *x, i
         __m256i z0 = _mm256_setzero_si256(), z1 = z0;
         int64_t i = b;
         for (; i + 16 <= e; i += 16) {
+            if (i + PREFETCH_AHEAD < hi) /* not past the chunk: another thread may be reading the next */
+                _mm_prefetch((const char *)(x + i + PREFETCH_AHEAD), _MM_HINT_T0);
             __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
             s0 = _mm256_add_ps(s0, v0);
             s1 = _mm256_add_ps(s1, v1);
