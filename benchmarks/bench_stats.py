@@ -8,6 +8,10 @@ All six ops (min, max, norm, mean, zeros, nans). "torch" is StatsEngine's torch 
 with every trick in stats.py); "fused" is the kernel on 1 thread and on torch.get_num_threads() threads.
 Best of ``--repeat`` runs, in ns per value (per state element for adam), and torch / fused.
 
+Then the same gradient batch as the recorder meets it: the model's own 51 gradients read once right after
+each of ``--repeat`` training steps' backward passes (what the end-of-backward flush does; the data has
+left the caches while backward went on), median ms per read, torch path and kernel on 1 and N threads.
+
 Usage: ``.venv/bin/python benchmarks/bench_stats.py [--repeat 20]``
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -104,6 +109,29 @@ def main() -> int:
         fn = best_of(with_threads(threads, f_fn), args.repeat)
         print(f"| {name} | {n / 1e6:.2f}M | {t / n * 1e9:.2f} | {f1 / n * 1e9:.2f} | {fn / n * 1e9:.2f} | "
               f"{t / min(f1, fn):.1f}x |")
+    # the gradients as the recorder reads them: right after a real backward pass, once per step
+    x = torch.randint(0, 4096, (8, 32))
+    y = torch.randint(0, 4096, (8, 32))
+    fresh = {"torch": [], "fused 1 thread": [], f"fused {threads} threads": []}
+    runs = [("torch", lambda gs: torch_eng.compute(gs)),
+            ("fused 1 thread", lambda gs: with_threads(1, lambda: fused_eng.compute(gs))()),
+            (f"fused {threads} threads", lambda gs: with_threads(threads, lambda: fused_eng.compute(gs))())]
+    for i in range(args.repeat + 1):
+        for name, fn in runs:
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            gs = [p.grad for p in model.parameters()]
+            t = time.perf_counter()
+            fn(gs)
+            if i:  # the first is a warm-up
+                fresh[name].append(time.perf_counter() - t)
+            opt.step()
+            opt.zero_grad()
+    print()
+    print(f"the model's gradients right after its backward pass, median of {args.repeat} steps, ms per read:")
+    print("| " + " | ".join(fresh) + " |")
+    print("|" + "---|" * len(fresh))
+    print("| " + " | ".join(f"{statistics.median(v) * 1e3:.2f}" for v in fresh.values()) + " |")
     loops = fused.kernels()
     if len(loops) > 1:
         # the float32 loops against each other on one thread, alternating, on data in the caches (one
