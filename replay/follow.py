@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 
 _BOOKKEEPING = (FileOpened, NamesInterned)
 
+# Log bytes read from each followed file per poll by follow() and the live export: the events of one
+# poll are held at once (about 6-9x the bytes they were read from), and a follower that starts on a long
+# run (a resumed launch's export reading the earlier launch's log) would otherwise take it all in one.
+POLL_BYTES = 16 << 20
+
 
 class RunFollower:
     """Incremental reader of a whole run; see the module docstring."""
@@ -97,24 +102,46 @@ class RunFollower:
         return all(r.closed_cleanly for _, r in latest.values())
 
     # ------------------------------------------------------------------ polling
-    def poll(self) -> list[Event]:
-        """Events completed since the last call, after looking for new directories and files."""
+    def poll(self, max_bytes: int | None = None) -> list[Event]:
+        """Events completed since the last call, after looking for new directories and files.
+        ``max_bytes``: from about that many more bytes of each file at most (:data:`POLL_BYTES`: a
+        backlog, such as a resumed run's earlier log, is taken in steps of bounded memory instead of
+        all at once). Either way an empty list means every followed file was read to its end."""
         self._discover()
         out: list[Event] = []
+        behind: set[str] = set()  # directories with a file not read to its end in this poll
         for path, reader in list(self._readers.items()):
+            d = os.path.dirname(path)
+            if d in behind:
+                continue  # a rank's later file (a resume's) only after its earlier ones, as written
             try:
-                events = reader.poll()
+                events = self._poll_file(path, reader, max_bytes)
             except FormatError as exc:
                 log.warning("trainrec: not following %s", exc)
                 self.file_errors[path] = exc
                 del self._readers[path]
                 continue
-            if path in self._skip:
-                self._skip.discard(path)
-                events = [ev for ev in events if isinstance(ev, _BOOKKEEPING)]
+            if not reader.at_eof:
+                behind.add(d)
             out.extend(events)
         self._first = False
         return out
+
+    def _poll_file(self, path: str, reader: LogReader, max_bytes: int | None) -> list[Event]:
+        skip = path in self._skip
+        kept: list[Event] = []
+        while True:
+            events = reader.poll(max_bytes)
+            if skip:  # the content there at the first look, read to its end, less the bookkeeping
+                kept.extend(ev for ev in events if isinstance(ev, _BOOKKEEPING))
+            else:
+                kept = events
+            if reader.at_eof:
+                self._skip.discard(path)
+                return kept
+            if kept and not skip:
+                return kept
+            # nothing complete in this much (a frame longer than max_bytes): read on
 
     def stop_discovering(self, keep: Callable[[FileOpened | None], bool] | None = None) -> None:
         """Follow only the files followed so far, and of those only the ones whose header ``keep``
@@ -264,7 +291,7 @@ def follow(
 
     last_new = time.monotonic()
     while not stopped():
-        events = follower.poll()
+        events = follower.poll(POLL_BYTES)
         if events:
             last_new = time.monotonic()
             for ev in events:

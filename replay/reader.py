@@ -148,10 +148,12 @@ class LogReader:
         return self._eof
 
     # ------------------------------------------------------------------ reading
-    def poll(self) -> list[Event]:
-        """Events completed since the last call (possibly none)."""
+    def poll(self, max_bytes: int | None = None) -> list[Event]:
+        """Events completed since the last call (possibly none). ``max_bytes``: read about that many
+        more bytes of the file at most, or the rest of a longer frame (a follower's backlog in steps of
+        bounded memory); :attr:`at_eof` then says whether the call reached the end."""
         out: list[Event] = []
-        for batch in self._batches(self.chunk_size, None, None):
+        for batch in self._batches(self.chunk_size, None, max_bytes):
             out.extend(batch)
         return out
 
@@ -207,8 +209,8 @@ class LogReader:
         self._eof = False
         while True:
             size = max(chunk, self._need)
-            if max_bytes is not None:
-                size = min(size, max(chunk, max_bytes - read_bytes))
+            if max_bytes is not None:  # the budget's rest, or the rest of the pending frame if longer
+                size = min(size, max(max_bytes - read_bytes, self._need, 4096))
             data = self._read(size)
             if data is None:
                 self._eof = True

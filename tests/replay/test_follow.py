@@ -228,3 +228,82 @@ def test_stop_discovering_keeps_the_files_followed_that_keep_accepts(tmp_path):
         w.close()
     steps = [e.step for e in f.poll() if isinstance(e, StepBegan)]
     assert steps == [4] and list(f.readers) == [first]
+
+
+def _big_log(d: str, steps: int, names: int) -> LogWriter:
+    w = LogWriter(d, rank=0, run_id="big", flush_interval=0.01)
+    ids = w.intern([f"layers.{i}.weight" for i in range(names)])
+    _steps(w, 0, range(steps), ids, pause=0)
+    return w
+
+
+def test_poll_with_a_byte_budget_takes_a_backlog_in_pieces_and_loses_nothing(tmp_path):
+    """A follower that starts on a long log (a resumed launch's export reading the earlier launch's) reads
+    it POLL_BYTES at a time: bounded memory per poll, the same events in the same order, and an empty
+    poll still means every file was read to its end."""
+    d = rank_dir(tmp_path, 0)
+    w = _big_log(d, steps=40, names=2000)  # ~40 x 49 KB of stats records
+    w.close()
+    _, whole = read_log(w.path)
+    f = RunFollower(d)
+    polls = []
+    while True:
+        got = f.poll(max_bytes=200_000)
+        if not got:
+            break
+        polls.append(got)
+    assert len(polls) >= 8  # in pieces...
+    assert [ev for p in polls for ev in p] == whole  # ...of the same events, in order
+    assert f.closed and f.poll(max_bytes=200_000) == []
+
+
+def test_a_frame_longer_than_the_budget_is_read_whole_in_the_same_poll(tmp_path):
+    d = rank_dir(tmp_path, 0)
+    w = _big_log(d, steps=3, names=20000)  # each stats record ~490 KB, more than the budget below
+    _, whole = read_log(w.path)
+    f = RunFollower(d)
+    got = []
+    while True:
+        events = f.poll(max_bytes=65536)
+        if not events:  # empty only once the file is read to its end, even if no frame fits the budget
+            break
+        got += events
+    assert got == whole
+    w.close()
+
+
+def test_from_start_false_skips_a_backlog_longer_than_the_budget(tmp_path):
+    d = rank_dir(tmp_path, 0)
+    w = _big_log(d, steps=20, names=2000)
+    f = RunFollower(d, from_start=False)
+    first = f.poll(max_bytes=100_000)  # the content there now: skipped whole, but what names need
+    assert [type(e).__name__ for e in first] == ["FileOpened", "NamesInterned"]
+    _steps(w, 0, [20], w.intern([f"layers.{i}.weight" for i in range(2000)]), pause=0)
+    later = []
+    while True:
+        events = f.poll(max_bytes=100_000)
+        if not events:
+            break
+        later += events
+    assert [(type(e).__name__, e.step) for e in later] == [("StepBegan", 20), ("TensorStatsRecorded", 20)]
+    w.close()
+
+
+def test_with_a_budget_a_ranks_later_file_comes_after_its_earlier_one(tmp_path):
+    """A resumed rank's second file is read only once its first is read to its end: replay takes a rank's
+    events in the order they were written, whatever the budget."""
+    d = rank_dir(tmp_path, 0)
+    _big_log(d, steps=20, names=2000).close()
+    w2 = LogWriter(d, rank=0, run_id="big", flush_interval=0.01)
+    w2.write(RunResumed(rank=0, step=15, last_step=14))
+    _steps(w2, 0, range(15, 18), w2.intern([f"layers.{i}.weight" for i in range(2000)]), pause=0)
+    w2.close()
+    f = RunFollower(d)
+    got = []
+    while True:
+        events = f.poll(max_bytes=100_000)
+        if not events:
+            break
+        got += events
+    assert got == [ev for p in open_run(str(tmp_path)).files(0) for ev in read_log(p)[1]]
+    assert [e.step for e in got if isinstance(e, StepBegan)] == [*range(20), 15, 16, 17]

@@ -517,3 +517,37 @@ with LogWriter({rdir!r}, rank=0, run_id="kill", flush_interval=0.01) as w:
         t.join(timeout=30)
         w1.close()
     assert result and result[0].reason == "parent gone"
+
+
+def test_a_backlog_is_exported_in_bounded_polls_with_the_same_result(tmp_path, monkeypatch):
+    """Without a record (an export killed with its training, an older trainrec), a resumed launch's export
+    reads the earlier launch's whole log again: POLL_BYTES of log at a time, as the events of one poll are
+    held at once (6-9x the bytes), not all of it in its first poll; what it leaves is what the offline
+    export leaves."""
+    from trainrec.replay.follow import RunFollower
+    from trainrec.tools import live_export as le
+
+    rdir = rank_dir(tmp_path / "run", 0)
+    _param_steps(rdir, "res", range(1000))
+    _resumed_param_log(rdir, "res", 990, range(990, 1010))
+    sizes = []
+    real_poll = RunFollower.poll
+
+    def counted(self, max_bytes=None):
+        got = real_poll(self, max_bytes)
+        sizes.append(len(got))
+        return got
+
+    monkeypatch.setattr(le, "POLL_BYTES", 8192)
+    monkeypatch.setattr(RunFollower, "poll", counted)
+    out = tmp_path / "live"
+    res = live_export(rdir, "csv", str(out), poll_interval=0.01, idle_timeout=10)
+    assert res.reason == "closed" and res.steps == 1010
+    total = sum(sizes)
+    assert total > 2000 and max(sizes) < total / 5  # in pieces: no poll held the whole backlog
+    assert main(["export", "csv", str(tmp_path / "run"), "-o", str(tmp_path / "off")]) == 0
+    offline = tmp_path / "off" / os.path.basename(rdir)
+    files = _csv_files(offline)
+    assert _csv_files(out) == files
+    match, mismatch, errors = filecmp.cmpfiles(out, offline, files, shallow=False)
+    assert not mismatch and not errors
