@@ -237,6 +237,14 @@ def _big_log(d: str, steps: int, names: int) -> LogWriter:
     return w
 
 
+def _polls(f: RunFollower, max_bytes: int) -> list[list]:
+    """Every poll's events until the first empty one (which means every file was read to its end)."""
+    polls = []
+    while events := f.poll(max_bytes=max_bytes):
+        polls.append(events)
+    return polls
+
+
 def test_poll_with_a_byte_budget_takes_a_backlog_in_pieces_and_loses_nothing(tmp_path):
     """A follower that starts on a long log (a resumed launch's export reading the earlier launch's) reads
     it POLL_BYTES at a time: bounded memory per poll, the same events in the same order, and an empty
@@ -246,12 +254,7 @@ def test_poll_with_a_byte_budget_takes_a_backlog_in_pieces_and_loses_nothing(tmp
     w.close()
     _, whole = read_log(w.path)
     f = RunFollower(d)
-    polls = []
-    while True:
-        got = f.poll(max_bytes=200_000)
-        if not got:
-            break
-        polls.append(got)
+    polls = _polls(f, 200_000)
     assert len(polls) >= 8  # in pieces...
     assert [ev for p in polls for ev in p] == whole  # ...of the same events, in order
     assert f.closed and f.poll(max_bytes=200_000) == []
@@ -261,13 +264,8 @@ def test_a_frame_longer_than_the_budget_is_read_whole_in_the_same_poll(tmp_path)
     d = rank_dir(tmp_path, 0)
     w = _big_log(d, steps=3, names=20000)  # each stats record ~490 KB, more than the budget below
     _, whole = read_log(w.path)
-    f = RunFollower(d)
-    got = []
-    while True:
-        events = f.poll(max_bytes=65536)
-        if not events:  # empty only once the file is read to its end, even if no frame fits the budget
-            break
-        got += events
+    # empty only once the file is read to its end, even where no frame fits the budget
+    got = [ev for p in _polls(RunFollower(d), 65536) for ev in p]
     assert got == whole
     w.close()
 
@@ -279,12 +277,7 @@ def test_from_start_false_skips_a_backlog_longer_than_the_budget(tmp_path):
     first = f.poll(max_bytes=100_000)  # the content there now: skipped whole, but what names need
     assert [type(e).__name__ for e in first] == ["FileOpened", "NamesInterned"]
     _steps(w, 0, [20], w.intern([f"layers.{i}.weight" for i in range(2000)]), pause=0)
-    later = []
-    while True:
-        events = f.poll(max_bytes=100_000)
-        if not events:
-            break
-        later += events
+    later = [ev for p in _polls(f, 100_000) for ev in p]
     assert [(type(e).__name__, e.step) for e in later] == [("StepBegan", 20), ("TensorStatsRecorded", 20)]
     w.close()
 
@@ -298,12 +291,6 @@ def test_with_a_budget_a_ranks_later_file_comes_after_its_earlier_one(tmp_path):
     w2.write(RunResumed(rank=0, step=15, last_step=14))
     _steps(w2, 0, range(15, 18), w2.intern([f"layers.{i}.weight" for i in range(2000)]), pause=0)
     w2.close()
-    f = RunFollower(d)
-    got = []
-    while True:
-        events = f.poll(max_bytes=100_000)
-        if not events:
-            break
-        got += events
+    got = [ev for p in _polls(RunFollower(d), 100_000) for ev in p]
     assert got == [ev for p in open_run(str(tmp_path)).files(0) for ev in read_log(p)[1]]
     assert [e.step for e in got if isinstance(e, StepBegan)] == [*range(20), 15, 16, 17]
