@@ -37,7 +37,7 @@
 /* How far ahead of the element it reads the AVX2 loop asks for memory (_mm_prefetch), in elements:
  * 8 KiB. The hardware prefetchers alone left a core reading a tensor that is not in the caches at
  * 6 GB/s on the 2-CPU development VM (the gradients of a 5.3M-parameter model after the backward pass:
- * 3.5 ms on one thread, 1.8-2.1 ms on two); 2,048 to 16,384 elements ahead gave 1.1-1.3 ms on two,
+ * 3.5 ms on one thread, 1.8-2.1 ms on two); 2,048 to 16,384 elements ahead gave 0.84-1.3 ms on two,
  * 256 ahead 1.7 ms. On data in the caches it costs one instruction per 64-byte line. */
 #define PREFETCH_AHEAD 2048
 #define NF 6 /* min, max, sum, sumsq, zeros (|x| < eps), nans */
