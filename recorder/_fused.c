@@ -6,7 +6,8 @@
  * quotients the monitor records (ratio m / max(sqrt(v), FLT_MIN) and update m / (max(sqrt(v), FLT_MIN)
  * + shift)), where torch needs a sqrt pass, a clamp pass and two division passes into full-size
  * temporaries before the statistics. The quotients are computed exactly as the torch path does (IEEE
- * single sqrt, max, add and divide are correctly rounded), so their values are bitwise the same.
+ * single sqrt, max, add and divide are correctly rounded), so their values are bitwise the same. Both
+ * have an AVX2/FMA loop, used where the CPU has them, and an auto-vectorised one for every other CPU.
  *
  * Accumulation: float lanes within blocks of BLOCK elements (vectorised), block totals in double; a
  * block of finite values whose sum or sum of squares leaves float's range (|x| > 1.8e19: an exploding
@@ -286,6 +287,131 @@ CLONES static void adam_all(const float *m, const float *v, int64_t lo, int64_t 
     ADAM_BODY(1, 1)
 }
 
+/* want: as in ADAM_BODY (1: m and v, 2: update and ratio, 3: both). */
+typedef void (*adam_fn)(const float *, const float *, int64_t, int64_t, float, const float *, acc_t *, int);
+
+static void adam_generic(const float *m, const float *v, int64_t lo, int64_t hi, float shift, const float *eps,
+                         acc_t *a, int want) {
+    if (want == 1) adam_mv(m, v, lo, hi, shift, eps, a);
+    else if (want == 2) adam_ur(m, v, lo, hi, shift, eps, a);
+    else adam_all(m, v, lo, hi, shift, eps, a);
+}
+
+static adam_fn adam_stats = adam_generic; /* the AVX2 loop where the CPU has it (module init) */
+
+#ifdef HAVE_AVX2_KERNEL
+/* One statistic's vector accumulators in the AVX2 Adam loop (NaNs are counted only where a sum is not
+ * finite, as in stats_f32_avx2). */
+typedef struct {
+    __m256 s, q, mn, mx;
+    __m256i z;
+} vacc_t;
+
+#define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) static inline
+
+AVX2_INLINE void vacc_init(vacc_t *c) {
+    c->s = c->q = _mm256_setzero_ps();
+    c->mn = _mm256_set1_ps(INFINITY);
+    c->mx = _mm256_set1_ps(-INFINITY);
+    c->z = _mm256_setzero_si256();
+}
+
+AVX2_INLINE void vacc_add(vacc_t *c, __m256 x, __m256 absmask, __m256 veps) {
+    c->s = _mm256_add_ps(c->s, x);
+    c->q = _mm256_fmadd_ps(x, x, c->q);
+    c->mn = _mm256_min_ps(x, c->mn); /* the running value second: a NaN leaves it as it was */
+    c->mx = _mm256_max_ps(x, c->mx);
+    c->z = _mm256_sub_epi32(c->z, _mm256_castps_si256(_mm256_cmp_ps(_mm256_and_ps(x, absmask), veps, _CMP_LT_OQ)));
+}
+
+/* The block's totals of c into a; 0 where its sums are not finite (the caller then redoes the block). */
+AVX2_INLINE int vacc_finish(const vacc_t *c, acc_t *a) {
+    double s = hsum_ps(c->s), ss = hsum_ps(c->q);
+    if (!isfinite(s) || !isfinite(ss)) return 0;
+    float m[8], mn = INFINITY, mx = -INFINITY;
+    _mm256_storeu_ps(m, c->mn);
+    for (int k = 0; k < 8; k++) mn = m[k] < mn ? m[k] : mn;
+    _mm256_storeu_ps(m, c->mx);
+    for (int k = 0; k < 8; k++) mx = m[k] > mx ? m[k] : mx;
+    a->s += s;
+    a->ss += ss;
+    a->z += hsum_epi32(c->z);
+    if (mn < a->mn) a->mn = mn;
+    if (mx > a->mx) a->mx = mx;
+    return 1;
+}
+
+/* Elements per pass: a block is read in runs of ADAM_RUN elements (2 KiB of each state, in L1), each run
+ * once for m and v and once more for update and ratio, so that each pass keeps its 10 accumulators in
+ * registers (all 20 at once would not fit in AVX2's 16). */
+#define ADAM_RUN 512
+
+/* adam_generic with AVX2 and FMA: the same quantities, from the same IEEE operations (sqrt, max with
+ * FLT_MIN, add, divide: the quotients are bitwise those of the generic loop and the torch path), in the
+ * same blocks. A block whose sums are not finite, and each block's last elements (fewer than 16), go
+ * through the generic loop. */
+__attribute__((target("avx2,fma"))) static void adam_avx2(const float *m, const float *v, int64_t lo, int64_t hi,
+                                                           float shift, const float *eps, acc_t *a, int want) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 e0 = _mm256_set1_ps(eps[0]), e1 = _mm256_set1_ps(eps[1]);
+    const __m256 e2 = _mm256_set1_ps(eps[2]), e3 = _mm256_set1_ps(eps[3]);
+    const __m256 vshift = _mm256_set1_ps(shift), tiny = _mm256_set1_ps(FLT_MIN);
+    for (int64_t b = lo; b < hi; b += BLOCK) {
+        int64_t e = b + BLOCK < hi ? b + BLOCK : hi, ve = b + (e - b) / 16 * 16;
+        vacc_t cm, cv, cu, cr;
+        vacc_init(&cm);
+        vacc_init(&cv);
+        vacc_init(&cu);
+        vacc_init(&cr);
+        for (int64_t r = b; r < ve; r += ADAM_RUN) {
+            int64_t re = r + ADAM_RUN < ve ? r + ADAM_RUN : ve;
+            if (want & 1)
+                for (int64_t i = r; i < re; i += 16) {
+                    if (i + PREFETCH_AHEAD < hi) {
+                        _mm_prefetch((const char *)(m + i + PREFETCH_AHEAD), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(v + i + PREFETCH_AHEAD), _MM_HINT_T0);
+                    }
+                    for (int k = 0; k < 16; k += 8) {
+                        vacc_add(&cm, _mm256_loadu_ps(m + i + k), absmask, e0);
+                        vacc_add(&cv, _mm256_loadu_ps(v + i + k), absmask, e1);
+                    }
+                }
+            if (want & 2)
+                for (int64_t i = r; i < re; i += 16) {
+                    if (!(want & 1) && i + PREFETCH_AHEAD < hi) {
+                        _mm_prefetch((const char *)(m + i + PREFETCH_AHEAD), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(v + i + PREFETCH_AHEAD), _MM_HINT_T0);
+                    }
+                    for (int k = 0; k < 16; k += 8) {
+                        __m256 mm = _mm256_loadu_ps(m + i + k);
+                        /* max(FLT_MIN, d) gives d where d is NaN (the second operand), as the generic
+                         * loop's d < FLT_MIN ? FLT_MIN : d does */
+                        __m256 d = _mm256_max_ps(tiny, _mm256_sqrt_ps(_mm256_loadu_ps(v + i + k)));
+                        vacc_add(&cu, _mm256_div_ps(mm, _mm256_add_ps(d, vshift)), absmask, e2);
+                        vacc_add(&cr, _mm256_div_ps(mm, d), absmask, e3);
+                    }
+                }
+        }
+        acc_t t[4];
+        for (int k = 0; k < 4; k++) acc_init(&t[k]);
+        int ok = 1;
+        if (want & 1) ok = vacc_finish(&cm, &t[0]) && vacc_finish(&cv, &t[1]);
+        if (ok && (want & 2)) ok = vacc_finish(&cu, &t[2]) && vacc_finish(&cr, &t[3]);
+        if (!ok) { /* an inf or NaN in the block: all of it through the generic loop, which counts NaNs */
+            for (int k = 0; k < 4; k++) acc_init(&t[k]);
+            ve = b;
+        }
+        if (ve < e) { /* the block's last few elements, or all of it */
+            acc_t u[4];
+            for (int k = 0; k < 4; k++) acc_init(&u[k]);
+            adam_generic(m, v, ve, e, shift, eps, u, want);
+            for (int k = 0; k < 4; k++) acc_merge(&t[k], &u[k]);
+        }
+        for (int k = 0; k < 4; k++) acc_merge(&a[k], &t[k]);
+    }
+}
+#endif
+
 /* ------------------------------------------------------------------ work split between threads */
 
 /* Each tensor is cut into chunks of CHUNK elements; a chunk's statistics are accumulated in element
@@ -323,9 +449,7 @@ static void run_chunk(const job_t *j, int64_t c) {
         for (int k = 0; k < 4; k++) e[k] = (float)j->eps[4 * t + k];
         const float *m = (const float *)(uintptr_t)j->a[t], *v = (const float *)(uintptr_t)j->b[t];
         float shift = (float)j->shift[t];
-        if (j->want == 1) adam_mv(m, v, lo, hi, shift, e, acc);
-        else if (j->want == 2) adam_ur(m, v, lo, hi, shift, e, acc);
-        else adam_all(m, v, lo, hi, shift, e, acc);
+        adam_stats(m, v, lo, hi, shift, e, acc, j->want);
     }
 }
 
@@ -865,10 +989,12 @@ static PyObject *py_set_kernel(PyObject *self, PyObject *args) {
     if (prev == NULL) return NULL;
     if (strcmp(name, "generic") == 0) {
         stats_f32 = stats_f32_generic;
+        adam_stats = adam_generic;
         kernel_name = "generic";
 #ifdef HAVE_AVX2_KERNEL
     } else if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         stats_f32 = stats_f32_avx2;
+        adam_stats = adam_avx2;
         kernel_name = "avx2";
 #endif
     } else {
@@ -920,8 +1046,9 @@ PyDoc_STRVAR(kernel_doc, "kernel() -> str\n\nThe float32 statistics loop in use:
 
 PyDoc_STRVAR(set_kernel_doc,
              "set_kernel(name) -> str\n\n"
-             "Use the float32 statistics loop 'generic' (auto-vectorised C) or 'avx2' (the default where the\n"
-             "CPU has AVX2 and FMA); returns the previous one. For tests and benchmarks: not thread-safe.");
+             "Use the float32 loops (plain statistics and Adam state) 'generic' (auto-vectorised C) or 'avx2'\n"
+             "(the default where the CPU has AVX2 and FMA); returns the previous one. For tests and benchmarks:\n"
+             "not thread-safe.");
 
 PyDoc_STRVAR(stats_tensors_doc,
              "stats_tensors(xs, eps, ops, types, dtype, out, parallel_numel, threads[, extremes]) -> bool\n\n"
@@ -957,6 +1084,7 @@ PyMODINIT_FUNC PyInit__fused(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         stats_f32 = stats_f32_avx2;
+        adam_stats = adam_avx2;
         kernel_name = "avx2";
     }
 #endif

@@ -94,8 +94,8 @@ _set_parallel_numel()
 
 
 def kernel_name() -> str | None:
-    """The float32 loop in use: ``"avx2"`` (x86-64 CPUs with AVX2 and FMA) or ``"generic"`` (the
-    auto-vectorised C loop, everywhere else); None without the kernel."""
+    """The float32 loops in use (plain statistics and Adam state): ``"avx2"`` (x86-64 CPUs with AVX2 and
+    FMA) or ``"generic"`` (the auto-vectorised C loops, everywhere else); None without the kernel."""
     return _fused.kernel() if AVAILABLE else None
 
 

@@ -241,6 +241,47 @@ def test_adam_rows_equal_the_torch_path(mv, ur):
         assert ((g[:, 3] - w[:, 3]).abs() <= 1e-5 * w[:, 2] / numel.sqrt()).all(), (g[:, 3], w[:, 3])
 
 
+@pytest.mark.skipif("avx2" not in fused.kernels(), reason="no AVX2 and FMA on this CPU")
+@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("want", [(True, False), (False, True), (True, True)])
+def test_the_avx2_adam_loop_gives_the_generic_loops_values(want, special):
+    """The AVX2 Adam loop (two passes over each run of a block, NaNs counted where a sum is not finite,
+    a block with an inf or NaN redone by the generic loop) against the generic loop: the same min, max,
+    zero and NaN counts, the quotients being the same IEEE operations; sums within float rounding. Sizes
+    around its 16-element steps, 512-element runs, 4096-element blocks and chunks."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 7, 15, 16, 17, 511, 513, 4095, 4096, 4097, 300_001]
+    ms = [torch.randn(n, generator=g) * 1e-3 for n in sizes]
+    vs = [torch.rand(n, generator=g) * 1e-6 for n in sizes]
+    for m, v in zip(ms, vs, strict=True):
+        v[: min(5, v.numel())] = 0.0  # ratio 0 where m is 0 too, else m / FLT_MIN
+        m[: min(3, m.numel())] = 0.0
+    if special:  # one in each block of the largest: a block with an inf or NaN is redone by the generic loop
+        m, v = ms[-1], vs[-1]
+        m[100] = float("nan")
+        v[5000] = float("inf")
+        v[9000], m[9000] = -1.0, 1e-30  # sqrt(-1): NaN, and so are update and ratio
+        v[13000], m[13000] = float("nan"), 0.0
+        m[17000] = float("inf")
+        v[21000] = -0.0  # sqrt(-0.0) is -0.0: FLT_MIN
+        ms[5][7], vs[6][8] = float("nan"), float("nan")
+    n = len(sizes)
+    args = (ms, vs, [1e-8] * 4 * n, [1e-8] * n, [1.0] * n, OPS, *want)
+    with fused.using_kernel("generic"):
+        want_rows = fused.adam(*args)
+    with fused.using_kernel("avx2"):
+        got = fused.adam(*args)
+    blocks = [k for k, on in ((0, want[0]), (1, want[0]), (2, want[1]), (3, want[1])) if on]
+    for k in blocks:
+        w, a = want_rows[:, k], got[:, k]
+        for j in (0, 1, 4, 5):  # min, max, zeros, nans
+            assert torch.equal(w[:, j].nan_to_num(7.0), a[:, j].nan_to_num(7.0)), (k, OPS[j], w[:, j], a[:, j])
+        assert torch.allclose(a[:, 2], w[:, 2], rtol=1e-5, equal_nan=True)  # norm
+        assert torch.allclose(a[:, 3], w[:, 3], rtol=1e-4, atol=1e-9, equal_nan=True)  # mean
+    if special:
+        assert (got[-1, blocks, 5] > 0).any()  # the NaNs were counted
+
+
 def test_adam_nan_in_state_shows_and_zero_v_gives_ratio_zero():
     opt, params = stepped_adam_state()
     st = opt.state[params[0]]
