@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _BOOKKEEPING = (FileOpened, NamesInterned)
 
-# Log bytes read from each followed file per poll by follow() and the live export: the events of one
+# Log bytes read from each followed file per poll (RunFollower.poll's default): the events of one
 # poll are held at once (about 6-9x the bytes they were read from), and a follower that starts on a long
 # run (a resumed launch's export reading the earlier launch's log) would otherwise take it all in one.
 POLL_BYTES = 16 << 20
@@ -103,10 +103,11 @@ class RunFollower:
 
     # ------------------------------------------------------------------ polling
     def poll(self, max_bytes: int | None = None) -> list[Event]:
-        """Events completed since the last call, after looking for new directories and files.
-        ``max_bytes``: from about that many more bytes of each file at most (:data:`POLL_BYTES`: a
-        backlog, such as a resumed run's earlier log, is taken in steps of bounded memory instead of
-        all at once). Either way an empty list means every followed file was read to its end."""
+        """Events completed since the last call, after looking for new directories and files, from about
+        ``max_bytes`` (default :data:`POLL_BYTES`) more bytes of each file at most, so that a backlog,
+        such as a resumed run's earlier log, is taken in steps of bounded memory. An empty list means
+        every followed file was read to its end."""
+        max_bytes = max_bytes or POLL_BYTES
         self._discover()
         out: list[Event] = []
         behind: set[str] = set()  # directories with a file not read to its end in this poll
@@ -128,14 +129,11 @@ class RunFollower:
         return out
 
     def _poll_file(self, path: str, reader: LogReader, max_bytes: int | None) -> list[Event]:
-        skip = path in self._skip
+        skip = path in self._skip  # the content there at the first look: read to its end, less the bookkeeping
         kept: list[Event] = []
         while True:
             events = reader.poll(max_bytes)
-            if skip:  # the content there at the first look, read to its end, less the bookkeeping
-                kept.extend(ev for ev in events if isinstance(ev, _BOOKKEEPING))
-            else:
-                kept = events
+            kept += [ev for ev in events if isinstance(ev, _BOOKKEEPING)] if skip else events
             if reader.at_eof:
                 self._skip.discard(path)
                 return kept
@@ -291,7 +289,7 @@ def follow(
 
     last_new = time.monotonic()
     while not stopped():
-        events = follower.poll(POLL_BYTES)
+        events = follower.poll()
         if events:
             last_new = time.monotonic()
             for ev in events:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from trainrec.analyzers.export_csv import CsvProjector
 from trainrec.analyzers.export_tb import TbProjector
 from trainrec.analyzers.projection import StepAssembler
-from trainrec.replay.follow import POLL_BYTES, RunFollower
+from trainrec.replay.follow import RunFollower
 from trainrec.schema import layout
 
 from .export_files import CsvDirSink, TbEventFile, pid_alive, tb_file_name
@@ -104,7 +104,7 @@ def live_export(
     if done is None:
         _remove_done_record(out)  # this export writes everything again: until it ends, no record holds
     follower = RunFollower(rank_dir, skip_files=done.logs if done else ())
-    first = follower.poll(POLL_BYTES)
+    first = follower.poll()
     if done is not None and not follower.readers and parent_pid is None:
         # run again on a directory exported whole, and nothing since: the files are there already
         return LiveResult("closed", 0, [], [])
@@ -131,7 +131,7 @@ def live_export(
     reason = "stopped"
     clean = False
     try:
-        events, first = first, None  # not kept past its turn
+        events, first = first, None  # the first poll's events: let go once projected
         frozen = False
         while True:
             if not frozen and parent_gone():
@@ -139,7 +139,7 @@ def live_export(
                 # for files first: it may have made one since the last poll), and never take up a file
                 # another process writes, the next launch's (a resume), which that launch's own export
                 # follows: two exports writing the same window files at once would corrupt them
-                events = (events or []) + follower.poll(POLL_BYTES)
+                events = (events or []) + follower.poll()
                 follower.stop_discovering(lambda h: h is None or h.pid in (0, parent_pid))
                 frozen = True
             if events:
@@ -148,20 +148,20 @@ def live_export(
                     _remove_done_record(out)
                     record_held = False
                 for ev in events:
-                    if stop.is_set():  # SIGTERM in a long batch (up to POLL_BYTES of log per file):
+                    if stop.is_set():  # SIGTERM in a long batch (a backlog's poll):
                         break  # stop between events, and close the files written so far whole
                     proj.feed(ev)
                 sink.flush()
             elif follower.closed:
                 # Every followed file ended with FileClosed; one more look for a file started meanwhile.
-                more = follower.poll(POLL_BYTES)
+                more = follower.poll()
                 if not more:
                     reason, clean = "closed", True
                     break
                 events = more
                 continue
             elif parent_gone():
-                more = follower.poll(POLL_BYTES)
+                more = follower.poll()
                 if not more:
                     reason = "parent gone"
                     break
@@ -174,7 +174,7 @@ def live_export(
                 break
             if not events:
                 stop.wait(poll_interval)
-            events = follower.poll(POLL_BYTES)
+            events = follower.poll()
     finally:
         summary = proj.finish(clean)
         sink.close()

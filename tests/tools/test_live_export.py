@@ -524,8 +524,11 @@ def test_a_backlog_is_exported_in_bounded_polls_with_the_same_result(tmp_path, m
     reads the earlier launch's whole log again: POLL_BYTES of log at a time, as the events of one poll are
     held at once (6-9x the bytes), not all of it in its first poll; what it leaves is what the offline
     export leaves."""
+    import importlib
+
     from trainrec.replay.follow import RunFollower
-    from trainrec.tools import live_export as le
+
+    follow_mod = importlib.import_module("trainrec.replay.follow")  # (the package's `follow` is the function)
 
     rdir = rank_dir(tmp_path / "run", 0)
     _param_steps(rdir, "res", range(1000))
@@ -538,7 +541,7 @@ def test_a_backlog_is_exported_in_bounded_polls_with_the_same_result(tmp_path, m
         sizes.append(len(got))
         return got
 
-    monkeypatch.setattr(le, "POLL_BYTES", 8192)
+    monkeypatch.setattr(follow_mod, "POLL_BYTES", 8192)
     monkeypatch.setattr(RunFollower, "poll", counted)
     out = tmp_path / "live"
     res = live_export(rdir, "csv", str(out), poll_interval=0.01, idle_timeout=10)
