@@ -341,6 +341,14 @@ AVX2_INLINE int vacc_finish(const vacc_t *c, acc_t *a) {
     return 1;
 }
 
+/* Both states' memory PREFETCH_AHEAD elements ahead of i, not past the chunk (see stats_f32_avx2). */
+AVX2_INLINE void prefetch_pair(const float *m, const float *v, int64_t i, int64_t hi) {
+    if (i + PREFETCH_AHEAD < hi) {
+        _mm_prefetch((const char *)(m + i + PREFETCH_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + i + PREFETCH_AHEAD), _MM_HINT_T0);
+    }
+}
+
 /* Elements per pass: a block is read in runs of ADAM_RUN elements (2 KiB of each state, in L1), each run
  * once for m and v and once more for update and ratio, so that each pass keeps its 10 accumulators in
  * registers (all 20 at once would not fit in AVX2's 16). */
@@ -367,10 +375,7 @@ __attribute__((target("avx2,fma"))) static void adam_avx2(const float *m, const 
             int64_t re = r + ADAM_RUN < ve ? r + ADAM_RUN : ve;
             if (want & 1)
                 for (int64_t i = r; i < re; i += 16) {
-                    if (i + PREFETCH_AHEAD < hi) {
-                        _mm_prefetch((const char *)(m + i + PREFETCH_AHEAD), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(v + i + PREFETCH_AHEAD), _MM_HINT_T0);
-                    }
+                    prefetch_pair(m, v, i, hi);
                     for (int k = 0; k < 16; k += 8) {
                         vacc_add(&cm, _mm256_loadu_ps(m + i + k), absmask, e0);
                         vacc_add(&cv, _mm256_loadu_ps(v + i + k), absmask, e1);
@@ -378,10 +383,8 @@ __attribute__((target("avx2,fma"))) static void adam_avx2(const float *m, const 
                 }
             if (want & 2)
                 for (int64_t i = r; i < re; i += 16) {
-                    if (!(want & 1) && i + PREFETCH_AHEAD < hi) {
-                        _mm_prefetch((const char *)(m + i + PREFETCH_AHEAD), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(v + i + PREFETCH_AHEAD), _MM_HINT_T0);
-                    }
+                    if (!(want & 1)) /* the first pass over this run asks for memory */
+                        prefetch_pair(m, v, i, hi);
                     for (int k = 0; k < 16; k += 8) {
                         __m256 mm = _mm256_loadu_ps(m + i + k);
                         /* max(FLT_MIN, d) gives d where d is NaN (the second operand), as the generic
