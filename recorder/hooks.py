@@ -141,7 +141,7 @@ class StepState:
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
                  "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
                  "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro", "spilled_parts", "spilled_fires", "written",
-                 "nograd_fwd")
+                 "nograd_fwd", "eob_queued")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -170,6 +170,7 @@ class StepState:
         self.spilled_fires = 0
         self.written = False  # the step's records have gone to the writer (no more spills)
         self.nograd_fwd = False  # a model chunk's forward runs under no_grad: not a micro step, not recorded
+        self.eob_queued = False  # the end-of-backward callback of the list hooks is queued (collect.py)
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -521,9 +522,9 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
                         st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed("micro step start", exc)
-        if mon._state is not None and mon._state.pending:
+        if mon._state is not None and (mon._state.pending or mon._fired):
             try:
-                mon._flush_grads()
+                mon._settle_grads()
             except Exception as exc:  # noqa: BLE001
                 mon._hook_failed("gradient batch", exc)
 
@@ -597,6 +598,9 @@ def _on_chunk_output_grad(mon_ref, st: StepState, vpp: int, micro: int, grad):
     mon = mon_ref()
     if mon is not None and mon._state is st:
         st.bwd_micro[vpp] = micro
+        if mon._list_hook_handles and not st.eob_queued:  # the list hooks' firings are handled at its end
+            st.eob_queued = True
+            mon._queue_flush_at_end_of_backward()
     return None
 
 

@@ -127,6 +127,14 @@ class TrainerMon(StepCollector):
         self._name_ids: dict[str, int] = {}
         self._file_ids = np.zeros(0, dtype=np.uint32)
         self._step_handles: list = []
+        # the list hooks of weight gradients (collect.py, _drain_fired): firings in order, the hooked
+        # parameters' indices by id, their handles (also in _step_handles), and whether a fallback has
+        # made them Python hooks for good. (The model's chunk hooks keep the monitor, so these stay
+        # attached no longer than it.)
+        self._fired: list = []
+        self._list_hooked: dict[int, int] = {}
+        self._list_hook_handles: list = []
+        self._list_hooks_off = False
         self._frozen: list[int] = []  # monitored parameters without a gradient hook: frozen when attached
         self._fsdp2_waiting: list = []  # (index, FSDPParam) whose unsharded parameter FSDP2 has not made yet
         self._opt_handles: list = []
@@ -309,7 +317,7 @@ class TrainerMon(StepCollector):
         """A step that never ended (an exception, SIGTERM, a NaN check that stopped the run): what it
         recorded is written, with no StepEnded after it, for the post-mortem. Once."""
         st = self._state
-        if st is not None and not st.written and (st.stats or st.pending or len(st.mod_ids)):
+        if st is not None and not st.written and (st.stats or st.pending or self._fired or len(st.mod_ids)):
             try:
                 self._write_step(st)
             except Exception as exc:  # noqa: BLE001
@@ -349,7 +357,7 @@ class TrainerMon(StepCollector):
         new = parse_config({**self.config.raw, "ops": list(value)}, "ops")
         self.config = new
         st = self._state
-        if st is None or not (st.stats or st.pending):
+        if st is None or not (st.stats or st.pending or self._fired):
             self._engine = StatsEngine(new.ops, new.eps)
             if st is not None:
                 st.stats = StepStats(new.ops)
@@ -731,7 +739,10 @@ class TrainerMon(StepCollector):
         self._step_handles = t.attach(self)
         self._frozen = []
         self._fsdp2_waiting = []
+        self._list_hooked = {}
+        self._list_hook_handles.clear()
         if self.config.wg_distribution:
+            fast = self._list_hooks_allowed()
             sharded, unreadable = fsdp.fsdp2_params(self._chunks)
             if unreadable:
                 _warn_once("fsdp2", "trainrec: the state of an FSDP2 (fully_shard) module could not be read in this "
@@ -755,6 +766,10 @@ class TrainerMon(StepCollector):
                         # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
                         # the gradient into its buckets, where it is reduced while backward goes on
                         h = p.param.register_hook(t.grad_hook(self, i, incoming=True))
+                    elif fast and not (self.params_have_main_grad and getattr(p.param, "main_grad", None) is not None):
+                        h = p.param.register_post_accumulate_grad_hook(self._fired.append)
+                        self._list_hooked[id(p.param)] = i
+                        self._list_hook_handles.append(h)
                     else:
                         h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False))
                 except RuntimeError as exc:  # one parameter's hook never costs the others theirs
@@ -781,6 +796,13 @@ class TrainerMon(StepCollector):
         self._fsdp2_waiting = waiting
 
     def _detach(self) -> None:
+        if self._fired:  # the list hooks' firings since the last backward pass ended: measured first
+            if self._state is not None:
+                try:
+                    self._drain_fired(expected=True)  # the hooks go now: no fallback to make
+                except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+                    self._hook_failed("gradient batch", exc)
+            self._fired.clear()
         for h in self._step_handles:
             h.remove()
         self._step_handles = []
@@ -822,8 +844,8 @@ class TrainerMon(StepCollector):
                 return
             # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
             first, _ = self._part_of_step(opt)
-            if first and st.pending:
-                self._flush_grads()
+            if first:
+                self._settle_grads()
             cfg = self.config
             if cfg.wg_distribution:
                 self._reduced_grads(st, partitioned_only=not first)
@@ -901,8 +923,7 @@ class TrainerMon(StepCollector):
         st = self._state
         if st is None:
             return None
-        if st.pending:
-            self._flush_grads()
+        self._settle_grads()
         ops = st.stats.ops
         col = ops.index("norm") if "norm" in ops else ops.index("nans") if "nans" in ops else None
         if col is None and not {"min", "max", "mean"} & set(ops):
