@@ -195,6 +195,20 @@ class StepState:
         self.micro.append(micro)
         return c
 
+    def fire_many(self, mod_ids: list, direction: int, micros: list) -> int:
+        """:meth:`fire` for several firings in a row; the first one's call id."""
+        c = self.call
+        n = len(mod_ids)
+        self.call = c + n
+        if self.on_first_fire is not None:
+            cb, self.on_first_fire = self.on_first_fire, None
+            cb()
+        self.mod_ids.extend(mod_ids)
+        self.dirs.extend(bytes((direction,)) * n)
+        self.call_ids.extend(range(c, c + n))
+        self.micro.extend(micros)
+        return c
+
 
 MEMO_MIN_NUMEL = 4096
 
