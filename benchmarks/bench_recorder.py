@@ -11,6 +11,10 @@ Configs (ops: min, max, norm, mean, zeros, nans; format csv):
         ur with csv, and needs opt_ty="Megatron_FP32Optimizer" for mv on a plain AdamW)
   skip  config b with step_interval=10; the median over the skipped steps only
 
+Besides the table's figure (the median monitored step over the median baseline step), each run and a
+last line give the median of the per-step differences (each monitored step minus the baseline step
+right after it) over the median baseline step: it cancels load that drifts within a round.
+
 Also printed per run: the minor page faults per step of the monitored and the baseline model. With
 glibc's default malloc, whether a step's large temporaries (Adam's, 4 MB each here) reuse free heap
 or get fresh pages (trimmed and re-faulted every step, ~1 us per 4 KiB page) depends on the process's
@@ -125,7 +129,11 @@ def worker(impl: str, config: str, steps: int, warmup: int, fmt: str) -> dict:
             base_f.append(fb)
     if impl == "trainrec" and mon is not None:
         mon.close()
+    # also the median of the per-step differences (A's step minus the B step right after it), which
+    # cancels drift within the round better than the difference of the two medians
+    paired = statistics.median(a - b for a, b in zip(mon_t, base_t, strict=True))
     return {"monitored_s": statistics.median(mon_t), "baseline_s": statistics.median(base_t), "n": len(mon_t),
+            "paired_added_s": paired,
             "torch_threads": torch.get_num_threads(), "monitored_faults": statistics.median(mon_f),
             "baseline_faults": statistics.median(base_f)}
 
@@ -164,6 +172,7 @@ def main() -> int:
     configs = args.configs.split(",")
     added: dict[tuple, list[float]] = {}
     base: dict[tuple, list[float]] = {}
+    paired: dict[tuple, list[float]] = {}  # median per-step difference over the median baseline step
     for _ in range(args.rounds):
         for cfg in configs:
             runs = [("trainrec", sys.executable)] + ([("msprobe", MSPROBE_PY)] if have_ms else [])
@@ -171,8 +180,10 @@ def main() -> int:
                 r = run_worker(py, impl, cfg, args)
                 added.setdefault((impl, cfg), []).append(r["monitored_s"] / r["baseline_s"] - 1)
                 base.setdefault((impl, cfg), []).append(r["baseline_s"])
+                paired.setdefault((impl, cfg), []).append(r["paired_added_s"] / r["baseline_s"])
                 print(f"  {cfg:5s} {impl:9s} monitored {r['monitored_s'] * 1e3:8.1f} ms  "
-                      f"baseline {r['baseline_s'] * 1e3:8.1f} ms  ({100 * added[(impl, cfg)][-1]:+.1f}%; minor page "
+                      f"baseline {r['baseline_s'] * 1e3:8.1f} ms  ({100 * added[(impl, cfg)][-1]:+.1f}%; paired "
+                      f"{100 * paired[(impl, cfg)][-1]:+.1f}%; minor page "
                       f"faults per step {r['monitored_faults']:.0f} / {r['baseline_faults']:.0f})",
                       file=sys.stderr, flush=True)
     print(f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} format={args.format} malloc={args.malloc}")
@@ -188,6 +199,8 @@ def main() -> int:
         else:
             row += " n/a | n/a |"
         print(row)
+    print("median per-step paired difference over the median baseline step, median over rounds: " + ", ".join(
+        f"{cfg} {impl} {100 * statistics.median(v):+.1f}%" for (impl, cfg), v in paired.items()))
     return 0
 
 
