@@ -212,14 +212,17 @@ class StepCollector:
         if not expected and items:
             self._list_hooks_fallback("no end of the backward pass was seen")
 
-    def _settle_grads(self) -> None:
-        """Every gradient firing so far measured (a flush point outside the backward pass)."""
+    def _settle_grads(self, in_backward_pass: bool = False) -> None:
+        """Every gradient firing so far measured: at a flush point outside the backward pass, or inside
+        it (``in_backward_pass``: a whole model chunk recomputed under activation checkpointing, whose
+        end-of-backward callback is still to come)."""
         st = self._state
         if st is None:
             return
-        st.eob_queued = False
+        if not in_backward_pass:
+            st.eob_queued = False
         if self._fired:
-            self._drain_fired()
+            self._drain_fired(expected=in_backward_pass)
         if st.pending:
             self._flush_grads()
 

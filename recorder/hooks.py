@@ -538,7 +538,7 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
             mon._hook_failed("micro step start", exc)
         if mon._state is not None and (mon._state.pending or mon._fired):
             try:
-                mon._settle_grads()
+                mon._settle_grads(in_backward())
             except Exception as exc:  # noqa: BLE001
                 mon._hook_failed("gradient batch", exc)
 

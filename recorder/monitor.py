@@ -803,6 +803,7 @@ class TrainerMon(StepCollector):
                 except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                     self._hook_failed("gradient batch", exc)
             self._fired.clear()
+        self._list_hook_handles.clear()  # (removed with the others below)
         for h in self._step_handles:
             h.remove()
         self._step_handles = []

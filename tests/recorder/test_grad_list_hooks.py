@@ -97,13 +97,18 @@ class TwoHeads(nn.Module):
         return self.a(x), self.b(x)
 
 
-def test_a_backward_pass_the_output_hook_misses_falls_back_to_python_hooks(tmp_path):
-    out = tmp_path / "out"
+def _two_heads(out):
     mon = TrainerMon(dict(CFG), live_export=False, output_dir=str(out))
     torch.manual_seed(0)
     model = TwoHeads()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    return mon, model, opt
+
+
+def test_a_backward_pass_the_output_hook_misses_falls_back_to_python_hooks(tmp_path):
+    out = tmp_path / "out"
+    mon, model, opt = _two_heads(out)
     assert _list_hooks(model) == 4
     grads = []
     for _ in range(3):
@@ -149,15 +154,11 @@ def test_a_gradient_in_a_shared_buffer_falls_back_to_python_hooks(tmp_path):
     assert np.isfinite([v["norm"] for v in got.values()]).all()
 
 
-def test_firings_no_backward_end_handled_are_recorded_at_close(tmp_path):
+def test_firings_left_unhandled_at_close_are_recorded(tmp_path):
     """A run that ends (close) after a backward pass whose end was not seen, before its optimizer step:
     the list hooks' firings are measured as the hooks are removed, and the unfinished step keeps them."""
     out = tmp_path / "out"
-    mon = TrainerMon(dict(CFG), live_export=False, output_dir=str(out))
-    torch.manual_seed(0)
-    model = TwoHeads()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    mon, model, _ = _two_heads(out)
     model(torch.randn(3, 4))[1].pow(2).sum().backward()
     assert len(mon._fired) == 2
     mon.close()
@@ -166,3 +167,33 @@ def test_firings_no_backward_end_handled_are_recorded_at_close(tmp_path):
     for name, p in model.named_parameters():
         if p.grad is not None:
             assert_close(got[(0, name, "", 0)], ref_stats(p.grad), what=name)
+
+
+def _checkpointed_chunks(out, python_hooks: bool):
+    """Two model chunks, the first recomputed in the backward pass (activation checkpointing): its
+    forward pre-hook runs inside the backward pass, after the second chunk's gradients fired."""
+    mon = TrainerMon(dict(CFG), live_export=False, output_dir=str(out))
+    torch.manual_seed(0)
+    c0, c1 = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 2)
+    opt = torch.optim.AdamW([*c0.parameters(), *c1.parameters()], lr=0.01)
+    if python_hooks:
+        mon._list_hooks_off = True
+    mon.monitor_gnorm_with_ad([c0, c1], grad_acc_steps=2, optimizer=opt)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(c0, torch.randn(3, 4, generator=g), use_reentrant=False)
+            c1(h).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    off = mon._list_hooks_off
+    mon.close()
+    return events_of(out), off
+
+
+def test_a_chunk_recomputed_inside_backward_keeps_the_list_hooks(tmp_path):
+    fast, off = _checkpointed_chunks(tmp_path / "fast", python_hooks=False)
+    slow, _ = _checkpointed_chunks(tmp_path / "slow", python_hooks=True)
+    assert not off
+    assert _records(fast) == _records(slow)
+    assert len(stats_table(fast, "grad_unreduced")) == 2 * 2 * 4
