@@ -148,10 +148,7 @@ class StepCollector:
             return
         st.eob_queued = False
         try:
-            if self._fired:
-                self._drain_fired(expected=True)
-            if st.pending:
-                self._flush_grads()
+            self._settle_grads(in_backward_pass=True)
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             self._hook_failed("gradient batch", exc)
 
@@ -189,8 +186,7 @@ class StepCollector:
         idx = [index_of.get(id(p)) for p in items]
         params = self._params
         if (None in idx or len(set(idx)) < len(idx) or not st.pending_set.isdisjoint(idx)
-                or (self.params_have_main_grad and any(getattr(params[i].param, "main_grad", None) is not None
-                                                       for i in idx))
+                or any(self._main_grad_of(params[i].param) is not None for i in idx)
                 or any(_in_shared_buffer(params[i].param.grad) for i in idx)):
             for i in idx:  # anything unusual: one firing at a time, as the Python hooks take them
                 if i is not None:
@@ -498,16 +494,12 @@ class StepCollector:
                 rest = StepStats(st.stats.ops)
                 rest.parts = st.stats.parts[st.spilled_parts:]
             live = writer is not None and not writer.closed and writer.error is None
-            if live and all(_on_host(p.values) for p in rest.parts):
-                # rows on the host: the records are made on the writer's thread (about 0.3 ms of
-                # Python per step that the training thread does not wait for); the api metrics then
-                # from the step's rows when asked for
-                self._last = {"stats": st.stats, "step": st.step}
-                writer.write(self._records(st, rest, st.spilled_fires, len(st.micro)))
-                return
-            hs = rest.finish(st.step, to_host=writer is not None)  # starts the device's copy to the host
-            # the api metrics: the step's rows, made when asked for where some went out early
-            self._last = {"hs": hs} if rest is st.stats else {"stats": st.stats, "step": st.step}
+            # rows on the host: the records are made on the writer's thread (about 0.3 ms of Python per
+            # step that the training thread does not wait for); rows on a device: their copy to the
+            # host is started here. The api metrics: the step's rows, made when asked for unless made here
+            hs = rest if live and all(_on_host(p.values) for p in rest.parts) else rest.finish(
+                st.step, to_host=writer is not None)
+            self._last = {"hs": hs} if hs is not rest and rest is st.stats else {"stats": st.stats, "step": st.step}
             if live:
                 writer.write(self._records(st, hs, st.spilled_fires, len(st.micro)))
 

@@ -766,7 +766,7 @@ class TrainerMon(StepCollector):
                         # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
                         # the gradient into its buckets, where it is reduced while backward goes on
                         h = p.param.register_hook(t.grad_hook(self, i, incoming=True))
-                    elif fast and not (self.params_have_main_grad and getattr(p.param, "main_grad", None) is not None):
+                    elif fast and self._main_grad_of(p.param) is None:
                         h = p.param.register_post_accumulate_grad_hook(self._fired.append)
                         self._list_hooked[id(p.param)] = i
                         self._list_hook_handles.append(h)
