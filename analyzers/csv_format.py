@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["prefix_block", "render_rows", "value_chars"]
+__all__ = ["prefix_block", "render_frames", "render_rows", "value_chars"]
 
 _FALLBACK_WIDTH = 24  # longest repr of a double: '-1.2345678901234567e-100'
 _TINY_TABLE_MAX_DIGITS = 9
@@ -148,21 +148,48 @@ def prefix_block(prefixes: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 def render_rows(prefix: tuple[np.ndarray, np.ndarray], middle: bytes, values: np.ndarray, ndigits: int | None) -> bytes:
     """CSV lines ``{prefix[i]}{middle}{v0},{v1},...\\n`` for each row of the 2-D ``values``."""
-    n, k = values.shape
-    pchars, pmask = prefix
-    if n == 0:
-        return b""
+    return render_frames([(prefix, middle, values)], ndigits)[0]
+
+
+def render_frames(frames: list[tuple[tuple[np.ndarray, np.ndarray], bytes, np.ndarray]],
+                  ndigits: int | None) -> list[bytes]:
+    """:func:`render_rows` of each ``(prefix, middle, values)``, with the numbers of all of them formatted
+    at once (a live export renders the steps of one poll together: numpy's cost per call, not per
+    value, is most of it for a step's few hundred values). Frames whose values have different numbers
+    of columns go in separate passes."""
+    out: list[bytes] = [b""] * len(frames)
+    by_k: dict[int, list[int]] = {}
+    for i, (_, _, values) in enumerate(frames):
+        if len(values):
+            by_k.setdefault(values.shape[1], []).append(i)
+    for k, idx in by_k.items():
+        for i, body in zip(idx, _render_same_k([frames[i] for i in idx], k, ndigits), strict=True):
+            out[i] = body
+    return out
+
+
+def _render_same_k(frames, k: int, ndigits: int | None) -> list[bytes]:
+    counts = [len(values) for _, _, values in frames]
+    n = sum(counts)
+    values = frames[0][2] if len(frames) == 1 else np.concatenate([v for _, _, v in frames])
     vchars, vmask = value_chars(values, ndigits)
     w = vchars.shape[1]
-    pw, sw = pchars.shape[1], len(middle)
+    # each row's prefix and middle, side by side in one block as wide as the widest of them
+    pw = max(p[0].shape[1] for p, _, _ in frames)
+    sw = max(len(m) for _, m, _ in frames)
     total = pw + sw + k * (w + 1)
-    out = np.empty((n, total), dtype=np.uint8)
-    keep = np.empty((n, total), dtype=bool)
-    out[:, :pw] = pchars
-    keep[:, :pw] = pmask
-    if sw:
-        out[:, pw : pw + sw] = np.frombuffer(middle, dtype=np.uint8)
-        keep[:, pw : pw + sw] = True
+    out = np.zeros((n, total), dtype=np.uint8)
+    keep = np.zeros((n, total), dtype=bool)
+    r = 0
+    for ((pchars, pmask), middle, _), c in zip(frames, counts, strict=True):
+        if c != len(pchars):
+            raise ValueError(f"{c} rows of values for {len(pchars)} row prefixes")
+        out[r : r + c, : pchars.shape[1]] = pchars
+        keep[r : r + c, : pchars.shape[1]] = pmask
+        if middle:
+            out[r : r + c, pw : pw + len(middle)] = np.frombuffer(middle, dtype=np.uint8)
+            keep[r : r + c, pw : pw + len(middle)] = True
+        r += c
     v = out[:, pw + sw :].reshape(n, k, w + 1)
     vk = keep[:, pw + sw :].reshape(n, k, w + 1)
     v[:, :, :w] = vchars.reshape(n, k, w)
@@ -171,4 +198,9 @@ def render_rows(prefix: tuple[np.ndarray, np.ndarray], middle: bytes, values: np
     if k:
         v[:, k - 1, w] = ord("\n")
     vk[:, :, w] = True
-    return out[keep].tobytes()
+    text = out[keep].tobytes()
+    if len(frames) == 1:
+        return [text]
+    # each frame's bytes: its rows' lengths summed
+    ends = np.cumsum(keep.sum(axis=1))[np.cumsum(counts) - 1].tolist()
+    return [text[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from trainrec.analyzers.csv_format import prefix_block, render_rows
+from trainrec.analyzers.csv_format import prefix_block, render_frames
 from trainrec.analyzers.projection import (
     KindFrame,
     Note,
@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 __all__ = ["CsvProjector", "CsvSink", "CsvSummary", "csv_header", "export_csv", "format_rows", "window_of"]
 
 ACTV_KINDS = ("actv", "actv_grad")
+# CsvProjector renders the frames it has projected together once they hold this many values (or at
+# flush/finish): memory for their text stays at a few MB
+PENDING_VALUES = 1 << 16
 _SIDES = {"actv": ("input", "output"), "actv_grad": ("input_grad", "output_grad")}
 
 
@@ -243,11 +246,30 @@ class CsvProjector(Projector):
         self.summary = CsvSummary()
         self._windows = _WindowOps(getattr(sink, "existing_ops", None))
         self._warned: set = set()
+        # frames projected but not yet rendered: their numbers are formatted together (flush)
+        self._pending: list[tuple] = []
+        self._pending_values = 0
+
+    def flush(self) -> None:
+        """Render the frames projected so far and append them to the sink, in order."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        self._pending_values = 0
+        bodies = render_frames([(block, middle, values) for _, _, _, _, _, block, middle, values in pending],
+                               self.ndigits)
+        for (prefix, start, end, header, step, _, _, _), body in zip(pending, bodies, strict=True):
+            self.sink.append(prefix, start, end, header, body, step)
+
+    def _finished(self) -> None:
+        self.flush()
 
     def _item(self, item) -> None:
         if isinstance(item, KindFrame):
             self._frame(item)
         elif isinstance(item, Rewind) and self.rewind:
+            self.flush()
             removed = self.sink.rewind(item.step) or ()
             self._windows.drop_from(item.step)
             for prefix, start in removed:  # a window emptied by the rewind takes the next rows' ops
@@ -281,8 +303,11 @@ class CsvProjector(Projector):
                 ok = idx >= 0
                 grouped[ok, side * k : (side + 1) * k] = values[idx[ok]]
             values = grouped
-        body = render_rows(cl.block, f"{frame.step},".encode(), values, self.ndigits)
-        self.sink.append(prefix, start, end, csv_header(kind, ops), body, frame.step)
+        self._pending.append((prefix, start, end, csv_header(kind, ops), frame.step, cl.block,
+                              f"{frame.step},".encode(), values))
+        self._pending_values += values.size
+        if self._pending_values >= PENDING_VALUES:
+            self.flush()
         s = self.summary
         s.rows += len(cl.prefixes)
         s.values += values.size

@@ -525,6 +525,9 @@ class Projector:
         for ev in events:
             self.feed(ev)
 
+    def flush(self) -> None:
+        """Hand what the projection holds back to its sink (a live export's poll is done)."""
+
     def finish(self, clean: bool = True):
         for item in self.assembler.finish(clean):
             self._item(item)

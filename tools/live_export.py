@@ -151,6 +151,7 @@ def live_export(
                     if stop.is_set():  # SIGTERM in a long batch (a backlog's poll):
                         break  # stop between events, and close the files written so far whole
                     proj.feed(ev)
+                proj.flush()
                 sink.flush()
             elif follower.closed:
                 # Every followed file ended with FileClosed; one more look for a file started meanwhile.

@@ -223,6 +223,27 @@ def test_vectorised_text_is_repr_of_the_rounded_double(ndigits):
     assert body.decode() == "".join(f"{i % 2},näme{i},42,{r}\n" for i, r in enumerate(format_rows(m, ndigits)))
 
 
+def test_frames_rendered_together_equal_each_rendered_alone():
+    """A live export's poll renders its steps' frames in one pass (render_frames): the text of each
+    frame is what rendering it alone gives, whatever mix of column counts, prefix widths, middles and
+    empty frames the poll holds."""
+    from trainrec.analyzers.csv_format import prefix_block, render_frames
+
+    rng = np.random.default_rng(3)
+    frames, expected = [], []
+    for j, (n, k) in enumerate([(5, 6), (0, 6), (3, 12), (7, 6), (1, 2), (4, 12)]):
+        values = rng.standard_normal((n, k)) * 10.0 ** rng.integers(-6, 8, (n, k))
+        values[values > 1e6] = np.nan
+        prefixes = [f"{i % 3},{'w' * (j + i)}.weight," for i in range(n)]
+        middle = f"{j * 97}," .encode()
+        frames.append((prefix_block(prefixes), middle, values))
+        expected.append("".join(f"{p}{middle.decode()}{r}\n" for p, r in zip(prefixes, format_rows(values, 6),
+                                                                              strict=True)).encode())
+    assert render_frames(frames, 6) == expected
+    with pytest.raises(ValueError, match="2 rows of values for 3 row prefixes"):
+        render_frames([(prefix_block(["a,", "b,", "c,"]), b"1,", np.zeros((2, 6)))], 6)
+
+
 def _unreduced_per_micro_step_log(rdir, micro_steps: int = 3):
     """grad_unreduced as the recorder writes it with gradient accumulation: one row per parameter and
     micro step (the micro steps in one record, and a last micro step in a record of its own)."""
