@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import functools
 import logging
 from array import array
 from collections.abc import Callable, Iterable
@@ -84,7 +85,11 @@ def window_of(step: int, step_count_per_record: int) -> tuple[int, int]:
 
 
 def csv_header(kind: str, ops: Iterable[str]) -> str:
-    ops = list(ops)
+    return _csv_header(kind, tuple(ops))
+
+
+@functools.lru_cache(maxsize=256)  # a live export asks for every frame: a few kinds and op lists
+def _csv_header(kind: str, ops: tuple[str, ...]) -> str:
     if kind in _SIDES:
         cols = [f"{side}.{op}" for side in _SIDES[kind] for op in ops]
         return ",".join(["vpp_stage", "module_name", "step", *map(_quote, cols)])
