@@ -3,7 +3,9 @@
 Modelled on TensorBoard's ``EventFileWriter``. The training thread hands over immutable events (or a
 zero-argument callable that builds them later, on the worker, e.g. after a device-to-host copy has
 completed) and returns at once; handing over costs a queue put (well under a microsecond). One worker
-thread encodes, frames and writes.
+thread encodes, frames and writes: woken by the first item handed over, it lets ``flush_interval``
+pass (a flush, a close or a half-full queue end the wait) and then takes everything queued in one go,
+so a training step's few items cost it one wake-up, not one each.
 
 Guarantees:
 
@@ -199,6 +201,10 @@ class LogWriter:
         self._drop = on_full == "drop"
         self._maxsize = queue_size
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # wakes the worker before its interval is over (flush, close, a queue half full); a SimpleQueue,
+        # not an Event: put takes no lock, so a SIGTERM handler's close cannot deadlock on one
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_at = queue_size // 2
         self._error: BaseException | None = None
         self._closed = False
         self._stop_sent = False
@@ -249,12 +255,15 @@ class LogWriter:
         if self._error is not None or self._closed:
             self._check()
         q = self._queue
-        if q.qsize() >= self._maxsize:
-            if self._drop:
-                with self._drop_lock:
-                    self._dropped_total += 1
-                return
-            self._wait_for_room()
+        n = q.qsize()
+        if n >= self._wake_at:
+            self._wake.put(None)  # half full: the worker takes the queue now, not at its interval's end
+            if n >= self._maxsize:
+                if self._drop:
+                    with self._drop_lock:
+                        self._dropped_total += 1
+                    return
+                self._wait_for_room()
         q.put(item)
 
     def _wait_for_room(self) -> None:
@@ -310,6 +319,7 @@ class LogWriter:
             return
         done = threading.Event()
         self._queue.put(_Control("flush", done))
+        self._wake.put(None)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
             if not self._thread.is_alive():
@@ -339,6 +349,7 @@ class LogWriter:
             if not self._stop_sent:
                 self._stop_sent = True
                 self._queue.put(stop)  # a second STOP, if two callers race here, is never read
+                self._wake.put(None)
             self._thread.join(timeout)
             if self._thread.is_alive():
                 if first:
@@ -397,41 +408,49 @@ class LogWriter:
                     return
 
     def _loop(self) -> None:
+        # The worker sleeps until something is handed over, then lets flush_interval pass (unless a
+        # flush, a close or a filling queue wakes it) and takes everything queued by then in one go:
+        # about one wake-up per interval instead of one per item, and the items' encoding back to back
+        # (0.60 -> 0.33-0.43 ms of this thread's CPU per step of the benchmark's config a).
         q = self._queue
+        wake = self._wake
         buf: list[bytes] = []
-        deadline = 0.0  # when the oldest buffered frame must be on the OS
         interval = self._flush_interval
         while True:
-            if buf:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._buffered >= _BUFFER_BYTES:
-                    self._write_out(buf)
-                    continue
+            item = q.get()
+            if type(item) is not _Control:
                 try:
-                    item = q.get(timeout=remaining)
+                    wake.get(timeout=interval)
                 except queue.Empty:
-                    continue
-            else:
-                item = q.get()
-            if type(item) is _Control:
-                if item.kind == "flush":
-                    self._append_drops(buf)
-                    self._write_out(buf)
-                    item.arg.set()
-                    continue
-                self._finish(buf, str(item.arg))
-                return
-            if self._error is not None:
-                continue  # failed: keep draining so that no producer stays blocked
-            was_empty = not buf
-            if self._dropped_total != self._reported_drops:
-                self._append_drops(buf)
-            if isinstance(item, Event):
-                self._frame(item, buf)
-            else:
-                self._run_callable(item, buf)
-            if was_empty and buf:
-                deadline = time.monotonic() + interval
+                    pass
+            while True:  # the wake-ups sent meanwhile: this round answers them all
+                try:
+                    wake.get_nowait()
+                except queue.Empty:
+                    break
+            while True:
+                if type(item) is _Control:
+                    if item.kind == "flush":
+                        self._append_drops(buf)
+                        self._write_out(buf)
+                        item.arg.set()
+                    else:
+                        self._finish(buf, str(item.arg))
+                        return
+                elif self._error is None:  # failed: keep draining so that no producer stays blocked
+                    if self._dropped_total != self._reported_drops:
+                        self._append_drops(buf)
+                    if isinstance(item, Event):
+                        self._frame(item, buf)
+                    else:
+                        self._run_callable(item, buf)
+                    if self._buffered >= _BUFFER_BYTES:
+                        self._write_out(buf)
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+            self._write_out(buf)
 
     def _frame(self, ev: Event, buf: list[bytes]) -> None:
         """Encode and frame one event onto ``buf`` with the next sequence number."""

@@ -240,6 +240,41 @@ def test_flush_makes_everything_visible_and_interval_flushes_without_asking(tmp_
         w.close()
 
 
+def test_the_worker_takes_an_interval_of_items_in_one_go_and_wakes_early_when_asked(tmp_path):
+    """The worker waits out flush_interval after the first item and then encodes everything queued in
+    one go (one wake-up per interval, not one per item); a flush, a close or a half-full queue wake it
+    at once, so none of them waits for a long interval."""
+    ran = []
+
+    def deferred(step):
+        def build():
+            ran.append(step)
+            return [StepBegan(rank=0, step=step)]
+        return build
+
+    w = LogWriter(_rank_dir(tmp_path), flush_interval=60.0, queue_size=8)
+    try:
+        t0 = time.monotonic()
+        w.write(deferred(0))
+        w.write(deferred(1))
+        time.sleep(0.3)
+        assert ran == []  # waiting out the interval: nothing encoded yet, nothing written
+        reader = LogReader(w.path)
+        assert [type(e) for e in reader.poll()] == [FileOpened]
+        w.flush()  # wakes the worker: both items, in order
+        assert ran == [0, 1]
+        assert [e.step for e in reader.poll()] == [0, 1]
+        for s in range(2, 7):  # the queue reaches half its size: the worker takes it without a flush
+            w.write(deferred(s))
+        _wait_for(lambda: len(ran) >= 6, "the worker to wake at a half-full queue", timeout=20)
+        w.write(deferred(7))
+    finally:
+        w.close()  # wakes it too: the close does not wait out the 60 s
+    assert time.monotonic() - t0 < 30
+    _, events = _read(w.path)
+    assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(8))
+
+
 def test_second_writer_in_a_rank_dir_gets_the_next_file_and_fresh_ids(tmp_path):
     rdir = _rank_dir(tmp_path)
     with LogWriter(rdir) as a:
