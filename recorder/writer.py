@@ -428,6 +428,7 @@ class LogWriter:
                     wake.get_nowait()
                 except queue.Empty:
                     break
+            due = time.monotonic() + interval  # a drain that items keep feeding still writes out this often
             while True:
                 if type(item) is _Control:
                     if item.kind == "flush":
@@ -444,8 +445,9 @@ class LogWriter:
                         self._frame(item, buf)
                     else:
                         self._run_callable(item, buf)
-                    if self._buffered >= _BUFFER_BYTES:
+                    if self._buffered >= _BUFFER_BYTES or (buf and time.monotonic() >= due):
                         self._write_out(buf)
+                        due = time.monotonic() + interval
                 try:
                     item = q.get_nowait()
                 except queue.Empty:

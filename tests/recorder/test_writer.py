@@ -275,6 +275,35 @@ def test_the_worker_takes_an_interval_of_items_in_one_go_and_wakes_early_when_as
     assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(8))
 
 
+def test_a_drain_that_items_keep_feeding_still_writes_out_every_interval(tmp_path):
+    """Items arriving as fast as the worker takes them keep it in one drain: what it has encoded still
+    reaches the OS every flush_interval, not only when the queue is found empty."""
+    w = LogWriter(_rank_dir(tmp_path), flush_interval=0.05)
+    ran = []
+
+    def link(step):  # each item hands over the next one while the worker is busy with it
+        def build():
+            ran.append(step)
+            time.sleep(0.01)
+            if step < 149:
+                w.write(link(step + 1))
+            return [StepBegan(rank=0, step=step)]
+        return build
+
+    try:
+        reader = LogReader(w.path)
+        reader.poll()
+        w.write(link(0))
+        got = _wait_for(lambda: [e for e in reader.poll() if isinstance(e, StepBegan)], "a write-out mid-drain")
+        assert len(ran) < 149  # written while the chain still ran
+        assert got[0].step == 0
+        _wait_for(lambda: len(ran) == 150, "the chain to end")
+    finally:
+        w.close()
+    _, events = _read(w.path)
+    assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(150))
+
+
 def test_second_writer_in_a_rank_dir_gets_the_next_file_and_fresh_ids(tmp_path):
     rdir = _rank_dir(tmp_path)
     with LogWriter(rdir) as a:
