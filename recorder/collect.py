@@ -185,9 +185,16 @@ class StepCollector:
         index_of = self._list_hooked
         idx = [index_of.get(id(p)) for p in items]
         params = self._params
-        if (None in idx or len(set(idx)) < len(idx) or not st.pending_set.isdisjoint(idx)
-                or any(self._main_grad_of(params[i].param) is not None for i in idx)
-                or any(_in_shared_buffer(params[i].param.grad) for i in idx)):
+        # (this runs right after the backward pass, whose kernels have left the interpreter's data out of
+        # the CPU caches: one pass per question, few bytecodes per parameter)
+        plain = None not in idx and len(set(idx)) == len(idx) and st.pending_set.isdisjoint(idx)
+        if plain:
+            infos = [params[i] for i in idx]
+            grads = [info.param.grad for info in infos]
+            plain = not ((self.params_have_main_grad and any(getattr(info.param, "main_grad", None) is not None
+                                                             for info in infos))
+                         or any(map(_in_shared_buffer, grads)))
+        if not plain:
             for i in idx:  # anything unusual: one firing at a time, as the Python hooks take them
                 if i is not None:
                     self._on_grad_accumulated(i, None, drained=True)
@@ -195,13 +202,13 @@ class StepCollector:
             # _on_grad_accumulated's bookkeeping for a batch of distinct, plain firings, in one loop
             counts, bwd, ga = st.grad_count, st.bwd_micro, self._grad_acc
             micros = []
-            for i in idx:
+            for i, info in zip(idx, infos, strict=True):
                 n = counts.get(i, 0)
                 counts[i] = n + 1
-                m = bwd.get(params[i].vpp)
+                m = bwd.get(info.vpp)
                 micros.append(n % ga if m is None else m)
-            call = st.fire_many([params[i].name_id for i in idx], 1, micros)
-            st.pending.extend([(i, m, call + k, params[i].param.grad) for k, (i, m) in enumerate(zip(idx, micros, strict=True))])
+            call = st.fire_many([info.name_id for info in infos], 1, micros)
+            st.pending.extend(zip(idx, micros, range(call, call + len(idx)), grads, strict=True))
             st.pending_set.update(idx)
             if len(st.pending) >= len(params) and st.pending[-1][3] is not None:
                 self._flush_grads()
@@ -249,13 +256,17 @@ class StepCollector:
         st.pending_set = set()
         if not pend:
             return
-        grads = [g if g is not None else self._grad_of(self._params[i].param) for i, _, _, g in pend]
+        idxs, micros, calls, grads = zip(*pend, strict=True)
+        params = self._params
+        infos = [params[i] for i in idxs]
+        # (never `None in grads`: that compares every tensor with None through torch's __eq__, ~25 us each)
+        grads = list(grads) if all(g is not None for g in grads) else [
+            g if g is not None else self._grad_of(info.param) for info, g in zip(infos, grads, strict=True)]
         eng = self._engine
         extremes = np.empty((len(pend), 4)) if REUSE_UNCHANGED and eng.fused and eng.host_paths else None
-        rows = self._rows_of(grads, [i for i, _, _, _ in pend], "gradient", extremes)
-        st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [self._params[i].name_id for i, _, _, _ in pend],
-                               [m for _, m, _, _ in pend], [c for _, _, c, _ in pend], (),
-                               [self._params[i].vpp for i, _, _, _ in pend]))
+        rows = self._rows_of(grads, list(idxs), "gradient", extremes)
+        st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [info.name_id for info in infos], micros, calls, (),
+                               [info.vpp for info in infos]))
         # (weak references: one held here would keep an incoming gradient, DeepSpeed's or FSDP2's,
         # from being taken over as .grad without a copy, and alive to the step's end)
         last = st.last_unreduced
@@ -310,15 +321,21 @@ class StepCollector:
         sharded gradient (an optimizer's piece, an FSDP2 DTensor's local shard) is this rank's alone
         and is recorded on every rank."""
         adam = self._adam
+        reduced_grad = None
         if adam is not None:
             adam.refresh()
+            reduced_grad = adam.reduced_grad
+        main_grad, dp_duplicate = self.params_have_main_grad, self._dp_duplicate
         for i, info in enumerate(self._params):
-            if info.tp_duplicate or (partitioned_only and not zero.is_partitioned(info.param)):
+            p = info.param
+            if info.tp_duplicate or (partitioned_only and not zero.is_partitioned(p)):
                 continue
-            g = adam.reduced_grad(info.param) if adam is not None else OWN_GRAD
-            if g is OWN_GRAD:
-                g = self._grad_of(info.param)
-                if g is not None and self._dp_duplicate and not _is_shard(g):
+            g = OWN_GRAD if reduced_grad is None else reduced_grad(p)
+            if g is OWN_GRAD:  # _grad_of, inline: this runs for every parameter at every step
+                g = getattr(p, "main_grad", None) if main_grad else None
+                if g is None:
+                    g = p.grad
+                if g is not None and dp_duplicate and not _is_shard(g):
                     continue
             if g is not None:
                 yield i, g
@@ -332,8 +349,9 @@ class StepCollector:
             return
         rows: list = [None] * len(own)
         fingerprinted, normed = [], []  # (position, gradient, unreduced row, fingerprint)
-        for k, (i, g) in enumerate(own):
-            last = st.last_unreduced.get(i)
+        last_unreduced = st.last_unreduced
+        for k, (i, g) in enumerate(own if last_unreduced else ()):
+            last = last_unreduced.get(i)
             if last is not None and last[2]() is g and last[3] == g._version:
                 (normed if last[4] is None else fingerprinted).append((k, g, last[0][last[1]], last[4]))
         if fingerprinted:
@@ -414,8 +432,10 @@ class StepCollector:
     def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
         c0 = st.call
         st.call += len(indices)
-        st.stats.add(StatsPart(kind, rows, [self._params[i].name_id for i in indices], (),
-                               range(c0, c0 + len(indices)), (), [self._params[i].vpp for i in indices]))
+        params = self._params
+        infos = [params[i] for i in indices]
+        st.stats.add(StatsPart(kind, rows, [info.name_id for info in infos], (), range(c0, c0 + len(indices)), (),
+                               [info.vpp for info in infos]))
 
     def _no_optimizer(self) -> bool:
         """True (with one warning per run) where no torch optimizer is known to read Adam state from."""
