@@ -10,7 +10,7 @@ import collections
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainmon_util import ALL_OPS, loss_of, make, write_config
+from trainmon_util import ALL_OPS, make, train_batches, write_config
 from trainrec.recorder import TrainerMon
 
 EVERYTHING = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
@@ -52,11 +52,7 @@ def _ops_of_training(tmp_path, monkeypatch, path: str | None) -> collections.Cou
         mon._engine.host_paths = path != "device"
     spy = OpSpy(big=min(p.numel() for p in model.parameters() if p.dim() > 1))
     with spy:
-        for step in range(2):
-            for micro in range(2):
-                loss_of(model, 2 * step + micro).backward()
-            opt.step()
-            opt.zero_grad()
+        train_batches(model, opt)
     if mon is not None:
         assert mon.generate_metrics("actv_grad") and mon.generate_metrics("update")  # it did record
         mon.close()
@@ -96,11 +92,7 @@ def test_no_tensor_is_compared_with_none(tmp_path, monkeypatch, wg_only):
 
     monkeypatch.setattr(torch.Tensor, "__eq__", spy_eq)
     monkeypatch.setattr(torch.Tensor, "__ne__", spy_ne)
-    for step in range(2):
-        for micro in range(2):
-            loss_of(model, 2 * step + micro).backward()
-        opt.step()
-        opt.zero_grad()
+    train_batches(model, opt)
     monkeypatch.undo()
     assert mon.generate_wgrad_metrics()  # it did record
     mon.close()

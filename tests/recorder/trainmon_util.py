@@ -73,6 +73,16 @@ def loss_of(model, i: int):
     return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
+def train_batches(model, opt, steps: int = 2, grad_acc: int = 2) -> None:
+    """``steps`` optimizer steps of ``grad_acc`` micro steps each, on :func:`batch` ``grad_acc * step +
+    micro`` with :func:`loss_of`."""
+    for step in range(steps):
+        for micro in range(grad_acc):
+            loss_of(model, grad_acc * step + micro).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def write_config(tmp_path, cfg: dict, name: str = "config.json") -> str:
     path = os.path.join(str(tmp_path), name)
     with open(path, "w") as f:
