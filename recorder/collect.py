@@ -132,7 +132,7 @@ class StepCollector:
             # the batch is measured at the end of this backward at the latest: before DDP's own
             # end-of-backward callback (queued at its first gradient hook, after this one) copies the
             # averaged buckets into .grad, and whether or not every monitored parameter got a gradient
-            _queue_end_of_backward(self._end_of_backward_flush)
+            self._queue_flush_at_end_of_backward()
         pending.append((index, micro, call, g))
         st.pending_set.add(index)
         if now or (len(pending) >= len(self._params) and g is not None):
