@@ -45,6 +45,8 @@ import os
 import threading
 import time
 import weakref
+from itertools import compress, repeat
+from operator import add, attrgetter, gt, is_not, mod
 
 import numpy as np
 import torch
@@ -68,6 +70,11 @@ from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
 from .stats import StatsPart, StepStats, build_stats_events
 
 log = logging.getLogger(__name__)
+
+_GRAD = attrgetter("grad")
+_NAME_ID = attrgetter("name_id")
+_VPP = attrgetter("vpp")
+_PARAM = attrgetter("param")
 
 # TRAINREC_REUSE_UNCHANGED_GRADS=1: on the one-pass kernel's path, a reduced gradient whose fingerprint
 # shows it unchanged reuses its unreduced row (see the module docstring). Off by default: a write through
@@ -183,31 +190,37 @@ class StepCollector:
         if st is None:
             return
         index_of = self._list_hooked
-        idx = [index_of.get(id(p)) for p in items]
+        idx = list(map(index_of.get, map(id, items)))
         params = self._params
         # (this runs right after the backward pass, whose kernels have left the interpreter's data out of
         # the CPU caches: one pass per question, few bytecodes per parameter)
         plain = None not in idx and len(set(idx)) == len(idx) and st.pending_set.isdisjoint(idx)
         if plain:
-            infos = [params[i] for i in idx]
-            grads = [info.param.grad for info in infos]
-            plain = not ((self.params_have_main_grad and any(getattr(info.param, "main_grad", None) is not None
-                                                             for info in infos))
-                         or any(map(_in_shared_buffer, grads)))
+            infos = list(map(params.__getitem__, idx))
+            tensors = list(map(_PARAM, infos))
+            grads = list(map(_GRAD, tensors))
+            plain = not ((self.params_have_main_grad and any(getattr(p, "main_grad", None) is not None
+                                                             for p in tensors))
+                         or _any_in_shared_buffer(grads))
         if not plain:
             for i in idx:  # anything unusual: one firing at a time, as the Python hooks take them
                 if i is not None:
                     self._on_grad_accumulated(i, None, drained=True)
         else:
             # _on_grad_accumulated's bookkeeping for a batch of distinct, plain firings, in one loop
+            # (without a Python step per firing where possible: idx holds distinct parameters)
             counts, bwd, ga = st.grad_count, st.bwd_micro, self._grad_acc
-            micros = []
-            for i, info in zip(idx, infos, strict=True):
-                n = counts.get(i, 0)
-                counts[i] = n + 1
-                m = bwd.get(info.vpp)
-                micros.append(n % ga if m is None else m)
-            call = st.fire_many([info.name_id for info in infos], 1, micros)
+            seen = list(map(counts.get, idx, repeat(0)))
+            counts.update(zip(idx, map(add, seen, repeat(1)), strict=True))
+            vpps = set(map(_VPP, infos))
+            m = bwd.get(next(iter(vpps))) if len(vpps) == 1 else None
+            if m is not None:
+                micros = [m] * len(idx)
+            elif len(vpps) == 1:
+                micros = list(map(mod, seen, repeat(ga)))
+            else:
+                micros = [n % ga if (m := bwd.get(info.vpp)) is None else m for n, info in zip(seen, infos, strict=True)]
+            call = st.fire_many(list(map(_NAME_ID, infos)), 1, micros)
             st.pending.extend(zip(idx, micros, range(call, call + len(idx)), grads, strict=True))
             st.pending_set.update(idx)
             if len(st.pending) >= len(params) and st.pending[-1][3] is not None:
@@ -340,17 +353,50 @@ class StepCollector:
             if g is not None:
                 yield i, g
 
+    def _own_grad_lists(self, partitioned_only: bool = False) -> tuple[list, list]:
+        """:meth:`_own_grads` as two lists, indices and gradients. In the common case (no tensor- or
+        data-parallel duplicates, no optimizer's copy of the gradients, no ``main_grad``) without a
+        Python step per parameter: this runs at the optimizer step, after the backward's kernels have
+        left the interpreter's data out of the CPU caches (the generator's loop cost about 0.25 ms there
+        for the benchmark model's 51 parameters)."""
+        plist = self._plain_param_tensors()
+        adam = self._adam
+        if (plist is not None and not partitioned_only and not self._dp_duplicate
+                and (adam is None or adam.applies_own_grads(plist))
+                and not (self.params_have_main_grad and any(map(hasattr, plist, repeat("main_grad"))))):
+            grads = list(map(_GRAD, plist))
+            keep = list(map(is_not, grads, repeat(None)))  # (never `None in grads`: see _flush_grads)
+            if all(keep):
+                return list(range(len(grads))), grads
+            return list(compress(range(len(grads)), keep)), list(compress(grads, keep))
+        own = list(self._own_grads(partitioned_only))
+        return [i for i, _ in own], [g for _, g in own]
+
+    def _plain_param_tensors(self) -> list | None:
+        """The monitored parameters' tensors, in order; None where one is a tensor-parallel duplicate
+        (made once per parameter list)."""
+        params = self._params
+        cached = self._plain_params_cache
+        if cached is None or cached[0] is not params:
+            plain = None if any(info.tp_duplicate for info in params) else [info.param for info in params]
+            self._plain_params_cache = cached = (params, plain)
+        return cached[1]
+
     def _reduced_grads(self, st: StepState, partitioned_only: bool = False) -> None:
         """The reduced gradient rows, in the order of the monitored parameters. A gradient that is still
         the tensor measured at the end of the backward pass, with the same version counter, reuses that
         row where a check shows it unchanged (see the module docstring); the others are measured."""
-        own = list(self._own_grads(partitioned_only))
-        if not own:
+        idx, grads = self._own_grad_lists(partitioned_only)
+        if not idx:
             return
+        last_unreduced = st.last_unreduced
+        if not last_unreduced:  # nothing to reuse (on the one-pass kernel's path by default)
+            self._add_rows(st, KIND_GRAD_REDUCED, self._rows_of(grads, idx, "reduced gradient"), idx)
+            return
+        own = list(zip(idx, grads, strict=True))
         rows: list = [None] * len(own)
         fingerprinted, normed = [], []  # (position, gradient, unreduced row, fingerprint)
-        last_unreduced = st.last_unreduced
-        for k, (i, g) in enumerate(own if last_unreduced else ()):
+        for k, (i, g) in enumerate(own):
             last = last_unreduced.get(i)
             if last is not None and last[2]() is g and last[3] == g._version:
                 (normed if last[4] is None else fingerprinted).append((k, g, last[0][last[1]], last[4]))
@@ -432,10 +478,9 @@ class StepCollector:
     def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
         c0 = st.call
         st.call += len(indices)
-        params = self._params
-        infos = [params[i] for i in indices]
-        st.stats.add(StatsPart(kind, rows, [info.name_id for info in infos], (), range(c0, c0 + len(indices)), (),
-                               [info.vpp for info in infos]))
+        infos = list(map(self._params.__getitem__, indices))
+        st.stats.add(StatsPart(kind, rows, list(map(_NAME_ID, infos)), (), range(c0, c0 + len(indices)), (),
+                               list(map(_VPP, infos))))
 
     def _no_optimizer(self) -> bool:
         """True (with one warning per run) where no torch optimizer is known to read Adam state from."""
@@ -481,7 +526,7 @@ class StepCollector:
             return
         state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
         idx, vals = [], []
-        for i, g in self._own_grads(partitioned_only):
+        for i, g in zip(*self._own_grad_lists(partitioned_only), strict=True):
             m = state.get(i)
             if m is not None and m.numel() != g.numel():
                 continue  # state of another shape (sharded): not this parameter's
@@ -650,6 +695,22 @@ def _main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | No
             or g.layout is not torch.strided or g.device != mg.device):
         return mg, None, True
     return mg, g, True
+
+
+_STORAGE = torch.Tensor.untyped_storage
+_STORAGE_NBYTES = torch.UntypedStorage.nbytes
+_NBYTES = attrgetter("nbytes")
+
+
+def _any_in_shared_buffer(grads: list) -> bool:
+    """``any(map(_in_shared_buffer, grads))``, without a Python call per tensor where all are plain
+    tensors (it runs after every backward pass)."""
+    if set(map(type, grads)).issubset(_PLAIN):
+        try:
+            return any(map(gt, map(_STORAGE_NBYTES, map(_STORAGE, grads)), map(_NBYTES, grads)))
+        except (RuntimeError, NotImplementedError, TypeError):  # sparse and other storage-less layouts
+            pass
+    return any(map(_in_shared_buffer, grads))
 
 
 def _in_shared_buffer(g: torch.Tensor | None) -> bool:

@@ -168,6 +168,7 @@ class TrainerMon(StepCollector):
         self._wrapped = None
         self._adam: AdamState | None = None
         self._dp_duplicate = False
+        self._plain_params_cache: tuple | None = None  # StepCollector._plain_param_tensors
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
         self._hooks_compiled = False  # what the attached step hooks were made for
         self._tp_group = None

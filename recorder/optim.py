@@ -176,6 +176,11 @@ class AdamState:
             return OWN_GRAD if id(p) in self._master or id(p) in self._group_of else None
         return OWN_GRAD
 
+    def applies_own_grads(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether :meth:`reduced_grad` is :data:`OWN_GRAD` for every one of ``params`` (after
+        :meth:`refresh`), known without a call per parameter; False also where it may not be."""
+        return not self._shards and not zero.any_maybe_partitioned(params)
+
     def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
         """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state."""
         out = []

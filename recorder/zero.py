@@ -19,6 +19,8 @@ DeepSpeed is imported or changed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 import torch
@@ -36,6 +38,13 @@ class Piece(NamedTuple):
 def is_partitioned(p: torch.Tensor) -> bool:
     """Whether DeepSpeed ZeRO keeps ``p``'s master copy, gradient and optimizer state in flat partitions."""
     return hasattr(p, "_hp_mapping") or (hasattr(p, "ds_id") and hasattr(p, "_z3_optimizer"))
+
+
+def any_maybe_partitioned(params: Sequence[torch.Tensor]) -> bool:
+    """False where :func:`is_partitioned` is False for every one of ``params``, found without a Python
+    call per parameter (it runs at every step); True may also mean a ``ds_id`` without a ZeRO 3
+    optimizer, where the caller asks :func:`is_partitioned` of each."""
+    return any(map(hasattr, params, repeat("_hp_mapping"))) or any(map(hasattr, params, repeat("ds_id")))
 
 
 def z3_optimizer_of(params) -> object | None:

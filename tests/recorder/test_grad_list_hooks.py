@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from trainmon_util import ALL_OPS, assert_close, events_of, loss_of, make, ref_stats, stats_table
-from trainrec.recorder import TrainerMon
+from trainrec.recorder import TrainerMon, collect
 from trainrec.schema.events import HooksFired, TensorStatsRecorded
 
 CFG = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True, "ops": ALL_OPS,
@@ -197,3 +197,31 @@ def test_a_chunk_recomputed_inside_backward_keeps_the_list_hooks(tmp_path):
     assert not off
     assert _records(fast) == _records(slow)
     assert len(stats_table(fast, "grad_unreduced")) == 2 * 2 * 4
+
+
+def test_the_batched_shared_buffer_check_agrees_with_the_per_tensor_one():
+    """The end-of-backward check for gradients in a shared buffer, made for the whole batch without a
+    Python call per tensor, says what the per-tensor check says: of plain tensors, a bucket-style view,
+    a tensor whose storage was swapped for a larger buffer's (``.data =``), a sparse tensor, None and a
+    tensor subclass."""
+    buf = torch.zeros(10)
+    swapped = torch.zeros(3)
+    swapped.data = buf[4:7].data
+    sparse = torch.eye(3).to_sparse()
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.zeros(3).as_subclass(Sub)
+    cases = [
+        [torch.zeros(3), torch.zeros(2, 2)],
+        [torch.zeros(3), buf[2:5]],
+        [torch.zeros(3), swapped],
+        [torch.zeros(3), sparse],
+        [torch.zeros(3), None],
+        [sub, buf[:4]],
+        [torch.nn.Parameter(torch.zeros(3)), torch.zeros(3)],
+    ]
+    want = [False, True, True, False, False, True, False]
+    assert [any(map(collect._in_shared_buffer, c)) for c in cases] == want
+    assert [collect._any_in_shared_buffer(c) for c in cases] == want

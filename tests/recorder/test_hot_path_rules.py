@@ -97,3 +97,50 @@ def test_no_tensor_is_compared_with_none(tmp_path, monkeypatch, wg_only):
     assert mon.generate_wgrad_metrics()  # it did record
     mon.close()
     assert seen == []
+
+
+def _own_grads_both_ways(mon) -> tuple[tuple, tuple]:
+    fast = mon._own_grad_lists()
+    general = list(mon._own_grads())
+    return ([i for i, _ in general], [id(g) for _, g in general]), (fast[0], [id(g) for g in fast[1]])
+
+
+def test_own_gradients_without_a_loop_are_those_of_the_general_path(tmp_path, monkeypatch):
+    """The optimizer step's gradient list, taken without a Python step per parameter where nothing is
+    unusual, is the general path's in each case it must handle: all gradients, some missing, a
+    tensor-parallel duplicate, data-parallel duplicates, a main_grad, a ZeRO-partitioned parameter."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model, opt = make()
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "api"}), params_have_main_grad=True)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    general, fast = _own_grads_both_ways(mon)
+    assert fast == general and len(general[0]) == len(params)
+
+    params[1].grad = None  # a parameter that got no gradient
+    general, fast = _own_grads_both_ways(mon)
+    assert fast == general and 1 not in general[0]
+
+    params[2].main_grad = torch.zeros_like(params[2])  # Megatron's main_grad is the one measured
+    general, fast = _own_grads_both_ways(mon)
+    assert fast == general and id(params[2].main_grad) in general[1]
+    del params[2].main_grad
+
+    mon._params[3].tp_duplicate = True  # another tensor-parallel rank's copy: not this rank's to report
+    mon._plain_params_cache = None
+    general, fast = _own_grads_both_ways(mon)
+    assert fast == general and 3 not in general[0]
+    mon._params[3].tp_duplicate = False
+    mon._plain_params_cache = None
+
+    params[0]._hp_mapping = None  # DeepSpeed ZeRO: the optimizer's copy of the gradient is reported
+    general, fast = _own_grads_both_ways(mon)
+    assert fast == general
+    del params[0]._hp_mapping
+
+    mon._dp_duplicate = True  # a data-parallel rank after the first: nothing of its own to report
+    general, fast = _own_grads_both_ways(mon)
+    assert fast == general and general == ([], [])
+    mon.close()
