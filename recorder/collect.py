@@ -558,12 +558,14 @@ class StepCollector:
             if st.spilled_parts:
                 rest = StepStats(st.stats.ops)
                 rest.parts = st.stats.parts[st.spilled_parts:]
-            live = writer is not None and not writer.closed and writer.error is None
+            if writer is None:  # format api: the metrics are made of the step's rows when asked for
+                self._last = {"stats": st.stats, "step": st.step}
+                return
+            live = not writer.closed and writer.error is None
             # rows on the host: the records are made on the writer's thread (about 0.3 ms of Python per
             # step that the training thread does not wait for); rows on a device: their copy to the
             # host is started here. The api metrics: the step's rows, made when asked for unless made here
-            hs = rest if live and all(_on_host(p.values) for p in rest.parts) else rest.finish(
-                st.step, to_host=writer is not None)
+            hs = rest if live and all(_on_host(p.values) for p in rest.parts) else rest.finish(st.step)
             self._last = {"hs": hs} if hs is not rest and rest is st.stats else {"stats": st.stats, "step": st.step}
             if live:
                 writer.write(self._records(st, hs, st.spilled_fires, len(st.micro)))
