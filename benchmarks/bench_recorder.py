@@ -15,6 +15,11 @@ Besides the table's figure (the median monitored step over the median baseline s
 last line give the median of the per-step differences (each monitored step minus the baseline step
 right after it) over the median baseline step: it cancels load that drifts within a round.
 
+The last line pools the per-step differences of all rounds (each over its round's median baseline
+step) and gives their median with a 95% confidence interval from a moving-block bootstrap (blocks of
+10 consecutive steps): on a shared machine whose load swings by tens of percent from one step to the
+next, the interval says whether a figure like "under 3%" is established or within the noise.
+
 Also printed per run: the minor page faults per step of the monitored and the baseline model. With
 glibc's default malloc, whether a step's large temporaries (Adam's, 4 MB each here) reuse free heap
 or get fresh pages (trimmed and re-faulted every step, ~1 us per 4 KiB page) depends on the process's
@@ -131,11 +136,35 @@ def worker(impl: str, config: str, steps: int, warmup: int, fmt: str) -> dict:
         mon.close()
     # also the median of the per-step differences (A's step minus the B step right after it), which
     # cancels drift within the round better than the difference of the two medians
-    paired = statistics.median(a - b for a, b in zip(mon_t, base_t, strict=True))
+    diffs = [a - b for a, b in zip(mon_t, base_t, strict=True)]
     return {"monitored_s": statistics.median(mon_t), "baseline_s": statistics.median(base_t), "n": len(mon_t),
-            "paired_added_s": paired,
+            "paired_added_s": statistics.median(diffs), "paired_diffs_s": diffs,
             "torch_threads": torch.get_num_threads(), "monitored_faults": statistics.median(mon_f),
             "baseline_faults": statistics.median(base_f)}
+
+
+def block_bootstrap_ci(rounds: list[list[float]], block: int = 10, reps: int = 2000,
+                       level: float = 0.95) -> tuple[float, float, float]:
+    """Median of the pooled per-step values of all rounds, and a ``level`` confidence interval for it
+    from a moving-block bootstrap (blocks of ``block`` consecutive steps of one round, so that load
+    lasting several steps is resampled with the steps it hit). Seeded: the same runs give the same
+    interval."""
+    import random
+
+    pooled = [v for r in rounds for v in r]
+    blocks = [r[i:i + block] for r in rounds for i in range(0, max(len(r) - block + 1, 1))]
+    rng = random.Random(0)
+    need = len(pooled)
+    meds = []
+    for _ in range(reps):
+        sample: list[float] = []
+        while len(sample) < need:
+            sample.extend(rng.choice(blocks))
+        meds.append(statistics.median(sample[:need]))
+    meds.sort()
+    lo = meds[int((1 - level) / 2 * reps)]
+    hi = meds[min(reps - 1, int((1 + level) / 2 * reps))]
+    return statistics.median(pooled), lo, hi
 
 
 def run_worker(python: str, impl: str, config: str, args) -> dict:
@@ -173,6 +202,7 @@ def main() -> int:
     added: dict[tuple, list[float]] = {}
     base: dict[tuple, list[float]] = {}
     paired: dict[tuple, list[float]] = {}  # median per-step difference over the median baseline step
+    steps_rel: dict[tuple, list[list[float]]] = {}  # each round's per-step differences over its baseline
     for _ in range(args.rounds):
         for cfg in configs:
             runs = [("trainrec", sys.executable)] + ([("msprobe", MSPROBE_PY)] if have_ms else [])
@@ -181,6 +211,7 @@ def main() -> int:
                 added.setdefault((impl, cfg), []).append(r["monitored_s"] / r["baseline_s"] - 1)
                 base.setdefault((impl, cfg), []).append(r["baseline_s"])
                 paired.setdefault((impl, cfg), []).append(r["paired_added_s"] / r["baseline_s"])
+                steps_rel.setdefault((impl, cfg), []).append([d / r["baseline_s"] for d in r["paired_diffs_s"]])
                 print(f"  {cfg:5s} {impl:9s} monitored {r['monitored_s'] * 1e3:8.1f} ms  "
                       f"baseline {r['baseline_s'] * 1e3:8.1f} ms  ({100 * added[(impl, cfg)][-1]:+.1f}%; paired "
                       f"{100 * paired[(impl, cfg)][-1]:+.1f}%; minor page "
@@ -201,6 +232,9 @@ def main() -> int:
         print(row)
     print("median per-step paired difference over the median baseline step, median over rounds: " + ", ".join(
         f"{cfg} {impl} {100 * statistics.median(v):+.1f}%" for (impl, cfg), v in paired.items()))
+    cis = {k: block_bootstrap_ci(v) for k, v in steps_rel.items()}
+    print("per-step paired differences of all rounds pooled, median [95% block-bootstrap interval]: " + ", ".join(
+        f"{cfg} {impl} {100 * m:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]" for (impl, cfg), (m, lo, hi) in cis.items()))
     return 0
 
 
