@@ -20,6 +20,12 @@ step) and gives their median with a 95% confidence interval from a moving-block 
 10 consecutive steps): on a shared machine whose load swings by tens of percent from one step to the
 next, the interval says whether a figure like "under 3%" is established or within the noise.
 
+Work the monitor does in the background (trainrec's log writer thread every 0.2 s, its live CSV
+export process every 0.5 s) lands in whichever model's step is running then, the baseline's about
+half the time, so the paired figures charge about half of it to the baseline. Each run therefore also
+prints that work's CPU time per monitored step (threads named ``trainrec-*`` and child processes,
+from /proc); on a machine whose cores training keeps busy, it costs up to that much wall time.
+
 Also printed per run: the minor page faults per step of the monitored and the baseline model. With
 glibc's default malloc, whether a step's large temporaries (Adam's, 4 MB each here) reuse free heap
 or get fresh pages (trimmed and re-faulted every step, ~1 us per 4 KiB page) depends on the process's
@@ -125,6 +131,8 @@ def worker(impl: str, config: str, steps: int, warmup: int, fmt: str) -> dict:
 
     mon_t, base_t, mon_f, base_f = [], [], [], []
     for i in range(warmup + steps):
+        if i == warmup:
+            bg0, t_start = background_cpu_s(), time.perf_counter()
         ta, fa = step(model_a, opt_a)
         tb, fb = step(model_b, opt_b)
         if i >= warmup and (config != "skip" or i % 10 != 0):
@@ -132,6 +140,9 @@ def worker(impl: str, config: str, steps: int, warmup: int, fmt: str) -> dict:
             base_t.append(tb)
             mon_f.append(fa)
             base_f.append(fb)
+    time.sleep(0.6)  # the writer's and the live export's work for the last steps (0.2 s and 0.5 s intervals)
+    bg = background_cpu_s() - bg0
+    window = time.perf_counter() - t_start
     if impl == "trainrec" and mon is not None:
         mon.close()
     # also the median of the per-step differences (A's step minus the B step right after it), which
@@ -139,8 +150,40 @@ def worker(impl: str, config: str, steps: int, warmup: int, fmt: str) -> dict:
     diffs = [a - b for a, b in zip(mon_t, base_t, strict=True)]
     return {"monitored_s": statistics.median(mon_t), "baseline_s": statistics.median(base_t), "n": len(mon_t),
             "paired_added_s": statistics.median(diffs), "paired_diffs_s": diffs,
+            "background_cpu_per_step_s": bg / (warmup + steps - warmup), "window_s": window,
             "torch_threads": torch.get_num_threads(), "monitored_faults": statistics.median(mon_f),
             "baseline_faults": statistics.median(base_f)}
+
+
+def background_cpu_s() -> float:
+    """CPU seconds used so far by the monitor's own threads (named ``trainrec-*``: the log writer, the
+    spill thread) and by this process's child processes (trainrec's live export; the reference starts
+    none). The paired figure charges such work to whichever model's step it lands in: it runs on its
+    own intervals, so about half of it falls in the baseline's steps."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(stat_path: str) -> float:
+        try:
+            with open(stat_path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    total = sum(cpu(f"/proc/self/task/{t.native_id}/stat") for t in threading.enumerate()
+                if t.name.startswith("trainrec") and t.native_id)
+    me = str(os.getpid())
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[1] == me:
+                        total += cpu(f"/proc/{pid}/stat")
+            except (OSError, IndexError):
+                pass
+    return total
 
 
 def block_bootstrap_ci(rounds: list[list[float]], block: int = 10, reps: int = 2000,
@@ -203,6 +246,7 @@ def main() -> int:
     base: dict[tuple, list[float]] = {}
     paired: dict[tuple, list[float]] = {}  # median per-step difference over the median baseline step
     steps_rel: dict[tuple, list[list[float]]] = {}  # each round's per-step differences over its baseline
+    background: dict[tuple, list[float]] = {}  # background CPU per monitored step over the baseline step
     for _ in range(args.rounds):
         for cfg in configs:
             runs = [("trainrec", sys.executable)] + ([("msprobe", MSPROBE_PY)] if have_ms else [])
@@ -212,9 +256,11 @@ def main() -> int:
                 base.setdefault((impl, cfg), []).append(r["baseline_s"])
                 paired.setdefault((impl, cfg), []).append(r["paired_added_s"] / r["baseline_s"])
                 steps_rel.setdefault((impl, cfg), []).append([d / r["baseline_s"] for d in r["paired_diffs_s"]])
+                background.setdefault((impl, cfg), []).append(r["background_cpu_per_step_s"] / r["baseline_s"])
                 print(f"  {cfg:5s} {impl:9s} monitored {r['monitored_s'] * 1e3:8.1f} ms  "
                       f"baseline {r['baseline_s'] * 1e3:8.1f} ms  ({100 * added[(impl, cfg)][-1]:+.1f}%; paired "
-                      f"{100 * paired[(impl, cfg)][-1]:+.1f}%; minor page "
+                      f"{100 * paired[(impl, cfg)][-1]:+.1f}%; background CPU "
+                      f"{r['background_cpu_per_step_s'] * 1e3:.2f} ms per step; minor page "
                       f"faults per step {r['monitored_faults']:.0f} / {r['baseline_faults']:.0f})",
                       file=sys.stderr, flush=True)
     print(f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} format={args.format} malloc={args.malloc}")
@@ -235,6 +281,9 @@ def main() -> int:
     cis = {k: block_bootstrap_ci(v) for k, v in steps_rel.items()}
     print("per-step paired differences of all rounds pooled, median [95% block-bootstrap interval]: " + ", ".join(
         f"{cfg} {impl} {100 * m:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]" for (impl, cfg), (m, lo, hi) in cis.items()))
+    print("background CPU (the monitor's threads and child processes) per monitored step over the median baseline "
+          "step, median over rounds: " + ", ".join(
+              f"{cfg} {impl} {100 * statistics.median(v):.1f}%" for (impl, cfg), v in background.items()))
     return 0
 
 
