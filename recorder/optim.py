@@ -177,8 +177,9 @@ class AdamState:
         return OWN_GRAD
 
     def applies_own_grads(self, params: Sequence[torch.Tensor]) -> bool:
-        """Whether :meth:`reduced_grad` is :data:`OWN_GRAD` for every one of ``params`` (after
-        :meth:`refresh`), known without a call per parameter; False also where it may not be."""
+        """Whether :meth:`reduced_grad` is :data:`OWN_GRAD` for every one of ``params``, known without a
+        call per parameter (no shards of a distributed optimizer, no ZeRO partitions; neither depends on
+        :meth:`refresh`); False also where it may not be."""
         return not self._shards and not zero.any_maybe_partitioned(params)
 
     def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
