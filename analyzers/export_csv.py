@@ -262,9 +262,8 @@ class CsvProjector(Projector):
             return
         self._pending = []
         self._pending_values = 0
-        bodies = render_frames([(block, middle, values) for _, _, _, _, _, block, middle, values in pending],
-                               self.ndigits)
-        for (prefix, start, end, header, step, _, _, _), body in zip(pending, bodies, strict=True):
+        bodies = render_frames([frame for _, frame in pending], self.ndigits)
+        for ((prefix, start, end, header, step), _), body in zip(pending, bodies, strict=True):
             self.sink.append(prefix, start, end, header, body, step)
 
     def _finished(self) -> None:
@@ -308,8 +307,9 @@ class CsvProjector(Projector):
                 ok = idx >= 0
                 grouped[ok, side * k : (side + 1) * k] = values[idx[ok]]
             values = grouped
-        self._pending.append((prefix, start, end, csv_header(kind, ops), frame.step, cl.block,
-                              f"{frame.step},".encode(), values))
+        # (where its text goes, what render_frames makes it of)
+        self._pending.append(((prefix, start, end, csv_header(kind, ops), frame.step),
+                              (cl.block, f"{frame.step},".encode(), values)))
         self._pending_values += values.size
         if self._pending_values >= PENDING_VALUES:
             self.flush()

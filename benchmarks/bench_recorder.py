@@ -150,7 +150,7 @@ def worker(impl: str, config: str, steps: int, warmup: int, fmt: str) -> dict:
     diffs = [a - b for a, b in zip(mon_t, base_t, strict=True)]
     return {"monitored_s": statistics.median(mon_t), "baseline_s": statistics.median(base_t), "n": len(mon_t),
             "paired_added_s": statistics.median(diffs), "paired_diffs_s": diffs,
-            "background_cpu_per_step_s": bg / (warmup + steps - warmup), "window_s": window,
+            "background_cpu_per_step_s": bg / steps, "window_s": window,
             "torch_threads": torch.get_num_threads(), "monitored_faults": statistics.median(mon_f),
             "baseline_faults": statistics.median(base_f)}
 

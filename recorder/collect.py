@@ -199,9 +199,7 @@ class StepCollector:
             infos = list(map(params.__getitem__, idx))
             tensors = list(map(_PARAM, infos))
             grads = list(map(_GRAD, tensors))
-            plain = not ((self.params_have_main_grad and any(getattr(p, "main_grad", None) is not None
-                                                             for p in tensors))
-                         or _any_in_shared_buffer(grads))
+            plain = not (self._may_have_main_grads(tensors) or _any_in_shared_buffer(grads))
         if not plain:
             for i in idx:  # anything unusual: one firing at a time, as the Python hooks take them
                 if i is not None:
@@ -262,6 +260,12 @@ class StepCollector:
     def _main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         return getattr(p, "main_grad", None) if self.params_have_main_grad else None
 
+    def _may_have_main_grads(self, tensors: list) -> bool:
+        """False where :meth:`_main_grad_of` is None for every one of ``tensors``, found without a Python
+        step per parameter (True also for a ``main_grad`` attribute that is None: the general path then
+        asks of each)."""
+        return self.params_have_main_grad and any(map(hasattr, tensors, repeat("main_grad")))
+
     def _flush_grads(self) -> None:
         st = self._state
         pend = st.pending
@@ -270,16 +274,13 @@ class StepCollector:
         if not pend:
             return
         idxs, micros, calls, grads = zip(*pend, strict=True)
-        params = self._params
-        infos = [params[i] for i in idxs]
         # (never `None in grads`: that compares every tensor with None through torch's __eq__, ~25 us each)
         grads = list(grads) if all(g is not None for g in grads) else [
-            g if g is not None else self._grad_of(info.param) for info, g in zip(infos, grads, strict=True)]
+            g if g is not None else self._grad_of(self._params[i].param) for i, g in zip(idxs, grads, strict=True)]
         eng = self._engine
         extremes = np.empty((len(pend), 4)) if REUSE_UNCHANGED and eng.fused and eng.host_paths else None
         rows = self._rows_of(grads, list(idxs), "gradient", extremes)
-        st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [info.name_id for info in infos], micros, calls, (),
-                               [info.vpp for info in infos]))
+        self._add_part(st, KIND_GRAD_UNREDUCED, rows, idxs, micros, calls)
         # (weak references: one held here would keep an incoming gradient, DeepSpeed's or FSDP2's,
         # from being taken over as .grad without a copy, and alive to the step's end)
         last = st.last_unreduced
@@ -363,7 +364,7 @@ class StepCollector:
         adam = self._adam
         if (plist is not None and not partitioned_only and not self._dp_duplicate
                 and (adam is None or adam.applies_own_grads(plist))
-                and not (self.params_have_main_grad and any(map(hasattr, plist, repeat("main_grad"))))):
+                and not self._may_have_main_grads(plist)):
             grads = list(map(_GRAD, plist))
             keep = list(map(is_not, grads, repeat(None)))  # (never `None in grads`: see _flush_grads)
             if all(keep):
@@ -476,11 +477,15 @@ class StepCollector:
             return torch.cat([r.to(dev) if r is not None else self._engine.nan_rows(1, dev) for r in rows])
 
     def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
+        """Rows of parameters ``indices`` that fire now, one call id each (the optimizer step's)."""
         c0 = st.call
         st.call += len(indices)
+        self._add_part(st, kind, rows, indices, (), range(c0, c0 + len(indices)))
+
+    def _add_part(self, st: StepState, kind: str, rows, indices, micros, calls) -> None:
+        """The step's rows of parameters ``indices``, with their names and pipeline chunks."""
         infos = list(map(self._params.__getitem__, indices))
-        st.stats.add(StatsPart(kind, rows, list(map(_NAME_ID, infos)), (), range(c0, c0 + len(indices)), (),
-                               list(map(_VPP, infos))))
+        st.stats.add(StatsPart(kind, rows, list(map(_NAME_ID, infos)), micros, calls, (), list(map(_VPP, infos))))
 
     def _no_optimizer(self) -> bool:
         """True (with one warning per run) where no torch optimizer is known to read Adam state from."""
