@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import pkgutil
+import re
 import sys
 
 import trainrec.tools as _tools_pkg
@@ -23,13 +25,46 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay and analyse trainrec flight-recorder logs of PyTorch training.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log warnings and progress details")
+    parser.add_argument("--version", action="version", version=f"trainrec {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(_tools_pkg.__path__), key=lambda m: m.name):
         if info.name.startswith("cmd_"):
             module = importlib.import_module(f"trainrec.tools.{info.name}")
             module.add_parser(sub)
+    for p in _subparsers(parser):
+        # the subcommands' descriptions are their modules' docstrings: plain text in --help
+        p.description = plain_text(p.description) if p.description else None
+        p.epilog = plain_text(p.epilog) if p.epilog else None
+        if not any("--verbose" in a.option_strings for a in p._actions):  # `trainrec inspect RUN -v` too
+            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                           help="log warnings and progress details")
     return parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in dict.fromkeys(action.choices.values()):  # (an alias maps to the same parser)
+                out.append(p)
+                out.extend(_subparsers(p))
+    return out
+
+
+def plain_text(text: str) -> str:
+    """reStructuredText markup of a docstring as plain text: ``:mod:`x``` and ````x```` become ``x``,
+    and ``::`` ending a paragraph becomes ``:``."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    return re.sub(r"::$", ":", text, flags=re.M)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trainrec")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # e.g. `trainrec dump RUN | head`
         return 0
+    except OSError as exc:  # a file the command had to read or write, that the system refused
+        if args.verbose:
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"trainrec {args.command}: error: {where}{exc.strerror or exc} (-v for the traceback)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

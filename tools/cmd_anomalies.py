@@ -19,6 +19,7 @@ crashed (torn tail) or still being written: everything complete so far is used.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -30,11 +31,11 @@ from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
 from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
 from trainrec.analyzers.ranking import PHASE_NAMES, phase_of, rank_anomalies
 from trainrec.replay.run import Run
-from trainrec.schema.errors import ConfigError
+from trainrec.schema.errors import ConfigError, TrainrecError
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.rules import RULES, Rule, make_rule, rule_arguments
 
-from .runarg import add_run_arguments, open_run_from_args
+from .runarg import add_run_arguments, check_steps, open_run_from_args, steps_outside
 
 __all__ = ["add_parser", "format_table", "parse_step_list", "positive_k", "run", "steps_outside", "write_json"]
 
@@ -173,37 +174,24 @@ def format_table(ranked: Sequence[AnomalyDetected]) -> str:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` with orjson (NaN/Inf become null), atomically."""
+    """Write ``obj`` with orjson (NaN/Inf become null), atomically; a path that cannot be written is a
+    TrainrecError that names it (no temporary file is left behind)."""
     data = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data + b"\n")
-    os.replace(tmp, path)
-
-
-def steps_outside(steps: StepSet, first: int | None, last: int | None) -> list[str]:
-    """The parts of ``steps`` that lie entirely outside ``first..last`` (all of them when nothing was recorded)."""
-    out = []
-    for lo, hi in steps.ranges:
-        part = f"{lo}" if lo == hi else f"{lo}-{'' if hi is None else hi}"
-        if first is None or last is None or lo > last or (hi is not None and hi < first):
-            out.append(part)
-    return out
-
-
-def check_steps(steps: StepSet | None, first: int | None, last: int | None, where: str) -> str | None:
-    """An error text when no requested step was recorded; prints a note for the parts outside."""
-    if steps is None:
-        return None
-    outside = steps_outside(steps, first, last)
-    recorded = "nothing was recorded" if first is None else f"the recorded steps are {first}..{last}"
-    if len(outside) == len(steps.ranges):
-        return f"steps {steps.text()} are outside the recorded range of {where}: {recorded}"
-    if outside:
-        print(f"note: steps {','.join(outside)} are outside the recorded range ({recorded})", file=sys.stderr)
-    return None
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        why = "a file of that name is in the way" if os.path.lexists(parent) else exc.strerror or exc
+        raise TrainrecError(f"cannot write {path}: cannot create the directory {parent}: {why}") from exc
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data + b"\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise TrainrecError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _report_damage(run: Run) -> None:

@@ -41,7 +41,7 @@ from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, StepEnded, TensorStatsRecorded
 
 from .export_files import ExportTask, TaskResult, pool_context, run_task
-from .runarg import add_run_arguments
+from .runarg import add_run_arguments, check_steps
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ def add_parser(subparsers) -> None:
     fsub = p.add_subparsers(dest="export_format", metavar="FORMAT")
     fsub.required = True
     for fmt, what in FORMATS.items():
-        q = fsub.add_parser(fmt, help=f"export {what}")
+        q = fsub.add_parser(fmt, help=f"export {what}", description=f"Export {what} from a run's log.\n\n"
+                            + __doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
         add_run_arguments(q)
         q.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write (must not exist or be empty)")
         q.add_argument("--types", type=_types_arg, action="append", metavar="TYPES",
@@ -217,6 +218,14 @@ def plan_tasks(runs: list[Run], args, kinds: tuple[str, ...], out: str) -> list[
 
 # ---------------------------------------------------------------------------------------- output dir
 def prepare_output(out: str, force: bool, record: dict) -> None:
+    try:
+        _prepare_output(out, force, record)
+    except OSError as exc:
+        raise TrainrecError(f"cannot prepare output directory {out}: {exc.strerror or exc}"
+                            f"{f' ({exc.filename})' if exc.filename and exc.filename != out else ''}") from exc
+
+
+def _prepare_output(out: str, force: bool, record: dict) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise TrainrecError(f"output {out} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):
@@ -356,6 +365,7 @@ def run(args) -> int:
         "step_count_per_record": getattr(args, "step_count_per_record", None),
         "created": time.time(),
     }
+    created = not os.path.exists(out)
     prepare_output(out, args.force, record)
     t0 = time.perf_counter()
     progress = Progress(sum(t.log_bytes for t in tasks), len(tasks), f"export {fmt}")
@@ -366,7 +376,27 @@ def run(args) -> int:
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0
-    return report(results, runs, fmt, out, elapsed, args)
+    status = report(results, runs, fmt, out, elapsed, args)
+    if status:  # nothing exported: leave no directory that looks like an export
+        _remove_output(out, created)
+    return status
+
+
+def _remove_output(out: str, created: bool) -> None:
+    """Take back what :func:`prepare_output` and an export that wrote nothing left in ``out`` (the
+    directory itself where this export created it; else it was empty, or a previous export that
+    ``--force`` cleared)."""
+    try:
+        if created:
+            shutil.rmtree(out)
+            return
+        for entry in os.scandir(out):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.remove(entry.path)
+    except OSError as exc:
+        log.warning("trainrec export: could not remove %s: %s", out, exc)
 
 
 def report(results: list[TaskResult], runs: list[Run], fmt: str, out: str, elapsed: float, args) -> int:
@@ -390,6 +420,13 @@ def report(results: list[TaskResult], runs: list[Run], fmt: str, out: str, elaps
     files = sum(len(r.files) for r in results)
     values = sum(r.values for r in results)
     ranks = sorted({r.rank for r in results})
+    spans = [r.recorded_steps for r in results if r.recorded_steps is not None]
+    first = min((a for a, _ in spans), default=None)
+    last = max((b for _, b in spans), default=None)
+    err = check_steps(args.steps, first, last, f"run {', '.join(r.run_id or '(no id)' for r in runs)}")
+    if err:
+        print(f"trainrec export: error: {err}; nothing exported", file=sys.stderr)
+        return 2
     if not values:
         sel = []
         if args.steps is not None:

@@ -35,7 +35,7 @@ from trainrec.replay.discover import RunInfo
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run
 from trainrec.schema.errors import FormatError
-from trainrec.schema.events import FileClosed, FileOpened, NamesInterned
+from trainrec.schema.events import FileClosed, FileOpened, NamesInterned, StepEnded
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +341,7 @@ class TaskResult:
     rows: int = 0
     values: int = 0
     steps: list[int] = field(default_factory=list)
+    recorded_steps: tuple[int, int] | None = None  # first and last step that ended in the log, selected or not
     dropped_steps: list[int] = field(default_factory=list)
     superseded: int = 0
     bad_records: int = 0
@@ -390,6 +391,10 @@ class RankStream:
                     if cut is not None and ev.step >= cut and not isinstance(ev, _KEEP):
                         result.superseded += 1
                         continue
+                    if type(ev) is StepEnded:
+                        span = result.recorded_steps
+                        result.recorded_steps = (ev.step, ev.step) if span is None else (
+                            min(span[0], ev.step), max(span[1], ev.step))
                     yield ev
                     if progress is not None and reader.offset - done >= (4 << 20):
                         progress(reader.offset - done)

@@ -14,7 +14,9 @@ An ambiguous choice is an error that lists the candidate runs (run id, stamps, r
 from __future__ import annotations
 
 import argparse
+import sys
 
+from trainrec.analyzers.projection import StepSet
 from trainrec.replay.run import Run, open_run
 
 
@@ -44,3 +46,26 @@ def open_run_from_args(args: argparse.Namespace) -> Run:
         time_start=getattr(args, "time_start", None),
         time_end=getattr(args, "time_end", None),
     )
+
+
+def steps_outside(steps: StepSet, first: int | None, last: int | None) -> list[str]:
+    """The parts of ``steps`` that lie entirely outside ``first..last`` (all of them when nothing was recorded)."""
+    out = []
+    for lo, hi in steps.ranges:
+        part = f"{lo}" if lo == hi else f"{lo}-{'' if hi is None else hi}"
+        if first is None or last is None or lo > last or (hi is not None and hi < first):
+            out.append(part)
+    return out
+
+
+def check_steps(steps: StepSet | None, first: int | None, last: int | None, where: str) -> str | None:
+    """An error text when no requested step was recorded; prints a note for the parts outside."""
+    if steps is None:
+        return None
+    outside = steps_outside(steps, first, last)
+    recorded = "nothing was recorded" if first is None else f"the recorded steps are {first}..{last}"
+    if len(outside) == len(steps.ranges):
+        return f"steps {steps.text()} are outside the recorded range of {where}: {recorded}"
+    if outside:
+        print(f"note: steps {','.join(outside)} are outside the recorded range ({recorded})", file=sys.stderr)
+    return None

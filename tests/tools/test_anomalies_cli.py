@@ -145,3 +145,16 @@ def test_table_tells_nan_from_inf_and_a_missing_baseline():
     lines = format_table(evs).splitlines()
     cells = [line.split() for line in lines[1:]]
     assert [(c[8], c[9]) for c in cells] == [("nan", "-"), ("inf", "-"), ("2.5", "-")]
+
+
+def test_an_output_file_that_cannot_be_written_is_one_error_line(run_dir, capsys, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    code, _, err = cli(capsys, run_dir, "-k", 3, "-o", a_file / "first.json")
+    assert code == 2
+    assert f"error: cannot write {a_file / 'first.json'}: cannot create the directory {a_file}" in err
+    assert "Traceback" not in err
+    deep = tmp_path / "no_such_dir" / "deeper" / "y.json"
+    code, _, err = cli(capsys, run_dir, "-k", 3, "-o", deep)
+    assert code == 0 and len(json.loads(deep.read_text())) == 3  # missing directories are made
+    assert not [p for p in tmp_path.rglob("*.tmp*")]  # no temporary file left behind

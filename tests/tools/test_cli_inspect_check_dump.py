@@ -187,3 +187,41 @@ def test_dump_rejects_an_unknown_kind_naming_the_valid_ones(run_dir, capsys):
     assert "--kind: unknown data type 'actvv'" in err and "actv_grad" in err
     assert main(["dump", run_dir, "--kind", "actv", "--type", "ts"]) == 0
     assert {r["kind"] for r in _lines(capsys)} == {"actv"}
+
+
+def test_verbose_after_the_subcommand_version_and_plain_help(run_dir, capsys):
+    assert main(["inspect", run_dir, "-v"]) == 0  # as well as `trainrec -v inspect RUN`
+    assert main(["-v", "inspect", run_dir]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("trainrec ")
+    for argv in (["dump", "--help"], ["inspect", "--help"], ["check", "--help"], ["export", "csv", "--help"],
+                 ["export", "tb", "--help"], ["anomalies", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        assert "usage: trainrec " in text
+        assert "``" not in text and ":mod:" not in text and ":meth:" not in text, argv  # no reST markup
+    with pytest.raises(SystemExit):
+        main(["export", "tb", "--help"])
+    assert "Export TensorBoard event files from a run's log." in capsys.readouterr().out
+
+
+def test_a_system_error_is_one_line_naming_the_file(run_dir, tmp_path, capsys, monkeypatch):
+    """An OSError no command turned into a message of its own (here: reading a log that vanished between
+    listing and opening) is one error line with the file, exit 2; with -v, the traceback."""
+    import trainrec.tools.cmd_inspect as cmd
+
+    def vanish(args):
+        raise FileNotFoundError(2, "No such file or directory", os.path.join(run_dir, "gone.trl"))
+
+    monkeypatch.setattr(cmd, "run", vanish)
+    # (the parser binds func when built: patch before main builds it)
+    assert main(["inspect", run_dir]) == 2
+    err = capsys.readouterr().err
+    assert err == f"trainrec inspect: error: {os.path.join(run_dir, 'gone.trl')}: No such file or directory (-v for the traceback)\n"
+    with pytest.raises(FileNotFoundError):
+        main(["inspect", run_dir, "-v"])
+

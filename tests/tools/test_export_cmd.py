@@ -137,9 +137,34 @@ def test_bad_arguments(two_ranks, tmp_path, capsys):
     assert "end before start" in capsys.readouterr().err
     assert main(["export", "csv", str(two_ranks), "-o", str(tmp_path / "y"), "--ranks", "7"]) == 2
     assert "no rank matches --ranks 7" in capsys.readouterr().err
-    assert main(["export", "csv", str(two_ranks), "-o", str(tmp_path / "z"), "--steps", "50-60"]) == 1
-    assert "nothing to export" in capsys.readouterr().err
+    # steps outside the recorded ones: the same error as `trainrec anomalies -s`, and no output left
+    assert main(["export", "csv", str(two_ranks), "-o", str(tmp_path / "z"), "--steps", "50-60"]) == 2
+    err = capsys.readouterr().err
+    assert "steps 50-60 are outside the recorded range of run" in err and "the recorded steps are 0..4" in err
+    assert not (tmp_path / "z").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["export", "tb", str(two_ranks), "-o", str(empty), "--steps", "50-60"]) == 2
+    assert list(empty.iterdir()) == []  # an empty directory given is left empty
+    # partly outside: exported, with a note on the part outside
+    assert main(["export", "csv", str(two_ranks), "-o", str(tmp_path / "part"), "--steps", "3-4,50-60"]) == 0
+    assert "note: steps 50-60 are outside the recorded range (the recorded steps are 0..4)" in capsys.readouterr().err
+    # selected steps recorded, but no data of the selected type there: nothing to export, exit 1, no output
+    params_only = tmp_path / "params_only"
+    write_rank_log(rank_dir(params_only, 0), rank=0, steps=range(3), kinds=("param",))
+    assert main(["export", "csv", str(params_only), "-o", str(tmp_path / "t"), "--types", "exp_avg"]) == 1
+    assert "nothing to export: no statistics for types exp_avg" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
     assert main(["export", "csv", str(tmp_path / "missing"), "-o", str(tmp_path / "w")]) == 2
+
+
+def test_an_output_that_cannot_be_written_is_one_error_line(two_ranks, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert main(["export", "csv", str(two_ranks), "-o", str(a_file / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trainrec export: error: cannot prepare output directory ") and "a_file/sub" in err
+    assert "Traceback" not in err and err.count("\n") == 1
 
 
 def test_run_still_being_written_and_torn_tail(tmp_path, capsys):
