@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import weakref
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -466,11 +466,13 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
 _SLOTS = ("input", "input_grad", "output", "output_grad")
 
 
-def make_first_call_check(t: ModuleTarget, source: str | None = None):
+def make_first_call_check(t: ModuleTarget, source: str | None = None,
+                          on_reject: Callable[[ConfigError], None] | None = None):
     """Forward hook installed until the run's first step ends: at the module's first call, its
     selectors against its real inputs and outputs. One that does not fit is a ConfigError raised out
     of that forward, at start-up, before training time is spent (later, in a step the monitor
-    collects, the same mismatch is a HookFailed and training goes on)."""
+    collects, the same mismatch is a HookFailed and training goes on); ``on_reject`` is told first
+    (the monitor records it in the log, which would otherwise not say why the run stopped)."""
     sels = [(slot, t.sel[slot]) for slot in _SLOTS if t.sel.get(slot) is not None]
     done = False
 
@@ -483,8 +485,11 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None):
             try:
                 select(args if slot.startswith("input") else output, sel, f"targets.{t.name}.{slot}")
             except SelectorMismatch as exc:
-                raise ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
-                                  f"first step; print_struct shows the real structure)", exc.key, source) from None
+                err = ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
+                                  f"first step; print_struct shows the real structure)", exc.key, source)
+                if on_reject is not None:
+                    on_reject(err)
+                raise err from None
 
     return eager(hook)
 

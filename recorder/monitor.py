@@ -327,6 +327,19 @@ class TrainerMon(StepCollector):
     def _config_source(self) -> str | None:
         return os.fspath(self.config_file_path) if self.config_file_path is not None else None
 
+    def _rejected_at_first_call(self, exc: ConfigError) -> None:
+        """A selector that does not fit its module's real inputs or outputs, about to be raised out of
+        the first forward: the log says so (ConfigRejected), written out before the exception may end
+        the process."""
+        try:
+            self._emit(ConfigRejected(rank=self.rank, step=self._step, wall=time.time(), content_hash="",
+                                      path=self._config_source() or "", reason=str(exc),
+                                      keys=(exc.key,) if exc.key else ()))
+            if self._writer is not None and not self._writer.closed:
+                self._writer.flush(timeout=5.0)
+        except Exception as err:  # noqa: BLE001 - the config error is what the user must see
+            log.debug("trainrec: recording the rejected config failed: %r", err)
+
     def _emit(self, event) -> None:
         """Hand an event to the writer; a failed writer is reported once and never raised into training."""
         w = self._writer
@@ -432,7 +445,8 @@ class TrainerMon(StepCollector):
             self._attach_struct_hooks()
         else:
             # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
-            self._check_handles = self._targets.first_call_checks(self._config_source())
+            self._check_handles = self._targets.first_call_checks(self._config_source(),
+                                                                  _weak_call(self._rejected_at_first_call))
             if not self.dynamic:
                 self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
         self._begin_step()

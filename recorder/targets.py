@@ -79,10 +79,11 @@ class Targets:
             fn = self.made[key] = eager(fn) if mon._compiled else fn
         return fn
 
-    def first_call_checks(self, source: str | None = None) -> list:
+    def first_call_checks(self, source: str | None = None, on_reject: Callable | None = None) -> list:
         """Hooks checking the selectors of the modules that have any at their first call (see
         :func:`.hooks.make_first_call_check`); the monitor removes them when the first step ends."""
-        return [module.register_forward_hook(make_first_call_check(t, source)) for module, t in self.modules if t.sel]
+        return [module.register_forward_hook(make_first_call_check(t, source, on_reject))
+                for module, t in self.modules if t.sel]
 
 
 def _positional_capacity(module: torch.nn.Module) -> int | None:

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 from trainrec.schema.events import (
     AnomalyDetected,
+    ConfigRejected,
     FileOpened,
     HookFailed,
+    MonitoringStopped,
     HooksFired,
     RecordsDropped,
     StepBegan,
@@ -93,6 +95,9 @@ class RankSummary:
     dropped_records: int = 0
     hook_failures: int = 0
     skipped_steps: list[int] = field(default_factory=list)  # optimizer steps that never ran (inf/NaN)
+    # what the monitor said went wrong, in order: configs rejected, monitoring stopped, the first
+    # failure of each hook (at most MAX_NOTES)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def first_step(self) -> int | None:
@@ -120,6 +125,7 @@ class RankSummary:
             "dropped_records": self.dropped_records,
             "hook_failures": self.hook_failures,
             "optimizer_skipped_steps": self.skipped_steps,
+            "notes": self.notes,
             "closed_cleanly": self.closed_cleanly,
             "torn_bytes": sum(f.torn_bytes for f in self.files),
             "damage": sum(len(f.problems) for f in self.files),
@@ -152,12 +158,23 @@ class RunSummary:
         }
 
 
+MAX_NOTES = 20
+
+
+def _note(rs: RankSummary, text: str) -> None:
+    if len(rs.notes) < MAX_NOTES:
+        rs.notes.append(text)
+    elif len(rs.notes) == MAX_NOTES:
+        rs.notes.append("... (all of them: trainrec dump RUN --type cr --type mx --type hx)")
+
+
 def summarize(run: Run) -> RunSummary:
     """Read the whole run once and summarise it per rank and per file."""
     ranks = []
     for r in run.ranks:
         rs = RankSummary(rank=r, dirs=run.rank_dirs.get(r, ()), files=[])
         counts = rs.counts
+        failed: set[str] = set()
         for ev in run.events(rank=r):
             t = type(ev)
             counts[t.__name__] += 1
@@ -174,6 +191,13 @@ def summarize(run: Run) -> RunSummary:
                 rs.dropped_records += ev.count
             elif t is HookFailed:
                 rs.hook_failures += ev.count
+                if ev.where not in failed:
+                    failed.add(ev.where)
+                    _note(rs, f"step {ev.step}: {ev.where} failed: {ev.error}")
+            elif t is ConfigRejected:
+                _note(rs, f"step {ev.step}: config rejected: {ev.reason}")
+            elif t is MonitoringStopped:
+                _note(rs, f"step {ev.step}: monitoring stopped: {ev.reason}")
         readers = run.readers
         for lf in run.log_files(r):
             try:

@@ -86,6 +86,7 @@ def _rank_lines(r: RankSummary) -> list[str]:
         extra.append(f"{r.hook_failures} hook failures")
     if extra:
         lines.append("  note: " + "; ".join(extra))
+    lines.extend(f"  {n}" for n in r.notes)
     return lines
 
 

@@ -21,6 +21,7 @@ from trainrec.recorder.runinfo import LIVE_EXPORT_NICE
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
     ConfigApplied,
+    ConfigRejected,
     HookFailed,
     HooksFired,
     ModuleStructureRecorded,
@@ -236,6 +237,35 @@ def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path,
         assert "targets.pair.input" in str(err.value) and "gives tuple[2]" in str(err.value)
         assert err.value.source and str(err.value).startswith(err.value.source)
         mon.close()
+
+
+def test_a_run_that_a_selector_mismatch_ends_says_why_in_its_log(tmp_path, out):
+    """The ConfigError out of the first forward usually ends the process: its log holds a
+    ConfigRejected with the key and the reason, written before the exception left the hook, and is
+    closed cleanly at exit (not a log of no steps that says nothing)."""
+    import subprocess
+    import sys
+
+    cfg = write_config(tmp_path, {"xy_distribution": True, "targets": {"pair": {"input": "tensor"}}})
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from trainmon_util import loss_of, make
+from trainrec.recorder import TrainerMon
+mon = TrainerMon({cfg!r})
+model, opt = make()
+mon.monitor_gnorm_with_ad(model, optimizer=opt)
+loss_of(model, 0)
+"""
+    env = dict(os.environ, MONITOR_OUTPUT_DIR=str(out))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "ConfigError" in proc.stderr and "targets.pair.input" in proc.stderr
+    events = events_of(out)
+    rejected = [e for e in events if isinstance(e, ConfigRejected)]
+    assert len(rejected) == 1
+    assert rejected[0].keys == ("targets.pair.input",) and "gives tuple[2]" in rejected[0].reason
+    assert rejected[0].path == cfg and rejected[0].step == 0
+    assert type(events[-1]).__name__ == "FileClosed"
 
 
 def test_selector_mismatch_after_the_first_step_is_reported_once_and_training_goes_on(tmp_path, out, caplog):

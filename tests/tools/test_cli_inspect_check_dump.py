@@ -225,3 +225,30 @@ def test_a_system_error_is_one_line_naming_the_file(run_dir, tmp_path, capsys, m
     with pytest.raises(FileNotFoundError):
         main(["inspect", run_dir, "-v"])
 
+
+def test_inspect_says_what_the_monitor_reported_going_wrong(tmp_path, capsys):
+    """Rejected configs, a stop of monitoring and the first failure of each hook are listed per rank
+    (text and --json), not only counted: they say why a log holds less than expected."""
+    from trainrec.schema.events import ConfigRejected, HookFailed, MonitoringStopped
+
+    rdir = str(tmp_path / "out" / f"{STAMP}-rank0-0000beef")
+    with LogWriter(rdir, rank=0, world_size=1, run_id="notes-run", flush_interval=0.01) as w:
+        w.write(ConfigRejected(rank=0, step=0, path="c.json", reason="c.json: config key 'targets.x': nope",
+                               keys=("targets.x",)))
+        for s in range(3):
+            w.write(StepBegan(rank=0, step=s))
+            w.write(HookFailed(rank=0, step=s, where="forward hook of 'fc'", error="RuntimeError('boom')"))
+            w.write(StepEnded(rank=0, step=s, duration=0.1))
+        w.write(MonitoringStopped(rank=0, step=2, reason="collect_times reached", collections=3))
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert "  step 0: config rejected: c.json: config key 'targets.x': nope\n" in text
+    assert text.count("failed: RuntimeError('boom')") == 1  # the first failure of that hook only
+    assert "  step 0: forward hook of 'fc' failed: RuntimeError('boom')\n" in text
+    assert "  step 2: monitoring stopped: collect_times reached\n" in text
+    assert "3 hook failures" in text
+    assert main(["inspect", str(tmp_path / "out"), "--json"]) == 0
+    notes = orjson.loads(capsys.readouterr().out)["per_rank"][0]["notes"]
+    assert notes == ["step 0: config rejected: c.json: config key 'targets.x': nope",
+                     "step 0: forward hook of 'fc' failed: RuntimeError('boom')",
+                     "step 2: monitoring stopped: collect_times reached"]
