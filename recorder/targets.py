@@ -131,6 +131,13 @@ def _examples(names: list[str], k: int = 6) -> str:
     return ", ".join(repr(n) for n in shown) + (", ..." if len(names) > k else "")
 
 
+def _names_like(modules: list[str], params: list[str]) -> str:
+    """What the names a target can match look like (the root module, named '', is left out)."""
+    mods = (f"module names look like {_examples(modules)}" if any(modules) else
+            "the model has no submodules (a target names a submodule or a parameter)")
+    return f"{mods}, " + (f"parameter names like {_examples(params)}" if params else "and no trainable parameters")
+
+
 def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                   intern: Callable[[str], int], strict: bool = True) -> Targets:
     """The modules and parameters ``cfg`` selects in ``chunks``. A target that matches nothing is a
@@ -172,8 +179,8 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
     for t in targets:
         if t and t not in matched:
             err = ConfigError(
-                f"matches no module and no parameter of the model; module names look like {_examples(all_modules)}, "
-                f"parameter names like {_examples(all_params)} (an optional '0:' prefix selects the chunk)",
+                f"matches no module and no parameter of the model; {_names_like(all_modules, all_params)} (an "
+                "optional '0:' prefix selects the chunk)",
                 f"targets.{t}",
             )
             if strict:

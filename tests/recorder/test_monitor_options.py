@@ -175,6 +175,21 @@ def test_target_that_matches_nothing_fails_before_training(tmp_path, out):
     assert sorted({k[1] for k in stats_table(events_of(out), "grad_reduced")}) == ["0.bias", "0.weight"]
 
 
+def test_a_target_that_matches_nothing_says_what_names_there_are(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "targets": {"fc": {}}}), live_export=False)
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ConfigError) as ei:
+        mon.monitor_gnorm_with_ad(lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1))
+    assert ("the model has no submodules (a target names a submodule or a parameter), parameter names like "
+            "'weight', 'bias'") in str(ei.value)
+    model, opt = make()
+    with pytest.raises(ConfigError) as ei:
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    assert "module names look like 'embed', 'layers', " in str(ei.value)
+    assert "parameter names like 'embed.weight', 'layers.0.0.weight', " in str(ei.value)
+    mon.close()
+
+
 @pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
 def test_a_config_error_leaves_no_directory_with_the_live_export_on(tmp_path, out, fmt):
     """The live TensorBoard export has written its file's header into the directory by then: it goes
