@@ -130,6 +130,19 @@ class RunInfo:
 
     run_id: str
     files: dict[int, list[LogFile]] = field(default_factory=dict)
+    # Found in an output directory (not given as one rank directory or file): every rank of the world
+    # size should be here. ``unattributed``: files there whose header cannot be read, so that their
+    # launch cannot be told (left out of every run, reported beside the one chosen).
+    whole: bool = False
+    unattributed: list[LogFile] = field(default_factory=list)
+
+    @property
+    def missing_ranks(self) -> list[int]:
+        """Ranks below the headers' world size with no log here (only known for a whole output directory)."""
+        if not self.whole:
+            return []
+        world = max((f.header.world_size for f in self.all_files if f.header is not None), default=0)
+        return [r for r in range(world) if r not in self.files]
 
     @property
     def ranks(self) -> list[int]:
@@ -297,8 +310,12 @@ def _selection_text(run_id: str | None, time_start: str | None, time_end: str | 
     parts = []
     if run_id is not None:
         parts.append(f"run id {run_id!r}")
-    if time_start is not None or time_end is not None:
-        parts.append(f"time range {time_start or '...'}..{time_end or '...'}")
+    if time_start is not None and time_end is not None:
+        parts.append(f"time range {time_start}..{time_end}")
+    elif time_start is not None:
+        parts.append(f"time range from {time_start} on")
+    elif time_end is not None:
+        parts.append(f"time range up to {time_end}")
     return " and ".join(parts)
 
 
@@ -334,6 +351,7 @@ def find_run(
     if not os.path.isdir(path):
         raise NotARunError("neither a directory nor a log file", path)
     path = os.path.abspath(path)
+    unattributed: list[LogFile] | None = None  # None: not an output directory, or nothing readable there
     if layout.list_logs(path):
         runs = group_runs([scan_rank_dir(path)])
     else:
@@ -344,7 +362,15 @@ def find_run(
                 "Nov30_11-13-33-rank0-4700973a/, one rank directory, or a trainrec-00000.trl file",
                 path,
             )
+        # rank directories with no readable header (a damaged or empty first file) group as runs of
+        # their own, of no id: never chosen while a readable run is there, reported beside it instead
+        readable = [r for r in runs if any(f.header is not None for f in r.all_files)]
+        if readable:
+            unattributed = [f for r in runs if not any(r is k for k in readable) for f in r.all_files]
+            runs = readable
     info = select_run(runs, path, run_id, time_start, time_end)
+    if unattributed is not None:
+        info.whole, info.unattributed = True, unattributed
     for lf in info.all_files:
         if isinstance(lf.error, UnsupportedVersionError):
             raise lf.error

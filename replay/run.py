@@ -92,6 +92,10 @@ class Run:
         self.headers = {f.path: f.header for f in info.all_files if f.header is not None}
         # Errors found opening a file (not a log, unreadable); such files contribute no events.
         self.file_errors: dict[str, FormatError] = {f.path: f.error for f in info.all_files if f.error}
+        # RUN an output directory: the ranks of the world size with no log there, and the files there
+        # whose header cannot be read (no launch can be told for them; see find_run)
+        self.missing_ranks: list[int] = info.missing_ranks
+        self.unattributed: list[LogFile] = list(info.unattributed)
         self.superseded: dict[str, int] = {}
         self.cutoffs: dict[str, int] = {}
         for fs in self._files.values():

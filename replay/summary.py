@@ -26,14 +26,15 @@ from trainrec.schema.events import (
     ConfigRejected,
     FileOpened,
     HookFailed,
-    MonitoringStopped,
     HooksFired,
+    MonitoringStopped,
     RecordsDropped,
     StepBegan,
     StepEnded,
     TensorStatsRecorded,
 )
 
+from .discover import LogFile
 from .reader import Problem, SeqGap
 from .run import Run
 
@@ -141,6 +142,8 @@ class RunSummary:
     world_size: int
     format_versions: list[int]
     ranks: list[RankSummary]
+    missing_ranks: list[int] = field(default_factory=list)  # of the world size, no log found (output dir)
+    unattributed: list[tuple[str, str]] = field(default_factory=list)  # (path, why) of headerless files beside
 
     @property
     def anomalies(self) -> int:
@@ -155,10 +158,20 @@ class RunSummary:
             "ranks": [r.rank for r in self.ranks],
             "anomalies": self.anomalies,
             "per_rank": [r.to_json() for r in self.ranks],
+            "missing_ranks": self.missing_ranks,
+            "unattributed_files": [{"path": p, "what": w} for p, w in self.unattributed],
         }
 
 
 MAX_NOTES = 20
+
+
+def _unreadable(f: LogFile) -> str:
+    """Why a file's header cannot be read, without its path."""
+    err = f.error
+    if err is None:
+        return "no file header (empty, or cut before the end of its header)"
+    return err.message + (f" (at byte {err.offset})" if err.offset else "")
 
 
 def _note(rs: RankSummary, text: str) -> None:
@@ -233,6 +246,8 @@ def summarize(run: Run) -> RunSummary:
         world_size=run.world_size,
         format_versions=run.format_versions,
         ranks=ranks,
+        missing_ranks=run.missing_ranks,
+        unattributed=[(f.path, _unreadable(f)) for f in run.unattributed],
     )
 
 
@@ -240,7 +255,7 @@ def summarize(run: Run) -> RunSummary:
 class Finding:
     """One thing ``check`` reports: where, what, and how much was lost."""
 
-    severity: str  # "damage", "torn", "unclosed"
+    severity: str  # "damage", "torn", "unclosed", "missing" (a rank of the world size has no log)
     path: str
     offset: int | None
     what: str
@@ -298,4 +313,10 @@ def findings(summary: RunSummary) -> list[Finding]:
                 )
             found.sort(key=lambda f: (f.offset is not None, f.offset or 0))
             out.extend(found)
+    for path, why in summary.unattributed:
+        out.append(Finding("damage", path, None, f"{why}; no run can be told for it, so it is in none"))
+    if summary.missing_ranks:
+        ranks = ", ".join(map(str, summary.missing_ranks))
+        out.append(Finding("missing", summary.path, None, f"rank{'s' if len(summary.missing_ranks) > 1 else ''} "
+                           f"{ranks} of world size {summary.world_size}: no log of this run found"))
     return out

@@ -32,6 +32,7 @@ class FormatError(TrainrecError):
                 where += f" at byte {offset}"
             where += ": "
         super().__init__(where + message)
+        self.message = message  # what is wrong, without where
         self.path = path
         self.offset = offset
 

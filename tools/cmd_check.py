@@ -4,8 +4,10 @@ Reads every frame of every file of the run and reports, per file: damaged region
 what, bytes skipped), frames lost according to the writer's sequence numbers, files that are not
 readable logs, and torn tails of files that were not closed cleanly.
 
-Exit status: 0 when clean, 1 when anything was damaged or torn (the report lists it), 2 when RUN
-cannot be opened at all. Files that merely lack their closing record (the writer was killed right
+Exit status: 0 when clean, 1 when anything was damaged or torn, or a rank of the world size has no
+log in the output directory (the report lists it), 2 when RUN cannot be opened at all. Rank
+directories there whose logs have no readable header belong to no run that can be told: they are
+reported as damage beside the run checked. Files that merely lack their closing record (the writer was killed right
 after a flush, or is still writing) are listed as notes, and fail the check only with ``--strict``.
 """
 
@@ -37,7 +39,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     summary = summarize(open_run_from_args(args))
     found = findings(summary)
-    failing = {"damage", "torn"} | ({"unclosed"} if args.strict else set())
+    failing = {"damage", "torn", "missing"} | ({"unclosed"} if args.strict else set())
     bad = [f for f in found if f.severity in failing]
     files = [f for r in summary.ranks for f in r.files]
     out = sys.stdout

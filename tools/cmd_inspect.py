@@ -104,6 +104,10 @@ def render(s: RunSummary) -> str:
     ]
     for r in s.ranks:
         lines.extend(_rank_lines(r))
+    if s.missing_ranks:
+        lines.append(f"missing: rank(s) {format_ranks(s.missing_ranks)} of world size {s.world_size} have no log here")
+    for path, why in s.unattributed:
+        lines.append(f"unreadable, in no run: {path}: {why}")
     torn = [r.rank for r in s.ranks if any(f.torn_bytes and not f.closed_cleanly for f in r.files)]
     damaged = [r.rank for r in s.ranks if any(f.problems or f.gaps or f.error for f in r.files)]
     lines.append(

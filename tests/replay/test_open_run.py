@@ -69,6 +69,10 @@ def test_selection_by_run_id_prefix_and_time_range(two_launches):
         open_run(str(out), run_id="zzz")
     with pytest.raises(NotARunError, match="not a time stamp"):
         open_run(str(out), time_start="yesterday")
+    with pytest.raises(NotARunError, match="no run matches time range from Dec31_00-00-00 on; runs found"):
+        open_run(str(out), time_start="Dec31_00-00-00")
+    with pytest.raises(NotARunError, match="no run matches time range up to Nov01_00-00-00; runs found"):
+        open_run(str(out), time_end="Nov01_00-00-00")
 
 
 def test_rank_directory_and_single_file(two_launches):

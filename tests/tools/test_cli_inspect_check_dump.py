@@ -118,6 +118,7 @@ def test_check_clean_damaged_torn_and_unclosed(run_dir, tmp_path, capsys):
 
     unclosed = str(tmp_path / "unclosed")
     _write_rank(unclosed, 0, close=False)
+    _write_rank(unclosed, 1)
     assert main(["check", unclosed]) == 0
     assert "note" in capsys.readouterr().out
     assert main(["check", unclosed, "--strict"]) == 1
@@ -252,3 +253,33 @@ def test_inspect_says_what_the_monitor_reported_going_wrong(tmp_path, capsys):
     assert notes == ["step 0: config rejected: c.json: config key 'targets.x': nope",
                      "step 0: forward hook of 'fc' failed: RuntimeError('boom')",
                      "step 2: monitoring stopped: collect_times reached"]
+
+
+def test_a_rank_whose_log_cannot_be_read_is_missing_not_ignored(run_dir, tmp_path, capsys):
+    """Rank 1's only log lost its header: it belongs to no run that can be told. check said OK for the
+    run of rank 0 alone; it now fails, naming the unreadable file and the rank the world size misses,
+    and every command still opens the readable run (the headerless directory is never "the latest")."""
+    out = str(tmp_path / "out")
+    shutil.copytree(run_dir, out)
+    bad = os.path.join(out, f"{STAMP}-rank1-0000beef", "trainrec-00000.trl")
+    with open(bad, "r+b") as f:
+        f.write(b"garbage!")
+    later = os.path.join(out, "Dec31_23-59-59-rank0-deadbeef")  # a newer stamp, with an empty log
+    os.makedirs(later)
+    open(os.path.join(later, "trainrec-00000.trl"), "wb").close()
+    assert main(["check", out, "--json"]) == 1
+    doc = orjson.loads(capsys.readouterr().out)
+    found = {(f["severity"], f["path"], f["what"]) for f in doc["findings"]}
+    assert found == {
+        ("damage", bad, "not a trainrec log (bad magic); no run can be told for it, so it is in none"),
+        ("damage", os.path.join(later, "trainrec-00000.trl"), "no file header (empty, or cut before the end of "
+         "its header); no run can be told for it, so it is in none"),
+        ("missing", out, "rank 1 of world size 2: no log of this run found"),
+    }
+    assert main(["inspect", out]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("run cli-run ") and "missing: rank(s) 1 of world size 2 have no log here" in text
+    assert f"unreadable, in no run: {bad}: not a trainrec log (bad magic)" in text
+    # one rank directory given on its own: the other ranks are not expected there
+    assert main(["check", os.path.join(out, f"{STAMP}-rank0-0000beef")]) == 0
+    capsys.readouterr()
