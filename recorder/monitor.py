@@ -104,7 +104,7 @@ class TrainerMon(StepCollector):
         if isinstance(config_file_path, MonitorConfig):
             self.config = config_file_path
         elif isinstance(config_file_path, dict):
-            self.config = parse_config(config_file_path, "config")
+            self.config = parse_config(config_file_path, "config dict")
         else:
             self.config = load_config(config_file_path)
         self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None

@@ -63,7 +63,7 @@ class Recorder:
         elif isinstance(config, MonitorConfig):
             cfg = config
         elif isinstance(config, dict):
-            cfg = parse_config(config, "config")
+            cfg = parse_config(config, "config dict")
         else:
             cfg = load_config(os.fspath(config))
         live = "format" in cfg.raw

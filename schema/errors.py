@@ -60,7 +60,9 @@ class ConfigError(TrainrecError):
         prefix = ""
         if source:
             prefix += f"{source}: "
-        if key:
+        if key and key.startswith("-"):  # a command-line option of the tools
+            prefix += f"option {key}: "
+        elif key:
             prefix += f"config key {key!r}: "
         super().__init__(prefix + message)
         self.message = message

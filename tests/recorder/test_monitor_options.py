@@ -736,8 +736,12 @@ def test_native_record_with_a_bad_config_leaves_no_log_open(tmp_path, out):
 
     model, _ = make()
     before = set(threading.enumerate())
-    with pytest.raises(ConfigError, match="matches no module"):
+    with pytest.raises(ConfigError, match="matches no module") as ei:
         record(model, config={"xy_distribution": True, "targets": {"nope": {}}}, output_dir=str(tmp_path / "bad"))
+    assert str(ei.value).startswith("config key 'targets.nope': matches no module")  # no file to name
+    with pytest.raises(ConfigError) as ei:
+        record(model, config={"bogus": 1}, output_dir=str(tmp_path / "bad"))
+    assert str(ei.value).startswith("config dict: config key 'bogus': unknown key; expected one of ")
     assert glob.glob(str(tmp_path / "bad" / "*")) == []  # nothing recorded: its empty log and directory went
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and set(threading.enumerate()) - before:

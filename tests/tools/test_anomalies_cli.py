@@ -98,12 +98,12 @@ def test_torn_tail_is_used_and_reported(tmp_path, capsys):
         (["-k", "x"], 2, "must be a positive integer"),
         (["-s", "100-200"], 2, "steps 100-200 are outside the recorded range of run testrun: the recorded steps are 0..29"),
         (["-s", "[1,two]"], 2, "bad step range 'two'"),
-        (["--threshold", "0.3"], 2, "need --rule"),
+        (["--threshold", "0.3"], 2, "error: option --rule: --threshold, --window, --warmup and --arg need --rule"),
         (["--rule", "Bogus"], 2, "unknown rule 'Bogus'"),
         (["--rule", "NaNInf", "--threshold", "1"], 2, "no chosen rule takes threshold"),
         (["--rule", "AnomalyTurbulence", "--threshold", "-1"], 2, "must be > 0.0"),
         (["--rule", "AnomalyTurbulence"], 2, "needs the argument 'threshold'"),
-        (["--kinds", "actv"], 2, "needs --rule"),
+        (["--kinds", "actv"], 2, "error: option --kinds: --kinds selects what to re-detect on and needs --rule"),
     ],
 )
 def test_bad_input(run_dir, capsys, argv, code, text):
