@@ -49,6 +49,7 @@ class AnomalyJsonDump:
         os.makedirs(self.dir, mode=0o750, exist_ok=True)
         self._keys: set[str] = set()
         self._count = 0
+        self.written = 0  # entries this object added (not those of a resumed run's file)
         self._file = None
         self._aside: str | None = None  # where an earlier run's anomaly.json was moved
         self._made_dir = made_dir
@@ -133,6 +134,7 @@ class AnomalyJsonDump:
         self._end += len(data) - 3  # back onto the new closing brace ("\n}\n" is 3 bytes)
         self._keys.update(batch)
         self._count += len(batch)
+        self.written += len(batch)
 
     def close(self) -> None:
         if self._file is not None:
@@ -266,5 +268,12 @@ class AlertEngine:
         if self.dump is not None:
             self.dump.close()
         if self.total:
-            where = f"; see {self.dump.path}" if self.dump is not None else ""
+            where = ""
+            if self.dump is not None:
+                # (the reference's file keys entries by tag, step and call: several ops of one tensor
+                # share an entry; the log has every one)
+                written = self.dump.written
+                where = (f"; see {self.dump.path}" if written >= self.total else
+                         f"; {written} entries in {self.dump.path}, where anomalies of several ops of one "
+                         "tensor in one call share an entry (the log has every one: trainrec anomalies)")
             log.warning("trainrec: rank %d: %d anomalies in total%s", self.rank, self.total, where)

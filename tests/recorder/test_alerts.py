@@ -62,6 +62,24 @@ def test_observe_returns_events_and_dumps_reference_json(tmp_path):
     assert feed(eng, 11, vals, names) == []
 
 
+def test_the_closing_count_says_why_the_file_has_fewer_entries(tmp_path, caplog):
+    """4 anomalies (4 ops of one tensor) share one entry of the reference's file: the closing line
+    says so, instead of a total the file does not hold."""
+    eng = AlertEngine(CFG, rank=1, pp_stage=0, group_mates=(0, 1), dump_dir=str(tmp_path / "anomaly_detected"))
+    names = [f"layers.{i}" for i in range(4)]
+    for step in range(10):
+        feed(eng, step, stats_rows(4), names)
+    vals = stats_rows(4)
+    vals[2, :4] *= 100
+    assert len(feed(eng, 10, vals, names)) == 4
+    with caplog.at_level(logging.WARNING, logger="trainrec.recorder.alerts"):
+        eng.close()
+    path = tmp_path / "anomaly_detected" / "rank1" / "anomaly.json"
+    assert [r.getMessage() for r in caplog.records][-1] == (
+        f"trainrec: rank 1: 4 anomalies in total; 1 entries in {path}, where anomalies of several ops of one "
+        "tensor in one call share an entry (the log has every one: trainrec anomalies)")
+
+
 def test_dump_file_is_valid_after_every_write_and_only_grows(tmp_path):
     eng = AlertEngine(CFG, rank=0, pp_stage=0, group_mates=(0,), dump_dir=str(tmp_path))
     names = ["a", "b", "c"]
