@@ -160,6 +160,10 @@ def _parse_targets(raw: Any, source: str | None) -> dict:
                 raise ConfigError(f"unknown field {slot!r}; expected one of {', '.join(SLOT_KEYS)}",
                                   f"targets.{name}", source)
             sel[slot] = parse_selector(spec, f"targets.{name}.{slot}", source)
+        if name == "" and sel:
+            # "" stands for every module (the root's name): no one selector fits every module's inputs
+            raise ConfigError("the empty name means every module, and a selector cannot fit the inputs and "
+                              "outputs of every one: name the module it is for", "targets.", source)
         out[name] = sel
     return out
 

@@ -96,6 +96,10 @@ def test_no_targets_with_xy_means_all_modules():
     assert parse_config({"xy_distribution": True}).all_xy
     assert parse_config({"xy_distribution": True, "targets": {"": {}}}).all_xy
     assert not parse_config({"xy_distribution": True, "targets": {"embed": {}}}).all_xy
+    # "" is every module: a selector there cannot fit them all, and was silently ignored
+    with pytest.raises(ConfigError, match="the empty name means every module") as ei:
+        parse_config({"xy_distribution": True, "targets": {"": {"input": "tuple[2]:0"}}}, "c.json")
+    assert ei.value.key == "targets." and str(ei.value).startswith("c.json: config key 'targets.': ")
 
 
 def test_selector_tuple_without_index_means_index_0():
