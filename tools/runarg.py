@@ -9,6 +9,8 @@ Every command that reads a run adds them with :func:`add_run_arguments` and open
     --time-end STAMP     (inclusive)
 
 An ambiguous choice is an error that lists the candidate runs (run id, stamps, ranks).
+:func:`check_steps` gives the one answer of every command to a step selection outside the steps the
+run recorded.
 """
 
 from __future__ import annotations
