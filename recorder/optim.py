@@ -182,6 +182,11 @@ class AdamState:
         :meth:`refresh`); False also where it may not be."""
         return not self._shards and not zero.any_maybe_partitioned(params)
 
+    @property
+    def stepped(self) -> bool:
+        """Whether the optimizer holds any per-parameter state (Adam's or another's: it has stepped)."""
+        return bool(self.torch_opt.state) or any(bool(o.state) for o in self._opt_of.values())
+
     def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
         """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state."""
         out = []
@@ -224,7 +229,8 @@ class AdamState:
         if missing == len(params) and params and not self._warned and state:
             self._warned = True
             log.warning("trainrec: no Adam state (exp_avg/exp_avg_sq) found for the monitored parameters in %s; "
-                        "mv_distribution/ur_distribution record nothing for them", type(self.torch_opt).__name__)
+                        "mv_distribution, ur_distribution and mg_direction record nothing for them",
+                        type(self.torch_opt).__name__)
         return out
 
 
