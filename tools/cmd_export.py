@@ -38,7 +38,7 @@ from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run, open_run
 from trainrec.schema import layout
 from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
-from trainrec.schema.events import KINDS, StepEnded, TensorStatsRecorded
+from trainrec.schema.events import KINDS, ConfigApplied, StepEnded, TensorStatsRecorded
 
 from .export_files import ExportTask, TaskResult, pool_context, run_task
 from .runarg import add_run_arguments, check_steps
@@ -109,10 +109,11 @@ def add_parser(subparsers) -> None:
         q.add_argument("-j", "--process-num", type=_positive, default=1, metavar="N", help="processes (default 1)")
         q.add_argument("--force", action="store_true", help="replace DIR when it holds a previous trainrec export")
         if fmt == "csv":
-            q.add_argument("--ndigits", type=_ndigits, default=6, metavar="N",
-                           help="decimals, rounded as the reference rounds them (default 6; 'full': no rounding)")
-            q.add_argument("--step-count-per-record", type=_positive, default=1, metavar="M",
-                           help="steps per CSV file (default 1)")
+            q.add_argument("--ndigits", type=_ndigits, default=FROM_RUN, metavar="N",
+                           help="decimals, rounded as the reference rounds them ('full': no rounding; default: "
+                                "the run's config, as its live export wrote them, else 6)")
+            q.add_argument("--step-count-per-record", type=_positive, default=FROM_RUN, metavar="M",
+                           help="steps per CSV file (default: the run's config, else 1)")
         q.set_defaults(func=run)
 
 
@@ -151,6 +152,34 @@ def _stamp(value: str | None, option: str, path: str):
     if key is None:
         raise NotARunError(f"{option} {value!r} is not a time stamp like Nov30_11-13-33", path)
     return key
+
+
+FROM_RUN = object()  # --ndigits / --step-count-per-record not given: the run's own
+
+
+def recorded_csv_options(run: Run, rank: int, max_events: int = 10000) -> tuple[int | None, int]:
+    """``(ndigits, step_count_per_record)`` of the config the rank's first log applied first (the
+    settings its live export wrote the CSV files with: they are fixed at the run's start); the
+    reference's defaults (6, 1) where the log holds no such config or a value that is not valid."""
+    ndigits, per_record = 6, 1
+    files = run.files(rank)
+    if not files:
+        return ndigits, per_record
+    try:
+        for i, ev in enumerate(LogReader(files[0])):
+            if isinstance(ev, ConfigApplied):
+                cfg = ev.config if isinstance(ev.config, dict) else {}
+                n, m = cfg.get("ndigits", 6), cfg.get("step_count_per_record", 1)
+                if type(n) is int and n >= 0:
+                    ndigits = n
+                if type(m) is int and m >= 1:
+                    per_record = m
+                break
+            if i >= max_events:
+                break
+    except FormatError:
+        pass
+    return ndigits, per_record
 
 
 def kinds_seen(run: Run, rank: int, max_steps: int = 3, max_events: int = 20000) -> list[str]:
@@ -203,13 +232,17 @@ def plan_tasks(runs: list[Run], args, kinds: tuple[str, ...], out: str) -> list[
             ordered = [k for k in kinds if k in present] + [k for k in kinds if k not in present]
             groups = [tuple(ordered[i::parts]) for i in range(parts)]
             groups = [tuple(k for k in kinds if k in g) for g in groups if g]
+        ndigits, per_record = getattr(args, "ndigits", 6), getattr(args, "step_count_per_record", 1)
+        if ndigits is FROM_RUN or per_record is FROM_RUN:
+            run_ndigits, run_per_record = recorded_csv_options(run, r)
+            ndigits = run_ndigits if ndigits is FROM_RUN else ndigits
+            per_record = run_per_record if per_record is FROM_RUN else per_record
         for gi, group in enumerate(groups):
             suffix = "" if len(groups) == 1 else (group[0] if len(group) == 1 else f"part{gi}")
             tasks.append(
                 ExportTask(
                     fmt=args.export_format, info=info, rank=r, out_dir=rank_out, kinds=group, steps=args.steps,
-                    notes=gi == 0, ndigits=getattr(args, "ndigits", 6),
-                    step_count_per_record=getattr(args, "step_count_per_record", 1), tb_suffix=suffix,
+                    notes=gi == 0, ndigits=ndigits, step_count_per_record=per_record, tb_suffix=suffix,
                     task_id=len(tasks), note_kinds=tuple(kinds),
                 )
             )
@@ -361,8 +394,8 @@ def run(args) -> int:
         "types": list(kinds),
         "steps": args.steps.text() if args.steps else None,
         "ranks": args.ranks.text() if args.ranks else None,
-        "ndigits": getattr(args, "ndigits", None),
-        "step_count_per_record": getattr(args, "step_count_per_record", None),
+        "ndigits": _one_value({t.ndigits for t in tasks}) if fmt == "csv" else None,
+        "step_count_per_record": _one_value({t.step_count_per_record for t in tasks}) if fmt == "csv" else None,
         "created": time.time(),
     }
     created = not os.path.exists(out)
@@ -380,6 +413,11 @@ def run(args) -> int:
     if status:  # nothing exported: leave no directory that looks like an export
         _remove_output(out, created)
     return status
+
+
+def _one_value(values: set):
+    """The value all tasks share, or "per run" (runs of other settings exported together)."""
+    return next(iter(values)) if len(values) == 1 else "per run"
 
 
 def _remove_output(out: str, created: bool) -> None:

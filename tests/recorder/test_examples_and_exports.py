@@ -62,6 +62,23 @@ def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
     assert rows[0] == ["vpp_stage", "param_name", "step", "norm", "max"]
     assert all(len(v.split(".")[-1]) <= 3 for r in rows[1:] for v in r[3:] if "." in v)
 
+    # `trainrec export csv RUN` (as the README says, to remake what the live export missed) takes the
+    # run's own ndigits and step_count_per_record: the same files, byte for byte
+    from trainrec.tools.cli import main
+
+    assert main(["export", "csv", str(tmp_path / "out"), "-o", str(tmp_path / "again")]) == 0
+    live = sorted(glob.glob(os.path.join(d, "*.csv")))
+    again = os.path.join(tmp_path / "again", os.path.basename(d))
+    assert sorted(os.listdir(again)) == [os.path.basename(p) for p in live]
+    for p in live:
+        with open(p, "rb") as f, open(os.path.join(again, os.path.basename(p)), "rb") as g:
+            assert f.read() == g.read(), p
+    # given on the command line, they win
+    assert main(["export", "csv", str(tmp_path / "out"), "-o", str(tmp_path / "mine"), "--ndigits", "5",
+                 "--step-count-per-record", "1"]) == 0
+    assert sorted(os.listdir(os.path.join(tmp_path / "mine", os.path.basename(d))))[:2] == [
+        "grad_reduced_0-0.csv", "grad_reduced_1-1.csv"]
+
 
 def _step1_row_labels(tmp_path, monkeypatch, model_cls, cfg):
     """Record 2 steps of 2 micro steps of ``model_cls()`` with format csv; the row labels (column 2) of
