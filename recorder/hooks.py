@@ -261,15 +261,20 @@ def stack_rows(rows: list) -> torch.Tensor | np.ndarray:
 
 
 class ModuleTarget:
-    """One monitored module: its name id, vpp stage and selectors per slot (None = default)."""
+    """One monitored module: its name id, vpp stage and selectors per slot (None = default). ``wants``:
+    the slots recorded, those its targets entry names (the reference's documentation: a module in
+    targets is monitored as configured there, others of all_xy in all four), all four where the entry
+    names none (``{}``) or the module is monitored through all_xy or no targets; the others' columns
+    are NaN, as for a slot the module has no tensor in."""
 
-    __slots__ = ("name_id", "name", "vpp", "sel")
+    __slots__ = ("name_id", "name", "vpp", "sel", "wants")
 
     def __init__(self, name_id: int, name: str, vpp: int, sel: dict) -> None:
         self.name_id = name_id
         self.name = name
         self.vpp = vpp
         self.sel = sel
+        self.wants = frozenset(sel) if sel else frozenset(_SLOTS)
 
 
 class GradCall:
@@ -404,13 +409,14 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
     key_in = f"targets.{t.name}.input_grad"
     mid = t.name_id
     vpp = t.vpp
+    want_in = "input_grad" in t.wants
 
     def hook(module, args):
         st = mon._state
         if st is None or not module.training or not torch.is_grad_enabled():
             return
         try:
-            x = select(args, sel_in, key_in)
+            x = select(args, sel_in, key_in) if want_in else None
             gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x))
             st.open_calls.setdefault(mid, []).append(gc)
             if gc.in_hooked:
@@ -432,6 +438,8 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
     key_gout = f"targets.{t.name}.output_grad"
     mid = t.name_id
     vpp = t.vpp
+    want_in, want_out, want_gout = ("input" in t.wants), ("output" in t.wants), ("output_grad" in t.wants)
+    forward = forward and (want_in or want_out)
 
     def hook(module, args, output):
         st = mon._state
@@ -442,7 +450,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
             if opened:
                 gc = opened.pop()
                 try:
-                    y = select(output, sel_gout, key_gout)
+                    y = select(output, sel_gout, key_gout) if want_gout else None
                     if _needs_grad(y):
                         gc.out_hooked = True
                         _hook_grad(mon, st, y, gc, SLOT_OUTPUT_GRAD, t.name)
@@ -453,7 +461,8 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
         try:
             micro = st.micro_of(vpp, mid, st.fwd_count, mon._grad_acc)
             call = st.fire(mid, DIR_FORWARD, micro)
-            xs = (select(args, sel_in, key_in), select(output, sel_out, key_out))
+            xs = (select(args, sel_in, key_in) if want_in else None,
+                  select(output, sel_out, key_out) if want_out else None)
             rows = rows_for(mon, st, xs)
             st.stats.add(StatsPart(KIND_ACTV, rows, (mid, mid), (micro, micro), (call, call),
                                    (SLOT_INPUT, SLOT_OUTPUT), (vpp, vpp)))

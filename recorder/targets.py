@@ -44,6 +44,10 @@ class ParamInfo:
     tp_duplicate: bool = False
 
 
+_GRAD_SLOTS = frozenset({"input_grad", "output_grad"})
+_VALUE_SLOTS = frozenset({"input", "output"})
+
+
 @dataclass
 class Targets:
     modules: list = field(default_factory=list)  # (module, ModuleTarget)
@@ -57,11 +61,14 @@ class Targets:
         """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working."""
         handles = []
         for k, (module, t) in enumerate(self.modules):
-            if self.backward:
+            # (only the slots its targets entry names: ModuleTarget.wants)
+            backward = self.backward and not t.wants.isdisjoint(_GRAD_SLOTS)
+            forward = self.forward and not t.wants.isdisjoint(_VALUE_SLOTS)
+            if backward:
                 handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t)))
-            if self.forward or self.backward:
+            if forward or backward:
                 handles.append(module.register_forward_hook(
-                    self._hook(mon, ("fwd", k), make_forward_hook, t, self.forward, self.backward)))
+                    self._hook(mon, ("fwd", k), make_forward_hook, t, forward, backward)))
         return handles
 
     def grad_hook(self, mon, index: int, incoming: bool | str):

@@ -222,6 +222,33 @@ def test_selectors_tuple_and_tensor_on_one_tuple(tmp_path, out):
     assert not [e for e in ev if isinstance(e, HookFailed)]
 
 
+@pytest.mark.parametrize("all_xy", [False, True])
+def test_a_targets_entry_records_the_slots_it_names(tmp_path, out, all_xy):
+    """The reference's documentation: a module in targets is monitored as its entry says (input,
+    output, input_grad, output_grad to choose from), the others of all_xy in all four. Unnamed slots
+    were recorded all the same; now they are NaN, as a slot without a tensor, and cost nothing."""
+    cfg = {"xy_distribution": True, "all_xy": all_xy, "squash_name": False,
+           "targets": {"layers.1": {"output": "tensor"}, "head": {"input_grad": "tensor"}, "embed": {}}}
+    train(tmp_path, cfg, steps=1)
+    ev = events_of(out)
+    actv, grads = stats_table(ev, "actv"), stats_table(ev, "actv_grad")
+
+    def slots(table, name):
+        return {k[2]: not math.isnan(v["norm"]) for k, v in table.items() if k[1] == name}
+
+    assert slots(actv, "layers.1") == {"input": False, "output": True}
+    assert slots(grads, "layers.1") == {}
+    assert slots(actv, "head") == {}
+    assert slots(grads, "head") == {"input_grad": True, "output_grad": False}
+    assert slots(actv, "embed") == {"input": True, "output": True}  # {}: every slot
+    assert slots(grads, "embed") == {"output_grad": True, "input_grad": False}  # token ids have no gradient
+    others = {k[1] for k in actv} - {"layers.1", "head", "embed"}
+    assert bool(others) == all_xy
+    for name in others:  # all_xy's other modules: all four
+        assert slots(actv, name) == {"input": True, "output": True}, name
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+
+
 def test_selectors_as_module_struct_prints_them_for_a_linear(tmp_path, out):
     """module_struct.json (the reference's and ours) gives "tuple[1]" for a Linear's input, input_grad
     and output_grad, as the reference's hooks see them; "tuple[1]:0" picks the tensor output's gradient
