@@ -267,14 +267,15 @@ class ModuleTarget:
     names none (``{}``) or the module is monitored through all_xy or no targets; the others' columns
     are NaN, as for a slot the module has no tensor in."""
 
-    __slots__ = ("name_id", "name", "vpp", "sel", "wants")
+    __slots__ = ("name_id", "name", "vpp", "sel", "wants", "key")
 
-    def __init__(self, name_id: int, name: str, vpp: int, sel: dict) -> None:
+    def __init__(self, name_id: int, name: str, vpp: int, sel: dict, key: str | None = None) -> None:
         self.name_id = name_id
         self.name = name
         self.vpp = vpp
         self.sel = sel
         self.wants = frozenset(sel) if sel else frozenset(_SLOTS)
+        self.key = key if key is not None else name  # the targets key as written (errors name it)
 
 
 class GradCall:
@@ -406,7 +407,7 @@ def _with_nan_row(rows, nan_second: bool):
 def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
     """Forward pre-hook (activation gradients): a gradient hook on the selected input tensor."""
     sel_in = t.sel.get("input_grad")
-    key_in = f"targets.{t.name}.input_grad"
+    key_in = f"targets.{t.key}.input_grad"
     mid = t.name_id
     vpp = t.vpp
     want_in = "input_grad" in t.wants
@@ -433,9 +434,9 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
     sel_in = t.sel.get("input")
     sel_out = t.sel.get("output")
     sel_gout = t.sel.get("output_grad")
-    key_in = f"targets.{t.name}.input"
-    key_out = f"targets.{t.name}.output"
-    key_gout = f"targets.{t.name}.output_grad"
+    key_in = f"targets.{t.key}.input"
+    key_out = f"targets.{t.key}.output"
+    key_gout = f"targets.{t.key}.output_grad"
     mid = t.name_id
     vpp = t.vpp
     want_in, want_out, want_gout = ("input" in t.wants), ("output" in t.wants), ("output_grad" in t.wants)
@@ -492,7 +493,7 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None,
         done = True
         for slot, sel in sels:
             try:
-                select(args if slot.startswith("input") else output, sel, f"targets.{t.name}.{slot}")
+                select(args if slot.startswith("input") else output, sel, f"targets.{t.key}.{slot}")
             except SelectorMismatch as exc:
                 err = ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
                                   f"first step; print_struct shows the real structure)", exc.key, source)

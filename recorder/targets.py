@@ -173,7 +173,7 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                 sel = dict(targets[hit[0]]) if hit else {}
                 if hit:
                     _check_input_selectors(module, full, sel, hit[0])
-                out.modules.append((module, ModuleTarget(intern(s), s, vpp, sel)))
+                out.modules.append((module, ModuleTarget(intern(s), s, vpp, sel, hit[0] if hit else None)))
         params = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
         pshort = squash_all([n for n, _ in params], cfg.squash_name)
         all_params.extend(n for n, _ in params)

@@ -279,6 +279,15 @@ def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path,
         assert "targets.pair.input" in str(err.value) and "gives tuple[2]" in str(err.value)
         assert err.value.source and str(err.value).startswith(err.value.source)
         mon.close()
+    # the key as written, not the squashed name ("layers.1" is recorded as "1")
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"layers.1": {"output": "tuple[2]"}}}),
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    with pytest.raises(ConfigError) as err:
+        loss_of(model, 0)
+    assert err.value.key == "targets.layers.1.output"
+    mon.close()
 
 
 def test_a_run_that_a_selector_mismatch_ends_says_why_in_its_log(tmp_path, out):
