@@ -220,13 +220,21 @@ def _parse_cc(raw: Any, source: str | None) -> dict:
     return dict(raw)
 
 
+# keys of other mindstudio-probe versions: what the 1.2.1 config (this one) says instead
+_KEY_HINTS = {
+    "dynamic_on": " (a later mindstudio-probe's; in 1.2.1's config, as here, dynamic start and stop is the "
+                  "environment variable DYNAMIC_MONITOR=True with the key 'switch')",
+}
+
+
 def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     """Validate a raw config dict; ``source`` (a path) is named in errors. Raises ConfigError."""
     if not isinstance(raw, dict):
         raise ConfigError(f"expected a JSON object at the top level, got {type(raw).__name__}", None, source)
     for key in raw:
         if key not in KNOWN_KEYS:
-            raise ConfigError(f"unknown key; expected one of {', '.join(sorted(KNOWN_KEYS))}", key, source)
+            hint = _KEY_HINTS.get(key, "")
+            raise ConfigError(f"unknown key{hint}; expected one of {', '.join(sorted(KNOWN_KEYS))}", key, source)
     kw: dict[str, Any] = {}
     for key in _BOOL_KEYS:
         if key in raw:

@@ -48,6 +48,7 @@ def test_reference_example_parses_and_keeps_raw():
     ("raw", "key", "expect"),
     [
         ({"wg_distributon": True}, "wg_distributon", "unknown key"),
+        ({"dynamic_on": True}, "dynamic_on", "with the key 'switch'"),
         ({"wg_distribution": 1}, "wg_distribution", "true or false"),
         ({"xy_distribution": "yes"}, "xy_distribution", "true or false"),
         ({"start_step": -1}, "start_step", "integer >= 0"),
