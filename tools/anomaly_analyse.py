@@ -153,7 +153,9 @@ def analyse(argv: Sequence[str] | None = None) -> int:
         print(f"no anomalies at steps {steps.text() if steps else ''} ({len(anomalies)} at other steps, "
               f"{first}..{last}); wrote an empty {target}")
     else:
-        print(f"Top {len(top)} of {len(anomalies)} anomalies in execution order (written to {target}):")
+        at = f" at steps {steps.text()}" if steps else ""
+        entries = len(reference_json(ranked))  # (several ops of one tensor and call share an entry)
+        print(f"Top {len(top)} of {entries} anomaly entries{at} in execution order (written to {target}):")
         for i, value in enumerate(top.values()):
             print(f"{i}: {value['message']}")
     return 0

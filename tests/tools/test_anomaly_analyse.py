@@ -75,7 +75,7 @@ def test_reference_files_rank_like_the_reference_except_params(reference_dir, ca
             assert all(k == "param" for k in kinds[first_param:])
             ref_kinds = [kind_of_tag(theirs[k]["tag_name"]) for k in theirs if theirs[k]["step"] == step]
             assert ref_kinds[0] == "param"
-    assert out.startswith(f"Top {len(ours)} of {len(dumped)} anomalies in execution order")
+    assert out.startswith(f"Top {len(ours)} of {len(dumped)} anomaly entries in execution order")
 
 
 def test_top_k_and_steps_on_reference_files(reference_dir, capsys, tmp_path):
@@ -86,6 +86,10 @@ def test_top_k_and_steps_on_reference_files(reference_dir, capsys, tmp_path):
     # step 9, the injection: the first anomaly in execution order is the forward pass
     assert next(iter(top)) == "0:fc1_0/rank0/output_step_9_call_1"
     assert out.splitlines()[1] == "0: " + top["0:fc1_0/rank0/output_step_9_call_1"]["message"]
+    dumped = json.loads((reference_dir / "rank0" / "anomaly.json").read_text())
+    at_steps = sum(v["step"] in (9, 10) for v in dumped.values())
+    assert 3 < at_steps < len(dumped)  # the count is of the selected steps, not of all of them
+    assert out.splitlines()[0].startswith(f"Top 3 of {at_steps} anomaly entries at steps 9,10 in execution order")
     code, _, _ = analyse(capsys, "-d", reference_dir, "-k", 2, "-o", tmp_path / "x.json")
     assert code == 0 and len(json.loads((tmp_path / "x.json").read_text())) == 2
 
@@ -126,7 +130,7 @@ def test_a_malformed_file_among_good_ones(reference_dir, capsys, tmp_path):
     assert f"{reference_dir / 'rank1' / 'anomaly.json'}: not valid JSON" in err
     assert "rank2" in err and "'k' lacks" in err
     assert len(json.loads((reference_dir / "anomaly_analyse.json").read_text())) == 5
-    assert out.startswith("Top 5 of 117 anomalies")
+    assert out.startswith("Top 5 of 117 anomaly entries")
 
 
 @pytest.mark.parametrize(
@@ -169,7 +173,7 @@ def test_module_entry_point(reference_dir):
     proc = subprocess.run([sys.executable, "-m", "trainrec.tools.anomaly_analyse", "-d", str(reference_dir), "-k", "2"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("Top 2 of 117 anomalies")
+    assert proc.stdout.startswith("Top 2 of 117 anomaly entries")
 
 
 @pytest.mark.skipif(not os.path.exists(MSPROBE_PY), reason="the reference's venv (benchmarks/.venv-msprobe) is absent")
