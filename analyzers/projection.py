@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from trainrec.replay.names import NameResolver
 from trainrec.schema.events import (
+    CSV_FILE_PREFIX,
     KINDS,
     SLOTS,
     AnomalyDetected,
@@ -155,7 +156,11 @@ def parse_kinds(values: Iterable[str] | str | None, valid: Iterable[str] = KINDS
             if not k:
                 continue
             if k not in valid:
-                raise ValueError(f"unknown data type {k!r}; valid types: {', '.join(valid)}")
+                # the reference's CSV file prefix of a type ("other" is mg_direction) names it too
+                k = next((kind for kind, prefix in CSV_FILE_PREFIX.items() if prefix == k and kind in valid), k)
+            if k not in valid:
+                aliases = "".join(f" ({p} for {kind})" for kind, p in CSV_FILE_PREFIX.items() if kind in valid)
+                raise ValueError(f"unknown data type {k!r}; valid types: {', '.join(valid)}{aliases}")
             if k not in out:
                 out.append(k)
     if not out:

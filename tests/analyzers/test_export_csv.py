@@ -303,3 +303,12 @@ def test_dir_sink_rewind_trims_and_removes_window_files_per_kind(tmp_path):
     assert sink.rewind(1) == [("param", 4)]
     assert sorted(os.listdir(tmp_path)) == ["grad_reduced_0-1.csv", "param_0-1.csv"]
     assert (tmp_path / "param_0-1.csv").read_text() == "vpp_stage,param_name,step,norm\n0,w,0,0.5\n"
+
+
+def test_the_reference_csv_prefix_other_names_mg_direction():
+    from trainrec.analyzers.projection import parse_kinds
+
+    assert parse_kinds("param,other") == ("param", "mg_direction")
+    assert parse_kinds(["other", "mg_direction"]) == ("mg_direction",)
+    with pytest.raises(ValueError, match=r"unknown data type 'others'; valid types: .*mg_direction.* \(other for mg_direction\)"):
+        parse_kinds("others")
