@@ -527,7 +527,10 @@ class TrainerMon(StepCollector):
             except Exception as exc:  # noqa: BLE001
                 log.warning("trainrec: closing the anomaly engine failed: %r", exc)
         if self._live is not None:
-            self._live.wait(30.0)
+            if self._writer is not None and self._writer.error is not None:
+                self._live.stop()  # the log never got its FileClosed: nothing to wait for
+            else:
+                self._live.wait(30.0)
         self._engine.release()
 
     def __enter__(self) -> TrainerMon:

@@ -219,6 +219,13 @@ class LiveExport:
             log.warning("trainrec: could not start the live %s export: %s", fmt, exc)
             self.proc = None
 
+    def stop(self) -> None:
+        """Stop the projection now (SIGTERM: it closes the files written so far whole): where the log
+        will never get its FileClosed (the writer failed), waiting for it would only take the timeout."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+        self.wait(5.0)
+
     def wait(self, timeout: float = 30.0) -> None:
         """Wait for the projection to finish (it exits after reading FileClosed)."""
         if self.proc is not None:

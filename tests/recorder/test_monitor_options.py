@@ -1254,3 +1254,26 @@ def test_a_config_error_leaves_no_empty_anomaly_json(tmp_path, out):
     mon.close()
     assert sorted(p.name for p in earlier.parent.iterdir()) == ["anomaly.json"]
     assert earlier.read_text() == '{\n "k": {"step": 3}\n}\n'
+
+
+def test_an_output_directory_removed_mid_run_neither_stops_training_nor_holds_close(tmp_path, out, caplog):
+    """A cleanup script removes the run directory: the writer fails (one error), training goes on, and
+    close() stops the live export at once instead of waiting 30 s for a FileClosed that never comes."""
+    import shutil
+
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "csv"}), params_have_main_grad=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for step in range(6):
+        if step == 2:
+            time.sleep(1.0)  # the live export has started and follows the log
+            shutil.rmtree(mon.rank_dir)
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.3)  # a flush interval: the writer finds its file gone
+    assert mon._writer.error is not None and "removed" in str(mon._writer.error)
+    t0 = time.monotonic()
+    mon.close()
+    assert time.monotonic() - t0 < 10
+    assert mon._live is None or mon._live.proc is None
