@@ -108,7 +108,6 @@ class TrainerMon(StepCollector):
         else:
             self.config = load_config(config_file_path)
         self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None
-        _warn_unrecorded(self.config)
         self.process_group = process_group
         self.params_have_main_grad = params_have_main_grad
         if opt_ty is not None and opt_ty not in KNOWN_OPT_TYPES:
@@ -117,6 +116,7 @@ class TrainerMon(StepCollector):
         self.dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower() == "true"
         info = runinfo.rank_info(process_group)
         self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
+        _warn_unrecorded(self.config, self.world_size)
         self.group_mates = info.group_mates
         self._distributed = info.distributed
         self.run_id = runinfo.shared_run_id()
@@ -562,7 +562,7 @@ class TrainerMon(StepCollector):
             if attached:
                 self._attach()
         self.config = config
-        _warn_unrecorded(config)
+        _warn_unrecorded(config, self.world_size)
         changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
         if changed and reason != "static":
             keeps = ("it writes no log (format 'api')" if self._writer is None else
@@ -1027,11 +1027,18 @@ _warned: set[str] = set()
 _SKIPS_TO_WARN = 8
 
 
-def _warn_unrecorded(cfg: MonitorConfig) -> None:
-    """Say once that an option trainrec accepts (for config compatibility) but does not record is on."""
+def _warn_unrecorded(cfg: MonitorConfig, world_size: int | None = None) -> None:
+    """Say once that an option trainrec accepts (for config compatibility) but does not record is on,
+    and that module_ranks names no rank of the world (no rank records activations: the reference is
+    silent about it)."""
     if cfg.cc_distribution.get("enable"):
         _warn_once("cc_distribution", "trainrec: cc_distribution is accepted for compatibility with msprobe's config "
                    "but communication is not monitored; nothing is written for it")
+    if (world_size is not None and cfg.xy_distribution and cfg.module_ranks
+            and not any(0 <= r < world_size for r in cfg.module_ranks)):
+        _warn_once(f"module_ranks-{cfg.module_ranks}-{world_size}",
+                   f"trainrec: module_ranks {list(cfg.module_ranks)} names no rank of this run's world size "
+                   f"{world_size}: no rank records activations (xy_distribution)")
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -1145,6 +1145,13 @@ def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
     said = [r.getMessage() for r in caplog.records]
     assert sum("cc_distribution is accepted" in m for m in said) == 1
     assert not any("mg_direction" in m for m in said)  # recorded: nothing to say
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        TrainerMon(write_config(tmp_path, {"xy_distribution": True, "module_ranks": [1, 2]}), live_export=False).close()
+        TrainerMon(write_config(tmp_path, {"xy_distribution": True, "module_ranks": [0]}), live_export=False).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainrec: module_ranks [1, 2] names no rank of this run's world size 1: no rank records activations "
+        "(xy_distribution)"]
 
 
 def test_mg_direction_equals_sign_agreement_of_grad_and_momentum_before_the_update(tmp_path, out):
