@@ -326,7 +326,7 @@ class DynamicConfigWatcher:
 
     def _reject(self, obs: FileState, step: int) -> None:
         if self._active:
-            tail = f"monitoring goes on with the config it has collected with since step {self._applied_step + 1}"
+            tail = f"monitoring goes on with the config in effect since step {self._applied_step + 1}"
         else:
             tail = "monitoring stays off"
         reason = f"{obs.message}; {tail}"

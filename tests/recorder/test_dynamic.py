@@ -163,7 +163,7 @@ def test_invalid_edit_while_monitoring_keeps_old_config(make, caplog):
     (rej,) = of(events, ConfigRejected)
     assert (
         "invalid JSON at line 4 column 1" in rej.reason
-        and "goes on with the config it has collected with since step 1" in rej.reason
+        and "goes on with the config in effect since step 1" in rej.reason
     )
     assert rej.keys == () and w.active
     (warn,) = warnings_in(caplog)
@@ -429,7 +429,7 @@ def test_with_the_recorders_parse_config(make, caplog):
         loop.until(lambda u: of(events, ConfigRejected), "the rejection")
         (rej,) = of(events, ConfigRejected)
         assert rej.keys == ("ops",) and f"{src}: config key 'ops': unknown op 'bogus'" in rej.reason
-        assert rej.reason.endswith("monitoring goes on with the config it has collected with since step 1") and w.active
+        assert rej.reason.endswith("monitoring goes on with the config in effect since step 1") and w.active
         (warning,) = warnings_in(caplog)
         assert "unknown op 'bogus'" in warning.getMessage()
     finally:
