@@ -4,7 +4,8 @@
 :meth:`RunFollower.poll` lists what appeared since the last call (new rank directories of the
 launch, new files after a resume) and returns the events completed since then. An incomplete last
 frame is simply waited for. :func:`follow` is the generator loop around it, bounded by a ``stop``
-flag, an idle timeout, or the run being closed.
+flag, an idle timeout, or the run being closed (``until_closed``: also once every file not closed
+is one whose writer, a process of this host, is gone: a crash closes nothing).
 
 What is followed:
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -48,6 +50,29 @@ _BOOKKEEPING = (FileOpened, NamesInterned)
 # poll are held at once (about 6-9x the bytes they were read from), and a follower that starts on a long
 # run (a resumed launch's export reading the earlier launch's log) would otherwise take it all in one.
 POLL_BYTES = 16 << 20
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (a zombie, killed and not yet reaped by its
+    parent, is not running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc: it exists
+
+
+def writer_gone(header: FileOpened | None) -> bool:
+    """Whether the process that wrote a log (its FileOpened's host and pid) is known to be gone: only
+    knowable on its own host; False where it cannot be told."""
+    return (header is not None and bool(header.pid) and header.host == socket.gethostname()
+            and not pid_alive(header.pid))
 
 
 class RunFollower:
@@ -83,6 +108,21 @@ class RunFollower:
     @property
     def ranks(self) -> list[int]:
         return sorted(set(self._ranks.values()))
+
+    @property
+    def writers_gone(self) -> bool:
+        """Every rank's latest file is closed cleanly or its writer is known to be gone (a crash), and
+        at least one is not closed: nothing more will come unless another launch resumes the run."""
+        if not self._readers:
+            return False
+        latest: dict[int, tuple] = {}
+        for path, r in self._readers.items():
+            key = (r.header.start_time if r.header is not None else float("inf"), path)
+            rank = self._ranks[path]
+            if rank not in latest or key > latest[rank][0]:
+                latest[rank] = (key, r)
+        ends = [r.closed_cleanly or writer_gone(r.header) for _, r in latest.values()]
+        return all(ends) and not all(r.closed_cleanly for _, r in latest.values())
 
     @property
     def closed(self) -> bool:
@@ -273,7 +313,9 @@ def follow(
 
     Ends when ``stop`` is set (a ``threading.Event``) or returns true (a callable), when no new event
     arrived for ``idle_timeout`` seconds, or, with ``until_closed``, once every rank's files are
-    closed cleanly. Without any of these it runs until the consumer stops iterating.
+    closed cleanly or left unclosed by a writer that is gone (a crash; only knowable on the writer's
+    host: elsewhere pass ``idle_timeout``). Without any of these it runs until the consumer stops
+    iterating.
     """
     if poll_interval <= 0:
         raise ValueError("poll_interval must be positive")
@@ -297,6 +339,10 @@ def follow(
                     yield ev
             continue
         if until_closed and follower.closed:
+            return
+        if until_closed and follower.writers_gone:
+            log.warning("trainrec: the process writing %s is gone and left a log not closed (a crash): "
+                        "following ends", run_path)
             return
         if idle_timeout is not None and time.monotonic() - last_new >= idle_timeout:
             return

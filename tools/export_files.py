@@ -32,6 +32,7 @@ from trainrec.analyzers.export_tb import TbProjector
 from trainrec.analyzers.projection import StepSet
 from trainrec.analyzers.tb_encode import FILE_VERSION, event_bytes
 from trainrec.replay.discover import RunInfo
+from trainrec.replay.follow import pid_alive
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run
 from trainrec.schema.errors import FormatError
@@ -354,17 +355,6 @@ class TaskResult:
 def _pid_alive(host: str, pid: int) -> bool:
     """Whether the process that wrote a log is still running (only knowable on its own host)."""
     return bool(pid) and host == socket.gethostname() and pid_alive(pid)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RankStream:

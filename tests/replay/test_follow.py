@@ -294,3 +294,55 @@ def test_with_a_budget_a_ranks_later_file_comes_after_its_earlier_one(tmp_path):
     got = [ev for p in _polls(RunFollower(d), 100_000) for ev in p]
     assert got == [ev for p in open_run(str(tmp_path)).files(0) for ev in read_log(p)[1]]
     assert [e.step for e in got if isinstance(e, StepBegan)] == [*range(20), 15, 16, 17]
+
+
+def test_until_closed_ends_when_the_writer_is_killed(tmp_path):
+    """A training process killed with kill -9 mid-run leaves its log unclosed: follow(until_closed=True)
+    with no idle timeout waited forever. It now ends once the writer (this host's, by its FileOpened's
+    pid) is gone, after yielding everything it wrote."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "out")
+    script = f"""
+import sys, time
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from logbuild import rank_dir, stats
+from trainrec.recorder.writer import LogWriter
+from trainrec.schema.events import StepBegan
+w = LogWriter(rank_dir({out!r}, 0), rank=0, world_size=1, run_id="killed", flush_interval=0.01)
+ids = w.intern(["a"])
+for s in range(1000):
+    w.write(StepBegan(rank=0, step=s))
+    w.write(stats(0, s, ids))
+    w.flush(timeout=10)
+    if s == 3:
+        print("ready", flush=True)
+    time.sleep(0.02)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        got: list = []
+        done = threading.Event()
+
+        def tail():
+            got.extend(follow(out, poll_interval=0.05, until_closed=True))
+            done.set()
+
+        threading.Thread(target=tail, daemon=True).start()
+        time.sleep(0.5)
+        assert not done.is_set()  # the writer is alive: following goes on
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert done.wait(timeout=10), "follow() did not end after its writer was killed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    written = list(open_run(out).events())
+    assert [type(e) for e in got] == [type(e) for e in written] and len(got) > 8
+    assert not any(isinstance(e, FileClosed) for e in got)
