@@ -1,4 +1,4 @@
-"""``trainrec dump RUN [--rank N] [--type T ...] [--kind K ...] [--per-record]``: events as JSON lines.
+"""``trainrec dump RUN [--rank N] [--type T ...] [--kind K ...] [--per-record] [-f]``: events as JSON lines.
 
 One JSON object per line (orjson), all ranks merged in execution order (see
 :mod:`trainrec.replay.run`), names resolved. Statistics are expanded to one line per (tensor, op)
@@ -7,16 +7,24 @@ stats record as one line instead, with ``names`` and ``values`` as a list of row
 lists of numbers; non-finite floats are the strings ``"nan"``, ``"inf"``, ``"-inf"`` (never null).
 See :mod:`trainrec.replay.render` for the exact layout.
 
-``--type`` takes tags (``ts``) or class names (``TensorStatsRecorded``, any case), and may repeat.
+``--type`` takes tags (``ts``) or class names (``TensorStatsRecorded``, any case), comma separated
+or repeated; so does ``--kind``.
+
+``-f``/``--follow``: a live tail of a run being written (:func:`trainrec.replay.follow`): what is
+there, then each event as it is written, in the order each rank wrote them (ranks interleaved as
+they are read, not merged by execution order); it ends when every rank's log is closed, or its
+writer (a process of this host) is gone after a crash, or at Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import orjson
 from trainrec.analyzers.projection import parse_kinds
+from trainrec.replay.follow import RunFollower
 from trainrec.replay.names import NameResolver
 from trainrec.replay.render import event_dict, stat_lines
 from trainrec.replay.run import resolve_types
@@ -40,23 +48,41 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--kind", dest="kinds", action="append", metavar="K", help="only stats of kind K, e.g. actv (repeatable)")
     p.add_argument("--per-record", action="store_true", help="one line per stats record instead of per (tensor, op)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing events as the run writes them, until it is closed (or its writer is gone)")
+    p.add_argument("--poll-interval", type=float, default=0.5, metavar="S", help="with --follow: seconds between looks")
     p.set_defaults(func=run)
+
+
+def _listed(values: list[str] | None) -> list[str] | None:
+    """Repeated and comma-separated values as one list."""
+    return None if not values else [v.strip() for arg in values for v in arg.split(",") if v.strip()]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        wanted = resolve_types(args.types) if args.types else None
+        types = _listed(args.types)
+        wanted = resolve_types(types) if types else None
     except ValueError as exc:
         raise TrainrecError(str(exc)) from None
-    r = open_run_from_args(args)
-    if args.rank:
-        missing = sorted(set(args.rank) - set(r.ranks))
-        if missing:
-            raise TrainrecError(f"rank(s) {missing} not in run {r.run_id!r} (ranks: {r.ranks})")
     try:
         kinds = set(parse_kinds(args.kinds, valid=KINDS)) if args.kinds else None
     except ValueError as exc:
         raise TrainrecError(f"--kind: {exc}") from None
+    if args.follow:
+        if args.time_start or args.time_end:
+            raise TrainrecError("--follow takes the run by --run-id (or the latest), not by --time-start/--time-end")
+        if args.poll_interval <= 0:
+            raise TrainrecError(f"--poll-interval must be positive, not {args.poll_interval}")
+        batches = _followed(args)
+    else:
+        r = open_run_from_args(args)
+        if args.rank:
+            missing = sorted(set(args.rank) - set(r.ranks))
+            if missing:
+                raise TrainrecError(f"rank(s) {missing} not in run {r.run_id!r} (ranks: {r.ranks})")
+        batches = iter((r.events(rank=args.rank),))
+    ranks = set(args.rank) if args.rank else None
     resolver = NameResolver()
     write = sys.stdout.buffer.write if hasattr(sys.stdout, "buffer") else None
     dumps = orjson.dumps
@@ -70,23 +96,42 @@ def run(args: argparse.Namespace) -> int:
         else:  # a text stream without a buffer (e.g. captured in tests)
             sys.stdout.write(data.decode())
 
-    for ev in r.events(rank=args.rank):
-        resolver.feed(ev)
-        t = type(ev)
-        if wanted is not None and t not in wanted:
-            continue
-        if t is TensorStatsRecorded:
-            if kinds is not None and ev.kind not in kinds:
+    for batch in batches:
+        for ev in batch:
+            resolver.feed(ev)
+            t = type(ev)
+            if (wanted is not None and t not in wanted) or (ranks is not None and ev.rank not in ranks):
                 continue
-            if not args.per_record:
-                lines.extend(stat_lines(ev, resolver.names(ev)))
+            if t is TensorStatsRecorded:
+                if kinds is not None and ev.kind not in kinds:
+                    continue
+                if not args.per_record:
+                    lines.extend(stat_lines(ev, resolver.names(ev)))
+                else:
+                    lines.append(dumps(event_dict(ev, resolver)))
             else:
                 lines.append(dumps(event_dict(ev, resolver)))
-        else:
-            lines.append(dumps(event_dict(ev, resolver)))
-        if len(lines) >= 4096:
+            if len(lines) >= 4096:
+                flush()
+        if lines:
             flush()
-    if lines:
-        flush()
-    sys.stdout.flush()
+        sys.stdout.flush()  # (following: each poll's events as soon as they are read)
     return 0
+
+
+def _followed(args: argparse.Namespace):
+    """The events of a run being written, one list per poll that found any, until it is closed or
+    its writers are gone."""
+    follower = RunFollower(args.run, run_id=args.run_id)
+    while True:
+        events = follower.poll()
+        if events:
+            yield events
+            continue
+        if follower.closed:
+            return
+        if follower.writers_gone:
+            print("trainrec dump: the process writing the run is gone and left its log unclosed (a crash)",
+                  file=sys.stderr)
+            return
+        time.sleep(args.poll_interval)

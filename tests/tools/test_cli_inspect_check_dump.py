@@ -283,3 +283,38 @@ def test_a_rank_whose_log_cannot_be_read_is_missing_not_ignored(run_dir, tmp_pat
     # one rank directory given on its own: the other ranks are not expected there
     assert main(["check", os.path.join(out, f"{STAMP}-rank0-0000beef")]) == 0
     capsys.readouterr()
+
+
+def test_dump_follow_prints_a_run_as_it_is_written_and_ends_when_it_closes(tmp_path, capsys):
+    import threading
+    import time
+
+    out = str(tmp_path / "live")
+    started = threading.Event()
+
+    def training():
+        w = LogWriter(os.path.join(out, f"{STAMP}-rank0-0000beef"), rank=0, world_size=1, run_id="live-run",
+                      flush_interval=0.01)
+        ids = w.intern(NAMES)
+        for s in range(6):
+            w.write(StepBegan(rank=0, step=s))
+            w.write(TensorStatsRecorded(rank=0, step=s, kind="actv", ops=OPS, dtype="f", name_ids=pack_array("I", ids),
+                                        values=pack_array("f", _values(s, 0)), slots=bytes([1, 2]),
+                                        call_ids=pack_array("I", [5, 6])))
+            w.write(StepEnded(rank=0, step=s, duration=0.1))
+            w.flush(timeout=10)
+            started.set()
+            time.sleep(0.05)
+        w.close()
+
+    t = threading.Thread(target=training)
+    t.start()
+    assert started.wait(10)
+    assert main(["dump", out, "-f", "--poll-interval", "0.02", "--type", "se,ts", "--kind", "actv"]) == 0
+    t.join()
+    followed = _lines(capsys)
+    assert main(["dump", out, "--type", "se", "--type", "ts"]) == 0  # the same, read after the fact
+    assert followed == _lines(capsys)
+    assert sum(d["type"] == "StepEnded" for d in followed) == 6
+    assert main(["dump", out, "-f", "--time-end", STAMP]) == 2
+    assert "--follow takes the run by --run-id" in capsys.readouterr().err
