@@ -32,6 +32,7 @@ from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import AnomalyDetected
 
 from .cmd_anomalies import check_steps, parse_step_list, positive_k, scan_run, write_json
+from .runarg import note_incomplete
 
 ANALYSE_JSON = "anomaly_analyse.json"
 ANOMALY_JSON = "anomaly.json"
@@ -115,6 +116,7 @@ def analyse(argv: Sequence[str] | None = None) -> int:
         return 2
     if _is_trainrec_run(data_dir):
         r = open_run(data_dir)
+        note_incomplete(r, "anomaly_analyse")
         scan = scan_run(r, ())
         anomalies, first, last = scan.recorded, scan.first_step, scan.last_step
         where = f"run {r.run_id or data_dir}"

@@ -37,7 +37,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = summarize(open_run_from_args(args))
+    summary = summarize(open_run_from_args(args, notes=False))
     found = findings(summary)
     failing = {"damage", "torn", "missing"} | ({"unclosed"} if args.strict else set())
     bad = [f for f in found if f.severity in failing]

@@ -41,7 +41,7 @@ from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, ConfigApplied, StepEnded, TensorStatsRecorded
 
 from .export_files import ExportTask, TaskResult, pool_context, run_task
-from .runarg import add_run_arguments, check_steps
+from .runarg import add_run_arguments, check_steps, note_incomplete
 
 log = logging.getLogger(__name__)
 
@@ -380,6 +380,8 @@ def run(args) -> int:
             merged.extend(k for k in group if k not in merged)
         kinds = tuple(merged)
     runs = select_runs(args.run, args.run_id, args.time_start, args.time_end)
+    for r in runs:
+        note_incomplete(r, "export")
     out = os.path.abspath(args.output)
     for r in runs:
         for dirs in r.rank_dirs.values():

@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = summarize(open_run_from_args(args))
+    summary = summarize(open_run_from_args(args, notes=False))
     out = sys.stdout
     if args.json:
         out.write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")

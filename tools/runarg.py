@@ -40,14 +40,31 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_run_from_args(args: argparse.Namespace) -> Run:
-    """Open the run the RUN arguments name; raises NotARunError & co. (the CLI prints them, exit 2)."""
-    return open_run(
+def open_run_from_args(args: argparse.Namespace, notes: bool = True) -> Run:
+    """Open the run the RUN arguments name; raises NotARunError & co. (the CLI prints them, exit 2).
+    ``notes``: say on stderr what the output directory lacks (see :func:`note_incomplete`)."""
+    run = open_run(
         args.run,
         run_id=getattr(args, "run_id", None),
         time_start=getattr(args, "time_start", None),
         time_end=getattr(args, "time_end", None),
     )
+    if notes:
+        note_incomplete(run, args.command)
+    return run
+
+
+def note_incomplete(run: Run, command: str) -> None:
+    """One line on stderr per rank of the world size with no log in the output directory, and per log
+    there that belongs to no run (its header unreadable): a ranking or export of the ranks that are
+    there says nothing of those that are not (inspect and check list them themselves)."""
+    if run.missing_ranks:
+        ranks = ", ".join(map(str, run.missing_ranks))
+        print(f"trainrec {command}: note: rank(s) {ranks} of world size {run.world_size} have no log here; "
+              "what follows is of the others", file=sys.stderr)
+    for lf in run.unattributed:
+        print(f"trainrec {command}: note: {lf.path} is in no run (its header cannot be read; trainrec check)",
+              file=sys.stderr)
 
 
 def steps_outside(steps: StepSet, first: int | None, last: int | None) -> list[str]:

@@ -280,6 +280,12 @@ def test_a_rank_whose_log_cannot_be_read_is_missing_not_ignored(run_dir, tmp_pat
     text = capsys.readouterr().out
     assert text.startswith("run cli-run ") and "missing: rank(s) 1 of world size 2 have no log here" in text
     assert f"unreadable, in no run: {bad}: not a trainrec log (bad magic)" in text
+    # the other commands say so on stderr, and go on with the ranks that are there
+    for argv in (["anomalies", out], ["dump", out, "--type", "se"], ["export", "csv", out, "-o", str(tmp_path / "x")]):
+        assert main(argv) == 0, argv
+        err = capsys.readouterr().err
+        assert f"trainrec {argv[0]}: note: rank(s) 1 of world size 2 have no log here; what follows is of the others" in err
+        assert f"trainrec {argv[0]}: note: {bad} is in no run" in err
     # one rank directory given on its own: the other ranks are not expected there
     assert main(["check", os.path.join(out, f"{STAMP}-rank0-0000beef")]) == 0
     capsys.readouterr()
