@@ -264,8 +264,8 @@ class ModuleTarget:
     """One monitored module: its name id, vpp stage and selectors per slot (None = default). ``wants``:
     the slots recorded, those its targets entry names (the reference's documentation: a module in
     targets is monitored as configured there, others of all_xy in all four), all four where the entry
-    names none (``{}``) or the module is monitored through all_xy or no targets; the others' columns
-    are NaN, as for a slot the module has no tensor in."""
+    names none (``{}``) or the module is monitored through all_xy or no targets; the others get no
+    rows (nor api metrics: the reference computes nothing for them), and their CSV columns are nan."""
 
     __slots__ = ("name_id", "name", "vpp", "sel", "wants", "key")
 
@@ -281,15 +281,16 @@ class ModuleTarget:
 class GradCall:
     """One monitored forward call waiting for its activation gradients."""
 
-    __slots__ = ("mid", "micro", "vpp", "call", "in_hooked", "out_hooked")
+    __slots__ = ("mid", "micro", "vpp", "call", "in_hooked", "out_hooked", "pair")
 
-    def __init__(self, mid: int, micro: int, vpp: int, in_hooked: bool) -> None:
+    def __init__(self, mid: int, micro: int, vpp: int, in_hooked: bool, pair: bool = True) -> None:
         self.mid = mid
         self.micro = micro
         self.vpp = vpp
         self.call: int | None = None  # the backward firing's call id, set at the first gradient
         self.in_hooked = in_hooked
         self.out_hooked = False
+        self.pair = pair  # both gradient slots recorded (else the other has no row at all, not a NaN one)
 
 
 def _needs_grad(x) -> bool:
@@ -363,7 +364,7 @@ def _grad_cb(mon_ref, st: StepState, users: list, once: _Once | None, grad):
             if rows is None:
                 rows = rows_for(mon, st, (grad,))
             other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
-            if other_hooked:
+            if other_hooked or not gc.pair:
                 part_rows, slots = rows, (slot,)
             else:  # the other slot gets no gradient: a NaN row, as the reference's None
                 part_rows, slots = _with_nan_row(rows, slot == SLOT_INPUT_GRAD), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
@@ -411,6 +412,7 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
     mid = t.name_id
     vpp = t.vpp
     want_in = "input_grad" in t.wants
+    pair = want_in and "output_grad" in t.wants
 
     def hook(module, args):
         st = mon._state
@@ -418,7 +420,7 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
             return
         try:
             x = select(args, sel_in, key_in) if want_in else None
-            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x))
+            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x), pair)
             st.open_calls.setdefault(mid, []).append(gc)
             if gc.in_hooked:
                 _hook_grad(mon, st, x, gc, SLOT_INPUT_GRAD, t.name)
@@ -441,6 +443,9 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
     vpp = t.vpp
     want_in, want_out, want_gout = ("input" in t.wants), ("output" in t.wants), ("output_grad" in t.wants)
     forward = forward and (want_in or want_out)
+    # the slots of the forward row: those recorded (an unrecorded one has no row, as the reference's)
+    fwd_slots = tuple(s for s, want in ((SLOT_INPUT, want_in), (SLOT_OUTPUT, want_out)) if want)
+    n = len(fwd_slots)
 
     def hook(module, args, output):
         st = mon._state
@@ -462,11 +467,12 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
         try:
             micro = st.micro_of(vpp, mid, st.fwd_count, mon._grad_acc)
             call = st.fire(mid, DIR_FORWARD, micro)
-            xs = (select(args, sel_in, key_in) if want_in else None,
-                  select(output, sel_out, key_out) if want_out else None)
+            if n == 2:
+                xs = (select(args, sel_in, key_in), select(output, sel_out, key_out))
+            else:
+                xs = (select(args, sel_in, key_in) if want_in else select(output, sel_out, key_out),)
             rows = rows_for(mon, st, xs)
-            st.stats.add(StatsPart(KIND_ACTV, rows, (mid, mid), (micro, micro), (call, call),
-                                   (SLOT_INPUT, SLOT_OUTPUT), (vpp, vpp)))
+            st.stats.add(StatsPart(KIND_ACTV, rows, (mid,) * n, (micro,) * n, (call,) * n, fwd_slots, (vpp,) * n))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed(f"forward hook of {t.name!r}", exc)
 

@@ -226,7 +226,7 @@ def test_selectors_tuple_and_tensor_on_one_tuple(tmp_path, out):
 def test_a_targets_entry_records_the_slots_it_names(tmp_path, out, all_xy):
     """The reference's documentation: a module in targets is monitored as its entry says (input,
     output, input_grad, output_grad to choose from), the others of all_xy in all four. Unnamed slots
-    were recorded all the same; now they are NaN, as a slot without a tensor, and cost nothing."""
+    were recorded all the same; now they have no row (their CSV columns are nan) and cost nothing."""
     cfg = {"xy_distribution": True, "all_xy": all_xy, "squash_name": False,
            "targets": {"layers.1": {"output": "tensor"}, "head": {"input_grad": "tensor"}, "embed": {}}}
     train(tmp_path, cfg, steps=1)
@@ -236,10 +236,10 @@ def test_a_targets_entry_records_the_slots_it_names(tmp_path, out, all_xy):
     def slots(table, name):
         return {k[2]: not math.isnan(v["norm"]) for k, v in table.items() if k[1] == name}
 
-    assert slots(actv, "layers.1") == {"input": False, "output": True}
+    assert slots(actv, "layers.1") == {"output": True}
     assert slots(grads, "layers.1") == {}
     assert slots(actv, "head") == {}
-    assert slots(grads, "head") == {"input_grad": True, "output_grad": False}
+    assert slots(grads, "head") == {"input_grad": True}
     assert slots(actv, "embed") == {"input": True, "output": True}  # {}: every slot
     assert slots(grads, "embed") == {"output_grad": True, "input_grad": False}  # token ids have no gradient
     others = {k[1] for k in actv} - {"layers.1", "head", "embed"}
@@ -247,6 +247,15 @@ def test_a_targets_entry_records_the_slots_it_names(tmp_path, out, all_xy):
     for name in others:  # all_xy's other modules: all four
         assert slots(actv, name) == {"input": True, "output": True}, name
     assert not [e for e in ev if isinstance(e, HookFailed)]
+    from trainrec.tools.cli import main as cli
+
+    assert cli(["export", "csv", str(out), "-o", str(tmp_path / "csv")]) == 0
+    (actv_csv,) = glob.glob(str(tmp_path / "csv" / "*" / "actv_0-0.csv"))
+    with open(actv_csv) as f:
+        head, *lines = f.read().splitlines()
+    row = dict(zip(head.split(","), next(ln for ln in lines if ln.split(",")[1] == "layers.1_0").split(","),
+                   strict=True))
+    assert row["input.norm"] == "nan" and row["output.norm"] != "nan"
 
 
 def test_selectors_as_module_struct_prints_them_for_a_linear(tmp_path, out):
