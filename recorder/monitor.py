@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -492,6 +493,10 @@ class TrainerMon(StepCollector):
 
     def close(self) -> None:
         """Remove every hook, stop the watcher, close the log and wait for the live export. Idempotent."""
+        self._close("close")
+
+    def _close(self, reason: str) -> None:
+        """:meth:`close`, with ``reason`` in the log's FileClosed ("exit..." when the process ends)."""
         if self._closed:
             return
         self._closed = True
@@ -518,7 +523,7 @@ class TrainerMon(StepCollector):
                                       error="(total)", count=n))
         if self._writer is not None:
             try:
-                self._writer.close()
+                self._writer.close(reason)
             except Exception as exc:  # noqa: BLE001
                 log.warning("trainrec: closing the log failed: %r", exc)
         if self._alerts is not None:
@@ -1100,9 +1105,13 @@ _open_monitors: weakref.WeakSet = weakref.WeakSet()
 def _close_open_monitors() -> None:
     """At exit: close every monitor still open (one handler for all: a registration per monitor stayed
     for the process's life, one per monitor ever made)."""
+    # the FileClosed says how the process ended: after an uncaught exception (the interpreter keeps it
+    # in sys.last_value for us), or without the monitor's close()
+    exc = getattr(sys, "last_value", None)
+    reason = f"exit after an uncaught {type(exc).__name__}" if exc is not None else "exit"
     for mon in list(_open_monitors):
         try:
-            mon.close()
+            mon._close(reason)
         except Exception:  # noqa: BLE001
             pass
 

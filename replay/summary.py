@@ -99,6 +99,7 @@ class RankSummary:
     # what the monitor said went wrong, in order: configs rejected, monitoring stopped, the first
     # failure of each hook (at most MAX_NOTES)
     notes: list[str] = field(default_factory=list)
+    unended: list[int] = field(default_factory=list)  # steps that began and did not end
 
     @property
     def first_step(self) -> int | None:
@@ -127,6 +128,7 @@ class RankSummary:
             "hook_failures": self.hook_failures,
             "optimizer_skipped_steps": self.skipped_steps,
             "notes": self.notes,
+            "steps_not_ended": self.unended,
             "closed_cleanly": self.closed_cleanly,
             "torn_bytes": sum(f.torn_bytes for f in self.files),
             "damage": sum(len(f.problems) for f in self.files),
@@ -188,6 +190,8 @@ def summarize(run: Run) -> RunSummary:
         rs = RankSummary(rank=r, dirs=run.rank_dirs.get(r, ()), files=[])
         counts = rs.counts
         failed: set[str] = set()
+        began: set[int] = set()
+        ended: set[int] = set()
         for ev in run.events(rank=r):
             t = type(ev)
             counts[t.__name__] += 1
@@ -196,8 +200,12 @@ def summarize(run: Run) -> RunSummary:
                 if t is TensorStatsRecorded:
                     rs.stats_steps.add(ev.step)
                     rs.stat_values += len(ev) * len(ev.ops)
-                elif t is StepEnded and ev.optimizer_skipped:
-                    rs.skipped_steps.append(ev.step)
+                elif t is StepEnded:
+                    ended.add(ev.step)
+                    if ev.optimizer_skipped:
+                        rs.skipped_steps.append(ev.step)
+                elif t is StepBegan:
+                    began.add(ev.step)
             elif t is AnomalyDetected:
                 rs.anomalies += 1
             elif t is RecordsDropped:
@@ -211,6 +219,7 @@ def summarize(run: Run) -> RunSummary:
                 _note(rs, f"step {ev.step}: config rejected: {ev.reason}")
             elif t is MonitoringStopped:
                 _note(rs, f"step {ev.step}: monitoring stopped: {ev.reason}")
+        rs.unended = sorted(began - ended)
         readers = run.readers
         for lf in run.log_files(r):
             try:
@@ -299,6 +308,13 @@ def findings(summary: RunSummary) -> list[Finding]:
                     found.append(
                         Finding("damage", fs.path, fs.end_offset,
                                 f"{fs.torn_bytes} bytes after the FileClosed record", bytes_skipped=fs.torn_bytes)
+                    )
+                elif fs is not rs.files[-1]:
+                    # a crash's last incomplete frame, and a resumed launch went on in a later file
+                    found.append(
+                        Finding("unclosed", fs.path, fs.end_offset,
+                                f"not closed cleanly; torn tail of {fs.torn_bytes} bytes (an incomplete frame); a "
+                                "resumed launch continues the rank in a later file", bytes_skipped=fs.torn_bytes)
                     )
                 else:
                     found.append(

@@ -7,8 +7,10 @@ readable logs, and torn tails of files that were not closed cleanly.
 Exit status: 0 when clean, 1 when anything was damaged or torn, or a rank of the world size has no
 log in the output directory (the report lists it), 2 when RUN cannot be opened at all. Rank
 directories there whose logs have no readable header belong to no run that can be told: they are
-reported as damage beside the run checked. Files that merely lack their closing record (the writer was killed right
-after a flush, or is still writing) are listed as notes, and fail the check only with ``--strict``.
+reported as damage beside the run checked. Files that merely lack their closing record (the writer
+was killed right after a flush, or is still writing), and a crashed launch's torn tail where a
+resumed launch went on in a later file, are listed as notes (severity unclosed), and fail the check
+only with ``--strict``.
 """
 
 from __future__ import annotations

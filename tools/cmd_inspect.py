@@ -73,6 +73,10 @@ def _rank_lines(r: RankSummary) -> list[str]:
     if r.skipped_steps:
         shown = ", ".join(map(str, r.skipped_steps[:10])) + (", ..." if len(r.skipped_steps) > 10 else "")
         lines.append(f"  optimizer step skipped (inf/NaN gradients) at {len(r.skipped_steps)} step(s): {shown}")
+    if r.unended:
+        shown = ", ".join(map(str, r.unended[:10])) + (", ..." if len(r.unended) > 10 else "")
+        lines.append(f"  step(s) {shown} began and did not end (the process stopped in the middle of it, or is "
+                     "still in it)")
     for d in r.dirs:
         lines.append(f"  dir {d}")
     for f in r.files:

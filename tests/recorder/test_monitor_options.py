@@ -299,7 +299,7 @@ def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path,
     mon.close()
 
 
-def test_a_run_that_a_selector_mismatch_ends_says_why_in_its_log(tmp_path, out):
+def test_a_run_that_a_selector_mismatch_ends_says_why_in_its_log(tmp_path, out, capsys):
     """The ConfigError out of the first forward usually ends the process: its log holds a
     ConfigRejected with the key and the reason, written before the exception left the hook, and is
     closed cleanly at exit (not a log of no steps that says nothing)."""
@@ -326,6 +326,47 @@ loss_of(model, 0)
     assert rejected[0].keys == ("targets.pair.input",) and "gives tuple[2]" in rejected[0].reason
     assert rejected[0].path == cfg and rejected[0].step == 0
     assert type(events[-1]).__name__ == "FileClosed"
+    assert events[-1].reason == "exit after an uncaught ConfigError"  # closed at exit, and why
+    from trainrec.tools.cli import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)["per_rank"][0]
+    assert rank["notes"] and rank["notes"][0].startswith("step 0: config rejected: ")
+
+
+def test_an_exception_mid_step_leaves_a_log_that_says_how_the_process_ended(tmp_path, out, capsys):
+    """An uncaught exception after a backward pass of step 3: the log is closed at exit with the
+    exception's type as the reason, and inspect lists step 3 as begun and not ended."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from trainmon_util import loss_of, make
+from trainrec.recorder import TrainerMon
+mon = TrainerMon({{"wg_distribution": True}}, live_export=False)
+model, opt = make()
+mon.monitor_gnorm_with_ad(model, optimizer=opt)
+for s in range(3):
+    loss_of(model, s).backward()
+    opt.step()
+    opt.zero_grad()
+loss_of(model, 3).backward()
+raise RuntimeError("the loss went away")
+"""
+    env = dict(os.environ, MONITOR_OUTPUT_DIR=str(out))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "the loss went away" in proc.stderr
+    events = events_of(out)
+    assert type(events[-1]).__name__ == "FileClosed" and events[-1].reason == "exit after an uncaught RuntimeError"
+    from trainrec.tools.cli import main
+
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["per_rank"][0]["steps_not_ended"] == [3]
+    assert main(["inspect", str(out)]) == 0
+    assert "step(s) 3 began and did not end" in capsys.readouterr().out
 
 
 def test_selector_mismatch_after_the_first_step_is_reported_once_and_training_goes_on(tmp_path, out, caplog):

@@ -324,3 +324,36 @@ def test_dump_follow_prints_a_run_as_it_is_written_and_ends_when_it_closes(tmp_p
     assert sum(d["type"] == "StepEnded" for d in followed) == 6
     assert main(["dump", out, "-f", "--time-end", STAMP]) == 2
     assert "--follow takes the run by --run-id" in capsys.readouterr().err
+
+
+def test_a_torn_tail_a_resume_went_on_from_is_a_note_not_a_failure(tmp_path, capsys):
+    """kill -9 mid-frame, then the run resumed (append_output) into a later file: the torn tail is
+    the crash's, expected, and the resumed launch re-recorded those steps; check lists it as a note
+    (failing with --strict), as a missing FileClosed. A torn tail of a rank's last file still fails."""
+    from trainrec.schema.events import RunResumed
+
+    out = str(tmp_path / "out")
+    d = os.path.join(out, f"{STAMP}-rank0-0000beef")
+    w = LogWriter(d, rank=0, world_size=1, run_id="torn-resumed", flush_interval=0.01)
+    for s in range(3):
+        w.write(StepBegan(rank=0, step=s))
+        w.write(StepEnded(rank=0, step=s, duration=0.1))
+    w.flush(timeout=10)
+    with open(w.path, "rb") as f:
+        cut = f.read()
+    w.close()
+    with open(w.path, "wb") as f:
+        f.write(cut[:-5])  # a kill -9 in the middle of the last frame
+    w2 = LogWriter(d, rank=0, world_size=1, run_id="torn-resumed", flush_interval=0.01)
+    w2.write(RunResumed(rank=0, step=2, last_step=1))
+    w2.write(StepEnded(rank=0, step=2, duration=0.1))
+    w2.close()
+    assert main(["check", out, "--json"]) == 0
+    (finding,) = orjson.loads(capsys.readouterr().out)["findings"]
+    assert finding["severity"] == "unclosed" and "a resumed launch continues the rank in a later file" in finding["what"]
+    assert main(["check", out, "--strict"]) == 1
+    capsys.readouterr()
+    with open(w2.path, "r+b") as f:  # the last file torn too: that one fails
+        f.truncate(os.path.getsize(w2.path) - 5)
+    assert main(["check", out]) == 1
+    assert "torn tail of" in capsys.readouterr().out
