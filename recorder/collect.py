@@ -526,10 +526,16 @@ class StepCollector:
         """mg_direction at the optimizer pre-step, as the reference computes it: per parameter,
         ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
         the momentum before this update (1.0 where there is no state yet: the first step). A scalar
-        row per parameter; its ops are those of a 0-d tensor (min = max = mean = value). Nothing where
-        the optimizer keeps state but no Adam state (SGD's momentum_buffer, Adagrad, RMSprop: lookup
-        warns once), instead of the first step's 1.0 at every step."""
+        row per parameter; its ops are those of a 0-d tensor (min = max = mean = value). Nothing for an
+        optimizer outside Adam's family (no ``betas``: SGD, Adagrad, RMSprop; one warning), nor where
+        it keeps state but no Adam state, instead of the first step's 1.0 at every step."""
         if self._no_optimizer():
+            return
+        if not self._adam.adam_family:
+            if not self._warned_mg_direction:
+                self._warned_mg_direction = True
+                log.warning("trainrec: mg_direction compares gradients with Adam's momentum (exp_avg); %s is "
+                            "not of Adam's family: nothing is recorded for it", type(self._adam.torch_opt).__name__)
             return
         state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
         if not state and self._adam.stepped:

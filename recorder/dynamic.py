@@ -196,6 +196,7 @@ class DynamicConfigWatcher:
         """``collect_times`` collections are done: monitoring is off; write ``"switch": false`` back."""
         applied = self._applied
         self._active = False
+        self._say(logging.INFO, "trainrec: %s: collect_times reached; monitoring stops after step %d", self.path, step)
         if applied is None or applied.text is None:
             return
         try:

@@ -189,6 +189,7 @@ class TrainerMon(StepCollector):
         self._struct: dict | None = None
         self._manual_steps = False
         self._warned_no_optimizer = False
+        self._warned_mg_direction = False
         self._closed = False
         self._emitted = False  # an event went to the log (its directory is kept whatever happens)
         self._made_rank_dir = False  # the rank directory is this monitor's own (not append_output's)

@@ -183,6 +183,13 @@ class AdamState:
         return not self._shards and not zero.any_maybe_partitioned(params)
 
     @property
+    def adam_family(self) -> bool:
+        """Whether the optimizer is of Adam's family (its param groups have ``betas``: Adam, AdamW,
+        NAdam, RAdam, Adamax, fused and DeepSpeed Adams), whose state holds ``exp_avg``."""
+        opts = [self.torch_opt, *{id(o): o for o in self._opt_of.values()}.values()]
+        return any("betas" in g for o in opts for g in o.param_groups)
+
+    @property
     def stepped(self) -> bool:
         """Whether the optimizer holds any per-parameter state (Adam's or another's: it has stepped)."""
         return bool(self.torch_opt.state) or any(bool(o.state) for o in self._opt_of.values())

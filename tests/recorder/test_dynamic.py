@@ -133,10 +133,13 @@ def test_start_stop_rewrite_restart(make, caplog):
 
     # The recorder collects 3 times, then tells the watcher; switch:false is written back.
     loop.steps(3)
-    w.collection_finished(loop.step)
+    finished_at = loop.step
+    w.collection_finished(finished_at)
     loop.until(lambda u: path.read_text() != text.replace('"switch": false', '"switch": true'), "write-back")
     assert path.read_text() == text  # only the value changed: key order, indent, spacing kept
     assert not w.active
+    assert any(f"collect_times reached; monitoring stops after step {finished_at}" in r.getMessage()
+               for r in caplog.records)
 
     # Our own write is seen as a change, but starts nothing.
     n_changed = len(of(events, ConfigChanged))
