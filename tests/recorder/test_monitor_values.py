@@ -384,7 +384,14 @@ def test_sparse_embedding_gradients_are_measured_as_the_dense_tensor(tmp_path, m
             for name, ref in rows.items():
                 assert ref["zeros"] > 0.5 or name != "0.weight"
                 assert_close(table[(step, name, "", 0)], ref, rtol=1e-5, what=f"{kind} {name} step {step}")
-    assert len(stats_table(ev, "mg_direction")) == 2 * len(list(model.parameters()))  # SGD: no momentum, 1.0
+    assert stats_table(ev, "mg_direction") == {}  # SGD: not of Adam's family, nothing (no Adam takes sparse grads)
+    # mg_direction of a sparse gradient (SparseAdam's case) is that of the dense one it stands for
+    from trainrec.recorder.collect import mg_direction
+
+    g = torch.sparse_coo_tensor(torch.tensor([[1, 5]]), torch.randn(2, 8), (64, 8))
+    m = torch.randn(64, 8)
+    want_md = ((torch.sign(g.to_dense()) * torch.sign(m)).sum() / g.numel() + 1) / 2
+    assert float(mg_direction(g, m)) == pytest.approx(float(want_md), abs=1e-6)
 
 
 class NoMinMax(torch.Tensor):
