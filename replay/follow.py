@@ -115,14 +115,20 @@ class RunFollower:
         at least one is not closed: nothing more will come unless another launch resumes the run."""
         if not self._readers:
             return False
+        latest = self._latest_readers()
+        return (all(r.closed_cleanly or writer_gone(r.header) for r in latest)
+                and not all(r.closed_cleanly for r in latest))
+
+    def _latest_readers(self) -> list[LogReader]:
+        """Each rank's latest file's reader (by its header's start time; an earlier one that a crash
+        left unclosed never will be: a resumed launch wrote after it)."""
         latest: dict[int, tuple] = {}
         for path, r in self._readers.items():
             key = (r.header.start_time if r.header is not None else float("inf"), path)
             rank = self._ranks[path]
             if rank not in latest or key > latest[rank][0]:
                 latest[rank] = (key, r)
-        ends = [r.closed_cleanly or writer_gone(r.header) for _, r in latest.values()]
-        return all(ends) and not all(r.closed_cleanly for _, r in latest.values())
+        return [r for _, r in latest.values()]
 
     @property
     def closed(self) -> bool:
@@ -133,13 +139,7 @@ class RunFollower:
         world = max((r.header.world_size for r in self._readers.values() if r.header is not None), default=1)
         if len(self.ranks) < world and self._mode == "output":
             return False
-        latest: dict[int, tuple] = {}
-        for path, r in self._readers.items():
-            key = (r.header.start_time if r.header is not None else float("inf"), path)
-            rank = self._ranks[path]
-            if rank not in latest or key > latest[rank][0]:
-                latest[rank] = (key, r)
-        return all(r.closed_cleanly for _, r in latest.values())
+        return all(r.closed_cleanly for r in self._latest_readers())
 
     # ------------------------------------------------------------------ polling
     def poll(self, max_bytes: int | None = None) -> list[Event]:
