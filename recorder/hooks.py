@@ -442,10 +442,11 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
     mid = t.name_id
     vpp = t.vpp
     want_in, want_out, want_gout = ("input" in t.wants), ("output" in t.wants), ("output_grad" in t.wants)
-    forward = forward and (want_in or want_out)
-    # the slots of the forward row: those recorded (an unrecorded one has no row, as the reference's)
+    # the slots of the forward row: those recorded (an unrecorded one has no row, as the reference's);
+    # Targets.attach passes forward=False where the entry names neither
     fwd_slots = tuple(s for s, want in ((SLOT_INPUT, want_in), (SLOT_OUTPUT, want_out)) if want)
     n = len(fwd_slots)
+    mids, vpps = (mid,) * n, (vpp,) * n
 
     def hook(module, args, output):
         st = mon._state
@@ -472,7 +473,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
             else:
                 xs = (select(args, sel_in, key_in) if want_in else select(output, sel_out, key_out),)
             rows = rows_for(mon, st, xs)
-            st.stats.add(StatsPart(KIND_ACTV, rows, (mid,) * n, (micro,) * n, (call,) * n, fwd_slots, (vpp,) * n))
+            st.stats.add(StatsPart(KIND_ACTV, rows, mids, (micro,) * n, (call,) * n, fwd_slots, vpps))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed(f"forward hook of {t.name!r}", exc)
 

@@ -1033,14 +1033,14 @@ _warned: set[str] = set()
 _SKIPS_TO_WARN = 8
 
 
-def _warn_unrecorded(cfg: MonitorConfig, world_size: int | None = None) -> None:
+def _warn_unrecorded(cfg: MonitorConfig, world_size: int) -> None:
     """Say once that an option trainrec accepts (for config compatibility) but does not record is on,
     and that module_ranks names no rank of the world (no rank records activations: the reference is
     silent about it)."""
     if cfg.cc_distribution.get("enable"):
         _warn_once("cc_distribution", "trainrec: cc_distribution is accepted for compatibility with msprobe's config "
                    "but communication is not monitored; nothing is written for it")
-    if (world_size is not None and cfg.xy_distribution and cfg.module_ranks
+    if (cfg.xy_distribution and cfg.module_ranks
             and not any(0 <= r < world_size for r in cfg.module_ranks)):
         _warn_once(f"module_ranks-{cfg.module_ranks}-{world_size}",
                    f"trainrec: module_ranks {list(cfg.module_ranks)} names no rank of this run's world size "

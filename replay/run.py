@@ -92,10 +92,6 @@ class Run:
         self.headers = {f.path: f.header for f in info.all_files if f.header is not None}
         # Errors found opening a file (not a log, unreadable); such files contribute no events.
         self.file_errors: dict[str, FormatError] = {f.path: f.error for f in info.all_files if f.error}
-        # RUN an output directory: the ranks of the world size with no log there, and the files there
-        # whose header cannot be read (no launch can be told for them; see find_run)
-        self.missing_ranks: list[int] = info.missing_ranks
-        self.unattributed: list[LogFile] = list(info.unattributed)
         self.superseded: dict[str, int] = {}
         self.cutoffs: dict[str, int] = {}
         for fs in self._files.values():
@@ -108,6 +104,16 @@ class Run:
         self._readers: dict[str, LogReader] = {}
         # Merging holds one read chunk per rank: keep their sum bounded (4 MiB each up to 64 ranks).
         self._chunk = max(64 << 10, min(4 << 20, (256 << 20) // max(1, len(self.ranks))))
+
+    @property
+    def missing_ranks(self) -> list[int]:
+        """RUN an output directory: the ranks of the world size with no log there (see find_run)."""
+        return self.info.missing_ranks
+
+    @property
+    def unattributed(self) -> list[LogFile]:
+        """RUN an output directory: the files there whose header cannot be read, in no run."""
+        return list(self.info.unattributed)
 
     def __repr__(self) -> str:
         return f"<Run {self.run_id!r} ranks={self.ranks} files={sum(len(v) for v in self._files.values())}>"

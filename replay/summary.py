@@ -180,7 +180,7 @@ def _note(rs: RankSummary, text: str) -> None:
     if len(rs.notes) < MAX_NOTES:
         rs.notes.append(text)
     elif len(rs.notes) == MAX_NOTES:
-        rs.notes.append("... (all of them: trainrec dump RUN --type cr --type mx --type hx)")
+        rs.notes.append("... (all of them: trainrec dump RUN --type cr,mx,hx)")
 
 
 def summarize(run: Run) -> RunSummary:

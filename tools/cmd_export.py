@@ -268,11 +268,7 @@ def _prepare_output(out: str, force: bool, record: dict) -> None:
         if not os.path.isfile(os.path.join(out, MARKER)):
             raise TrainrecError(f"output directory {out} is not empty and holds no trainrec export ({MARKER} "
                                 "missing); refusing to mix or delete files there, choose another directory")
-        for entry in os.scandir(out):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.remove(entry.path)
+        _clear_dir(out)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, MARKER), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
@@ -417,6 +413,15 @@ def run(args) -> int:
     return status
 
 
+def _clear_dir(path: str) -> None:
+    """Remove everything inside ``path`` (not following links), keeping the directory."""
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.remove(entry.path)
+
+
 def _one_value(values: set):
     """The value all tasks share, or "per run" (runs of other settings exported together)."""
     return next(iter(values)) if len(values) == 1 else "per run"
@@ -429,12 +434,8 @@ def _remove_output(out: str, created: bool) -> None:
     try:
         if created:
             shutil.rmtree(out)
-            return
-        for entry in os.scandir(out):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.remove(entry.path)
+        else:
+            _clear_dir(out)
     except OSError as exc:
         log.warning("trainrec export: could not remove %s: %s", out, exc)
 
