@@ -141,7 +141,7 @@ class StepState:
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
                  "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
                  "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro", "spilled_parts", "spilled_fires", "written",
-                 "nograd_fwd", "eob_queued")
+                 "nograd_fwd", "chunk_open", "eob_queued")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -170,6 +170,7 @@ class StepState:
         self.spilled_fires = 0
         self.written = False  # the step's records have gone to the writer (no more spills)
         self.nograd_fwd = False  # a model chunk's forward runs under no_grad: not a micro step, not recorded
+        self.chunk_open = False  # between a model chunk's forward pre-hook and its forward hook
         self.eob_queued = False  # the end-of-backward callback of the list hooks is queued (collect.py)
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
@@ -450,7 +451,10 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
 
     def hook(module, args, output):
         st = mon._state
-        if st is None or not module.training or st.nograd_fwd:
+        if st is None or not module.training or (st.nograd_fwd if st.chunk_open else not torch.is_grad_enabled()):
+            # a training-mode call under no_grad: inside a chunk's forward, as that forward began (reentrant
+            # checkpointing runs its segment's first forward under no_grad, inside a recorded one); a
+            # module called outside it (a target made with the model's embedding), as it is called
             return
         if backward:  # also in a recomputation (reentrant checkpointing: its gradients flow from there)
             opened = st.open_calls.get(mid)
@@ -554,6 +558,7 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
                     # a training-mode forward under no_grad (a target computed with the model, a sample
                     # logged) is no micro step: its activations would take a micro step's place
                     st.nograd_fwd = not torch.is_grad_enabled()
+                    st.chunk_open = True
                     if not st.nograd_fwd:
                         st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
@@ -598,7 +603,8 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
     def body(module, args, output):
         st = mon._state
         if st is not None:
-            st.nograd_fwd = False
+            # (not nograd_fwd: the chunk's own target hook, registered after this one, still asks it)
+            st.chunk_open = False
             if mon._fsdp2_waiting:
                 mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
         if (st is None or not mon.config.wg_distribution or not module.training or not torch.is_grad_enabled()

@@ -12,7 +12,8 @@ import pytest
 import torch
 from trainmon_util import ALL_OPS, events_of, loss_of, make, stats_table, write_config
 from trainrec.recorder import TrainerMon
-from trainrec.schema.events import StepEnded
+from trainrec.replay.names import NameResolver
+from trainrec.schema.events import StepBegan, StepEnded, TensorStatsRecorded
 
 
 def ends(events) -> list[tuple[int, bool]]:
@@ -223,3 +224,43 @@ def test_no_grad_forwards_in_training_mode_take_no_micro_step(tmp_path, out):
         assert abs(v - outs[(s, m)]) <= 1e-5 * outs[(s, m)]
     un = {k: v["norm"] for k, v in stats_table(ev, "grad_unreduced").items() if k[1] == "head.weight"}
     assert {(k[0], k[3]): v for k, v in un.items()} == pytest.approx(grads, rel=1e-5)
+
+
+def test_no_grad_calls_in_training_mode_record_no_rows_and_begin_no_step(tmp_path, out):
+    """Under no_grad with the model in train(): a whole-model forward records nothing, the model's own
+    (root) module included, whose forward hook runs after the hook that closes the model's forward; a
+    submodule called by itself (targets made with the model's embedding) records nothing either; and
+    such a forward after the last optimizer step begins no step. Each training forward keeps one row."""
+    cfg = {"xy_distribution": True, "wg_distribution": True, "ops": ["norm"]}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+    outs = {}
+    for s in range(2):
+        for m in range(2):
+            with torch.no_grad():
+                model(torch.zeros(2, 3, dtype=torch.long) + 7)
+                model.embed(torch.ones(2, 3, dtype=torch.long))
+            y = model(torch.tensor([[s, m, 3], [4, 5, 6]]))
+            outs[(s, m)] = float(y.detach().norm())
+            y.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():  # a sample after the last step
+        model(torch.zeros(2, 3, dtype=torch.long))
+    mon.close()
+    ev = events_of(out)
+    res, rows = NameResolver(), {}
+    for e in ev:
+        res.feed(e)
+        if isinstance(e, TensorStatsRecorded) and e.kind == "actv":
+            for name, slot, micro in zip(res.names(e), e.column("slots"), e.column("micro_steps"), strict=True):
+                key = (e.step, name, int(slot), int(micro))
+                rows[key] = rows.get(key, 0) + 1
+    names = {k[1] for k in rows}
+    assert {"", "embed", "head"} <= names
+    assert set(rows.values()) == {1}  # one row per module, slot and micro step: the training forward's
+    assert {(k[0], k[3]) for k in rows} == {(s, m) for s in range(2) for m in range(2)}
+    root = {(k[0], k[3]): v["norm"] for k, v in stats_table(ev, "actv").items() if k[1:3] == ("", "output")}
+    assert root == pytest.approx(outs, rel=1e-5)
+    assert [e.step for e in ev if isinstance(e, StepBegan)] == [0, 1]
