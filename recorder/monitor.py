@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 import weakref
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -82,6 +83,7 @@ from .targets import ParamInfo, Targets, build_targets
 from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
 
 log = logging.getLogger(__name__)
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 PRINT_STRUCT_EXIT = "exit after first monitor step when print model struct"
 
@@ -720,10 +722,7 @@ class TrainerMon(StepCollector):
             self._compiled = True
         if self._collects(self._step):
             self._match_compiled()
-            if self._step_handles and any(self._params[i].param.requires_grad for i in self._frozen):
-                self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
-            if not self._step_handles:
-                self._attach()
+            self._hook_unfrozen()
             cfg = self.config
             if self._engine.ops != tuple(cfg.ops) or self._engine.eps != cfg.eps:
                 self._engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
@@ -737,6 +736,30 @@ class TrainerMon(StepCollector):
                 self._step_open.set()
             else:
                 self._step_open.clear()
+
+    def _hook_unfrozen(self) -> None:
+        """The step's hooks attached, also on parameters frozen when they were attached or chosen that
+        require grad now (fine-tuning that unfreezes layers as it goes): at a collected step's begin,
+        and again at its first forward (layers are unfrozen in the loop, after the last step ended)."""
+        t = self._targets
+        if t is not None and t.frozen and any(map(_REQUIRES_GRAD, t.frozen)):
+            self._select_unfrozen()
+        elif self._step_handles and self._frozen and any(self._params[i].param.requires_grad for i in self._frozen):
+            self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
+        if not self._step_handles:
+            self._attach()
+
+    def _select_unfrozen(self) -> None:
+        """A parameter frozen when the targets were chosen now requires grad: choose them again, so that
+        it is recorded from this step on (fine-tuning that unfreezes layers as it goes)."""
+        try:
+            targets, params = self._select(self.config)
+        except ConfigError as exc:  # (the same config was accepted before; the model may have changed)
+            self._hook_failed("targets of unfrozen parameters", exc)
+            self._targets.frozen = [p for p in self._targets.frozen if not p.requires_grad]
+            return
+        self._detach()
+        self._targets, self._params = targets, params
 
     def _mark_began(self) -> None:
         """StepBegan is written at the step's first sign of life (a hook firing, an optimizer step),
@@ -940,6 +963,8 @@ class TrainerMon(StepCollector):
                 else:
                     self._backward_seen = False  # another pass of this step begins: its backward comes later
         self._forwards = n
+        if n == 1 and self._state is not None:
+            self._hook_unfrozen()
 
     def _gradients_non_finite(self) -> bool | None:
         """Whether the gradient rows this step recorded so far (weight and activation gradients) hold

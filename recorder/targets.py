@@ -56,6 +56,9 @@ class Targets:
     forward: bool = True
     backward: bool = True
     made: dict = field(default_factory=dict, repr=False)  # hook functions, made once, reattached per step
+    # parameters selected but frozen (requires_grad False) when the targets were chosen: chosen again
+    # at the first collected step after one of them is unfrozen (TrainerMon._begin_step)
+    frozen: list = field(default_factory=list, repr=False)
 
     def attach(self, mon) -> list:
         """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working."""
@@ -155,6 +158,9 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
     targets = {k: v for k, v in cfg.targets.items()}
     everything = cfg.everything
     matched: set[str] = set()
+    matched_frozen: set[str] = set()  # targets that matched parameters frozen now
+    matched_params: set[str] = set()  # ... and parameters that require grad
+    param_stats = cfg.wg_distribution or cfg.param_distribution or cfg.mv_distribution or cfg.ur_distribution
     xy_here = (cfg.xy_distribution or False) and (not cfg.module_ranks or rank in cfg.module_ranks)
     all_modules: list[str] = []
     all_params: list[str] = []
@@ -174,15 +180,26 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                 if hit:
                     _check_input_selectors(module, full, sel, hit[0])
                 out.modules.append((module, ModuleTarget(intern(s), s, vpp, sel, hit[0] if hit else None)))
-        params = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        # (frozen ones too: a name keeps its squashed form when its parameter is unfrozen)
+        params = list(chunk.named_parameters())
         pshort = squash_all([n for n, _ in params], cfg.squash_name)
         all_params.extend(n for n, _ in params)
         for full, p in params:
             s = pshort[full]
             hit = [t for t in targets if t and param_matches(t, full, s, vpp)]
+            if not p.requires_grad:
+                matched_frozen.update(hit)
+                if hit or everything:
+                    out.frozen.append(p)
+                continue
             matched.update(hit)
+            matched_params.update(hit)
             if hit or everything:
                 out.params.append(ParamInfo(intern(s), s, vpp, p, full))
+    matched |= matched_frozen
+    for t in targets:
+        if param_stats and t and t in matched_frozen and t not in matched_params:
+            _warn_frozen_target(t, rank)
     for t in targets:
         if t and t not in matched:
             err = ConfigError(
@@ -195,3 +212,13 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
             log.warning("trainrec: rank %d: %s (with pipeline parallelism it may be another stage's; nothing is "
                         "recorded for it on this rank)", rank, err)
     return out
+
+
+_warned_frozen: set[str] = set()
+
+
+def _warn_frozen_target(key: str, rank: int) -> None:
+    if key not in _warned_frozen:
+        _warned_frozen.add(key)
+        log.warning("trainrec: rank %d: targets.%s matches only parameters that do not require grad (frozen); "
+                    "they are recorded from the first collected step after they are unfrozen", rank, key)

@@ -89,6 +89,50 @@ def test_layer_frozen_and_unfrozen_mid_run_with_step_interval(tmp_path, out):
     assert sorted({k[0] for k in un if not k[1].startswith("head.")}) == [0, 2, 4, 6]
 
 
+def test_parameters_frozen_at_install_are_recorded_once_unfrozen(tmp_path, out, caplog):
+    """Fine-tuning that unfreezes layers as it goes: parameters frozen when monitoring starts (the head,
+    already in the optimizer; layers.1, added as a param group when unfrozen) are recorded from the
+    first collected step after they are unfrozen, with the values torch gives; a target that matches
+    only frozen parameters is no error, and a warning says when it is recorded."""
+    cfg = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True, "ops": ["norm"],
+           "targets": {"head": {}, "layers.1": {}, "embed": {}}}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, _ = make()
+    model.head.requires_grad_(False)
+    model.layers[1].requires_grad_(False)
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("layers.1")], lr=1e-2)
+    with caplog.at_level("WARNING", logger="trainrec"):
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    assert any("targets.head matches only parameters that do not require grad" in r.getMessage()
+               for r in caplog.records)
+    grads, params, exp_avg = {}, {}, {}
+    for s in range(4):
+        if s == 2:
+            model.head.requires_grad_(True)
+            model.layers[1].requires_grad_(True)
+            opt.add_param_group({"params": list(model.layers[1].parameters())})
+        loss_of(model, s).backward()
+        grads[s] = {n: float(p.grad.norm()) for n, p in model.named_parameters() if p.grad is not None}
+        params[s] = {n: float(p.detach().norm()) for n, p in model.named_parameters()}
+        opt.step()
+        exp_avg[s] = {n: float(opt.state[p]["exp_avg"].norm()) for n, p in model.named_parameters()
+                      if p in opt.state}
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    assert [e for e in ev if isinstance(e, HookFailed)] == []
+    late = ("head.weight", "head.bias", "layers.1.weight", "layers.1.bias")
+    names = [n for n, _ in model.named_parameters()]
+    for kind, want in (("grad_unreduced", grads), ("grad_reduced", grads), ("param", params), ("exp_avg", exp_avg)):
+        got = {(k[0], k[1]): v["norm"] for k, v in stats_table(ev, kind).items()}
+        for name in late:
+            assert sorted(s for s, n in got if n == squash_all(names, True)[name]) == [2, 3], (kind, name)
+        assert sorted(s for s, n in got if n == "embed.weight") == [0, 1, 2, 3], kind
+        full = {short: n for n, short in squash_all(names, True).items()}
+        for (s, n), v in got.items():
+            assert v == pytest.approx(want[s][full[n]], rel=1e-5), (kind, s, n)
+
+
 def test_start_iteration_offsets_the_step_counter(tmp_path, out):
     train(tmp_path, {"wg_distribution": True, "start_step": 11}, steps=3, start_iteration=10)
     assert steps_with(events_of(out), "grad_reduced") == [11, 12]
