@@ -10,7 +10,9 @@ reference's JSON) in the order training produced them:
 3. after the last micro step of the step: the weight-gradient reduction (``grad_reduced``, stages
    descending), then the optimizer step (stages ascending): parameters, ``exp_avg``, ``exp_avg_sq``,
    ``update``, ``ratio`` (in this order of kinds), each by call id;
-4. ties (the same point on several data-parallel ranks) by rank, then tag and op.
+4. ties (the same point on several data-parallel ranks) by rank, then tag; several ops (or rules) of
+   one tensor keep their recorded order (the config's ops order), so that where the reference's
+   ``anomaly.json`` keeps one entry per tensor, step and call (the last op's), a ranking agrees.
 
 Unknown call ids (-1) sort after the known ones of their group. The reference sorted parameter tags
 (no stage, call id -1) before everything else of a step; here they sit at the optimizer step.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Container, Iterable
 
-from trainrec.schema.events import KINDS, OPS, AnomalyDetected
+from trainrec.schema.events import KINDS, AnomalyDetected
 
 __all__ = [
     "PHASE_BACKWARD",
@@ -67,7 +69,6 @@ _SUFFIX_KIND = {
     "mg_direction": "mg_direction",
 }
 _KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
-_OP_ORDER = {op: i for i, op in enumerate(OPS)}
 _LAST = 1 << 62
 
 
@@ -98,8 +99,8 @@ def execution_key(ev: AnomalyDetected) -> tuple:
         stage = (-ev.pp_stage, -ev.vpp_stage)
     micro = ev.micro_step if phase <= PHASE_BACKWARD else _LAST
     kind_rank = _KIND_ORDER.get(kind, len(_KIND_ORDER)) if phase == PHASE_OPTIMIZER else 0
-    return (ev.step, micro, phase, *stage, kind_rank, call, ev.rank, ev.tag_name,
-            _OP_ORDER.get(ev.op, len(_OP_ORDER)), ev.op, ev.rule)
+    # (no op or rule: sorted() and heapq.nsmallest are stable, and the ops of one record are in its order)
+    return (ev.step, micro, phase, *stage, kind_rank, call, ev.rank, ev.tag_name)
 
 
 def rank_anomalies(

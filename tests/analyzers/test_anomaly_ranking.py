@@ -65,9 +65,14 @@ def test_param_anomalies_are_not_ranked_first():
     assert rank_anomalies([param, first_fwd])[0] is first_fwd
 
 
-def test_several_ops_of_one_tag_keep_op_order():
+def test_several_ops_of_one_tag_keep_their_recorded_order():
+    # (the config's ops order: the reference's anomaly.json keeps the last op's entry of a tensor, step
+    # and call, and a ranking of the same anomalies must keep the same one)
     evs = [anomaly("x", step=1, kind="actv", call=2, op=op) for op in ("nans", "mean", "min")]
-    assert [a.op for a in rank_anomalies(evs)] == ["min", "mean", "nans"]
+    assert [a.op for a in rank_anomalies(evs)] == ["nans", "mean", "min"]
+    assert [a.op for a in rank_anomalies(evs, k=2)] == ["nans", "mean"]
+    earlier = anomaly("w", step=1, kind="actv", call=1, op="nans")
+    assert [a.name for a in rank_anomalies([*evs, earlier])] == ["m:w", "m:x", "m:x", "m:x"]
 
 
 def test_kind_from_reference_tags():
