@@ -186,6 +186,20 @@ class DynamicConfigWatcher:
         if self._sync is not None:
             self._next_sync = -_NO_SYNC
 
+    def join_group(self) -> bool:
+        """torch.distributed was initialized after :meth:`start` (msprobe's documentation makes the
+        monitor first): agree over its group from now on, as a watcher started after it would. Every
+        rank calls it, in the same order relative to other group creations (it may make a gloo group).
+        True where it now agrees with other ranks."""
+        if not self._started or self._sync is not None or self._disabled or self._closed:
+            return self._sync is not None
+        group = resolve_group(self._group)
+        if group is None:
+            return False
+        self._sync = StepAgreement(group, self._sync_period, self._max_interval)
+        self._next_sync = -_NO_SYNC
+        return True
+
     def poll(self, step: int) -> ConfigUpdate | None:
         """Training thread, at every step end: the update to apply from ``step + 1``, if any."""
         if step < self._next_sync and self._gen == self._seen:

@@ -122,6 +122,7 @@ class TrainerMon(StepCollector):
         _warn_unrecorded(self.config, self.world_size)
         self.group_mates = info.group_mates
         self._distributed = info.distributed
+        self._run_id_shared = runinfo.run_id_shared_now()
         self.run_id = runinfo.shared_run_id()
         self.output_dir = output_dir or layout.output_dir_from_env()
         self._live_export_enabled = live_export
@@ -469,6 +470,37 @@ class TrainerMon(StepCollector):
                        f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
                        f"{self._rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
         self._distributed = True
+        if self._watcher is not None:  # dynamic mode: the ranks agree on the step a change applies at
+            try:
+                self._watcher.join_group()
+            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+                self._hook_failed("dynamic config watcher", exc)
+        self._share_run_id()
+
+    def _share_run_id(self) -> None:
+        """The run id was chosen before torch.distributed was up, with no TRAINREC_RUN_ID or
+        TORCHELASTIC_RUN_ID to share: each rank made its own, and replay would list every rank as a run
+        of its own. The ranks agree on one now (through the process group's store), and the log, still
+        empty, is opened again under it (in a new rank directory)."""
+        if self._run_id_shared:
+            return
+        self._run_id_shared = True
+        rid = runinfo.shared_run_id()
+        if rid == self.run_id or self.config.append_output:
+            return
+        if self._writer is None:  # format api: no log
+            self.run_id = rid
+            return
+        if self._emitted or not self._made_rank_dir:
+            log.warning("trainrec: rank %d: torch.distributed was initialized after TrainerMon was made and its "
+                        "log already holds events, so its run id stays this rank's own: replay lists this "
+                        "rank's log as a run of its own. Make TrainerMon after init_process_group, or set "
+                        "TRAINREC_RUN_ID in every rank's environment", self.rank)
+            return
+        self.run_id = rid
+        self._discard_empty_output()
+        self._output_discarded = False
+        self._open_output()
 
     def generate_wgrad_metrics(self) -> tuple[dict, dict]:
         """``(reduced, unreduced)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""

@@ -117,6 +117,15 @@ def shared_run_id(wait_s: float | None = None) -> str:
     return v if v and v.lower() != "none" else uuid.uuid4().hex
 
 
+def run_id_shared_now() -> bool:
+    """Whether :func:`shared_run_id` gives every rank the same id now: named in the environment, or
+    agreed through torch.distributed's store. Otherwise each rank makes its own."""
+    if os.environ.get("TRAINREC_RUN_ID") or _dist() is not None:
+        return True
+    v = os.environ.get("TORCHELASTIC_RUN_ID")
+    return bool(v) and v.lower() != "none"
+
+
 def previous_run_id(rank_dir: str) -> str | None:
     """The run id of the newest log file in ``rank_dir`` whose first record can be read: a launch that
     appends to the directory (``append_output``) continues that run under the same id, so that its

@@ -409,13 +409,13 @@ def test_ddp_gradient_accumulation_with_no_sync_records_each_micro_steps_own_gra
             assert abs(row["norm"] - w) <= 1e-5 * w + 1e-7, (r, step, micro, name, row["norm"], w)
 
 
-def _late_init_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
+def _late_init_worker(rank: int, world: int, port: int, cfg_path: str, elastic_id: str) -> None:
     """TrainerMon made before init_process_group (msprobe's documentation does so), rank and world size
-    from the environment as torchrun sets them."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="late-init")
+    from the environment as torchrun sets them (its TORCHELASTIC_RUN_ID is "none" without --rdzv-id)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID=elastic_id)
     from trainrec.recorder import TrainerMon
 
-    mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+    mon = TrainerMon(cfg_path, params_have_main_grad=False)
     init_gloo(rank, world, port)
     try:
         model, _ = make(seed=0)
@@ -431,14 +431,24 @@ def _late_init_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
         dist.destroy_process_group()
 
 
-def test_monitor_made_before_init_process_group_still_dedups(tmp_path, monkeypatch):
+@pytest.mark.parametrize("elastic_id", ["late-init", "none"])
+def test_monitor_made_before_init_process_group_still_dedups(tmp_path, monkeypatch, elastic_id):
+    """Also without a run id in the environment: the ranks agree on one when torch.distributed is up
+    (the empty logs opened before it are replaced), so replay sees one run of two ranks."""
+    from trainrec.replay import open_run
+
     out = tmp_path / "out"
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
-    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]})
-    spawn_and_join(_late_init_worker, (2, free_port(), cfg), 2, TIMEOUT, "2-process gloo run, late init")
+    monkeypatch.delenv("TRAINREC_RUN_ID", raising=False)
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"], "format": "csv"})
+    spawn_and_join(_late_init_worker, (2, free_port(), cfg, elastic_id), 2, TIMEOUT, "2-process gloo run, late init")
     h = headers(out)
+    assert len(rank_dirs(out)) == 2  # no directory left of the logs opened before
     assert sorted(h) == [0, 1] and {fo.world_size for _, fo, _ in h.values()} == {2}
     assert len({fo.run_id for _, fo, _ in h.values()}) == 1
+    assert open_run(str(out)).ranks == [0, 1]
+    for d, _, _ in h.values():  # the live CSV export followed the log it was opened again with
+        assert glob.glob(os.path.join(d, "grad_unreduced_*.csv"))
     assert stats_table(h[0][2], "grad_reduced") and stats_table(h[1][2], "grad_unreduced")
     assert stats_table(h[1][2], "grad_reduced") == {}  # rank 1 of dp_group: a duplicate of rank 0's
 
@@ -534,3 +544,52 @@ def test_targets_of_other_pipeline_stages_do_not_stop_a_rank(tmp_path, monkeypat
     assert names == {0: {"embed.weight"}, 1: {"head.weight", "head.bias"}}
     actv = {r: {k[1] for k in stats_table(h[r][2], "actv")} for r in (0, 1)}
     assert actv == {0: {"embed"}, 1: {"head"}}
+
+
+def _late_init_dynamic_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
+    """Dynamic mode with TrainerMon made before init_process_group: rank 0 switches monitoring on while
+    both train; the ranks must agree on the step it applies at, over the group made later."""
+    import json
+    import time
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="none", DYNAMIC_MONITOR="true")
+    from trainrec.recorder import TrainerMon
+
+    mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+    init_gloo(rank, world, port)
+    try:
+        model, opt = make(seed=0)
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        for step in range(200):
+            if step == 10 and rank == 0:
+                with open(cfg_path) as f:
+                    doc = json.load(f)
+                doc["switch"] = True
+                with open(cfg_path + ".tmp", "w") as f:
+                    json.dump(doc, f)
+                os.replace(cfg_path + ".tmp", cfg_path)
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.05 if rank == 1 and 8 <= step < 20 else 0.01)  # rank 1 lags while the edit is seen
+            if step % 10 == 9:
+                dist.barrier()  # the ranks meet now and then, as a data-parallel job's do
+        mon.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dynamic_mode_ranks_agree_when_the_monitor_is_made_before_init_process_group(tmp_path, monkeypatch):
+    from trainrec.schema.events import MonitoringStopped, StepEnded
+
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    monkeypatch.delenv("TRAINREC_RUN_ID", raising=False)
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"], "switch": False, "collect_times": 2})
+    spawn_and_join(_late_init_dynamic_worker, (2, free_port(), cfg), 2, TIMEOUT, "2-process gloo run, dynamic")
+    h = headers(out)
+    assert sorted(h) == [0, 1] and len({fo.run_id for _, fo, _ in h.values()}) == 1
+    collected = {r: [e.step for e in ev if isinstance(e, StepEnded) and e.collected] for r, (_, _, ev) in h.items()}
+    stops = {r: [(e.step, e.reason) for e in ev if isinstance(e, MonitoringStopped)] for r, (_, _, ev) in h.items()}
+    assert len(collected[0]) == 2 and collected[0] == collected[1], collected
+    assert stops[0] == stops[1] and [r for _, r in stops[0]] == ["collect_times"], stops
