@@ -307,10 +307,13 @@ class TrainerMon(StepCollector):
             from .dynamic import DynamicConfigWatcher
         except ImportError:
             _warn_once("dynamic", "trainrec: DYNAMIC_MONITOR is set but trainrec.recorder.dynamic is not available; "
-                       "nothing will be collected")
+                       "dynamic mode is off: the config applies as it is, from the start")
+            self.dynamic = False
             return
         if self.config_file_path is None:
-            log.warning("trainrec: DYNAMIC_MONITOR needs a config file path; dynamic mode is off")
+            log.warning("trainrec: DYNAMIC_MONITOR needs a config file path (this config is a dict); dynamic mode "
+                        "is off: the config applies as it is, from the start")
+            self.dynamic = False
             return
         path = os.fspath(self.config_file_path)
         self._watcher = DynamicConfigWatcher(

@@ -67,7 +67,9 @@ class Recorder:
         else:
             cfg = load_config(os.fspath(config))
         live = "format" in cfg.raw
-        self.monitor = TrainerMon(cfg, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
+        # a file is given as its path: dynamic mode (DYNAMIC_MONITOR=true) watches it
+        given = os.fspath(config) if isinstance(config, (str, os.PathLike)) else cfg
+        self.monitor = TrainerMon(given, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
                                   live_export=live)
         self._manual = optimizer is None
         self.monitor._manual_steps = self._manual  # no optimizer to hook: steps come from step()

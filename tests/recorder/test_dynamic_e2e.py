@@ -152,3 +152,52 @@ def test_print_struct_waits_for_the_switch(tmp_path, monkeypatch, one_thread):
         assert {"0:0", "0:2"} <= set(struct)
     finally:
         mon.close()
+
+
+def test_native_record_watches_its_config_file(tmp_path, monkeypatch, one_thread):
+    """record() given a config path under DYNAMIC_MONITOR watches that file, as TrainerMon does."""
+    from trainrec.recorder import record
+
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    cfg = tmp_path / "config.json"
+    first = {"wg_distribution": True, "ops": ["norm"], "switch": False, "collect_times": 2}
+    cfg.write_text(json.dumps(first))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, opt, config=str(cfg), output_dir=str(tmp_path / "out")) as rec:
+        reader = LogReader(rec.log_path)
+        events: list = []
+        deadline = time.monotonic() + 20
+        while not any(isinstance(e, MonitoringStopped) for e in events) and time.monotonic() < deadline:
+            if rec.step_count == 3:
+                save(cfg, {**first, "switch": True})
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.002)
+            events.extend(reader.poll())
+    applied = [e for e in events if isinstance(e, ConfigApplied)]
+    assert len(applied) == 1 and applied[0].reason == "dynamic"
+    steps = sorted({e.step for e in events if isinstance(e, TensorStatsRecorded)})
+    assert steps == [applied[0].step + 1, applied[0].step + 2]
+
+
+def test_a_config_dict_under_dynamic_monitor_applies_as_a_static_one(tmp_path, monkeypatch, caplog):
+    """DYNAMIC_MONITOR needs a file to watch: with a dict, a warning says dynamic mode is off, and the
+    config applies from the start (it recorded nothing at all)."""
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    with caplog.at_level("WARNING", logger="trainrec"):
+        mon = TrainerMon({"wg_distribution": True, "ops": ["norm"]}, output_dir=str(tmp_path / "out"),
+                         live_export=False)
+    assert any("dynamic mode is off" in r.getMessage() for r in caplog.records)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for _ in range(2):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    _, events = read_log(mon.log_path)
+    assert sorted({e.step for e in events if isinstance(e, TensorStatsRecorded)}) == [0, 1]
