@@ -158,6 +158,17 @@ class ConfigFileLoader:
                     fstype,
                     self._poll_interval,
                 )
+            elif os.path.islink(self.path):
+                # an edit of the link's target (elsewhere), or the link made to point at another file
+                # (Kubernetes' ConfigMap volumes swap a `..data` link), is no event on the link's path
+                self.mode = "poll-only"
+                log.info(
+                    "trainrec: %s is a symbolic link (to %s); checking its target's mtime/size/inode every "
+                    "%.2g s instead of watching the directory",
+                    self.path,
+                    os.path.realpath(self.path),
+                    self._poll_interval,
+                )
             elif not self._arm(initial=True):
                 self.mode = "poll"
         self._load()

@@ -344,6 +344,31 @@ def test_write_back_keeps_symlink_and_mode(make, tmp_path):
     assert not [p for p in os.listdir(real_dir) if p.endswith(".trainrec-tmp")]
 
 
+def test_a_symlinked_config_sees_edits_of_its_target_and_a_configmap_swap(make, tmp_path, caplog):
+    """An edit of a link's target happens in another directory, and Kubernetes' ConfigMap volumes
+    swap a ``..data`` link to a new directory: neither is an event on the link's path. A config path
+    that is a symbolic link is checked by stat (of its target) instead of by inotify."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    v1 = conf / "..2026_v1"
+    v1.mkdir()
+    write(v1 / "config.json", doc(switch=False))
+    os.symlink("..2026_v1", conf / "..data")
+    os.symlink("..data/config.json", conf / "config.json")
+    with caplog.at_level(logging.INFO, logger="trainrec"):
+        w, path, events, loop = make(None)
+    assert w.mode == "poll-only" and any("is a symbolic link" in r.getMessage() for r in caplog.records)
+    loop.steps(3)
+    write(v1 / "config.json", doc(switch=True, collect_times=2))  # the target edited in place
+    assert loop.until_update("the edit of the link's target").switch
+    v2 = conf / "..2026_v2"  # the ConfigMap update: a new directory, then the link swapped atomically
+    v2.mkdir()
+    write(v2 / "config.json", doc(switch=False))
+    os.symlink("..2026_v2", conf / "..data_tmp")
+    os.replace(conf / "..data_tmp", conf / "..data")
+    assert loop.until_update("the ConfigMap swap").switch is False
+
+
 def test_stat_fallback_without_watchdog(make):
     w, path, events, loop = make(doc(switch=False), use_watchdog=False)
     assert w.mode == "poll-only"
