@@ -110,6 +110,11 @@ class MonitorConfig:
         """True when no targets are configured: every module / parameter is monitored."""
         return not self.targets or set(self.targets) == {""}
 
+    def first_collected(self, step: int) -> int:
+        """The first step from ``step`` on that :meth:`is_collected` takes (with no collections yet)."""
+        s = max(step, self.start_step)
+        return s + (-(s - self.start_step)) % self.step_interval
+
     def is_collected(self, step: int, collections: int) -> bool:
         """Whether ``step`` is collected, given ``collections`` steps collected so far."""
         return (

@@ -42,12 +42,14 @@ and loader threads, stat fallback, write-back); :mod:`.dynsync` runs the agreeme
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import ConfigChanged, ConfigRejected, Event
 
 from .dynfile import INVALID, MISSING, UNREADABLE, ConfigFileLoader, FileState, content_hash, filesystem_type
@@ -89,6 +91,10 @@ class DynamicConfigWatcher:
     Parameters:
         path: the config file (a JSON object).
         validate: ``callable(raw dict) -> config``; raises :class:`ConfigError` naming the key.
+        check: ``callable(config) -> int | None``, on the training thread, before a ``switch: true``
+            update is decided: raises :class:`ConfigError` for what only the model can tell (a target
+            that matches no module; the update is then rejected like an invalid file); returns the
+            first step the config collects (said at INFO), where known.
         emit: ``callable(event)`` writing an event to this rank's log (called on the training thread).
         rank: this process's rank (events' envelope).
         writes_back: whether this rank writes ``"switch": false`` back (exactly one rank should).
@@ -124,7 +130,9 @@ class DynamicConfigWatcher:
         poll_interval: float = 0.5,
         health_interval: float = 1.0,
         use_watchdog: bool = True,
+        check: Callable[[Any], None] | None = None,
     ) -> None:
+        self._check = check
         self._loader = ConfigFileLoader(
             path,
             validate=validate,
@@ -317,6 +325,15 @@ class DynamicConfigWatcher:
             if self._active and self._applied is not None and obs.content_hash == self._applied.content_hash:
                 log.info("trainrec: %s was saved without changes; monitoring goes on", self.path)
                 return None
+            first_step = step + 1
+            if self._check is not None:
+                try:
+                    # what needs the model (targets that match nothing in it); the first step collected
+                    first_step = self._check(obs.config) or first_step
+                except ConfigError as exc:
+                    message = str(exc) if exc.source else f"{self.path}: {exc}"
+                    self._reject(dataclasses.replace(obs, kind=INVALID, message=message, key=exc.key or ""), step)
+                    return None
             first = self._applied is None
             self._active = True
             self._applied = obs
@@ -326,7 +343,7 @@ class DynamicConfigWatcher:
                 "trainrec: %s: %s; monitoring from step %d (changed: %s)",
                 self.path,
                 "switch is true" if first else "config changed",
-                step + 1,
+                first_step,
                 ", ".join(changed) or "nothing but the file's time",
             )
             return ConfigUpdate(obs.config, obs.content_hash, changed, obs.raw, True, step)

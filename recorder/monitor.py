@@ -140,6 +140,7 @@ class TrainerMon(StepCollector):
         self._list_hook_handles: list = []
         self._list_hooks_off = False
         self._frozen: list[int] = []  # monitored parameters without a gradient hook: frozen when attached
+        self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
         self._fsdp2_waiting: list = []  # (index, FSDPParam) whose unsharded parameter FSDP2 has not made yet
         self._opt_handles: list = []
         self._global_handles: list = []
@@ -318,7 +319,7 @@ class TrainerMon(StepCollector):
         path = os.fspath(self.config_file_path)
         self._watcher = DynamicConfigWatcher(
             path, validate=lambda raw: parse_config(raw, path), emit=_weak_call(self._emit), rank=self.rank,
-            writes_back=self.rank == 0, group=None,
+            writes_back=self.rank == 0, group=None, check=_weak_call(self._check_config),
         )
         self._watcher.start()
 
@@ -583,6 +584,15 @@ class TrainerMon(StepCollector):
         self.close()
 
     # ------------------------------------------------------------------ configuration
+    def _check_config(self, config: MonitorConfig) -> int:
+        """The dynamic watcher's check before it decides a change: targets chosen for ``config``
+        (raises ConfigError, e.g. a target that matches no module), kept for :meth:`_apply_config`;
+        returns the first step it would collect, applied after this one."""
+        self._checked = None
+        if self._chunks and config is not self.config:
+            self._checked = (config, self._select(config))
+        return config.first_collected(self._step)
+
     def _apply_config(self, config: MonitorConfig, step: int, content_hash: str, reason: str = "dynamic") -> None:
         """Make ``config`` the active one from step ``step + 1`` (dynamic glue; static calls it once).
 
@@ -591,8 +601,10 @@ class TrainerMon(StepCollector):
         """
         old = self.config
         if self._chunks and (config is not old):
+            checked, self._checked = self._checked, None
             try:
-                targets, params = self._select(config)  # may raise ConfigError: nothing changed yet
+                # may raise ConfigError: nothing changed yet
+                targets, params = checked[1] if checked and checked[0] is config else self._select(config)
             except ConfigError as exc:
                 log.warning("trainrec: config not applied at step %d: %s", step, exc)
                 self._emit(ConfigRejected(rank=self.rank, step=step, wall=time.time(), content_hash=content_hash,
@@ -624,13 +636,14 @@ class TrainerMon(StepCollector):
         self._emit(ConfigApplied(rank=self.rank, step=step, wall=time.time(),
                                  path=os.fspath(self.config_file_path) if self.config_file_path else "",
                                  content_hash=content_hash, config=dict(config.raw),
-                                 start_step=max(config.start_step, step + 1), reason=reason))
+                                 start_step=config.first_collected(step + 1), reason=reason))
 
-    def _stop(self, reason: str, notify_watcher: bool = True) -> None:
+    def _stop(self, reason: str, notify_watcher: bool = True, step: int | None = None) -> None:
+        """Monitoring ends after ``step`` (default: the current step)."""
         self._monitoring = False
         self._detach()
-        self._emit(MonitoringStopped(rank=self.rank, step=self._step, wall=time.time(), reason=reason,
-                                     collections=self._collections))
+        self._emit(MonitoringStopped(rank=self.rank, step=self._step if step is None else step, wall=time.time(),
+                                     reason=reason, collections=self._collections))
         if self._watcher is not None and notify_watcher:
             try:
                 self._watcher.collection_finished(self._step)
@@ -1063,7 +1076,7 @@ class TrainerMon(StepCollector):
                 if getattr(update, "switch", True):
                     self._apply_config(update.config, finished, update.content_hash)
                 elif self._monitoring:
-                    self._stop("switch_off", notify_watcher=False)
+                    self._stop("switch_off", notify_watcher=False, step=finished)
         self._begin_step()
 
     def step(self) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from trainrec.schema.events import (
     AnomalyDetected,
+    ConfigApplied,
     ConfigRejected,
     FileOpened,
     HookFailed,
@@ -96,8 +97,8 @@ class RankSummary:
     dropped_records: int = 0
     hook_failures: int = 0
     skipped_steps: list[int] = field(default_factory=list)  # optimizer steps that never ran (inf/NaN)
-    # what the monitor said went wrong, in order: configs rejected, monitoring stopped, the first
-    # failure of each hook (at most MAX_NOTES)
+    # what the monitor said, in order: configs rejected, monitoring started (dynamic mode) and
+    # stopped, the first failure of each hook (at most MAX_NOTES)
     notes: list[str] = field(default_factory=list)
     unended: list[int] = field(default_factory=list)  # steps that began and did not end
 
@@ -219,6 +220,8 @@ def summarize(run: Run) -> RunSummary:
                 _note(rs, f"step {ev.step}: config rejected: {ev.reason}")
             elif t is MonitoringStopped:
                 _note(rs, f"step {ev.step}: monitoring stopped: {ev.reason}")
+            elif t is ConfigApplied and ev.reason == "dynamic":
+                _note(rs, f"step {ev.step}: monitoring started (dynamic config); first collected step {ev.start_step}")
         rs.unended = sorted(began - ended)
         readers = run.readers
         for lf in run.log_files(r):

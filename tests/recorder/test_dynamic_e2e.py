@@ -154,6 +154,35 @@ def test_print_struct_waits_for_the_switch(tmp_path, monkeypatch, one_thread):
         mon.close()
 
 
+def test_switch_off_and_the_first_collected_step_are_reported_as_they_happen(tmp_path, monkeypatch, one_thread,
+                                                                             caplog):
+    """ConfigApplied.start_step (and the INFO notice) give the first step really collected, here the
+    next multiple of step_interval; MonitoringStopped by switch=false gives the step the notice says."""
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    cfg = tmp_path / "config.json"
+    first = {"wg_distribution": True, "ops": ["norm"], "switch": False, "step_interval": 4, "collect_times": 100}
+    cfg.write_text(json.dumps(first))
+    mon = TrainerMon(str(cfg), output_dir=str(tmp_path / "out"), live_export=False)
+    try:
+        t = Training(mon)
+        t.until(lambda: t.step >= 5, "a few idle steps")
+        with caplog.at_level("INFO", logger="trainrec"):
+            save(cfg, {**first, "switch": True})
+            t.until(lambda: t.count(TensorStatsRecorded) >= 4, "two collected steps")
+            save(cfg, first)
+            t.until(lambda: t.count(MonitoringStopped) == 1, "the stop")
+    finally:
+        mon.close()
+    _, events = read_log(mon.log_path)
+    (applied,) = [e for e in events if isinstance(e, ConfigApplied)]
+    steps = sorted({e.step for e in events if isinstance(e, TensorStatsRecorded)})
+    assert applied.start_step == steps[0] and steps[0] % 4 == 0 and steps[0] > applied.step
+    assert any(f"monitoring from step {steps[0]} " in r.getMessage() for r in caplog.records)
+    (stop,) = [e for e in events if isinstance(e, MonitoringStopped)]
+    assert stop.reason == "switch_off" and stop.step >= steps[-1]
+    assert any(f"monitoring stops after step {stop.step}" in r.getMessage() for r in caplog.records)
+
+
 def test_native_record_watches_its_config_file(tmp_path, monkeypatch, one_thread):
     """record() given a config path under DYNAMIC_MONITOR watches that file, as TrainerMon does."""
     from trainrec.recorder import record
@@ -201,3 +230,35 @@ def test_a_config_dict_under_dynamic_monitor_applies_as_a_static_one(tmp_path, m
     mon.close()
     _, events = read_log(mon.log_path)
     assert sorted({e.step for e in events if isinstance(e, TensorStatsRecorded)}) == [0, 1]
+
+
+def test_a_target_that_matches_no_module_is_rejected_before_anything_changes(tmp_path, monkeypatch, one_thread,
+                                                                              caplog):
+    """Only the model can tell that a target matches nothing: such a change is rejected like an invalid
+    file (the path, and that monitoring stays off), the watcher does not think monitoring started, and
+    the next valid edit starts it."""
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    cfg = tmp_path / "config.json"
+    first = {"wg_distribution": True, "ops": ["norm"], "switch": False, "collect_times": 2}
+    cfg.write_text(json.dumps(first))
+    mon = TrainerMon(str(cfg), output_dir=str(tmp_path / "out"), live_export=False)
+    try:
+        t = Training(mon)
+        t.until(lambda: t.step >= 3, "a few idle steps")
+        with caplog.at_level("INFO", logger="trainrec"):
+            save(cfg, {**first, "switch": True, "targets": {"no_such_layer": {}}})
+            t.until(lambda: t.count(ConfigRejected) == 1, "the rejection")
+        assert not any("monitoring from step" in r.getMessage() for r in caplog.records)
+        assert not mon._watcher.active
+        save(cfg, {**first, "switch": True})
+        t.until(lambda: t.count(MonitoringStopped) == 1, "the valid start to run its course")
+    finally:
+        mon.close()
+    _, events = read_log(mon.log_path)
+    (rejected,) = [e for e in events if isinstance(e, ConfigRejected)]
+    assert rejected.keys == ("targets.no_such_layer",) and rejected.path == str(cfg)
+    assert str(cfg) in rejected.reason and rejected.reason.endswith("monitoring stays off")
+    (applied,) = [e for e in events if isinstance(e, ConfigApplied)]
+    assert applied.step > rejected.step
+    assert sorted({e.step for e in events if isinstance(e, TensorStatsRecorded)}) == [applied.step + 1,
+                                                                                      applied.step + 2]

@@ -138,3 +138,17 @@ def test_keys_the_reference_validates_but_its_table_omits():
     c = parse_config({"mg_distribution": False, "collect_times": 0})
     assert c.collect_times == 0 and not c.is_collected(0, 0) and not c.is_collected(5, 0)
     assert c.raw["mg_distribution"] is False
+
+
+@pytest.mark.parametrize(("raw", "after", "first"), [
+    ({}, 5, 5),
+    ({"start_step": 18}, 14, 18),
+    ({"step_interval": 4}, 5, 8),
+    ({"step_interval": 4}, 8, 8),
+    ({"start_step": 3, "step_interval": 5}, 9, 13),
+    ({"start_step": 3, "step_interval": 5}, 0, 3),
+])
+def test_first_collected_step(raw, after, first):
+    cfg = parse_config(raw)
+    assert cfg.first_collected(after) == first
+    assert cfg.is_collected(first, 0) and not any(cfg.is_collected(s, 0) for s in range(after, first))

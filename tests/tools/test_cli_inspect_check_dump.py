@@ -230,12 +230,14 @@ def test_a_system_error_is_one_line_naming_the_file(run_dir, tmp_path, capsys, m
 def test_inspect_says_what_the_monitor_reported_going_wrong(tmp_path, capsys):
     """Rejected configs, a stop of monitoring and the first failure of each hook are listed per rank
     (text and --json), not only counted: they say why a log holds less than expected."""
-    from trainrec.schema.events import ConfigRejected, HookFailed, MonitoringStopped
+    from trainrec.schema.events import ConfigApplied, ConfigRejected, HookFailed, MonitoringStopped
 
     rdir = str(tmp_path / "out" / f"{STAMP}-rank0-0000beef")
     with LogWriter(rdir, rank=0, world_size=1, run_id="notes-run", flush_interval=0.01) as w:
+        w.write(ConfigApplied(rank=0, step=-1, path="c.json", config={}, start_step=0, reason="static"))
         w.write(ConfigRejected(rank=0, step=0, path="c.json", reason="c.json: config key 'targets.x': nope",
                                keys=("targets.x",)))
+        w.write(ConfigApplied(rank=0, step=0, path="c.json", config={}, start_step=4, reason="dynamic"))
         for s in range(3):
             w.write(StepBegan(rank=0, step=s))
             w.write(HookFailed(rank=0, step=s, where="forward hook of 'fc'", error="RuntimeError('boom')"))
@@ -251,6 +253,7 @@ def test_inspect_says_what_the_monitor_reported_going_wrong(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "out"), "--json"]) == 0
     notes = orjson.loads(capsys.readouterr().out)["per_rank"][0]["notes"]
     assert notes == ["step 0: config rejected: c.json: config key 'targets.x': nope",
+                     "step 0: monitoring started (dynamic config); first collected step 4",
                      "step 0: forward hook of 'fc' failed: RuntimeError('boom')",
                      "step 2: monitoring stopped: collect_times reached"]
 
