@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +123,9 @@ class MonitorConfig:
             and (step - self.start_step) % self.step_interval == 0
             and collections < self.collect_times
         )
+
+
+_MAX_STEP = (1 << 63) - 1
 
 
 def _is_int(v: Any) -> bool:
@@ -253,19 +257,21 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
             log.warning("trainrec: mg_distribution has no effect (nor has it in msprobe 1.2.1, which only "
                         "validates it); mg_direction records the gradient/momentum sign agreement")
     # collect_times 0: nothing is collected (msprobe 1.2.1 turns monitoring on only where it is > 0)
-    for key, lo in (("start_step", 0), ("collect_times", 0), ("step_interval", 1), ("ndigits", 0),
-                    ("step_count_per_record", 1)):
+    # (upper bounds: a step number fits the log's 64-bit integers; float32 values carry about 9
+    # significant digits, and the CSV writer rounds to at most 30 places)
+    for key, lo, hi in (("start_step", 0, _MAX_STEP), ("collect_times", 0, _MAX_STEP), ("step_interval", 1, _MAX_STEP),
+                        ("ndigits", 0, 30), ("step_count_per_record", 1, 1_000_000)):
         if key in raw:
             v = raw[key]
             if not _is_int(v) or v < lo:
                 raise ConfigError(f"expected an integer >= {lo}, got {v!r}", key, source)
-            if key == "step_count_per_record" and v > 1_000_000:
-                raise ConfigError(f"expected an integer <= 1000000, got {v!r}", key, source)
+            if v > hi:
+                raise ConfigError(f"expected an integer <= {hi}, got {v!r}", key, source)
             kw[key] = v
     if "eps" in raw:
         v = raw["eps"]
-        if not _is_number(v) or v < 0:
-            raise ConfigError(f"expected a number >= 0, got {v!r}", "eps", source)
+        if not _is_number(v) or not v >= 0 or not math.isfinite(v):
+            raise ConfigError(f"expected a finite number >= 0, got {v!r}", "eps", source)
         kw["eps"] = float(v)
     if "module_ranks" in raw:
         v = raw["module_ranks"]
@@ -320,12 +326,16 @@ def load_config(path: str) -> MonitorConfig:
             text = f.read()
     except FileNotFoundError:
         raise ConfigError("config file not found", None, str(path)) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text (byte {exc.start})", None, str(path)) from None
     except OSError as exc:
         raise ConfigError(f"cannot read the config file: {exc.strerror or exc}", None, str(path)) from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", None, str(path)) from None
+    except RecursionError:
+        raise ConfigError("invalid JSON: nested too deeply", None, str(path)) from None
     return parse_config(raw, str(path))
 
 

@@ -73,6 +73,13 @@ def test_reference_example_parses_and_keeps_raw():
         ({"cc_distribution": {"what": True}}, "cc_distribution", "unknown key"),
         ({"alert": {"rules": [{"rule_name": "Nope"}]}}, "alert.rules[0].rule_name", "Nope"),
         ({"forward_only": True, "backward_only": True}, "backward_only", "cannot both"),
+        ({"ndigits": 31}, "ndigits", "integer <= 30"),
+        ({"collect_times": 10**30}, "collect_times", "integer <= 9223372036854775807"),
+        ({"start_step": 2**63}, "start_step", "integer <= "),
+        ({"eps": float("nan")}, "eps", "finite number >= 0"),
+        ({"eps": float("inf")}, "eps", "finite number >= 0"),
+        ({"alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": float("nan")}}]}},
+         "alert.rules[0].args.threshold", "finite"),
     ],
 )
 def test_bad_values_name_the_key(raw, key, expect):
@@ -152,3 +159,15 @@ def test_first_collected_step(raw, after, first):
     cfg = parse_config(raw)
     assert cfg.first_collected(after) == first
     assert cfg.is_collected(first, 0) and not any(cfg.is_collected(s, 0) for s in range(after, first))
+
+
+@pytest.mark.parametrize(("data", "expect"), [
+    (b'{"ops": ["norm"], "note": "\xff\xfe"}', "not UTF-8 text (byte 27)"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+])
+def test_a_config_file_that_cannot_be_read_as_json_names_the_file(tmp_path, data, expect):
+    path = tmp_path / "bad.json"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(path))
+    assert expect in str(ei.value) and str(path) in str(ei.value)
