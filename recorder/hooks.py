@@ -487,6 +487,13 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
 _SLOTS = ("input", "input_grad", "output", "output_grad")
 
 
+def _picked(value: Any, sel: Selector) -> Any:
+    """What a selector that fits ``value``'s structure picks from it (a tensor or not)."""
+    if isinstance(value, (tuple, list)):
+        return value[0] if sel.is_tensor else value[sel.index]
+    return value
+
+
 def make_first_call_check(t: ModuleTarget, source: str | None = None,
                           on_reject: Callable[[ConfigError], None] | None = None):
     """Forward hook installed until the run's first step ends: at the module's first call, its
@@ -503,8 +510,15 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None,
             return
         done = True
         for slot, sel in sels:
+            key = f"targets.{t.key}.{slot}"
             try:
-                select(args if slot.startswith("input") else output, sel, f"targets.{t.key}.{slot}")
+                value = args if slot.startswith("input") else output
+                if select(value, sel, key) is None:
+                    picked = _picked(value, sel)
+                    if picked is not None:  # (None: an optional argument not given this time)
+                        raise SelectorMismatch(key, f"selects {describe(picked)}, not a tensor (a selector picks "
+                                                    "a tensor at the top level of the module's "
+                                                    f"{'inputs' if slot.startswith('input') else 'output'})")
             except SelectorMismatch as exc:
                 err = ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
                                   f"first step; print_struct shows the real structure)", exc.key, source)

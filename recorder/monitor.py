@@ -338,14 +338,14 @@ class TrainerMon(StepCollector):
 
     def _rejected_at_first_call(self, exc: ConfigError) -> None:
         """A selector that does not fit its module's real inputs or outputs, about to be raised out of
-        the first forward: the log says so (ConfigRejected), written out before the exception may end
-        the process."""
+        the first forward: the log says so (ConfigRejected), and the monitor closes (its hooks removed,
+        its log closed), as where monitor_gnorm_with_ad rejects a config: a notebook that fixes the
+        config and makes a new monitor on the same model has that one only."""
         try:
             self._emit(ConfigRejected(rank=self.rank, step=self._step, wall=time.time(), content_hash="",
                                       path=self._config_source() or "", reason=str(exc),
                                       keys=(exc.key,) if exc.key else ()))
-            if self._writer is not None and not self._writer.closed:
-                self._writer.flush(timeout=5.0)
+            self._close(f"config rejected: {exc.key}" if exc.key else "config rejected")
         except Exception as err:  # noqa: BLE001 - the config error is what the user must see
             log.debug("trainrec: recording the rejected config failed: %r", err)
 

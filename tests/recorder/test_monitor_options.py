@@ -343,6 +343,54 @@ def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path,
     mon.close()
 
 
+def test_a_selector_mismatch_at_the_first_forward_closes_the_monitor(tmp_path, out):
+    """The ConfigError out of the first forward leaves no hook of the rejected monitor on the model (a
+    notebook that fixes the config and makes a new monitor records with that one alone), and its log
+    is closed."""
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "wg_distribution": True,
+                                             "targets": {"pair": {"input": "tensor"}}}), live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    with pytest.raises(ConfigError):
+        loss_of(model, 0)
+    assert mon._closed and mon._writer.closed
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    mon2 = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"pair": {"input": "tuple[2]:0"}}}),
+                      live_export=False)
+    mon2.monitor_gnorm_with_ad(model, optimizer=opt)
+    loss_of(model, 0).backward()
+    opt.step()
+    mon2.close()
+    assert stats_table(events_of(mon2.log_path), "actv")
+
+
+class _Recurrent(nn.Module):
+    """An LSTM-like output: (y, (h, c))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y, (y[:, -1], y[:, 0])
+
+
+def test_a_selector_that_picks_a_non_tensor_fails_the_first_forward(tmp_path, out):
+    """"tuple[2]:1" on an LSTM's (y, (h, c)) picks a tuple: every row would be NaN. A ConfigError at
+    the first forward says so; "tuple[2]:0" records."""
+    model = nn.Sequential(nn.Embedding(32, 8), _Recurrent())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"1": {"output": "tuple[2]:1"}}}),
+                     live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    with pytest.raises(ConfigError) as err:
+        model(torch.zeros(2, 3, dtype=torch.long))
+    assert err.value.key == "targets.1.output" and "selects tuple[2], not a tensor" in str(err.value)
+
+
 def test_a_run_that_a_selector_mismatch_ends_says_why_in_its_log(tmp_path, out, capsys):
     """The ConfigError out of the first forward usually ends the process: its log holds a
     ConfigRejected with the key and the reason, written before the exception left the hook, and is
@@ -370,7 +418,7 @@ loss_of(model, 0)
     assert rejected[0].keys == ("targets.pair.input",) and "gives tuple[2]" in rejected[0].reason
     assert rejected[0].path == cfg and rejected[0].step == 0
     assert type(events[-1]).__name__ == "FileClosed"
-    assert events[-1].reason == "exit after an uncaught ConfigError"  # closed at exit, and why
+    assert events[-1].reason == "config rejected: targets.pair.input"  # closed there, and why
     from trainrec.tools.cli import main
 
     capsys.readouterr()
