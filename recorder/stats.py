@@ -67,7 +67,11 @@ PART_NUMEL = 1 << 25
 
 def _as_reducible(x: torch.Tensor, want_zeros: bool) -> torch.Tensor:
     """``x`` in a dtype the reductions take: ints and bools (token ids, masks) as float32, and float16
-    as well where zeros are counted (``x / eps`` overflows half); float32/64 and bfloat16 as they are."""
+    as well where zeros are counted (``x / eps`` overflows half); float32/64 and bfloat16 as they are;
+    complex numbers as their magnitudes ``|x|`` (the norm is the complex tensor's; a cast would keep
+    the real parts only)."""
+    if x.is_complex():
+        return x.abs()
     if x.dtype is not torch.float32 and x.dtype is not torch.float64 and (
         x.dtype not in _LOW or (x.dtype is torch.float16 and want_zeros)
     ):

@@ -171,6 +171,23 @@ def test_sparse_tensors_give_the_dense_tensors_statistics(kernel):
             assert close(got[i, k].item(), want, 1e-5), (i, op, got[i, k].item(), want)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_complex_tensors_are_measured_by_their_magnitudes(kernel):
+    """A complex activation (an FFT layer's): the statistics of |x|, whose norm is the complex tensor's
+    own (a cast to float32 kept the real parts only, with a torch warning and no word from us)."""
+    eng = engine(OPS, 1e-3, kernel)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.complex(torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)),
+          torch.tensor([3 + 4j, 0j, complex("nan+1j")], dtype=torch.complex128),
+          torch.randn(4, generator=g)]
+    got = eng.compute(xs)
+    for i, x in enumerate(xs):
+        want = ref(x.abs() if x.is_complex() else x, 1e-3)
+        for k, op in enumerate(OPS):
+            assert close(got[i, k].item(), want[k], 1e-5), (i, op, got[i, k].item(), want[k])
+    assert close(got[0, OPS.index("norm")].item(), torch.linalg.vector_norm(xs[0]).item(), 1e-5)
+
+
 @pytest.mark.parametrize("ops", [OPS, ("norm",), ("nans", "min", "mean")])
 def test_combined_part_rows_equal_the_whole_tensors_row(ops):
     """StatsEngine.combine (a large main_grad + .grad measured in parts): the parts' rows give the
