@@ -154,15 +154,20 @@ def test_print_struct_waits_for_the_switch(tmp_path, monkeypatch, one_thread):
         mon.close()
 
 
+def dynamic_monitor(tmp_path, monkeypatch, first: dict):
+    """A TrainerMon in dynamic mode on ``tmp_path/config.json``, which holds ``first``."""
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(first))
+    return cfg, TrainerMon(str(cfg), output_dir=str(tmp_path / "out"), live_export=False)
+
+
 def test_switch_off_and_the_first_collected_step_are_reported_as_they_happen(tmp_path, monkeypatch, one_thread,
                                                                              caplog):
     """ConfigApplied.start_step (and the INFO notice) give the first step really collected, here the
     next multiple of step_interval; MonitoringStopped by switch=false gives the step the notice says."""
-    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
-    cfg = tmp_path / "config.json"
     first = {"wg_distribution": True, "ops": ["norm"], "switch": False, "step_interval": 4, "collect_times": 100}
-    cfg.write_text(json.dumps(first))
-    mon = TrainerMon(str(cfg), output_dir=str(tmp_path / "out"), live_export=False)
+    cfg, mon = dynamic_monitor(tmp_path, monkeypatch, first)
     try:
         t = Training(mon)
         t.until(lambda: t.step >= 5, "a few idle steps")
@@ -237,11 +242,8 @@ def test_a_target_that_matches_no_module_is_rejected_before_anything_changes(tmp
     """Only the model can tell that a target matches nothing: such a change is rejected like an invalid
     file (the path, and that monitoring stays off), the watcher does not think monitoring started, and
     the next valid edit starts it."""
-    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
-    cfg = tmp_path / "config.json"
     first = {"wg_distribution": True, "ops": ["norm"], "switch": False, "collect_times": 2}
-    cfg.write_text(json.dumps(first))
-    mon = TrainerMon(str(cfg), output_dir=str(tmp_path / "out"), live_export=False)
+    cfg, mon = dynamic_monitor(tmp_path, monkeypatch, first)
     try:
         t = Training(mon)
         t.until(lambda: t.step >= 3, "a few idle steps")
