@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         kinds = set(parse_kinds(args.kinds, valid=KINDS)) if args.kinds else None
     except ValueError as exc:
         raise TrainrecError(f"--kind: {exc}") from None
+    r = None
     if args.follow:
         if args.time_start or args.time_end:
             raise TrainrecError("--follow takes the run by --run-id (or the latest), not by --time-start/--time-end")
@@ -116,7 +117,22 @@ def run(args: argparse.Namespace) -> int:
         if lines:
             flush()
         sys.stdout.flush()  # (following: each poll's events as soon as they are read)
+    if r is not None:
+        _report_damage(r, args.rank or r.ranks)
     return 0
+
+
+def _report_damage(run, ranks) -> None:
+    """What was skipped or is inconsistent, on stderr (the JSON lines on stdout hold only what was read)."""
+    readers = run.readers_of(ranks)
+    for path, err in run.file_errors.items():
+        print(f"trainrec dump: note: skipped {path}: {err}", file=sys.stderr)
+    for reader in readers.values():
+        for problem in reader.problems[:5]:
+            print(f"trainrec dump: note: {problem}", file=sys.stderr)
+        if len(reader.problems) > 5:
+            print(f"trainrec dump: note: ... {len(reader.problems) - 5} more in {reader.path} (trainrec check)",
+                  file=sys.stderr)
 
 
 def _followed(args: argparse.Namespace):
