@@ -60,3 +60,14 @@ def test_no_command_tracebacks_and_each_says_where(hostile, cmd, capsys, tmp_pat
         assert f"{path} at byte {offset}: " in captured.err and what in captured.err
     else:
         assert "damage: rank" in captured.out or "DAMAGE" in captured.out
+
+
+@pytest.mark.parametrize("ndigits", [18, 19, 20, 25, 30, 400, 2**64 - 1])
+def test_export_csv_takes_any_ndigits_a_run_recorded(tmp_path, capsys, ndigits):
+    out = str(tmp_path / "out")
+    good_log(out, config={"ndigits": ndigits})
+    assert main(["export", "csv", out, "-o", str(tmp_path / "csv")]) == 0
+    err = capsys.readouterr().err
+    assert ("rounds every value to nan" in err) == (ndigits > 308)
+    text = next((tmp_path / "csv").rglob("*.csv")).read_text().splitlines()
+    assert len(text) > 1 and (("nan" in text[1]) == (ndigits > 308))
