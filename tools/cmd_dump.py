@@ -13,7 +13,9 @@ or repeated; so does ``--kind``.
 ``-f``/``--follow``: a live tail of a run being written (:func:`trainrec.replay.follow`): what is
 there, then each event as it is written, in the order each rank wrote them (ranks interleaved as
 they are read, not merged by execution order); it ends when every rank's log is closed, or its
-writer (a process of this host) is gone after a crash, or at Ctrl-C.
+writer (a process of this host) is gone after a crash, or at Ctrl-C. A run whose every log file
+cannot be read (not a log, an unsupported version, no permission) is an error, as without ``-f``;
+a directory where no log has appeared yet is waited for.
 """
 
 from __future__ import annotations
@@ -146,6 +148,9 @@ def _followed(args: argparse.Namespace):
             continue
         if follower.closed:
             return
+        err = follower.unfollowable
+        if err is not None:
+            raise err  # what plain dump says of it (exit 2), instead of waiting forever
         if follower.writers_gone:
             print("trainrec dump: the process writing the run is gone and left its log unclosed (a crash)",
                   file=sys.stderr)

@@ -3,8 +3,11 @@ and offset, never a traceback, bounded memory; ``check`` reports them as damage.
 
 from __future__ import annotations
 
+import glob
 import os
+import struct
 import sys
+import threading
 
 import pytest
 
@@ -71,3 +74,55 @@ def test_export_csv_takes_any_ndigits_a_run_recorded(tmp_path, capsys, ndigits):
     assert ("rounds every value to nan" in err) == (ndigits > 308)
     text = next((tmp_path / "csv").rglob("*.csv")).read_text().splitlines()
     assert len(text) > 1 and (("nan" in text[1]) == (ndigits > 308))
+
+
+def _unfollowable(tmp_path, kind: str) -> str:
+    out = str(tmp_path / "out")
+    path = good_log(out)
+    if kind == "not_a_log":
+        with open(path, "wb") as f:
+            f.write(b"hello world, this is text\n" * 10)
+    elif kind == "bad_version":
+        with open(path, "r+b") as f:
+            f.seek(8)
+            f.write(struct.pack("<I", 99))
+    elif kind == "as_dir":
+        os.remove(path)
+        os.mkdir(path)
+    elif kind == "no_permission":
+        os.chmod(path, 0)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["not_a_log", "bad_version", "as_dir", "no_permission"])
+@pytest.mark.parametrize("target", ["output", "rankdir", "file"])
+def test_dump_follow_of_logs_that_cannot_be_read_says_so_like_dump(tmp_path, capsys, kind, target):
+    out = _unfollowable(tmp_path, kind)
+    if kind == "no_permission" and os.access(glob.glob(f"{out}/*/*.trl")[0], os.R_OK):
+        pytest.skip("running as a user that reads any file")
+    if kind == "as_dir" and target == "file":
+        pytest.skip("a directory given as RUN is followed until logs appear in it")
+    run = {"output": out, "rankdir": glob.glob(f"{out}/*")[0], "file": glob.glob(f"{out}/*/*.trl")[0]}[target]
+    assert main(["dump", run]) == 2
+    plain = capsys.readouterr().err
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(main(["dump", "-f", "--poll-interval", "0.02", run])),
+                         daemon=True)
+    t.start()
+    t.join(10)
+    assert result == [2], "dump -f kept waiting"
+    assert capsys.readouterr().err == plain
+
+
+def test_dump_follow_still_waits_for_a_run_whose_logs_have_not_appeared(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(main(["dump", "-f", "--poll-interval", "0.02", str(out)])),
+                         daemon=True)
+    t.start()
+    t.join(0.5)
+    assert result == []  # waiting for the first log
+    good_log(str(out))
+    t.join(10)
+    assert result == [0] and '"type":"FileClosed"' in capsys.readouterr().out
