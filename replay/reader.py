@@ -23,6 +23,8 @@ Three outcomes are kept apart (see :mod:`trainrec.schema.framing` for the byte l
   - a frame that checks out but does not decode (``undecodable record``), which includes a record
     whose fields contradict each other (a slot that is no slot, an absurd world size, ...: see
     ``check()`` of :mod:`trainrec.schema.events`);
+  - records after the file's FileClosed record (``records after the FileClosed record``): the writer
+    never writes there, so they are skipped as one damaged region, not replayed a second time;
   - a record that decodes but contradicts the file before it (``inconsistent record``): name ids
     interned out of order, or used without being interned. Such a record is kept (nothing recorded
     is lost; an id nobody interned shows as ``<unknown name ID>``) and reported once per file;
@@ -70,6 +72,7 @@ _HDR_SIZE = framing.FRAME_HEADER_SIZE
 _MAGIC = framing.FRAME_MAGIC
 _MAGIC_BYTES = framing.FRAME_MAGIC_BYTES
 _crc32 = zlib.crc32
+_AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,12 @@ class LogReader:
                     ev = decode(mv[start:stop], version)
                 except Exception as exc:  # noqa: BLE001 - untrusted input: any decode failure is damage
                     self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
+                    pos = stop
+                    continue
+                if self.closed_event is not None:
+                    # the writer writes nothing after FileClosed: frames there (a log appended to
+                    # again, e.g. concatenated with a copy) would replay twice; one region of damage
+                    self._problem(base + pos, _AFTER_CLOSE, stop - pos)
                     pos = stop
                     continue
                 seq = ev.seq

@@ -91,3 +91,16 @@ def test_unknown_name_ids_after_a_lost_names_record_are_its_consequence(tmp_path
     reader, events = read_log(path)
     assert [p.offset for p in reader.problems] == [offset]  # the names record only
     assert isinstance(events[0], FileOpened)
+
+
+def test_records_appended_after_the_close_are_one_damaged_region_not_replayed(tmp_path):
+    path = good_log(str(tmp_path))
+    _, clean = read_log(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "ab") as f:
+        f.write(data[16:])  # the log's frames once more, after its FileClosed
+    reader, events = read_log(path)
+    assert events == clean and reader.closed_cleanly and reader.gaps == []
+    assert [(p.offset, p.skipped) for p in reader.problems] == [(len(data), len(data) - 16)]
+    assert "after the FileClosed record" in reader.problems[0].what

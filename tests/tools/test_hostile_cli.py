@@ -12,7 +12,7 @@ import threading
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "replay"))
-from hostile_logs import F, good_log, rewrite  # noqa: E402
+from hostile_logs import STAMP, F, good_log, rewrite  # noqa: E402
 from trainrec.tools.cli import main  # noqa: E402
 
 _CASES = {
@@ -126,3 +126,31 @@ def test_dump_follow_still_waits_for_a_run_whose_logs_have_not_appeared(tmp_path
     good_log(str(out))
     t.join(10)
     assert result == [0] and '"type":"FileClosed"' in capsys.readouterr().out
+
+
+def test_an_empty_log_is_a_note_given_as_file_rank_directory_or_output_directory(tmp_path, capsys):
+    out = tmp_path / "out"
+    log = out / f"{STAMP}-rank0-0000beef" / "trainrec-00000.trl"
+    log.parent.mkdir(parents=True)
+    log.write_bytes(b"")
+    for run in (out, log.parent, log):
+        assert main(["check", str(run)]) == 0
+        text = capsys.readouterr().out
+        assert "empty file: no file header and nothing recorded" in text and "OK (1 note(s))" in text
+
+
+def test_export_of_a_log_appended_after_its_close_writes_each_value_once(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    path = good_log(out)
+    assert main(["export", "csv", out, "-o", str(tmp_path / "once")]) == 0
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "ab") as f:
+        f.write(data[16:])
+    capsys.readouterr()
+    assert main(["export", "csv", out, "-o", str(tmp_path / "twice")]) == 0
+    assert f"{path} at byte {len(data)}: records after the FileClosed record, ignored" in capsys.readouterr().err
+    once = {p.relative_to(tmp_path / "once"): p.read_bytes() for p in (tmp_path / "once").rglob("*.csv")}
+    twice = {p.relative_to(tmp_path / "twice"): p.read_bytes() for p in (tmp_path / "twice").rglob("*.csv")}
+    assert once == twice and once
+    assert main(["check", out]) == 1
