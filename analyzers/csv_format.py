@@ -10,7 +10,12 @@ costs about a microsecond; here the text is built from integer digits with numpy
   decimal lies within half an ulp of it, so that is exactly what ``repr`` prints;
 * a tiny value (``0 < |x| < 1e-4``) prints in exponent form; with ``d <= 9`` it is one of fewer than
   ``10**5`` values ``k / 10**d`` whose ``repr`` is computed once into a table;
-* anything else (NaN, infinities, huge values, more decimals) falls back to ``repr``.
+* anything else (NaN, infinities, huge values, more decimals) falls back to ``repr``; so does every
+  value when ``ndigits`` is above 18 (``k`` no longer fits the integer path).
+
+Any ``ndigits >= 0`` gives what the reference writes (:func:`round_like_reference`): numpy's rounding
+overflows for large ones (``1e300`` becomes ``inf`` with 16 decimals, and every value ``nan`` from 309
+on), and that is what the reference's files hold, so it is what these hold too.
 
 The output is a byte matrix with a mask per value (:func:`value_chars`), which
 :func:`render_rows` combines with per-row prefixes into the CSV body in one boolean compress. The
@@ -21,12 +26,24 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["prefix_block", "render_frames", "render_rows", "value_chars"]
+__all__ = ["prefix_block", "render_frames", "render_rows", "round_like_reference", "value_chars"]
 
 _FALLBACK_WIDTH = 24  # longest repr of a double: '-1.2345678901234567e-100'
 _TINY_TABLE_MAX_DIGITS = 9
 _tiny_tables: dict[int, np.ndarray] = {}
 _POW10 = [10**i for i in range(20)]
+_SIMPLE_MAX_DIGITS = 18  # the integer path's k / 10**d needs 10**d in an int64
+_ROUND_NAN_FROM = 309  # 10.0**d overflows: numpy's round gives nan for every value from here on
+
+
+def round_like_reference(values: np.ndarray, ndigits: int) -> np.ndarray:
+    """``pd.DataFrame(values).round(ndigits)`` as float64: numpy's ``round`` of any ``ndigits >= 0``
+    (above 308 all of them give nan, so they are computed as 309: a C long need not hold them)."""
+    d = int(ndigits)
+    if d < 0:
+        raise ValueError(f"ndigits must be >= 0, not {d}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.round(values.astype(np.float64, copy=False), min(d, _ROUND_NAN_FROM))
 
 
 def _tiny_table(d: int) -> np.ndarray:
@@ -54,8 +71,12 @@ def value_chars(values: np.ndarray, ndigits: int | None) -> tuple[np.ndarray, np
         chars = text.view(np.uint8).reshape(len(flat), -1)
         return chars, chars != 0
     d = int(ndigits)
-    x = np.round(flat.astype(np.float64, copy=False), d)
+    x = round_like_reference(flat, d)
     m = len(x)
+    if d > _SIMPLE_MAX_DIGITS:
+        text = np.array([repr(v).encode() for v in x.tolist()], dtype=f"S{_FALLBACK_WIDTH}")
+        chars = text.view(np.uint8).reshape(m, _FALLBACK_WIDTH)
+        return chars, chars != 0
     groups = -(-d // 4) if d else 1
     # byte layout, in 4-byte words: [sign][20 integer digits][.][4*groups fraction digits]
     width = 4 * (1 + _INT_GROUPS + 1 + groups)
@@ -65,7 +86,7 @@ def value_chars(values: np.ndarray, ndigits: int | None) -> tuple[np.ndarray, np
         return words.view(np.uint8), mask
     ax = np.abs(x)
     with np.errstate(invalid="ignore", over="ignore"):
-        scaled = np.rint(ax * float(_POW10[d])) if d < len(_POW10) else np.full(m, np.inf)
+        scaled = np.rint(ax * float(_POW10[d]))
         simple = np.isfinite(x) & ((ax == 0) | ((ax >= 1e-4) & (ax < 1e16))) & (scaled < 2.0**50)
     neg = np.signbit(x)
     k = np.where(simple, scaled, 0).astype(np.int64)

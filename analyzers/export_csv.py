@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from trainrec.analyzers.csv_format import prefix_block, render_frames
+from trainrec.analyzers.csv_format import prefix_block, render_frames, round_like_reference
 from trainrec.analyzers.projection import (
     KindFrame,
     Note,
@@ -124,7 +124,7 @@ def format_rows(values: np.ndarray, ndigits: int | None) -> list[str]:
     if ndigits is None:
         # Shortest text that reads back to the stored value (float32 stays float32-short).
         return [",".join(row) for row in values.astype(str).tolist()]
-    rounded = np.round(values.astype(np.float64, copy=False), ndigits)
+    rounded = round_like_reference(values, ndigits)
     return [",".join(map(repr, row)) for row in rounded.tolist()]
 
 

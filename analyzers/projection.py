@@ -407,8 +407,7 @@ class StepAssembler:
         return out
 
     def _layout(self, ev: TensorStatsRecorded) -> RowLayout:
-        table = self.resolver.table(ev.rank)
-        key = (self._gen, len(table), ev.kind, tuple(ev.ops), ev.name_ids, ev.micro_steps, ev.slots, ev.vpp_stages)
+        key = (self._gen, self.resolver.generation, ev.kind, tuple(ev.ops), ev.name_ids, ev.micro_steps, ev.slots, ev.vpp_stages)
         lay = self._layouts.get(key)
         if lay is None:
             if len(self._layouts) >= _LAYOUT_CACHE_MAX:

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 
 from trainrec.schema import layout
-from trainrec.schema.errors import FormatError, NotALogError, NotARunError, UnsupportedVersionError
+from trainrec.schema.errors import FormatError, NotARunError, UnsupportedVersionError
 from trainrec.schema.events import (
     ConfigApplied,
     ConfigChanged,
@@ -342,8 +342,8 @@ def find_run(
         lf = scan_file(os.path.abspath(path))
         if lf.error is not None:
             raise lf.error
-        if lf.version is None:
-            raise NotALogError("empty or truncated before the end of its file header", path)
+        # empty, or cut inside its file header (which starts as it should): as in a rank directory, a
+        # run with nothing recorded, which check notes (empty) or reports (a torn header)
         info = RunInfo(run_id=lf.run_id or "", files={lf.rank: [lf]})
         if run_id is not None and not info.run_id.startswith(run_id):
             raise NotARunError(f"the log belongs to run {info.run_id!r}, not {run_id!r}", path)

@@ -131,6 +131,16 @@ class RunFollower:
         return [r for _, r in latest.values()]
 
     @property
+    def unfollowable(self) -> FormatError | None:
+        """Why nothing can be followed, when every log file found so far is one that cannot be read
+        (not a log, an unsupported version, a directory, no permission) and none is still being
+        created: the first such error. None while some file is followed or may still become one, or
+        while no file has been found yet (a run directory whose logs may appear later)."""
+        if self._readers or self._waiting or not self.file_errors:
+            return None
+        return next(iter(self.file_errors.values()))
+
+    @property
     def closed(self) -> bool:
         """Every rank of the launch has been seen and each rank's latest file is closed cleanly (an
         earlier one that a crash left unclosed never will be: a resumed launch wrote after it)."""

@@ -20,7 +20,15 @@ Three outcomes are kept apart (see :mod:`trainrec.schema.framing` for the byte l
     resumes at that header;
   - an incomplete frame followed, further on, by a complete valid frame: the frame was cut short
     (bytes went missing before the end of the file); reading resumes at the valid frame;
-  - a frame that checks out but does not decode (``undecodable record``).
+  - a frame that checks out but does not decode (``undecodable record``), which includes a record
+    whose fields contradict each other (a slot that is no slot, an absurd world size, ...: see
+    ``check()`` of :mod:`trainrec.schema.events`);
+  - records after the file's FileClosed record (``records after the FileClosed record``): the writer
+    never writes there, so they are skipped as one damaged region, not replayed a second time;
+  - a record that decodes but contradicts the file before it (``inconsistent record``): name ids
+    interned out of order, or used without being interned. Such a record is kept (nothing recorded
+    is lost; an id nobody interned shows as ``<unknown name ID>``) and reported once per file;
+    after a lost frame, unknown ids are its consequence and not reported again.
 
   A decision is only taken from bytes that are there: reading a file whole or while it grows gives
   the same events (one damaged region read over several polls is one problem). So a damaged frame at
@@ -45,7 +53,15 @@ from dataclasses import dataclass
 
 from trainrec.schema import codec, framing
 from trainrec.schema.errors import FormatError, NotALogError, UnsupportedVersionError
-from trainrec.schema.events import Event, FileClosed, FileOpened
+from trainrec.schema.events import (
+    Event,
+    FileClosed,
+    FileOpened,
+    HooksFired,
+    NamesInterned,
+    TensorStatsRecorded,
+    unpack_array,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +72,7 @@ _HDR_SIZE = framing.FRAME_HEADER_SIZE
 _MAGIC = framing.FRAME_MAGIC
 _MAGIC_BYTES = framing.FRAME_MAGIC_BYTES
 _crc32 = zlib.crc32
+_AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
 
 
 @dataclass(frozen=True)
@@ -65,10 +82,11 @@ class Problem:
     path: str
     offset: int
     what: str
-    skipped: int  # bytes skipped past the damage
+    skipped: int  # bytes skipped past the damage (0: an inconsistent record, kept)
 
     def __str__(self) -> str:
-        return f"{self.path} at byte {self.offset}: {self.what} ({self.skipped} bytes skipped)"
+        skipped = f"{self.skipped} bytes skipped" if self.skipped else "record kept"
+        return f"{self.path} at byte {self.offset}: {self.what} ({skipped})"
 
 
 @dataclass(frozen=True)
@@ -121,6 +139,9 @@ class LogReader:
         self._next_seq = 0
         self._eof = False  # the last read reached the end of the file as it was then
         self._short_header = 0  # bytes of a file header still being written
+        self._names: list[list[int]] = [[0, 0]]  # id ranges [lo, hi) interned so far, sorted, disjoint
+        self._lost = False  # a frame of this file could not be read: later unknown name ids follow from it
+        self._unknown_ids_reported = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -306,15 +327,26 @@ class LogReader:
                     self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
                     pos = stop
                     continue
+                if self.closed_event is not None:
+                    # the writer writes nothing after FileClosed: frames there (a log appended to
+                    # again, e.g. concatenated with a copy) would replay twice; one region of damage
+                    self._problem(base + pos, _AFTER_CLOSE, stop - pos)
+                    pos = stop
+                    continue
                 seq = ev.seq
                 if seq != self._next_seq:
                     self._gap(base + pos, seq)
                 self._next_seq = seq + 1
-                if type(ev) is FileOpened:
+                t = type(ev)
+                if t is FileOpened:
                     if self.header is None:
                         self.header = ev
-                elif type(ev) is FileClosed:
+                elif t is FileClosed:
                     self.closed_event = ev
+                elif t is NamesInterned or t is TensorStatsRecorded or t is HooksFired:
+                    what = self._names_problem(ev)
+                    if what is not None:
+                        self._problem(base + pos, f"inconsistent record: {what}", 0)
                 out.append(ev)
                 pos = stop
         self.events_read += len(out)
@@ -323,6 +355,35 @@ class LogReader:
             self._pos = base + pos
             if self._scan_abs < self._pos:
                 self._scan_abs = self._pos
+
+    # ------------------------------------------------------------------ consistency
+    def _names_problem(self, ev: Event) -> str | None:
+        """What a record says about name ids that contradicts the file so far, or None."""
+        ranges = self._names
+        if isinstance(ev, NamesInterned):
+            lo, hi = ev.first_id, ev.first_id + len(ev.names)
+            expected = ranges[-1][1]
+            what = None
+            if lo < expected:
+                what = f"names interned from id {lo}, but ids up to {expected - 1} are taken (ids are dense per file)"
+            elif lo > expected and not self._lost:
+                what = (f"names interned from id {lo}, but the next free id is {expected} and no record "
+                        "was lost (ids are dense per file)")
+            _add_range(ranges, lo, hi)
+            return what
+        ids = ev.name_ids if isinstance(ev, TensorStatsRecorded) else ev.module_ids  # type: ignore[attr-defined]
+        if not ids:
+            return None
+        col = unpack_array("I", ids)
+        top = max(col)
+        if top < ranges[0][1] or self._lost or self._unknown_ids_reported:
+            return None
+        unknown = next((i for i in col if not _in_ranges(ranges, i)), None)
+        if unknown is None:
+            return None
+        self._unknown_ids_reported = True
+        return (f"name id {unknown} was never interned in this file (shown as <unknown name {unknown}>; "
+                "later unknown ids of this file are not reported)")
 
     # ------------------------------------------------------------------ damage handling
     def _header_ok(self, buf: bytes, i: int) -> int | None:
@@ -392,14 +453,37 @@ class LogReader:
             # One damaged region read over several chunks or polls is one problem.
             self.problems[-1] = Problem(self.path, last.offset, what, last.skipped + skipped)
             return
+        if skipped:
+            self._lost = True
         p = Problem(self.path, offset, what, skipped)
         self.problems.append(p)
         log.warning("trainrec: %s", p)
 
     def _gap(self, offset: int, seq: int) -> None:
         g = SeqGap(self.path, offset, self._next_seq, seq)
+        if g.lost:
+            self._lost = True
         self.gaps.append(g)
         log.warning("trainrec: %s", g)
+
+
+def _add_range(ranges: list[list[int]], lo: int, hi: int) -> None:
+    """Add ``[lo, hi)`` to sorted disjoint ranges, merging what touches."""
+    if hi <= lo:
+        return
+    ranges.append([lo, hi])
+    ranges.sort()
+    merged = [ranges[0]]
+    for r in ranges[1:]:
+        if r[0] <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], r[1])
+        else:
+            merged.append(r)
+    ranges[:] = merged
+
+
+def _in_ranges(ranges: list[list[int]], i: int) -> bool:
+    return any(lo <= i < hi for lo, hi in ranges)
 
 
 def read_log(path: str) -> tuple[LogReader, list[Event]]:

@@ -141,11 +141,16 @@ class Run:
 
         Files already read to their end by :meth:`events` are not read again.
         """
-        for r in self.ranks:
+        return self.readers_of(self.ranks)
+
+    def readers_of(self, ranks: Iterable[int]) -> dict[str, LogReader]:
+        """:attr:`readers` of the files of ``ranks`` only."""
+        ranks = list(ranks)
+        for r in ranks:
             if any(p not in self._readers and p not in self.file_errors for p in self.files(r)):
                 for _ in self._rank_events(r, only_unread=True):
                     pass
-        return {p: self._readers[p] for r in self.ranks for p in self.files(r) if p in self._readers}
+        return {p: self._readers[p] for r in ranks for p in self.files(r) if p in self._readers}
 
     # ------------------------------------------------------------------ events
     def events(

@@ -325,6 +325,12 @@ def findings(summary: RunSummary) -> list[Finding]:
                                 f"not closed cleanly; torn tail of {fs.torn_bytes} bytes (an incomplete frame)",
                                 bytes_skipped=fs.torn_bytes)
                     )
+            elif fs.format_version is None and fs.size == 0 and fs.events == 0:
+                found.append(
+                    Finding("unclosed", fs.path, 0,
+                            "empty file: no file header and nothing recorded (its writer died before writing, "
+                            "or is starting)")
+                )
             elif not fs.closed_cleanly:
                 found.append(
                     Finding("unclosed", fs.path, fs.end_offset,

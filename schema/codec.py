@@ -16,7 +16,7 @@ from collections.abc import Callable
 import msgpack
 
 from .errors import CorruptRecordError
-from .events import TAGS, Event, TensorStatsRecorded, UnknownEvent
+from .events import MAX_STEP, MAX_WORLD_SIZE, TAGS, Event, UnknownEvent
 from .framing import FORMAT_VERSION, MAX_FRAME
 
 _ENVELOPE = ("seq", "rank", "step", "wall")
@@ -50,6 +50,22 @@ def _layout(cls: type[Event]) -> tuple[tuple[str, ...], tuple[tuple[type, ...], 
 
 _LAYOUTS = {tag: _layout(cls) for tag, cls in TAGS.items()}
 _ENV_TYPES = ((int,), (int,), (int,), (float, int))
+# Envelope bounds: (lowest, highest) of seq, rank and step.
+_ENV_BOUNDS = ((-1, (1 << 63) - 1), (-1, MAX_WORLD_SIZE - 1), (-1, MAX_STEP - 1))
+# Nesting of list and map fields (configs, io specs): deeper is corrupt, and would exhaust a consumer's
+# recursion (msgpack itself nests up to 1024 levels).
+MAX_DEPTH = 32
+
+
+def _depth_ok(value, depth: int = 0) -> bool:
+    if depth > MAX_DEPTH:
+        return False
+    if isinstance(value, dict):
+        return all(_depth_ok(k, depth + 1) and _depth_ok(v, depth + 1) for k, v in value.items())
+    if isinstance(value, tuple):
+        return all(_depth_ok(v, depth + 1) for v in value if isinstance(v, (tuple, dict)))
+    return True
+
 
 # (format_version, tag) -> function rewriting an old wire list into the current one.
 UPGRADES: dict[tuple[int, str], Callable[[list], list]] = {}
@@ -95,6 +111,9 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
     for value, types, name in zip(env, _ENV_TYPES, _ENVELOPE, strict=False):
         if not isinstance(value, types):
             raise CorruptRecordError(f"record {tag!r}: envelope field {name!r} has type {type(value).__name__}")
+    for value, (lo, hi), name in zip(env, _ENV_BOUNDS, _ENVELOPE, strict=False):
+        if not lo <= value <= hi:
+            raise CorruptRecordError(f"record {tag!r}: envelope field {name!r} is {value}, outside {lo}..{hi}")
     layout = _LAYOUTS.get(tag)
     if layout is None:
         return UnknownEvent(
@@ -117,13 +136,14 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
                 v = float(v)
             elif types[i][0] is tuple and isinstance(v, list):
                 v = tuple(v)
+            if isinstance(v, (tuple, dict)) and v and not _depth_ok(v):
+                raise CorruptRecordError(f"record {tag!r}: field {name!r} nests deeper than {MAX_DEPTH} levels")
             kwargs[name] = v
         else:
             kwargs[name] = defaults[i]
     cls = TAGS[tag]
     event = cls(seq=env[0], rank=env[1], step=env[2], wall=float(env[3]), **kwargs)
-    if cls is TensorStatsRecorded:
-        problem = event.check()  # type: ignore[attr-defined]
-        if problem:
-            raise CorruptRecordError(f"record 'ts': {problem}")
+    problem = event.check()
+    if problem:
+        raise CorruptRecordError(f"record {tag!r}: {problem}")
     return event

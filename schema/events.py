@@ -65,6 +65,13 @@ SLOTS = ("", "input", "output", "input_grad", "output_grad")
 DIR_FORWARD = 0
 DIR_BACKWARD = 1
 
+# Bounds of values that size a loop or an allocation when a log is replayed: a record beyond them is
+# corrupt (logs are untrusted input), whatever its CRC says.
+MAX_WORLD_SIZE = 1 << 20  # ranks (and group mates, pipeline stages) per run
+MAX_STEP = 1 << 53  # steps (and resume steps) are below it; -1 is "no step yet"
+MAX_NAME_ID = (1 << 32) - 1  # interned name ids are u32
+MAX_MICRO_STEPS = 1 << 16  # micro steps are u16
+
 _LITTLE = sys.byteorder == "little"
 
 
@@ -94,6 +101,10 @@ class Event:
     step: int = -1
     wall: float = 0.0
 
+    def check(self) -> str | None:
+        """What is inconsistent about the record's own fields, or None (see the subclasses)."""
+        return None
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FileOpened(Event):
@@ -113,6 +124,32 @@ class FileOpened(Event):
     pp_stage: int = 0
     group_mates: tuple = ()
 
+    def check(self) -> str | None:
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            return f"world size {self.world_size} is outside 1..{MAX_WORLD_SIZE}"
+        if not 0 <= self.pp_stage < MAX_WORLD_SIZE:
+            return f"pipeline stage {self.pp_stage} is outside 0..{MAX_WORLD_SIZE - 1}"
+        if self.file_index < 0:
+            return f"file index {self.file_index} is negative"
+        return _check_ranks(self.group_mates, "group_mates")
+
+
+def _check_ranks(ranks: tuple, label: str) -> str | None:
+    """A list of ranks (group mates): ints of 0..MAX_WORLD_SIZE-1, at most MAX_WORLD_SIZE of them."""
+    if len(ranks) > MAX_WORLD_SIZE:
+        return f"{label} lists {len(ranks)} ranks, more than {MAX_WORLD_SIZE}"
+    for r in ranks:
+        if type(r) is not int or not 0 <= r < MAX_WORLD_SIZE:
+            return f"{label} holds {r!r}, not a rank (an int of 0..{MAX_WORLD_SIZE - 1})"
+    return None
+
+
+def _check_counts(event: Event, *labels: str) -> str | None:
+    for label in labels:
+        if getattr(event, label) < 0:
+            return f"{label} {getattr(event, label)} is negative"
+    return None
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FileClosed(Event):
@@ -123,6 +160,9 @@ class FileClosed(Event):
     dropped: int = 0
     reason: str = "close"
 
+    def check(self) -> str | None:
+        return _check_counts(self, "records", "dropped")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NamesInterned(Event):
@@ -131,6 +171,16 @@ class NamesInterned(Event):
     TAG: ClassVar[str] = "nm"
     first_id: int = 0
     names: tuple = ()
+
+    def check(self) -> str | None:
+        if not 0 <= self.first_id <= MAX_NAME_ID:
+            return f"first name id {self.first_id} is outside 0..{MAX_NAME_ID} (ids are u32)"
+        if self.first_id + len(self.names) > MAX_NAME_ID + 1:
+            return f"{len(self.names)} names from id {self.first_id} run past the last u32 id"
+        for n in self.names:
+            if type(n) is not str:
+                return f"a name is {type(n).__name__} {n!r}, not a string"
+        return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,6 +195,23 @@ class ModuleStructureRecorded(Event):
     param_counts: tuple = ()
     io_specs: dict = field(default_factory=dict)
 
+    def check(self) -> str | None:
+        n = len(self.names)
+        for label in ("classes", "parents", "param_counts"):
+            k = len(getattr(self, label))
+            if k and k != n:
+                return f"{label} has {k} entries for {n} modules"
+        for x in self.names + self.classes:
+            if type(x) is not str:
+                return f"a module name or class is {type(x).__name__} {x!r}, not a string"
+        for p in self.parents:
+            if type(p) is not int or not -1 <= p < n:
+                return f"parent {p!r} is not a module index (-1..{n - 1})"
+        for c in self.param_counts:
+            if type(c) is not int or c < 0:
+                return f"parameter count {c!r} is not a count"
+        return None
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HooksFired(Event):
@@ -156,6 +223,18 @@ class HooksFired(Event):
     directions: bytes = b""
     call_ids: bytes = b""
     micro_steps: bytes = b""
+
+    def check(self) -> str | None:
+        n, rest = divmod(len(self.module_ids), 4)
+        if rest:
+            return "module_ids is not a whole number of u32"
+        for arr, size, label in ((self.directions, 1, "directions"), (self.call_ids, 4, "call_ids"),
+                                 (self.micro_steps, 2, "micro_steps")):
+            if len(arr) != n * size:
+                return f"{label} has {len(arr) / size:g} entries for {n} hook firings"
+        if self.directions and max(self.directions) > DIR_BACKWARD:
+            return f"direction {max(self.directions)} is neither forward (0) nor backward (1)"
+        return None
 
     def rows(self):
         """Iterate ``(module_id, direction, call_id, micro_step)``."""
@@ -183,6 +262,11 @@ class StepEnded(Event):
     collected: bool = False
     micro_steps: int = 1
     optimizer_skipped: bool = False
+
+    def check(self) -> str | None:
+        if not 0 <= self.micro_steps <= MAX_MICRO_STEPS:
+            return f"micro step count {self.micro_steps} is outside 0..{MAX_MICRO_STEPS}"
+        return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,6 +296,11 @@ class TensorStatsRecorded(Event):
         """Return what is inconsistent about the arrays, or None when they fit together."""
         if self.dtype not in ("f", "d"):
             return f"unknown value dtype {self.dtype!r}"
+        for op in self.ops:
+            if type(op) is not str or not op:
+                return f"op {op!r} is not a name"
+        if len(set(self.ops)) != len(self.ops):
+            return f"ops {list(self.ops)} repeat a name"
         n = len(self.name_ids)
         if n % 4:
             return "name_ids is not a whole number of u32"
@@ -227,6 +316,8 @@ class TensorStatsRecorded(Event):
         ):
             if arr and len(arr) != n * size:
                 return f"{label} has {len(arr) // size} entries for {n} rows"
+        if self.slots and max(self.slots) >= len(SLOTS):
+            return f"slot {max(self.slots)} is not a known slot (0..{len(SLOTS) - 1})"
         return None
 
     def column(self, name: str) -> array.array:
@@ -268,6 +359,9 @@ class AnomalyDetected(Event):
     kind: str = ""
     name: str = ""
     slot: str = ""
+
+    def check(self) -> str | None:
+        return _check_ranks(self.group_mates, "group_mates")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -311,6 +405,9 @@ class MonitoringStopped(Event):
     reason: str = ""
     collections: int = 0
 
+    def check(self) -> str | None:
+        return _check_counts(self, "collections")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunResumed(Event):
@@ -321,6 +418,11 @@ class RunResumed(Event):
     last_step: int = -1
     reason: str = ""
 
+    def check(self) -> str | None:
+        if not -1 <= self.last_step < MAX_STEP:
+            return f"last step {self.last_step} is outside -1..{MAX_STEP - 1}"
+        return None
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecordsDropped(Event):
@@ -328,6 +430,9 @@ class RecordsDropped(Event):
 
     TAG: ClassVar[str] = "rd"
     count: int = 0
+
+    def check(self) -> str | None:
+        return _check_counts(self, "count")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -338,6 +443,9 @@ class HookFailed(Event):
     where: str = ""
     error: str = ""
     count: int = 1
+
+    def check(self) -> str | None:
+        return _check_counts(self, "count")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,7 +13,9 @@ or repeated; so does ``--kind``.
 ``-f``/``--follow``: a live tail of a run being written (:func:`trainrec.replay.follow`): what is
 there, then each event as it is written, in the order each rank wrote them (ranks interleaved as
 they are read, not merged by execution order); it ends when every rank's log is closed, or its
-writer (a process of this host) is gone after a crash, or at Ctrl-C.
+writer (a process of this host) is gone after a crash, or at Ctrl-C. A run whose every log file
+cannot be read (not a log, an unsupported version, no permission) is an error, as without ``-f``;
+a directory where no log has appeared yet is waited for.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         kinds = set(parse_kinds(args.kinds, valid=KINDS)) if args.kinds else None
     except ValueError as exc:
         raise TrainrecError(f"--kind: {exc}") from None
+    r = None
     if args.follow:
         if args.time_start or args.time_end:
             raise TrainrecError("--follow takes the run by --run-id (or the latest), not by --time-start/--time-end")
@@ -116,7 +119,22 @@ def run(args: argparse.Namespace) -> int:
         if lines:
             flush()
         sys.stdout.flush()  # (following: each poll's events as soon as they are read)
+    if r is not None:
+        _report_damage(r, args.rank or r.ranks)
     return 0
+
+
+def _report_damage(run, ranks) -> None:
+    """What was skipped or is inconsistent, on stderr (the JSON lines on stdout hold only what was read)."""
+    readers = run.readers_of(ranks)
+    for path, err in run.file_errors.items():
+        print(f"trainrec dump: note: skipped {path}: {err}", file=sys.stderr)
+    for reader in readers.values():
+        for problem in reader.problems[:5]:
+            print(f"trainrec dump: note: {problem}", file=sys.stderr)
+        if len(reader.problems) > 5:
+            print(f"trainrec dump: note: ... {len(reader.problems) - 5} more in {reader.path} (trainrec check)",
+                  file=sys.stderr)
 
 
 def _followed(args: argparse.Namespace):
@@ -130,6 +148,9 @@ def _followed(args: argparse.Namespace):
             continue
         if follower.closed:
             return
+        err = follower.unfollowable
+        if err is not None:
+            raise err  # what plain dump says of it (exit 2), instead of waiting forever
         if follower.writers_gone:
             print("trainrec dump: the process writing the run is gone and left its log unclosed (a crash)",
                   file=sys.stderr)

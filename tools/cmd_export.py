@@ -237,6 +237,9 @@ def plan_tasks(runs: list[Run], args, kinds: tuple[str, ...], out: str) -> list[
             run_ndigits, run_per_record = recorded_csv_options(run, r)
             ndigits = run_ndigits if ndigits is FROM_RUN else ndigits
             per_record = run_per_record if per_record is FROM_RUN else per_record
+        if ndigits is not None and ndigits > 308 and args.export_format == "csv":
+            print(f"trainrec export: note: rank {r}: ndigits {ndigits} rounds every value to nan, as the reference "
+                  "does (numpy's round overflows above 308 decimals); pass --ndigits to choose", file=sys.stderr)
         for gi, group in enumerate(groups):
             suffix = "" if len(groups) == 1 else (group[0] if len(group) == 1 else f"part{gi}")
             tasks.append(

@@ -398,7 +398,7 @@ class RankStream:
                     size = reader.offset
                 progress(max(0, size - done))
             for p in reader.problems:
-                result.messages.append(f"damaged record skipped: {p}")
+                result.messages.append(f"damaged record skipped: {p}" if p.skipped else f"damage: {p}")
             self.last_reader = reader
 
     def ended_cleanly(self) -> bool:

@@ -223,6 +223,24 @@ def test_vectorised_text_is_repr_of_the_rounded_double(ndigits):
     assert body.decode() == "".join(f"{i % 2},näme{i},42,{r}\n" for i, r in enumerate(format_rows(m, ndigits)))
 
 
+@pytest.mark.parametrize("ndigits", [*range(13, 31), 300, 308, 309, 10**6, 2**63 - 1, 2**70])
+def test_text_is_repr_of_the_reference_rounding_for_any_ndigits(ndigits):
+    # The reference's writer (pd.DataFrame.round(ndigits), numpy's round) takes any C long: its
+    # multiply overflows for large ones (1e300 -> inf at 16 decimals, every value nan from 309 on).
+    from trainrec.analyzers.csv_format import value_chars
+
+    rng = np.random.default_rng(ndigits % 1000)
+    v = rng.standard_normal(3000) * 10.0 ** rng.integers(-300, 300, 3000)
+    v[::50], v[::51], v[::52], v[::53], v[::57], v[::59] = np.nan, -np.inf, np.inf, -1e-12, 0.0, 1.0001e-4
+    with np.errstate(over="ignore", invalid="ignore"):
+        # beyond what numpy's round takes (a C int): every value nan, as from 309 on
+        want = [repr(x) for x in np.round(v, ndigits).tolist()] if ndigits <= 10**6 else ["nan"] * len(v)
+    chars, mask = value_chars(v, ndigits)
+    got = [bytes(chars[i][mask[i]]).decode() for i in range(len(v))]
+    assert got == want
+    assert [",".join(got[:6])] == format_rows(v[:6].reshape(1, 6), ndigits)
+
+
 def test_frames_rendered_together_equal_each_rendered_alone():
     """A live export's poll renders its steps' frames in one pass (render_frames): the text of each
     frame is what rendering it alone gives, whatever mix of column counts, prefix widths, middles and
