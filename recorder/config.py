@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainrec.schema.errors import ConfigError
+from trainrec.schema.events import MAX_STEP
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class MonitorConfig:
         )
 
 
-_MAX_STEP = (1 << 63) - 1
+_MAX_STEP = MAX_STEP - 1  # step numbers a log holds
 
 
 def _is_int(v: Any) -> bool:
@@ -257,7 +258,7 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
             log.warning("trainrec: mg_distribution has no effect (nor has it in msprobe 1.2.1, which only "
                         "validates it); mg_direction records the gradient/momentum sign agreement")
     # collect_times 0: nothing is collected (msprobe 1.2.1 turns monitoring on only where it is > 0)
-    # (upper bounds: a step number fits the log's 64-bit integers; float32 values carry about 9
+    # (upper bounds: step numbers a log can hold; float32 values carry about 9
     # significant digits, and the CSV writer rounds to at most 30 places)
     for key, lo, hi in (("start_step", 0, _MAX_STEP), ("collect_times", 0, _MAX_STEP), ("step_interval", 1, _MAX_STEP),
                         ("ndigits", 0, 30), ("step_count_per_record", 1, 1_000_000)):

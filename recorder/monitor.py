@@ -47,12 +47,12 @@ import atexit
 import hashlib
 import json
 import logging
+import operator
 import os
 import sys
 import threading
 import time
 import weakref
-from operator import attrgetter
 
 import numpy as np
 import torch
@@ -63,6 +63,7 @@ from trainrec.schema.events import (
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
     KIND_PARAM,
+    MAX_STEP,
     ConfigApplied,
     ConfigRejected,
     HookFailed,
@@ -83,7 +84,7 @@ from .targets import ParamInfo, Targets, build_targets
 from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
 
 log = logging.getLogger(__name__)
-_REQUIRES_GRAD = attrgetter("requires_grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 PRINT_STRUCT_EXIT = "exit after first monitor step when print model struct"
 
@@ -396,6 +397,13 @@ class TrainerMon(StepCollector):
         """Install the hooks on ``model`` (a module or a list of virtual-pipeline chunks)."""
         if self._chunks:
             raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
+        try:
+            first = None if isinstance(start_iteration, bool) else operator.index(start_iteration)
+        except TypeError:
+            first = None
+        if first is None or not 0 <= first < MAX_STEP:
+            raise ConfigError(f"expected an integer of 0..{MAX_STEP - 1} (the first step's number), got "
+                              f"{start_iteration!r}", "start_iteration")
         given = list(model) if isinstance(model, (list, tuple)) else [model]
         self._chunks = [_uncompiled(m) for m in given]
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()

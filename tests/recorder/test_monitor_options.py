@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -136,6 +137,21 @@ def test_parameters_frozen_at_install_are_recorded_once_unfrozen(tmp_path, out, 
 def test_start_iteration_offsets_the_step_counter(tmp_path, out):
     train(tmp_path, {"wg_distribution": True, "start_step": 11}, steps=3, start_iteration=10)
     assert steps_with(events_of(out), "grad_reduced") == [11, 12]
+
+
+@pytest.mark.parametrize("bad", [-1, 2**53, 1.5, "10", True])
+def test_a_start_iteration_no_log_can_hold_is_a_config_error(tmp_path, out, bad):
+    """Step numbers are 0..2**53-1 in the log (a reader takes a record beyond them for corruption)."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True}), live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError) as err:
+        mon.monitor_gnorm_with_ad(model, optimizer=opt, start_iteration=bad)
+    assert err.value.key == "start_iteration"
+    mon.monitor_gnorm_with_ad(model, optimizer=opt, start_iteration=np.int64(7))  # nothing was installed
+    loss_of(model, 0).backward()
+    opt.step()
+    mon.close()
+    assert steps_with(events_of(out), "grad_reduced") == [7]
 
 
 def test_ops_eps_and_full_precision(tmp_path, out):
