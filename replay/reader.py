@@ -51,6 +51,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 from trainrec.schema import codec, framing
 from trainrec.schema.errors import FormatError, NotALogError, UnsupportedVersionError
 from trainrec.schema.events import (
@@ -374,10 +375,11 @@ class LogReader:
         ids = ev.name_ids if isinstance(ev, TensorStatsRecorded) else ev.module_ids  # type: ignore[attr-defined]
         if not ids:
             return None
-        col = unpack_array("I", ids)
-        top = max(col)
+        # (numpy's max: a Python max over the ids boxed each one, and took half the reading time)
+        top = int(np.frombuffer(ids, dtype="<u4").max())
         if top < ranges[0][1] or self._lost or self._unknown_ids_reported:
             return None
+        col = unpack_array("I", ids)
         unknown = next((i for i in col if not _in_ranges(ranges, i)), None)
         if unknown is None:
             return None

@@ -51,20 +51,24 @@ def _layout(cls: type[Event]) -> tuple[tuple[str, ...], tuple[tuple[type, ...], 
 _LAYOUTS = {tag: _layout(cls) for tag, cls in TAGS.items()}
 _ENV_TYPES = ((int,), (int,), (int,), (float, int))
 # Envelope bounds: (lowest, highest) of seq, rank and step.
-_ENV_BOUNDS = ((-1, (1 << 63) - 1), (-1, MAX_WORLD_SIZE - 1), (-1, MAX_STEP - 1))
+_MAX_SEQ = 1 << 63
+_ENV_BOUNDS = ((-1, _MAX_SEQ - 1), (-1, MAX_WORLD_SIZE - 1), (-1, MAX_STEP - 1))
 # Nesting of list and map fields (configs, io specs): deeper is corrupt, and would exhaust a consumer's
 # recursion (msgpack itself nests up to 1024 levels).
 MAX_DEPTH = 32
 
 
-def _depth_ok(value, depth: int = 0) -> bool:
+def _depth_ok(value: tuple | dict, depth: int = 0) -> bool:
+    """Whether a decoded list or map (msgpack makes exact tuples and dicts) nests at most MAX_DEPTH
+    levels. The element types are taken in one C-level pass: a flat field of 12,000 names is not
+    walked in Python."""
     if depth > MAX_DEPTH:
         return False
-    if isinstance(value, dict):
-        return all(_depth_ok(k, depth + 1) and _depth_ok(v, depth + 1) for k, v in value.items())
-    if isinstance(value, tuple):
-        return all(_depth_ok(v, depth + 1) for v in value if isinstance(v, (tuple, dict)))
-    return True
+    items = (*value.keys(), *value.values()) if type(value) is dict else value
+    kinds = set(map(type, items))
+    if tuple not in kinds and dict not in kinds:
+        return True
+    return all(_depth_ok(v, depth + 1) for v in items if type(v) is tuple or type(v) is dict)
 
 
 # (format_version, tag) -> function rewriting an old wire list into the current one.
@@ -111,9 +115,10 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
     for value, types, name in zip(env, _ENV_TYPES, _ENVELOPE, strict=False):
         if not isinstance(value, types):
             raise CorruptRecordError(f"record {tag!r}: envelope field {name!r} has type {type(value).__name__}")
-    for value, (lo, hi), name in zip(env, _ENV_BOUNDS, _ENVELOPE, strict=False):
-        if not lo <= value <= hi:
-            raise CorruptRecordError(f"record {tag!r}: envelope field {name!r} is {value}, outside {lo}..{hi}")
+    if not (-1 <= env[0] < _MAX_SEQ and -1 <= env[1] < MAX_WORLD_SIZE and -1 <= env[2] < MAX_STEP):
+        for value, (lo, hi), name in zip(env, _ENV_BOUNDS, _ENVELOPE, strict=False):
+            if not lo <= value <= hi:
+                raise CorruptRecordError(f"record {tag!r}: envelope field {name!r} is {value}, outside {lo}..{hi}")
     layout = _LAYOUTS.get(tag)
     if layout is None:
         return UnknownEvent(
@@ -132,11 +137,12 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
                 raise CorruptRecordError(
                     f"record {tag!r}: field {name!r} has type {type(v).__name__}, expected {types[i][0].__name__}"
                 )
-            if types[i][0] is float:
+            t = types[i][0]
+            if t is float:
                 v = float(v)
-            elif types[i][0] is tuple and isinstance(v, list):
+            elif t is tuple and type(v) is list:  # (an upgraded record's)
                 v = tuple(v)
-            if isinstance(v, (tuple, dict)) and v and not _depth_ok(v):
+            if (t is tuple or t is dict) and v and not _depth_ok(v):
                 raise CorruptRecordError(f"record {tag!r}: field {name!r} nests deeper than {MAX_DEPTH} levels")
             kwargs[name] = v
         else:

@@ -60,10 +60,12 @@ SLOT_OUTPUT = 2
 SLOT_INPUT_GRAD = 3
 SLOT_OUTPUT_GRAD = 4
 SLOTS = ("", "input", "output", "input_grad", "output_grad")
+_SLOT_BYTES = bytes(range(len(SLOTS)))  # the valid slot bytes (deleted by translate: what is left is bad)
 
 # Hook directions.
 DIR_FORWARD = 0
 DIR_BACKWARD = 1
+_DIR_BYTES = bytes((DIR_FORWARD, DIR_BACKWARD))
 
 # Bounds of values that size a loop or an allocation when a log is replayed: a record beyond them is
 # corrupt (logs are untrusted input), whatever its CRC says.
@@ -232,7 +234,7 @@ class HooksFired(Event):
                                  (self.micro_steps, 2, "micro_steps")):
             if len(arr) != n * size:
                 return f"{label} has {len(arr) / size:g} entries for {n} hook firings"
-        if self.directions and max(self.directions) > DIR_BACKWARD:
+        if self.directions and self.directions.translate(None, _DIR_BYTES):  # (C-level, as slots)
             return f"direction {max(self.directions)} is neither forward (0) nor backward (1)"
         return None
 
@@ -316,7 +318,7 @@ class TensorStatsRecorded(Event):
         ):
             if arr and len(arr) != n * size:
                 return f"{label} has {len(arr) // size} entries for {n} rows"
-        if self.slots and max(self.slots) >= len(SLOTS):
+        if self.slots and self.slots.translate(None, _SLOT_BYTES):  # (C-level: a Python max took 0.2 ms per 12,000)
             return f"slot {max(self.slots)} is not a known slot (0..{len(SLOTS) - 1})"
         return None
 
