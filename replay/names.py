@@ -83,9 +83,8 @@ class NameResolver:
     def ids_names(self, rank: int, packed_ids: bytes) -> list[str]:
         """Names for any packed u32 id column of ``rank`` (e.g. HooksFired.module_ids)."""
         table = self._tables.get(rank, _EMPTY)
-        dense = table.dense
-        n = len(dense)
         ids = unpack_array("I", packed_ids)
-        if not ids or max(ids) < n:
-            return [dense[i] for i in ids]
-        return [table.name(i) for i in ids]
+        try:  # (ids are u32: only an id past the dense table fails, in C, without a Python max)
+            return list(map(table.dense.__getitem__, ids))
+        except IndexError:
+            return [table.name(i) for i in ids]
