@@ -143,6 +143,7 @@ class LogReader:
         self._names: list[list[int]] = [[0, 0]]  # id ranges [lo, hi) interned so far, sorted, disjoint
         self._lost = False  # a frame of this file could not be read: later unknown name ids follow from it
         self._unknown_ids_reported = False
+        self._rank_reported = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -338,6 +339,12 @@ class LogReader:
                 if seq != self._next_seq:
                     self._gap(base + pos, seq)
                 self._next_seq = seq + 1
+                h = self.header
+                if h is not None and ev.rank != h.rank and not self._rank_reported:
+                    # (kept, as an unknown name id: merged with the others under the rank it names)
+                    self._rank_reported = True
+                    self._problem(base + pos, f"inconsistent record: rank {ev.rank} in the log of rank {h.rank} "
+                                  "(later ones of this file are not reported)", 0)
                 t = type(ev)
                 if t is FileOpened:
                     if self.header is None:

@@ -104,3 +104,17 @@ def test_records_appended_after_the_close_are_one_damaged_region_not_replayed(tm
     assert events == clean and reader.closed_cleanly and reader.gaps == []
     assert [(p.offset, p.skipped) for p in reader.problems] == [(len(data), len(data) - 16)]
     assert "after the FileClosed record" in reader.problems[0].what
+
+
+def test_a_record_of_another_rank_in_a_ranks_log_is_reported_once_and_kept(tmp_path):
+    """A record naming a rank that is not its file's (the header's) would be merged under that rank:
+    reported with its offset, once per file, and kept (nothing recorded is lost)."""
+    path = good_log(str(tmp_path))
+    _, clean = read_log(path)
+    first = rewrite(path, "ts", _set(2, 1))
+    rewrite(path, "ts", _set(2, 1), which=1)
+    reader, events = read_log(path)
+    assert len(events) == len(clean)
+    assert [(p.offset, p.skipped) for p in reader.problems] == [(first, 0)]
+    assert "rank 1 in the log of rank 0" in reader.problems[0].what
+    assert sum(1 for e in events if isinstance(e, TensorStatsRecorded) and e.rank == 1) == 2
