@@ -36,7 +36,14 @@ from trainrec.replay.follow import pid_alive
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run
 from trainrec.schema.errors import FormatError
-from trainrec.schema.events import FileClosed, FileOpened, NamesInterned, StepEnded
+from trainrec.schema.events import (
+    KINDS,
+    FileClosed,
+    FileOpened,
+    NamesInterned,
+    StepEnded,
+    TensorStatsRecorded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ except ImportError:  # pragma: no cover - crc32c is a declared dependency
     _crc32c = None
 
 _KEEP = (FileOpened, FileClosed, NamesInterned)
+_KNOWN_KINDS = frozenset(KINDS)
 
 
 def pool_context():
@@ -369,6 +377,7 @@ class RankStream:
     def __iter__(self):
         task, result, progress = self.task, self.result, self.progress
         run = Run(task.info)
+        unknown: dict[str, int] = {}  # records of data types this version does not know: kind -> count
         for lf in run.log_files(task.rank):
             if lf.error is not None:
                 result.messages.append(f"skipped {lf.path}: {lf.error}")
@@ -381,10 +390,13 @@ class RankStream:
                     if cut is not None and ev.step >= cut and not isinstance(ev, _KEEP):
                         result.superseded += 1
                         continue
-                    if type(ev) is StepEnded:
+                    t = type(ev)
+                    if t is StepEnded:
                         span = result.recorded_steps
                         result.recorded_steps = (ev.step, ev.step) if span is None else (
                             min(span[0], ev.step), max(span[1], ev.step))
+                    elif t is TensorStatsRecorded and ev.kind not in _KNOWN_KINDS:
+                        unknown[ev.kind] = unknown.get(ev.kind, 0) + 1
                     yield ev
                     if progress is not None and reader.offset - done >= (4 << 20):
                         progress(reader.offset - done)
@@ -400,6 +412,10 @@ class RankStream:
             for p in reader.problems:
                 result.messages.append(f"damaged record skipped: {p}" if p.skipped else f"damage: {p}")
             self.last_reader = reader
+        if unknown:
+            kinds = ", ".join(f"{k!r} ({n})" for k, n in sorted(unknown.items()))
+            result.messages.append(f"records of data types this trainrec does not know are not exported: {kinds} "
+                                   "(a newer trainrec wrote them: export with that version)")
 
     def ended_cleanly(self) -> bool:
         """Whether the stream ended with FileClosed; adds messages about how it ended."""

@@ -154,3 +154,14 @@ def test_export_of_a_log_appended_after_its_close_writes_each_value_once(tmp_pat
     twice = {p.relative_to(tmp_path / "twice"): p.read_bytes() for p in (tmp_path / "twice").rglob("*.csv")}
     assert once == twice and once
     assert main(["check", out]) == 1
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tb"])
+def test_export_says_what_it_leaves_out_of_a_kind_it_does_not_know(tmp_path, capsys, fmt):
+    """A record of a data type a newer trainrec may add is not exported, and the export says so."""
+    out = str(tmp_path / "out")
+    path = good_log(out)
+    rewrite(path, "ts", lambda w: w.__setitem__(F, "future_kind"))
+    assert main(["export", fmt, out, "-o", str(tmp_path / "x")]) == 0
+    err = capsys.readouterr().err
+    assert "data types this trainrec does not know are not exported: 'future_kind' (1)" in err
