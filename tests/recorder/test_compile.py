@@ -97,3 +97,32 @@ def test_compiled_model_records_what_the_eager_model_records(tmp_path, monkeypat
                          {op: v for op, v in row.items() if op not in nan}, rtol=1e-4, atol=1e-6, what=f"{kind} {key}")
     names = {k[1] for k in stats_table(comp_ev, "actv")}
     assert names and not any("_orig_mod" in n for n in names), names
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # dynamo's own
+def test_a_compiled_optimizer_step_runs_the_monitors_hooks_uncompiled(tmp_path, monkeypatch, compiled_frames):
+    """The optimizer step compiled (its step hooks are then traced with it): the monitor's pre- and
+    post-step hooks run as Python, dynamo compiles none of the monitor's code (a traced hook reached
+    the statistics kernel, which dynamo cannot trace, with a warning the suite makes an error), and the
+    rows equal those of the step uncompiled."""
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    cfg = {"wg_distribution": True, "mv_distribution": True, "ops": ["norm", "max"]}
+    tables = []
+    for compiled in (False, True):
+        model, opt = make(seed=0)
+        mon = TrainerMon(dict(cfg), output_dir=str(tmp_path / str(compiled)), live_export=False)
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for s in range(3):
+            loss_of(model, s).backward()
+            step()
+            opt.zero_grad()
+        mon.close()
+        ev = events_of(tmp_path / str(compiled))
+        tables.append({kind: stats_table(ev, kind) for kind in ("grad_reduced", "exp_avg", "exp_avg_sq")})
+    assert compiled_frames, "dynamo compiled nothing: the step did not run compiled"
+    assert not [c for c in compiled_frames if c.co_filename.startswith(RECORDER_DIR)]
+    for kind, want in tables[0].items():
+        assert want and set(tables[1][kind]) == set(want), kind
+        for key, row in want.items():
+            assert_close(tables[1][kind][key], row, rtol=1e-5, atol=1e-7, what=f"{kind} {key}")
