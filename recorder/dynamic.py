@@ -130,7 +130,7 @@ class DynamicConfigWatcher:
         poll_interval: float = 0.5,
         health_interval: float = 1.0,
         use_watchdog: bool = True,
-        check: Callable[[Any], None] | None = None,
+        check: Callable[[Any], int | None] | None = None,
     ) -> None:
         self._check = check
         self._loader = ConfigFileLoader(

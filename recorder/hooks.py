@@ -112,18 +112,18 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def select(value: Any, sel: Selector | None, key: str) -> torch.Tensor | None:
-    """The tensor a selector picks from a hook argument; None (a NaN row) when it is not a tensor."""
+def pick(value: Any, sel: Selector | None, key: str) -> Any:
+    """What a selector picks from a hook argument, a tensor or not (None: nothing there); raises
+    SelectorMismatch where the selector does not fit the argument's structure."""
     if sel is None:  # default: the tensor, or element 0 of a tuple (the reference's struct default)
         if isinstance(value, (tuple, list)):
-            value = value[0] if value else None
-        return value if isinstance(value, torch.Tensor) else None
+            return value[0] if value else None
+        return value
     if sel.is_tensor:
         if isinstance(value, torch.Tensor):
             return value
         if isinstance(value, (tuple, list)) and len(value) == 1:
-            v = value[0]
-            return v if isinstance(v, torch.Tensor) else None
+            return value[0]
         raise SelectorMismatch(key, f"expected 'tensor', the module gives {describe(value)}")
     if isinstance(value, torch.Tensor) and sel.length == 1:
         # a tensor as a 1-tuple: the reference's gradient hooks see a module's gradients as a tuple, so
@@ -131,7 +131,12 @@ def select(value: Any, sel: Selector | None, key: str) -> torch.Tensor | None:
         return value
     if not isinstance(value, (tuple, list)) or len(value) != sel.length:
         raise SelectorMismatch(key, f"expected tuple[{sel.length}], the module gives {describe(value)}")
-    v = value[sel.index]
+    return value[sel.index]
+
+
+def select(value: Any, sel: Selector | None, key: str) -> torch.Tensor | None:
+    """The tensor a selector picks from a hook argument; None (a NaN row) when it is not a tensor."""
+    v = pick(value, sel, key)
     return v if isinstance(v, torch.Tensor) else None
 
 
@@ -487,13 +492,6 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
 _SLOTS = ("input", "input_grad", "output", "output_grad")
 
 
-def _picked(value: Any, sel: Selector) -> Any:
-    """What a selector that fits ``value``'s structure picks from it (a tensor or not)."""
-    if isinstance(value, (tuple, list)):
-        return value[0] if sel.is_tensor else value[sel.index]
-    return value
-
-
 def make_first_call_check(t: ModuleTarget, source: str | None = None,
                           on_reject: Callable[[ConfigError], None] | None = None):
     """Forward hook installed until the run's first step ends: at the module's first call, its
@@ -512,13 +510,11 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None,
         for slot, sel in sels:
             key = f"targets.{t.key}.{slot}"
             try:
-                value = args if slot.startswith("input") else output
-                if select(value, sel, key) is None:
-                    picked = _picked(value, sel)
-                    if picked is not None:  # (None: an optional argument not given this time)
-                        raise SelectorMismatch(key, f"selects {describe(picked)}, not a tensor (a selector picks "
-                                                    "a tensor at the top level of the module's "
-                                                    f"{'inputs' if slot.startswith('input') else 'output'})")
+                picked = pick(args if slot.startswith("input") else output, sel, key)
+                if picked is not None and not isinstance(picked, torch.Tensor):  # (None: an optional argument)
+                    raise SelectorMismatch(key, f"selects {describe(picked)}, not a tensor (a selector picks a "
+                                                "tensor at the top level of the module's "
+                                                f"{'inputs' if slot.startswith('input') else 'output'})")
             except SelectorMismatch as exc:
                 err = ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
                                   f"first step; print_struct shows the real structure)", exc.key, source)

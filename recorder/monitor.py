@@ -689,6 +689,10 @@ class TrainerMon(StepCollector):
         # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
         targets = build_targets(self._chunks, cfg, self.rank, self._intern,
                                 strict=not (self._distributed and self.world_size > 1))
+        for key in targets.frozen_only:
+            _warn_once(f"frozen-{key}", f"trainrec: rank {self.rank}: targets.{key} matches only parameters that do "
+                       "not require grad (frozen); they are recorded from the first collected step after they "
+                       "are unfrozen")
         self._sync_names()
         if self._tp_group is not None and self._distributed:
             import torch.distributed as dist

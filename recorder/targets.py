@@ -57,8 +57,10 @@ class Targets:
     backward: bool = True
     made: dict = field(default_factory=dict, repr=False)  # hook functions, made once, reattached per step
     # parameters selected but frozen (requires_grad False) when the targets were chosen: chosen again
-    # at the first collected step after one of them is unfrozen (TrainerMon._begin_step)
+    # at the first collected step after one of them is unfrozen (TrainerMon._hook_unfrozen)
     frozen: list = field(default_factory=list, repr=False)
+    # targets keys that match only such parameters, where parameter statistics are on (a warning)
+    frozen_only: list = field(default_factory=list)
 
     def attach(self, mon) -> list:
         """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working."""
@@ -197,9 +199,8 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
             if hit or everything:
                 out.params.append(ParamInfo(intern(s), s, vpp, p, full))
     matched |= matched_frozen
-    for t in targets:
-        if param_stats and t and t in matched_frozen and t not in matched_params:
-            _warn_frozen_target(t, rank)
+    if param_stats:
+        out.frozen_only = [t for t in targets if t and t in matched_frozen and t not in matched_params]
     for t in targets:
         if t and t not in matched:
             err = ConfigError(
@@ -212,13 +213,3 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
             log.warning("trainrec: rank %d: %s (with pipeline parallelism it may be another stage's; nothing is "
                         "recorded for it on this rank)", rank, err)
     return out
-
-
-_warned_frozen: set[str] = set()
-
-
-def _warn_frozen_target(key: str, rank: int) -> None:
-    if key not in _warned_frozen:
-        _warned_frozen.add(key)
-        log.warning("trainrec: rank %d: targets.%s matches only parameters that do not require grad (frozen); "
-                    "they are recorded from the first collected step after they are unfrozen", rank, key)
