@@ -98,13 +98,14 @@ class TrainerMon(StepCollector):
 
     ``config_file_path`` may also be a config dict or a :class:`MonitorConfig` (native use);
     ``output_dir`` overrides ``$MONITOR_OUTPUT_DIR``; ``live_export=False`` keeps csv/tensorboard
-    formats from starting the live projection process.
+    formats from starting the live projection process; None starts it only where the config names a
+    ``format`` itself (the native API's choice: a config without one gets the log alone).
     """
 
     _wrapped_optimizer = None  # class attribute, as the reference's set_wrapped_optimizer
 
     def __init__(self, config_file_path, process_group=None, params_have_main_grad: bool = True,
-                 opt_ty: str | None = None, *, output_dir: str | None = None, live_export: bool = True) -> None:
+                 opt_ty: str | None = None, *, output_dir: str | None = None, live_export: bool | None = True) -> None:
         if isinstance(config_file_path, MonitorConfig):
             self.config = config_file_path
         elif isinstance(config_file_path, dict):
@@ -126,7 +127,7 @@ class TrainerMon(StepCollector):
         self._run_id_shared = runinfo.run_id_shared_now()
         self.run_id = runinfo.shared_run_id()
         self.output_dir = output_dir or layout.output_dir_from_env()
-        self._live_export_enabled = live_export
+        self._live_export_enabled = live_export if live_export is not None else "format" in self.config.raw
         self._engine = StatsEngine(self.config.ops, self.config.eps)
         self._names: list[str] = []
         self._name_ids: dict[str, int] = {}

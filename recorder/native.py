@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import MonitorConfig, load_config, parse_config
+from .config import MonitorConfig, parse_config
 from .monitor import TrainerMon
 
 DEFAULT_CONFIG = {
@@ -59,18 +59,12 @@ class Recorder:
                     "is start_iteration)" if name == "start_step" else "")
             raise TypeError(f"record() got an unexpected keyword argument {name!r}{hint}")
         if config is None:
-            cfg = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG")
-        elif isinstance(config, MonitorConfig):
-            cfg = config
-        elif isinstance(config, dict):
-            cfg = parse_config(config, "config dict")
-        else:
-            cfg = load_config(os.fspath(config))
-        live = "format" in cfg.raw
-        # a file is given as its path: dynamic mode (DYNAMIC_MONITOR=true) watches it
-        given = os.fspath(config) if isinstance(config, (str, os.PathLike)) else cfg
-        self.monitor = TrainerMon(given, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
-                                  live_export=live)
+            config = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG")
+        elif not isinstance(config, (dict, MonitorConfig)):
+            config = os.fspath(config)  # a file, read by the monitor (and watched in dynamic mode)
+        # the live CSV/TensorBoard export only where the config names a format
+        self.monitor = TrainerMon(config, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
+                                  live_export=None)
         self._manual = optimizer is None
         self.monitor._manual_steps = self._manual  # no optimizer to hook: steps come from step()
         try:
