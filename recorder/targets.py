@@ -150,6 +150,18 @@ def _names_like(modules: list[str], params: list[str]) -> str:
     return f"{mods}, " + (f"parameter names like {_examples(params)}" if params else "and no trainable parameters")
 
 
+def _recorded_module_name(hit: list[str], full: str, short: str, vpp: int, all_xy: bool) -> str:
+    """The name a monitored module's activations are recorded under. As in the reference: the
+    squashed name, except for a module that a ``targets`` key names by its full name (and by no
+    squashed form) without ``all_xy``, which keeps that full name (the documented
+    ``language_model.encoder.layers.0`` gives rows ``language_model.encoder.layers.0_0``)."""
+    if not hit or all_xy or short == full:
+        return short
+    if any(t in (short, f"{vpp}:{short}") for t in hit):
+        return short
+    return full
+
+
 def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                   intern: Callable[[str], int], strict: bool = True) -> Targets:
     """The modules and parameters ``cfg`` selects in ``chunks``. A target that matches nothing is a
@@ -181,7 +193,8 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                 sel = dict(targets[hit[0]]) if hit else {}
                 if hit:
                     _check_input_selectors(module, full, sel, hit[0])
-                out.modules.append((module, ModuleTarget(intern(s), s, vpp, sel, hit[0] if hit else None)))
+                name = _recorded_module_name(hit, full, s, vpp, cfg.all_xy)
+                out.modules.append((module, ModuleTarget(intern(name), name, vpp, sel, hit[0] if hit else None)))
         # (frozen ones too: a name keeps its squashed form when its parameter is unfrozen)
         params = list(chunk.named_parameters())
         pshort = squash_all([n for n, _ in params], cfg.squash_name)
