@@ -150,12 +150,14 @@ def _names_like(modules: list[str], params: list[str]) -> str:
     return f"{mods}, " + (f"parameter names like {_examples(params)}" if params else "and no trainable parameters")
 
 
-def _recorded_module_name(hit: list[str], full: str, short: str, vpp: int, all_xy: bool) -> str:
+def _recorded_module_name(hit: list[str], full: str, short: str, vpp: int, all_xy: bool,
+                          shorts: set[str]) -> str:
     """The name a monitored module's activations are recorded under. As in the reference: the
     squashed name, except for a module that a ``targets`` key names by its full name (and by no
     squashed form) without ``all_xy``, which keeps that full name (the documented
-    ``language_model.encoder.layers.0`` gives rows ``language_model.encoder.layers.0_0``)."""
-    if not hit or all_xy or short == full:
+    ``language_model.encoder.layers.0`` gives rows ``language_model.encoder.layers.0_0``), unless
+    that is another module's squashed name in the chunk (``shorts``: two modules would share rows)."""
+    if not hit or all_xy or short == full or full in shorts:
         return short
     if any(t in (short, f"{vpp}:{short}") for t in hit):
         return short
@@ -181,6 +183,7 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
     for vpp, chunk in enumerate(chunks):
         mods = list(chunk.named_modules())
         short = squash_all([n for n, _ in mods], cfg.squash_name)
+        shorts = set(short.values())
         out.module_short.append(short)
         all_modules.extend(n for n, _ in mods)
         for full, module in mods:
@@ -193,7 +196,7 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                 sel = dict(targets[hit[0]]) if hit else {}
                 if hit:
                     _check_input_selectors(module, full, sel, hit[0])
-                name = _recorded_module_name(hit, full, s, vpp, cfg.all_xy)
+                name = _recorded_module_name(hit, full, s, vpp, cfg.all_xy, shorts)
                 out.modules.append((module, ModuleTarget(intern(name), name, vpp, sel, hit[0] if hit else None)))
         # (frozen ones too: a name keeps its squashed form when its parameter is unfrozen)
         params = list(chunk.named_parameters())

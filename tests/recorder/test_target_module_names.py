@@ -25,3 +25,37 @@ def test_a_module_targeted_by_its_full_name_keeps_it(tmp_path, out, all_xy, want
         assert names == want
     else:
         assert "layers.1" not in names
+
+
+def test_a_full_name_that_is_another_modules_squashed_name_stays_squashed(tmp_path, out):
+    """``layers.0`` by its full name, where ``blocks.layer.layers.0`` squashes to ``layers.0`` too:
+    the key matches both, and recording the first under its full name would give them one name."""
+    import torch
+    from trainmon_util import write_config
+    from trainrec.recorder import TrainerMon
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 3)])
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 3)])
+            self.blocks = torch.nn.Module()
+            self.blocks.layer = Inner()
+
+        def forward(self, x):
+            return self.blocks.layer.layers[0](self.layers[0](x))
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"xy_distribution": True, "ops": ["norm"], "targets": {"layers.0": {}}}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    mon.close()
+    names = [k[1] for k in stats_table(events_of(out), "actv")]
+    assert sorted(set(names)) == ["0", "layers.0"]  # one name each (without the check: both "layers.0")
