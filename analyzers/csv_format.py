@@ -17,6 +17,13 @@ Any ``ndigits >= 0`` gives what the reference writes (:func:`round_like_referenc
 overflows for large ones (``1e300`` becomes ``inf`` with 16 decimals, and every value ``nan`` from 309
 on), and that is what the reference's files hold, so it is what these hold too.
 
+The log's statistics are float32; the reference computes norm and mean in float64. A float32 value
+is first taken as the shortest decimal that reads back to it (``9.1`` for the float32 nearest 9.1,
+which is 9.100000381469727) where that decimal has at most ``ndigits`` fraction digits
+(:func:`float32_as_decimal`): ``ndigits`` beyond float32's precision (the reference's documented 12)
+then print ``9.1``, as the reference does for the same statistic, not the binary expansion's
+``9.10000038147``. Where ``ndigits`` rounds within float32's precision the text is what it was.
+
 The output is a byte matrix with a mask per value (:func:`value_chars`), which
 :func:`render_rows` combines with per-row prefixes into the CSV body in one boolean compress. The
 tests compare the result with ``repr`` and with pandas on millions of values.
@@ -26,7 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["prefix_block", "render_frames", "render_rows", "round_like_reference", "value_chars"]
+__all__ = ["float32_as_decimal", "prefix_block", "render_frames", "render_rows", "round_like_reference",
+           "value_chars"]
 
 _FALLBACK_WIDTH = 24  # longest repr of a double: '-1.2345678901234567e-100'
 _TINY_TABLE_MAX_DIGITS = 9
@@ -44,6 +52,48 @@ def round_like_reference(values: np.ndarray, ndigits: int) -> np.ndarray:
         raise ValueError(f"ndigits must be >= 0, not {d}")
     with np.errstate(over="ignore", invalid="ignore"):
         return np.round(values.astype(np.float64, copy=False), min(d, _ROUND_NAN_FROM))
+
+
+_F32_MAX_SEARCH = 22  # powers of ten used in the search stay exact doubles (10**22 is the last)
+_F32_MAX_DECIMAL = 1e22  # larger values keep their exact doubles
+
+
+def float32_as_decimal(values: np.ndarray, ndigits: int) -> np.ndarray:
+    """``values`` as float64; a float32 array's values replaced by the shortest decimal that reads back
+    to each (as the double nearest it: ``str(np.float32(v))``'s number) where that decimal has at most
+    ``ndigits`` fraction digits (at most 22, and the value below 1e22).
+
+    Vectorised: the closest decimal with ``q`` fraction digits reads back to the value for every ``q``
+    from the shortest one's up (each is at least as close), so the search goes down from ``ndigits``,
+    only over values that a decimal of ``ndigits`` fraction digits resolves finer than float32 does."""
+    x = values.astype(np.float64)
+    if values.dtype != np.float32 or not x.size:
+        return x
+    flat32 = values.reshape(-1)
+    flat = x.reshape(-1)
+    d = min(int(ndigits), _F32_MAX_SEARCH)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        a = np.abs(flat)
+        cand = np.flatnonzero((a > 0) & (a < _F32_MAX_DECIMAL)
+                               & (np.spacing(np.abs(flat32)).astype(np.float64) > 10.0**-d))
+        if not len(cand):
+            return x
+        v, v32 = flat[cand], flat32[cand]
+        low = -np.floor(np.log10(a[cand]))  # one significant digit at least
+        best = np.full(len(cand), np.nan)
+        active = np.arange(len(cand))
+        q = d
+        while len(active):
+            va = v[active]
+            p = float(10 ** abs(q))  # exact up to 10**22
+            r = np.rint(va * p) / p if q >= 0 else np.rint(va / p) * p
+            ok = (r.astype(np.float32) == v32[active]) & (q >= low[active])
+            best[active[ok]] = r[ok]
+            active = active[ok]
+            q -= 1
+    found = ~np.isnan(best)
+    flat[cand[found]] = best[found]
+    return x
 
 
 def _tiny_table(d: int) -> np.ndarray:
@@ -71,7 +121,7 @@ def value_chars(values: np.ndarray, ndigits: int | None) -> tuple[np.ndarray, np
         chars = text.view(np.uint8).reshape(len(flat), -1)
         return chars, chars != 0
     d = int(ndigits)
-    x = round_like_reference(flat, d)
+    x = round_like_reference(float32_as_decimal(flat, d), d)
     m = len(x)
     if d > _SIMPLE_MAX_DIGITS:
         text = np.array([repr(v).encode() for v in x.tolist()], dtype=f"S{_FALLBACK_WIDTH}")

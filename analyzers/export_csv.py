@@ -27,6 +27,7 @@ import bisect
 import csv
 import functools
 import logging
+import math
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -124,8 +125,20 @@ def format_rows(values: np.ndarray, ndigits: int | None) -> list[str]:
     if ndigits is None:
         # Shortest text that reads back to the stored value (float32 stays float32-short).
         return [",".join(row) for row in values.astype(str).tolist()]
+    if values.dtype == np.float32:
+        # a float32 statistic as the shortest decimal that reads back to it, where that has at most
+        # ndigits fraction digits (csv_format's module docstring)
+        values = np.array([[_short_decimal(v, ndigits) for v in row] for row in values.tolist()], dtype=np.float64)
     rounded = round_like_reference(values, ndigits)
     return [",".join(map(repr, row)) for row in rounded.tolist()]
+
+
+def _short_decimal(v: float, ndigits: int) -> float:
+    """The plain definition of :func:`~trainrec.analyzers.csv_format.float32_as_decimal` for one value."""
+    if not math.isfinite(v) or v == 0:
+        return v
+    text = np.format_float_positional(np.float32(v), unique=True, trim="-")
+    return float(text) if abs(v) < 1e22 and len(text.partition(".")[2]) <= min(ndigits, 22) else v
 
 
 @dataclass(eq=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import os
 import warnings
 
@@ -48,6 +49,18 @@ def _expected_row(expected, kind, step, vpp, label):
     return expected[(kind, step, vpp, label, 0, 0)]
 
 
+def _as_decimal(values, ndigits: int) -> np.ndarray:
+    """float32 statistics as the export takes them before the reference's rounding: each the shortest
+    decimal that reads back to it (numpy's float32 text) where that has at most ``ndigits`` fraction
+    digits, else its exact double."""
+    out = []
+    for x in np.asarray(values, dtype=np.float32).tolist():
+        text = np.format_float_positional(np.float32(x), unique=True, trim="-") if math.isfinite(x) else ""
+        short = 0 < abs(x) < 1e22 and len(text.partition(".")[2]) <= min(ndigits, 22)
+        out.append(float(text) if short else x)
+    return np.array(out, dtype=np.float64)
+
+
 def test_files_headers_and_rounded_values(tmp_path):
     rdir = rank_dir(tmp_path, 0)
     expected, _ = write_rank_log(rdir, steps=range(3))
@@ -76,7 +89,7 @@ def test_files_headers_and_rounded_values(tmp_path):
                 assert labels == PARAMS
             for r in rows[1:]:
                 assert r[2] == str(step)
-                want = np.round(_expected_row(expected, kind, step, int(r[0]), r[1]).astype(np.float64), 6)
+                want = np.round(_as_decimal(_expected_row(expected, kind, step, int(r[0]), r[1]), 6), 6)
                 assert r[3:] == [repr(float(x)) for x in want]
                 got = np.array([float(x) for x in r[3:]])
                 np.testing.assert_array_equal(got, want)
@@ -85,7 +98,8 @@ def test_files_headers_and_rounded_values(tmp_path):
 
 
 def test_pandas_reads_what_the_reference_writes(tmp_path):
-    """Byte-equal to the reference's own writing path: DataFrame(rows).round(6).fillna('nan').to_csv."""
+    """Byte-equal to the reference's own writing path, DataFrame(rows).round(6).fillna('nan').to_csv,
+    of the float32 statistics taken as their shortest decimals (_as_decimal)."""
     rdir = rank_dir(tmp_path, 0)
     expected, _ = write_rank_log(rdir, steps=range(2), kinds=("actv", "grad_reduced", "param"))
     out, _ = _export(tmp_path, rdir)
@@ -99,12 +113,12 @@ def test_pandas_reads_what_the_reference_writes(tmp_path):
                     for mi in range(2):
                         vpp = 0 if i < 3 else 1
                         vals = _expected_row(expected, kind, step, vpp, f"{m}_{mi}")
-                        rows.append([str(vpp), f"{m}_{mi}", step, *[v.item() for v in vals.astype(np.float64)]])
+                        rows.append([str(vpp), f"{m}_{mi}", step, *_as_decimal(vals, 6).tolist()])
             else:
                 for i, p in enumerate(PARAMS):
                     vpp = 0 if i < 3 else 1
                     vals = expected[(kind, step, vpp, p, 0, 0)]
-                    rows.append([str(vpp), p, step, *[v.item() for v in vals.astype(np.float64)]])
+                    rows.append([str(vpp), p, step, *_as_decimal(vals, 6).tolist()])
             ref = tmp_path / "ref.csv"
             pd.DataFrame(columns=header).to_csv(ref, index=False)
             with warnings.catch_warnings():
@@ -214,10 +228,18 @@ def test_vectorised_text_is_repr_of_the_rounded_double(ndigits):
     v[::50], v[::51], v[::52], v[::53], v[::57] = np.nan, -np.inf, np.inf, -1e-12, 0.0
     v[::59], v[::61], v[::67] = -0.0, 1e16, 9.999999e15
     v[::71] = np.round(v[::71])
-    for arr in (v, v.astype(np.float32)):
-        chars, mask = value_chars(arr, ndigits)
-        got = [bytes(chars[i][mask[i]]).decode() for i in range(len(arr))]
-        assert got == [repr(x) for x in np.round(arr.astype(np.float64), ndigits).tolist()]
+    v[::73] = rng.standard_normal(len(v[::73])) * 10.0 ** rng.integers(20, 38, len(v[::73]))  # past 1e22
+    chars, mask = value_chars(v, ndigits)
+    got = [bytes(chars[i][mask[i]]).decode() for i in range(len(v))]
+    assert got == [repr(x) for x in np.round(v, ndigits).tolist()]
+    # float32: the shortest decimal that reads back to the value, where it has at most ndigits
+    # fraction digits (numpy's own shortest float32 text decides), else the value's exact double
+    v32 = v.astype(np.float32)
+    chars, mask = value_chars(v32, ndigits)
+    got = [bytes(chars[i][mask[i]]).decode() for i in range(len(v32))]
+    want = [repr(float(x)) for x in np.round(_as_decimal(v32, ndigits), ndigits)]
+    assert got == want
+    assert format_rows(v32[:600].reshape(100, 6), ndigits) == [",".join(want[i : i + 6]) for i in range(0, 600, 6)]
     m = v[:600].reshape(100, 6)
     body = render_rows(prefix_block([f"{i % 2},näme{i}," for i in range(100)]), b"42,", m, ndigits)
     assert body.decode() == "".join(f"{i % 2},näme{i},42,{r}\n" for i, r in enumerate(format_rows(m, ndigits)))
@@ -330,3 +352,20 @@ def test_the_reference_csv_prefix_other_names_mg_direction():
     assert parse_kinds(["other", "mg_direction"]) == ("mg_direction",)
     with pytest.raises(ValueError, match=r"unknown data type 'others'; valid types: .*mg_direction.* \(other for mg_direction\)"):
         parse_kinds("others")
+
+
+def test_float32_statistics_print_without_the_binary_expansions_digits():
+    """The reference's norm and mean are float64; trainrec's statistics are float32. At an ndigits
+    beyond float32's precision (the reference's documented 12), a value prints as the shortest decimal
+    that reads back to it, not as the digits of its binary expansion."""
+    from trainrec.analyzers.csv_format import value_chars
+
+    def text(values, ndigits):
+        chars, mask = value_chars(np.array(values, dtype=np.float32), ndigits)
+        return [bytes(chars[i][mask[i]]).decode() for i in range(len(values))]
+
+    assert text([9.1, 1.4e-05, -0.3, 3.0, 123456.7], 12) == ["9.1", "1.4e-05", "-0.3", "3.0", "123456.7"]
+    assert text([9.1, 32.10919], 6) == ["9.1", "32.10919"]  # binary expansions: 9.100000, 32.109192
+    assert text([1.6500299], 6) == ["1.65003"]  # more than 6 fraction digits in float32: rounded as before
+    assert text([1.6500299], 12) == ["1.6500299"]
+    assert format_rows(np.array([[9.1, 32.10919]], dtype=np.float32), 12) == ["9.1,32.10919"]
