@@ -483,37 +483,48 @@ class TrainerMon(StepCollector):
                        f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
                        f"{self._rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
         self._distributed = True
+        # the pipeline stage and group mates, as a monitor made after init_process_group has them (the
+        # environment gave stage 0 and this rank alone): the log's header and the anomalies carry them
+        header = (self.pp_stage, self.group_mates)
+        restage = (info.pp_stage, tuple(info.group_mates)) != (self.pp_stage, tuple(self.group_mates))
+        self.pp_stage, self.group_mates = info.pp_stage, info.group_mates
         if self._watcher is not None:  # dynamic mode: the ranks agree on the step a change applies at
             try:
                 self._watcher.join_group()
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                 self._hook_failed("dynamic config watcher", exc)
-        self._share_run_id()
+        if not self._share_run_id(restage) and restage and self._writer is not None:
+            # the log keeps its header (it holds events, or continues a run): so do its anomalies
+            self.pp_stage, self.group_mates = header
 
-    def _share_run_id(self) -> None:
+    def _share_run_id(self, restage: bool = False) -> bool:
         """The run id was chosen before torch.distributed was up, with no TRAINREC_RUN_ID or
         TORCHELASTIC_RUN_ID to share: each rank made its own, and replay would list every rank as a run
         of its own. The ranks agree on one now (through the process group's store), and the log, still
-        empty, is opened again under it (in a new rank directory)."""
-        if self._run_id_shared:
-            return
-        self._run_id_shared = True
-        rid = runinfo.shared_run_id()
-        if rid == self.run_id or self.config.append_output:
-            return
+        empty, is opened again under it (in a new rank directory). ``restage``: the pipeline stage or
+        group mates changed since the log's header was written: the empty log is opened again for them
+        also where the run id was shared already. Returns whether the log was opened again."""
+        rid = self.run_id
+        if not self._run_id_shared:
+            self._run_id_shared = True
+            rid = runinfo.shared_run_id()
+        if (rid == self.run_id and not restage) or self.config.append_output:
+            return False
         if self._writer is None:  # format api: no log
             self.run_id = rid
-            return
+            return False
         if self._emitted or not self._made_rank_dir:
-            log.warning("trainrec: rank %d: torch.distributed was initialized after TrainerMon was made and its "
-                        "log already holds events, so its run id stays this rank's own: replay lists this "
-                        "rank's log as a run of its own. Make TrainerMon after init_process_group, or set "
-                        "TRAINREC_RUN_ID in every rank's environment", self.rank)
-            return
+            if rid != self.run_id:
+                log.warning("trainrec: rank %d: torch.distributed was initialized after TrainerMon was made and "
+                            "its log already holds events, so its run id stays this rank's own: replay lists "
+                            "this rank's log as a run of its own. Make TrainerMon after init_process_group, or "
+                            "set TRAINREC_RUN_ID in every rank's environment", self.rank)
+            return False
         self.run_id = rid
         self._discard_empty_output()
         self._output_discarded = False
         self._open_output()
+        return True
 
     def generate_wgrad_metrics(self) -> tuple[dict, dict]:
         """``(reduced, unreduced)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""

@@ -593,3 +593,21 @@ def test_dynamic_mode_ranks_agree_when_the_monitor_is_made_before_init_process_g
     stops = {r: [(e.step, e.reason) for e in ev if isinstance(e, MonitoringStopped)] for r, (_, _, ev) in h.items()}
     assert len(collected[0]) == 2 and collected[0] == collected[1], collected
     assert stops[0] == stops[1] and [r for _, r in stops[0]] == ["collect_times"], stops
+
+
+@pytest.mark.parametrize("elastic_id", ["late-init", "none"])
+def test_monitor_made_before_init_process_group_has_the_stage_of_one_made_after(tmp_path, monkeypatch, elastic_id):
+    """Without process_group the stage is the global rank and the group mates the world, as where the
+    monitor is made after init_process_group (test_two_ranks_ddp_...): the environment alone gave every
+    rank stage 0 and itself as its only mate, and the log kept them, so the same run ranked its
+    anomalies in another order depending on where TrainerMon was made. Also where the run id was named
+    before torch.distributed was up (TORCHELASTIC_RUN_ID): the empty log is opened again."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    monkeypatch.delenv("TRAINREC_RUN_ID", raising=False)
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]})
+    spawn_and_join(_late_init_worker, (2, free_port(), cfg, elastic_id), 2, TIMEOUT, "2-process gloo run, late init")
+    h = headers(out)
+    assert len(rank_dirs(out)) == 2
+    assert {r: (fo.pp_stage, tuple(fo.group_mates)) for r, (_, fo, _) in h.items()} == {0: (0, (0, 1)), 1: (1, (0, 1))}
+    assert len({fo.run_id for _, fo, _ in h.values()}) == 1
