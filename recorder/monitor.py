@@ -151,6 +151,7 @@ class TrainerMon(StepCollector):
         self._chunk0_params: list = []
         self._marked_params: list = []  # chunk 0's first and last: their backward is noticed (_on_backward)
         self._grad_marks: dict[int, tuple | None] = {}  # id(param) -> (weakref to .grad, its version)
+        self._param_marks: dict[int, int] = {}  # id(param) -> the parameter's version at its last backward
         self._forwards = 0  # training forwards of chunk 0 in this step
         self._backward_seen = False  # and whether a backward pass ran in it
         self._skips_in_a_row = 0
@@ -988,6 +989,7 @@ class TrainerMon(StepCollector):
         g = param.grad
         # which gradient this backward left, and its version: zeroed in place since means cleared
         self._grad_marks[id(param)] = None if g is None else (weakref.ref(g), g._version)
+        self._param_marks[id(param)] = param._version
 
     def _grads_cleared(self) -> bool:
         """Whether chunk 0's gradients were cleared since its last backward pass: every one set to None
@@ -1005,8 +1007,10 @@ class TrainerMon(StepCollector):
         the optimizer step never ran (a GradScaler or DeepSpeed found inf/NaN gradients and skipped it)
         or that this run makes several passes per optimizer step (SAM's two, a GAN's discriminator also
         used in the generator's pass, LBFGS's closure). The step's gradient rows tell them apart where
-        it has any: inf/NaN in them is a skip. Elsewhere (a step not collected) the number of passes
-        the run's last optimizer step took does: more than that is a skip. A skipped step ends here,
+        it has any: inf/NaN in them is a skip; with several ranks, so are finite rows where the weights
+        are as the backward pass left them (the skip was decided on gradients reduced across ranks).
+        Elsewhere (a step not collected) the number of passes the run's last optimizer step took does:
+        more than that is a skip. A skipped step ends here,
         marked so, and this forward begins the next (without it, the next step's rows would land in the
         skipped one). Several forwards before one backward (contrastive and siamese nets) and
         accumulation beyond ``grad_acc_steps`` (gradients still there, as they were) go on."""
@@ -1023,6 +1027,14 @@ class TrainerMon(StepCollector):
                 non_finite = self._gradients_non_finite()
                 if non_finite is None:
                     non_finite = n > self._passes * self._grad_acc
+                elif (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
+                      and self._weights_unchanged()):
+                    # A loss scaler (or DeepSpeed, Megatron) decides on the reduced gradients: an inf/NaN
+                    # of another rank skips this rank's step too, though its own rows are finite. Every
+                    # rank sees the same weights: none changed since the backward pass (no optimizer step,
+                    # no SAM-style perturbation) after whole passes is that skip, so every rank numbers the
+                    # steps alike.
+                    non_finite = True
                 if non_finite:
                     self._end_step(optimizer_skipped=True)
                     n = 1
@@ -1037,6 +1049,12 @@ class TrainerMon(StepCollector):
         self._forwards = n
         if n == 1 and self._state is not None:
             self._hook_unfrozen()
+
+    def _weights_unchanged(self) -> bool:
+        """Whether chunk 0's first and last parameters are as their last backward pass left them (their
+        version counters: an optimizer step, SAM's perturbation or LBFGS's line search changes them)."""
+        marks = self._param_marks
+        return all(marks.get(id(p)) == p._version for p in self._marked_params)
 
     def _gradients_non_finite(self) -> bool | None:
         """Whether the gradient rows this step recorded so far (weight and activation gradients) hold

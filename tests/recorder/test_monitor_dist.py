@@ -611,3 +611,69 @@ def test_monitor_made_before_init_process_group_has_the_stage_of_one_made_after(
     assert len(rank_dirs(out)) == 2
     assert {r: (fo.pp_stage, tuple(fo.group_mates)) for r, (_, fo, _) in h.items()} == {0: (0, (0, 1)), 1: (1, (0, 1))}
     assert len({fo.run_id for _, fo, _ in h.values()}) == 1
+
+
+def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
+    """DDP steps of 2 micro steps (the first under no_sync). ``scaler``: a GradScaler, and an inf in rank
+    1's loss at step 2: the all-reduced gradients hold it on both ranks and the scaler skips the optimizer
+    step on both, though rank 0's own gradients are finite. ``sam``: two passes per optimizer step with
+    the weights perturbed between them (sharpness-aware minimisation): no step is skipped."""
+    init_gloo(rank, world, port)
+    try:
+        from trainrec.recorder import TrainerMon
+
+        model, _ = make(seed=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if mode == "scaler" else None
+        mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+        mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt, dp_group=dist.group.WORLD)
+        for step in range(5):
+            for sam_pass in range(2 if mode == "sam" else 1):
+                for micro in range(2):
+                    loss = loss_of(ddp, 100 * rank + 10 * step + micro)
+                    if scaler is not None:
+                        if rank == 1 and step == 2 and micro == 1:
+                            loss = loss * float("inf")
+                        loss = scaler.scale(loss)
+                    if micro == 0:
+                        with ddp.no_sync():
+                            loss.backward()
+                    else:
+                        loss.backward()
+                if mode == "sam" and sam_pass == 0:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.add_(p.grad, alpha=0.01)  # the ascent step; the next pass's gradients decide
+                    opt.zero_grad()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+        mon.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["scaler", "sam"])
+def test_ranks_agree_on_a_step_skipped_for_another_ranks_inf(tmp_path, monkeypatch, mode):
+    """A loss scaler skips the optimizer step on the all-reduced gradients: an inf in rank 1's alone
+    skips rank 0's step too. Both ranks mark that step skipped and number the later steps alike (rank 0
+    took the next step's passes for more passes of the skipped one); passes of one step with the weights
+    changed between them stay one step."""
+    from trainrec.schema.events import StepEnded
+
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]})
+    spawn_and_join(_skip_worker, (2, free_port(), cfg, mode), 2, TIMEOUT, f"2-process gloo run, {mode}")
+    h = headers(out)
+    for r in (0, 1):
+        ended = [(e.step, e.micro_steps, e.optimizer_skipped) for e in h[r][2] if isinstance(e, StepEnded)]
+        if mode == "scaler":
+            assert ended == [(s, 2, s == 2) for s in range(5)], (r, ended)
+        else:
+            assert ended == [(s, 4, False) for s in range(5)], (r, ended)
