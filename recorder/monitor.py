@@ -160,6 +160,7 @@ class TrainerMon(StepCollector):
         self._step = 0
         self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
+        self._live_check_at = 0.0  # when _begin_step looks at the live export next
         self._began = False
         self._collections = 0
         self._monitoring = False
@@ -789,6 +790,12 @@ class TrainerMon(StepCollector):
         self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._began = False
+        if self._live is not None and self._step_t0 >= self._live_check_at:  # the live export died?
+            self._live_check_at = self._step_t0 + _LIVE_CHECK_S
+            try:
+                self._live.check()
+            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+                self._hook_failed("checking the live export", exc)
         self._forwards = 0
         self._backward_seen = False
         if not self._compiled and self._chunks_compiled():
@@ -1142,6 +1149,7 @@ class TrainerMon(StepCollector):
 
 
 _MAX_FAILURE_EVENTS = 10
+_LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitpid) at step boundaries
 _warned: set[str] = set()
 
 

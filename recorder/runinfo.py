@@ -202,6 +202,10 @@ class LiveExport:
     def __init__(self, fmt: str, rank_dir: str, ndigits: int, step_count_per_record: int) -> None:
         self.proc: subprocess.Popen | None = None
         self._out = None
+        self._fmt = fmt
+        self._rank_dir = rank_dir
+        self._stopping = False  # stopped by the recorder (stop, or wait's timeout): its exit is no failure
+        self._reported = False
         try:
             import importlib.util
 
@@ -232,8 +236,35 @@ class LiveExport:
         """Stop the projection now (SIGTERM: it closes the files written so far whole): where the log
         will never get its FileClosed (the writer failed), waiting for it would only take the timeout."""
         if self.proc is not None and self.proc.poll() is None:
+            self._stopping = True
             self.proc.terminate()
         self.wait(5.0)
+
+    def check(self) -> bool:
+        """Whether the projection is still running or ended well; where it died (an error of its own, a
+        full or read-only disk, a kill), a warning says so, once: its files stop where it died, while
+        the log goes on (``trainrec export`` writes them all from it)."""
+        proc = self.proc
+        if proc is None or self._reported or self._stopping:
+            return True
+        rc = proc.poll()
+        if rc is None or rc == 0:
+            return True
+        self._reported = True
+        how = f"was killed by signal {-rc}" if rc < 0 else f"failed (exit status {rc})"
+        said = ""
+        try:
+            with open(os.path.join(self._rank_dir, "live_export.out"), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 2000))
+                lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+            said = f": {lines[-1].strip()}" if lines else ""
+        except OSError:
+            pass
+        cmd = "csv" if self._fmt == "csv" else "tb"
+        log.warning("trainrec: the live %s export of %s (pid %d) %s%s; its files stop where it did, the log "
+                    "goes on: `trainrec export %s %s` writes them all", self._fmt, self._rank_dir, proc.pid, how,
+                    said, cmd, os.path.dirname(os.path.abspath(self._rank_dir)))
+        return False
 
     def wait(self, timeout: float = 30.0) -> None:
         """Wait for the projection to finish (it exits after reading FileClosed)."""
@@ -243,11 +274,13 @@ class LiveExport:
             except subprocess.TimeoutExpired:
                 log.warning("trainrec: the live export (pid %d) did not exit within %.0f s; stopping it",
                             self.proc.pid, timeout)
+                self._stopping = True
                 self.proc.terminate()
                 try:
                     self.proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
+            self.check()
             self.proc = None
         if self._out is not None:
             self._out.close()
