@@ -571,6 +571,17 @@ def _close_all(reason: str = "exit") -> None:
 
 atexit.register(_close_all, "exit")
 
+_SIGTERM_FLUSH_TIMEOUT = 2.0  # seconds a SIGTERM with a previous handler waits for each writer to write out
+
+
+def _flush_all(timeout: float) -> None:
+    """Write out what every open writer holds (before a previous SIGTERM handler runs); never raises."""
+    for w in list(_live_writers):
+        try:
+            w.flush(timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - never fail a signal handler
+            log.debug("trainrec: flushing %s at SIGTERM failed: %r", w.path, exc)
+
 
 def _after_fork_in_child() -> None:
     for w in list(_live_writers):
@@ -596,11 +607,15 @@ def before_sigterm_close(method) -> None:
 
 
 def install_sigterm_handler() -> bool:
-    """Close every live writer on SIGTERM, then hand the signal to the previous handler.
+    """On SIGTERM, close every live writer and hand the signal on to the previous disposition.
 
-    With the default previous disposition the process then dies of SIGTERM as it would have. Only
-    possible from the main thread; returns False elsewhere, and when SIGTERM is ignored (nothing is
-    installed then: the process will not stop, so the writers stay open). Installing twice is a no-op.
+    With the default disposition the process then dies of SIGTERM as it would have. A previous handler
+    of Python's own (a preemption handler that sets a flag, saves a checkpoint and lets training finish
+    its step) runs first, after the writers have written out what they hold: where it raises (an exit,
+    KeyboardInterrupt) the writers close with reason ``sigterm``, as with the default; where it returns,
+    the process goes on, and so does the recording. Only possible from the main thread; returns False
+    elsewhere, and when SIGTERM is ignored (nothing is installed then: the process will not stop, so the
+    writers stay open). Installing twice is a no-op.
     """
     import signal
 
@@ -612,7 +627,7 @@ def install_sigterm_handler() -> bool:
     if previous == signal.SIG_IGN:
         return False
 
-    def handler(signum, frame):
+    def close_all() -> None:
         for ref in list(_BEFORE_SIGTERM_CLOSE):
             fn = ref()
             if fn is not None:
@@ -621,11 +636,21 @@ def install_sigterm_handler() -> bool:
                 except Exception:  # noqa: BLE001 - the writers close whatever happens
                     log.debug("trainrec: a SIGTERM callback failed", exc_info=True)
         _close_all(reason="sigterm")
-        if callable(previous):
-            previous(signum, frame)
-        else:
+
+    def handler(signum, frame):
+        if not callable(previous):
+            close_all()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+            return
+        # the process may go on: what the writers hold is written out first (a handler that ends the
+        # process with os._exit loses nothing), and they stay open unless the handler ends it
+        _flush_all(_SIGTERM_FLUSH_TIMEOUT)
+        try:
+            previous(signum, frame)
+        except BaseException:
+            close_all()
+            raise
 
     handler._trainrec = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGTERM, handler)

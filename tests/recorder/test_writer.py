@@ -655,6 +655,47 @@ def test_sigterm_closes_the_log_cleanly_and_keeps_the_previous_disposition(tmp_p
     assert reader.closed_event.records == len(events) - 1
 
 
+_GRACEFUL = """
+import signal, sys
+from trainrec.recorder.writer import LogWriter, install_sigterm_handler
+from trainrec.schema.events import StepBegan
+stop = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # a preemption handler: finish up
+assert install_sigterm_handler()
+w = LogWriter(sys.argv[1], rank=0, flush_interval=3600.0, queue_size=16)
+step = 0
+while not stop:
+    w.write(StepBegan(rank=0, step=step))
+    if step == 100:
+        w.flush()
+        print("ready", flush=True)
+    step += 1
+for _ in range(50):  # the steps after the signal: the run saves its checkpoint and ends on its own
+    w.write(StepBegan(rank=0, step=step))
+    step += 1
+print(step, flush=True)
+w.close()
+"""
+
+
+def test_sigterm_with_a_handler_that_lets_training_finish_keeps_recording(tmp_path):
+    """A preemption handler installed before the recorder's sets a flag and returns: the process goes
+    on, and so does the log (it was closed at the signal, and the steps after it were lost)."""
+    rdir = _rank_dir(tmp_path)
+    proc = _spawn(_script(_GRACEFUL), rdir)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    (name,) = os.listdir(rdir)
+    reader, events = _read(os.path.join(rdir, name))
+    assert reader.problems == [] and reader.closed_cleanly and reader.closed_event.reason == "close"
+    assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(int(out.split()[-1])))
+
+
 _EXITING = """
 import os, sys
 from trainrec.recorder.writer import LogWriter
