@@ -49,6 +49,7 @@ import json
 import logging
 import operator
 import os
+import shutil
 import sys
 import threading
 import time
@@ -127,6 +128,7 @@ class TrainerMon(StepCollector):
         self._run_id_shared = runinfo.run_id_shared_now()
         self.run_id = runinfo.shared_run_id()
         self.output_dir = output_dir or layout.output_dir_from_env()
+        self._output_dir_given = bool(output_dir)
         self._live_export_enabled = live_export if live_export is not None else "format" in self.config.raw
         self._engine = StatsEngine(self.config.ops, self.config.eps)
         self._names: list[str] = []
@@ -228,9 +230,18 @@ class TrainerMon(StepCollector):
             self.run_id = runinfo.previous_run_id(self._rank_dir) or self.run_id
         else:
             self._rank_dir = runinfo.new_rank_dir(self.output_dir, self.rank)
-        os.makedirs(self._rank_dir, mode=0o750, exist_ok=True)
-        self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
-                                 pp_stage=self.pp_stage, group_mates=self.group_mates)
+        made = not os.path.isdir(self._rank_dir)
+        try:
+            os.makedirs(self._rank_dir, mode=0o750, exist_ok=True)
+            self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
+                                     pp_stage=self.pp_stage, group_mates=self.group_mates)
+        except (OSError, WriterError) as exc:
+            if made:  # what this failed start made goes (an empty log file, the rank directory)
+                shutil.rmtree(self._rank_dir, ignore_errors=True)
+            source = ("output_dir" if self._output_dir_given else "$MONITOR_OUTPUT_DIR"
+                      if os.environ.get("MONITOR_OUTPUT_DIR") else "the default; $MONITOR_OUTPUT_DIR chooses another")
+            raise WriterError(f"trainrec: cannot write the monitor's log under {self.output_dir!r} ({source}): "
+                              f"{exc}; give a writable directory") from exc
         self._file_ids = np.zeros(0, dtype=np.uint32)  # a new file: every name is announced to it again
         self._made_rank_dir = not cfg.append_output
         install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread

@@ -1,13 +1,16 @@
-"""A monitor dropped without close() (with its model and optimizer) is collected, and its log closed."""
+"""Monitor lifetime: an output directory that cannot be written fails the start, clearly; a monitor dropped
+without close() (with its model and optimizer) is collected, and its log closed."""
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 import time
 import weakref
 
+import pytest
 import torch
 from trainrec.recorder import TrainerMon
 from trainrec.replay import open_run
@@ -157,3 +160,22 @@ def test_a_kept_loss_or_a_missing_optimizer_does_not_keep_a_dropped_monitor(tmp_
     opt = torch.optim.SGD([p], lr=0.1)
     p.sum().backward()
     opt.step()
+
+
+def test_an_output_directory_that_cannot_be_written_is_a_clear_error_at_start(tmp_path, monkeypatch):
+    """$MONITOR_OUTPUT_DIR (or output_dir) under a regular file: an error naming the setting and the
+    path when the monitor is made (it was the bare OSError of makedirs), and nothing left behind."""
+    from trainrec.recorder import TrainerMon, record
+    from trainrec.schema.errors import WriterError
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(blocker / "out"))
+    with pytest.raises(WriterError, match=r"cannot write the monitor's log under '.*a_file/out' \(\$MONITOR_OUTPUT_DIR\)"):
+        TrainerMon({"wg_distribution": True}, live_export=False)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(WriterError, match=r"under '.*a_file/x' \(output_dir\): .*Not a directory"):
+        with record(model, config={"wg_distribution": True}, output_dir=str(blocker / "x")):
+            pass
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+    assert not model._forward_hooks and not model._forward_pre_hooks
