@@ -163,6 +163,7 @@ class TrainerMon(StepCollector):
         self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._live_check_at = 0.0  # when _begin_step looks at the live export next
+        self._writer_failed = False  # the log writer failed: said once, and nothing more is collected
         self._began = False
         self._collections = 0
         self._monitoring = False
@@ -372,6 +373,8 @@ class TrainerMon(StepCollector):
             try:
                 w.write(event)
             except WriterError as exc:
+                self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
+                self._writer_failed = True
                 _warn_once(f"writer-{id(w)}", f"trainrec: the log writer failed ({exc}); monitoring records nothing more")
 
     @property
@@ -597,7 +600,8 @@ class TrainerMon(StepCollector):
             try:
                 self._writer.close(reason)
             except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the log failed: %r", exc)
+                # (a writer failure already said once, when it happened: not again here)
+                (log.debug if self._writer_failed else log.warning)("trainrec: closing the log failed: %r", exc)
         if self._alerts is not None:
             try:
                 self._alerts.close()

@@ -179,3 +179,44 @@ def test_an_output_directory_that_cannot_be_written_is_a_clear_error_at_start(tm
             pass
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+_WRITER_FAILS = """
+import json, logging, resource, signal, sys
+import torch
+from trainrec.recorder import record
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+said = []
+handler = logging.Handler()
+handler.emit = lambda r: said.append(r.getMessage())
+logging.getLogger("trainrec").addHandler(handler)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+hooks = []
+with record(model, opt, config={"wg_distribution": True, "xy_distribution": True}, output_dir=sys.argv[1]):
+    for step in range(400):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        hooks.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+print(json.dumps({"hooks": hooks, "said": said}))
+"""
+
+
+def test_a_failed_log_writer_stops_the_collection_and_is_said_once(tmp_path):
+    """The log's file system full (here the file size limit): training goes on, the hooks go at the next
+    step (their statistics could reach nothing), and closing says nothing more about it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _WRITER_FAILS, str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    hooks = out["hooks"]
+    # the model chunk's two (the step's boundaries) stay; the statistics' hooks go
+    assert hooks[0] > 2 and hooks[-1] == 2 and len(hooks) == 400
+    assert any("writer" in m and "failed" in m for m in out["said"]), out["said"]
+    assert not any("closing the log failed" in m for m in out["said"]), out["said"]
