@@ -452,6 +452,7 @@ class TrainerMon(StepCollector):
             self._output_discarded = False
             self._open_output()
         self._write_structure()
+        self._warn_if_monitored_already()
         # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
                                for vpp, chunk in enumerate(self._chunks)]
@@ -569,6 +570,17 @@ class TrainerMon(StepCollector):
     def close(self) -> None:
         """Remove every hook, stop the watcher, close the log and wait for the live export. Idempotent."""
         self._close("close")
+
+    def _warn_if_monitored_already(self) -> None:
+        """Another open monitor hooks one of these modules (a notebook or sweep that made a new monitor on
+        the same model without closing the last): both record every step, each at its own cost."""
+        mine = {id(c) for c in self._chunks}
+        for other in list(_open_monitors):
+            if other is not self and not other._closed and any(id(c) in mine for c in other._chunks):
+                log.warning("trainrec: this model is also monitored by another TrainerMon that is still open "
+                            "(its log: %s): both record every step, each at its own cost; close() the other one "
+                            "(or use `with TrainerMon(...)`/`with record(...)`)", other.log_path or "none, format api")
+                return
 
     def _close(self, reason: str) -> None:
         """:meth:`close`, with ``reason`` in the log's FileClosed ("exit..." when the process ends)."""

@@ -220,3 +220,26 @@ def test_a_failed_log_writer_stops_the_collection_and_is_said_once(tmp_path):
     assert hooks[0] > 2 and hooks[-1] == 2 and len(hooks) == 400
     assert any("writer" in m and "failed" in m for m in out["said"]), out["said"]
     assert not any("closing the log failed" in m for m in out["said"]), out["said"]
+
+
+def test_a_second_open_monitor_on_the_same_model_is_warned_about(tmp_path, caplog):
+    """A sweep or notebook that makes a new monitor on the model without closing the last one: both
+    record every step; a warning names the other's log. After close(), a new monitor is alone."""
+    import logging
+
+    model = torch.nn.Linear(3, 3)
+    first = TrainerMon({"wg_distribution": True}, output_dir=str(tmp_path / "a"), live_export=False)
+    first.monitor_gnorm_with_ad(model)
+    with caplog.at_level(logging.WARNING, logger="trainrec"):
+        second = TrainerMon({"wg_distribution": True}, output_dir=str(tmp_path / "b"), live_export=False)
+        second.monitor_gnorm_with_ad(model)
+    said = [r.getMessage() for r in caplog.records if "also monitored" in r.getMessage()]
+    assert len(said) == 1 and first.log_path in said[0]
+    first.close()
+    second.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainrec"):
+        third = TrainerMon({"wg_distribution": True}, output_dir=str(tmp_path / "c"), live_export=False)
+        third.monitor_gnorm_with_ad(model)
+        third.close()
+    assert not [r for r in caplog.records if "also monitored" in r.getMessage()]
