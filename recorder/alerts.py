@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from trainrec.schema import layout
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.rules import Detector, reference_entry, rules_from_config, validate_alert_config
 
@@ -46,7 +47,7 @@ class AnomalyJsonDump:
         self.dir = os.path.join(dump_dir, f"rank{rank}")
         self.path = os.path.join(self.dir, ANOMALY_JSON)
         made_dir = not os.path.isdir(self.dir)
-        os.makedirs(self.dir, mode=0o750, exist_ok=True)
+        layout.make_dirs(self.dir)
         self._keys: set[str] = set()
         self._count = 0
         self.written = 0  # entries this object added (not those of a resumed run's file)

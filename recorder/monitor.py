@@ -233,7 +233,7 @@ class TrainerMon(StepCollector):
             self._rank_dir = runinfo.new_rank_dir(self.output_dir, self.rank)
         made = not os.path.isdir(self._rank_dir)
         try:
-            os.makedirs(self._rank_dir, mode=0o750, exist_ok=True)
+            layout.make_dirs(self._rank_dir)
             self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
                                      pp_stage=self.pp_stage, group_mates=self.group_mates)
         except (OSError, WriterError) as exc:

@@ -226,7 +226,7 @@ class LiveExport:
             "--nice", str(LIVE_EXPORT_NICE),
         ]
         try:
-            self._out = open(os.path.join(rank_dir, "live_export.out"), "ab")  # noqa: SIM115
+            self._out = open(os.path.join(rank_dir, "live_export.out"), "ab", opener=layout.private_opener)  # noqa: SIM115
             self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         except OSError as exc:
             log.warning("trainrec: could not start the live %s export: %s", fmt, exc)

@@ -17,6 +17,7 @@ import os
 import time
 
 import torch
+from trainrec.schema import layout
 from trainrec.schema.events import ModuleStructureRecorded
 
 from .hooks import make_struct_hook
@@ -54,9 +55,9 @@ def attach_struct_hooks(chunks: list, targets) -> tuple[dict, list]:
 
 
 def write_module_struct(struct: dict, output_dir: str) -> str:
-    os.makedirs(output_dir, exist_ok=True)
+    layout.make_dirs(output_dir)
     path = os.path.join(output_dir, "module_struct.json")
-    with open(path, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8", opener=layout.private_opener) as f:
         json.dump(struct, f, indent=2)
     log.info("trainrec: module structure written to %s", path)
     return path

@@ -150,14 +150,14 @@ def _writev_all(fd: int, parts: list[bytes]) -> None:
 
 def create_log_file(rank_dir: str) -> tuple[str, BinaryIO, int]:
     """Create the next log file of ``rank_dir`` exclusively; returns (path, unbuffered binary file, index)."""
-    os.makedirs(rank_dir, exist_ok=True)
+    layout.make_dirs(rank_dir)
     for _ in range(1000):
         existing = layout.list_logs(rank_dir)
         last = layout.log_index(os.path.basename(existing[-1])) if existing else None
         index = 0 if last is None else last + 1
         path = os.path.join(rank_dir, layout.log_file_name(index))
         try:
-            return path, open(path, "xb", buffering=0), index  # noqa: SIM115 - owned by the writer
+            return path, open(path, "xb", buffering=0, opener=layout.private_opener), index  # noqa: SIM115 - owned by the writer
         except FileExistsError:
             continue
     raise WriterError(f"{rank_dir}: could not create a new log file (too many concurrent creators)")

@@ -26,6 +26,28 @@ LOG_NAME_RE = re.compile(r"^trainrec-(\d{5,})\.trl$")
 RANK_DIR_RE = re.compile(r"([\w-]{0,20})-rank(\d{1,5})-")
 TIME_FORMAT = "%b%d_%H-%M-%S"
 DEFAULT_OUTPUT_DIR = "./monitor_output"
+# The reference's permissions for what it writes (msprobe's file utilities): files rw-r-----, directories
+# rwxr-x---; the process's umask can only take more away.
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+
+
+def private_opener(path: str, flags: int) -> int:
+    """``open(..., opener=private_opener)``: a file created with :data:`FILE_MODE`."""
+    return os.open(path, flags, FILE_MODE)
+
+
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` with :data:`DIR_MODE` for every directory it creates (makedirs'
+    own mode reaches only the last one)."""
+    if not path or os.path.isdir(path):
+        return
+    make_dirs(os.path.dirname(os.path.abspath(path)))
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
 
 
 def output_dir_from_env() -> str:

@@ -272,8 +272,8 @@ def _prepare_output(out: str, force: bool, record: dict) -> None:
             raise TrainrecError(f"output directory {out} is not empty and holds no trainrec export ({MARKER} "
                                 "missing); refusing to mix or delete files there, choose another directory")
         _clear_dir(out)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, MARKER), "w", encoding="utf-8") as f:
+    layout.make_dirs(out)
+    with open(os.path.join(out, MARKER), "w", encoding="utf-8", opener=layout.private_opener) as f:
         json.dump(record, f, indent=2)
         f.write("\n")
 

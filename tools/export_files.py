@@ -35,6 +35,7 @@ from trainrec.replay.discover import RunInfo
 from trainrec.replay.follow import pid_alive
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run
+from trainrec.schema import layout
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import (
     KINDS,
@@ -109,12 +110,12 @@ class TbEventFile:
 
     def __init__(self, path: str, wall: float | None = None, *, append: bool = False) -> None:
         """``append``: add to the file where it exists (it has its file version event already)."""
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        layout.make_dirs(os.path.dirname(path) or ".")
         self.path = path
         if append and os.path.isfile(path) and os.path.getsize(path) > 0:
             self._f = open(path, "ab", buffering=1 << 20)  # noqa: SIM115 - closed in close()
             return
-        self._f = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in close()
+        self._f = open(path, "wb", buffering=1 << 20, opener=layout.private_opener)  # noqa: SIM115 - closed in close()
         self.write(event_bytes(time.time() if wall is None else wall, file_version=FILE_VERSION))
 
     def write(self, data: bytes) -> None:
@@ -148,7 +149,7 @@ class CsvDirSink:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        os.makedirs(directory, exist_ok=True)
+        layout.make_dirs(directory)
         # kind -> (starts, ends, last step written), ordered by start
         self._written: dict[str, tuple[array, array, array]] = {}
         self._open: dict[str, tuple[int, io.BufferedWriter, int]] = {}  # kind -> (start, file, window index)
@@ -211,7 +212,8 @@ class CsvDirSink:
             if i < len(starts) and starts[i] == start:
                 f = open(self.path(kind, start, ends[i]), "ab", buffering=1 << 20)  # noqa: SIM115
             else:
-                f = open(self.path(kind, start, end), "wb", buffering=1 << 20)  # noqa: SIM115 - kept open across steps
+                f = open(self.path(kind, start, end), "wb", buffering=1 << 20,  # noqa: SIM115 - kept open across steps
+                         opener=layout.private_opener)
                 f.write(header.encode("utf-8") + b"\n")
                 starts.insert(i, start)
                 ends.insert(i, end)

@@ -255,7 +255,7 @@ def _write_done_record(out: str, logs: list[str], options: dict, sink: CsvDirSin
     path = os.path.join(out, DONE_FILE)
     tmp = path + ".tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8", opener=layout.private_opener) as f:
             json.dump(rec, f)
         os.replace(tmp, path)
     except OSError as exc:

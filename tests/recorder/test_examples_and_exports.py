@@ -80,6 +80,43 @@ def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
         "grad_reduced_0-0.csv", "grad_reduced_1-1.csv"]
 
 
+def test_what_the_recorder_writes_has_the_references_permissions(tmp_path, monkeypatch):
+    """Files rw-r----- and directories rwxr-x---, as the reference writes them (its file utilities), for
+    everything a run writes: the output directory itself, the rank directory, the log, the live export's
+    CSV files and its own, the anomaly dump; and for what `trainrec export` writes."""
+    pytest.importorskip("trainrec.tools.live_export")
+    import stat
+
+    from trainrec.tools.cli import main
+
+    old = os.umask(0o022)
+    try:
+        monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out" / "deeper"))
+        cfg = {"wg_distribution": True, "ops": ["norm"], "format": "csv",
+               "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}], "dump": True}}
+        mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
+        model, opt = make()
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+        for s in range(3):
+            loss_of(model, s).backward()
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+        assert main(["export", "csv", str(tmp_path / "out" / "deeper"), "-o", str(tmp_path / "out" / "again")]) == 0
+    finally:
+        os.umask(old)
+    modes = {}
+    for root, _dirs, files in os.walk(tmp_path / "out"):
+        modes[root] = stat.S_IMODE(os.stat(root).st_mode)
+        for name in files:
+            modes[os.path.join(root, name)] = stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode)
+    names = {os.path.basename(p) for p in modes}
+    assert {"trainrec-00000.trl", "grad_reduced_0-0.csv", "live_export.out", "live_export.done", "anomaly.json",
+            "again"} <= names, names
+    wrong = {p: oct(m) for p, m in modes.items() if m != (0o750 if os.path.isdir(p) else 0o640)}
+    assert wrong == {}
+
+
 def _step1_row_labels(tmp_path, monkeypatch, model_cls, cfg):
     """Record 2 steps of 2 micro steps of ``model_cls()`` with format csv; the row labels (column 2) of
     step 1's file of a kind, as ``names(kind)``."""
