@@ -3,7 +3,7 @@
 Contract (checked by the reader)::
 
     $MONITOR_OUTPUT_DIR/                          (default ./monitor_output)
-      {Mon}{DD}_{HH}-{MM}-{SS}-rank{R}-{8 hex}/   one per rank per launch, local time, as the reference names it
+      {Mon}{DD}_{HH}-{MM}-{SS}-rank{R}-{8 hex}/   one per rank per launch: the reference's names, in local time (its are UTC+8)
         trainrec-00000.trl                        log files, created exclusively, only appended;
         trainrec-00001.trl                        a resume adds the next index, so names sort in time order
       anomaly_detected/rank{R}/anomaly.json       reference-compatible anomaly dumps (alert.dump)
