@@ -493,6 +493,12 @@ class TrainerMon(StepCollector):
         and stay the log's; from here on ``dp_group`` and ``tp_group`` deduplicate."""
         info = runinfo.rank_info(self.process_group)
         if not info.distributed:
+            if self.world_size > 1 and not runinfo.run_id_shared_now():
+                _warn_once("unshared_run", f"trainrec: rank {self.rank} of WORLD_SIZE={self.world_size} without "
+                           "torch.distributed initialized, and no TRAINREC_RUN_ID or TORCHELASTIC_RUN_ID in the "
+                           "environment: each rank's log is a run of its own, which replay does not merge. Set "
+                           "TRAINREC_RUN_ID to one value in every rank's environment (torchrun: --rdzv-id or "
+                           "--standalone), or initialize torch.distributed before monitor_gnorm_with_ad")
             return
         if info.rank != self.rank or info.world_size != self.world_size:
             _warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "

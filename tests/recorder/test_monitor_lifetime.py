@@ -243,3 +243,28 @@ def test_a_second_open_monitor_on_the_same_model_is_warned_about(tmp_path, caplo
         third.monitor_gnorm_with_ad(model)
         third.close()
     assert not [r for r in caplog.records if "also monitored" in r.getMessage()]
+
+
+@pytest.mark.parametrize("run_id", [None, "shared-id"])
+def test_ranks_from_the_environment_without_a_shared_run_id_are_warned_about(tmp_path, monkeypatch, caplog, run_id):
+    """torchrun without --standalone or --rdzv-id, and no init_process_group: each rank makes a run id
+    of its own and replay lists as many one-rank runs; a warning says how to name the run."""
+    import logging
+
+    from trainrec.recorder import monitor
+
+    monkeypatch.setattr(monitor, "_warned", set())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # what torchrun sets without a rendezvous id
+    if run_id is None:
+        monkeypatch.delenv("TRAINREC_RUN_ID", raising=False)
+    else:
+        monkeypatch.setenv("TRAINREC_RUN_ID", run_id)
+    with caplog.at_level(logging.WARNING, logger="trainrec"):
+        mon = TrainerMon({"wg_distribution": True}, output_dir=str(tmp_path), live_export=False)
+        mon.monitor_gnorm_with_ad(torch.nn.Linear(2, 2))
+        mon.close()
+    said = [r.getMessage() for r in caplog.records if "a run of its own" in r.getMessage()]
+    assert mon.rank == 1 and mon.world_size == 2
+    assert len(said) == (1 if run_id is None else 0) and all("TRAINREC_RUN_ID" in m for m in said)
