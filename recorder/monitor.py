@@ -158,6 +158,7 @@ class TrainerMon(StepCollector):
         self._backward_seen = False  # and whether a backward pass ran in it
         self._skips_in_a_row = 0
         self._passes = 1  # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took
+        self._passes_seen = False  # ... once an optimizer step has run
         self._state: StepState | None = None
         self._step = 0
         self._step_t0 = time.perf_counter()
@@ -1047,8 +1048,9 @@ class TrainerMon(StepCollector):
         the optimizer step never ran (a GradScaler or DeepSpeed found inf/NaN gradients and skipped it)
         or that this run makes several passes per optimizer step (SAM's two, a GAN's discriminator also
         used in the generator's pass, LBFGS's closure). The step's gradient rows tell them apart where
-        it has any: inf/NaN in them is a skip; with several ranks, so are finite rows where the weights
-        are as the backward pass left them (the skip was decided on gradients reduced across ranks).
+        it has any: inf/NaN in them is a skip; with several ranks, so are finite rows after more passes
+        than the last optimizer step took with the weights as the backward pass left them (the skip was
+        decided on gradients reduced across ranks).
         Elsewhere (a step not collected) the number of passes the run's last optimizer step took does:
         more than that is a skip. A skipped step ends here,
         marked so, and this forward begins the next (without it, the next step's rows would land in the
@@ -1067,13 +1069,14 @@ class TrainerMon(StepCollector):
                 non_finite = self._gradients_non_finite()
                 if non_finite is None:
                     non_finite = n > self._passes * self._grad_acc
-                elif (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
+                elif (not non_finite and self._distributed and self.world_size > 1 and self._passes_seen
+                      and n > self._passes * self._grad_acc and (n - 1) % self._grad_acc == 0
                       and self._weights_unchanged()):
                     # A loss scaler (or DeepSpeed, Megatron) decides on the reduced gradients: an inf/NaN
-                    # of another rank skips this rank's step too, though its own rows are finite. Every
-                    # rank sees the same weights: none changed since the backward pass (no optimizer step,
-                    # no SAM-style perturbation) after whole passes is that skip, so every rank numbers the
-                    # steps alike.
+                    # of another rank skips this rank's step too, though its own rows are finite. What
+                    # every rank sees alike decides instead: more whole passes than the last optimizer
+                    # step took, with the weights as the backward pass left them (no SAM-style
+                    # perturbation; a GAN's discriminator, passed through twice a step, took two).
                     non_finite = True
                 if non_finite:
                     self._end_step(optimizer_skipped=True)
@@ -1130,6 +1133,7 @@ class TrainerMon(StepCollector):
         if not optimizer_skipped:
             self._skips_in_a_row = 0
             self._passes = max(1, -(-self._forwards // self._grad_acc))  # passes per optimizer step, lately
+            self._passes_seen = True
         finished = self._step
         st = self._state
         self._mark_began()

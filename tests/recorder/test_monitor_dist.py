@@ -617,7 +617,9 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
     """DDP steps of 2 micro steps (the first under no_sync). ``scaler``: a GradScaler, and an inf in rank
     1's loss at step 2: the all-reduced gradients hold it on both ranks and the scaler skips the optimizer
     step on both, though rank 0's own gradients are finite. ``sam``: two passes per optimizer step with
-    the weights perturbed between them (sharpness-aware minimisation): no step is skipped."""
+    the weights perturbed between them (sharpness-aware minimisation); ``gan``: two passes per step with
+    the weights unchanged between them, the first one's gradients dropped (a GAN's discriminator, which
+    the generator's pass goes through too): no step is skipped."""
     init_gloo(rank, world, port)
     try:
         from trainrec.recorder import TrainerMon
@@ -629,7 +631,7 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
         mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt, dp_group=dist.group.WORLD)
         for step in range(5):
-            for sam_pass in range(2 if mode == "sam" else 1):
+            for sam_pass in range(1 if mode == "scaler" else 2):
                 for micro in range(2):
                     loss = loss_of(ddp, 100 * rank + 10 * step + micro)
                     if scaler is not None:
@@ -646,6 +648,8 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
                         for p in model.parameters():
                             p.add_(p.grad, alpha=0.01)  # the ascent step; the next pass's gradients decide
                     opt.zero_grad()
+                if mode == "gan" and sam_pass == 0:
+                    opt.zero_grad()  # the generator's step: the discriminator's gradients go
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
@@ -658,12 +662,12 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["scaler", "sam"])
+@pytest.mark.parametrize("mode", ["scaler", "sam", "gan"])
 def test_ranks_agree_on_a_step_skipped_for_another_ranks_inf(tmp_path, monkeypatch, mode):
     """A loss scaler skips the optimizer step on the all-reduced gradients: an inf in rank 1's alone
     skips rank 0's step too. Both ranks mark that step skipped and number the later steps alike (rank 0
-    took the next step's passes for more passes of the skipped one); passes of one step with the weights
-    changed between them stay one step."""
+    took the next step's passes for more passes of the skipped one); passes of one step, with the
+    weights changed between them or as many as every step takes, stay one step."""
     from trainrec.schema.events import StepEnded
 
     out = tmp_path / "out"
