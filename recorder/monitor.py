@@ -1050,11 +1050,10 @@ class TrainerMon(StepCollector):
         used in the generator's pass, LBFGS's closure). The step's gradient rows tell them apart where
         it has any: inf/NaN in them is a skip; with several ranks, so are finite rows after more passes
         than the last optimizer step took with the weights as the backward pass left them (the skip was
-        decided on gradients reduced across ranks).
-        Elsewhere (a step not collected) the number of passes the run's last optimizer step took does:
-        more than that is a skip. A skipped step ends here,
-        marked so, and this forward begins the next (without it, the next step's rows would land in the
-        skipped one). Several forwards before one backward (contrastive and siamese nets) and
+        decided on gradients reduced across ranks). Elsewhere (a step not collected) the number of
+        passes the run's last optimizer step took does: more than that is a skip. A skipped step ends
+        here, marked so, and this forward begins the next (without it, the next step's rows would land
+        in the skipped one). Several forwards before one backward (contrastive and siamese nets) and
         accumulation beyond ``grad_acc_steps`` (gradients still there, as they were) go on."""
         if not torch.is_grad_enabled():
             return  # no backward follows: not a micro step
