@@ -56,6 +56,9 @@ def round_like_reference(values: np.ndarray, ndigits: int) -> np.ndarray:
 
 _F32_MAX_SEARCH = 22  # powers of ten used in the search stay exact doubles (10**22 is the last)
 _F32_MAX_DECIMAL = 1e22  # larger values keep their exact doubles
+_POW10_F = np.array([10.0**i for i in range(_F32_MAX_SEARCH + 1)])
+_E2_OFFSET = 160  # frexp exponents of float32 values, -148..128, as table indices
+_Q_START = np.array([int(np.ceil(-(e2 - 25) * np.log10(2.0))) for e2 in range(-_E2_OFFSET, 160)])
 
 
 def float32_as_decimal(values: np.ndarray, ndigits: int) -> np.ndarray:
@@ -64,35 +67,38 @@ def float32_as_decimal(values: np.ndarray, ndigits: int) -> np.ndarray:
     ``ndigits`` fraction digits (at most 22, and the value below 1e22).
 
     Vectorised: the closest decimal with ``q`` fraction digits reads back to the value for every ``q``
-    from the shortest one's up (each is at least as close), so the search goes down from ``ndigits``,
-    only over values that a decimal of ``ndigits`` fraction digits resolves finer than float32 does."""
+    from the shortest one's up (each is at least as close), and 9 significant digits always do; so the
+    search goes down from there (or from ``ndigits``), only over values that a decimal of ``ndigits``
+    fraction digits resolves finer than float32 does (spacing ``2**(e-23)`` above ``10**-ndigits``)."""
     x = values.astype(np.float64)
     if values.dtype != np.float32 or not x.size:
         return x
     flat32 = values.reshape(-1)
     flat = x.reshape(-1)
     d = min(int(ndigits), _F32_MAX_SEARCH)
+    # the smallest power of two whose float32 spacing exceeds 10**-d
+    lowest = 2.0 ** (np.floor(np.log2(10.0**-d * 2.0**23)) + 1)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         a = np.abs(flat)
-        cand = np.flatnonzero((a > 0) & (a < _F32_MAX_DECIMAL)
-                               & (np.spacing(np.abs(flat32)).astype(np.float64) > 10.0**-d))
+        cand = np.flatnonzero((a >= lowest) & (a < _F32_MAX_DECIMAL))
         if not len(cand):
             return x
         v, v32 = flat[cand], flat32[cand]
-        low = -np.floor(np.log10(a[cand]))  # one significant digit at least
-        best = np.full(len(cand), np.nan)
-        active = np.arange(len(cand))
-        q = d
-        while len(active):
-            va = v[active]
-            p = float(10 ** abs(q))  # exact up to 10**22
-            r = np.rint(va * p) / p if q >= 0 else np.rint(va / p) * p
-            ok = (r.astype(np.float32) == v32[active]) & (q >= low[active])
-            best[active[ok]] = r[ok]
-            active = active[ok]
-            q -= 1
-    found = ~np.isnan(best)
-    flat[cand[found]] = best[found]
+        # start where a decimal step is at most half of float32's spacing there (reads back for sure):
+        # q = ceil(-log10(2**(e2 - 25))) for v = m * 2**e2, 0.5 <= m < 1; then one digit less a pass
+        q = np.minimum(d, _Q_START[np.frexp(v32)[1] + _E2_OFFSET])
+        while len(cand):  # each pass keeps the values whose decimal of q fraction digits reads back
+            p = _POW10_F[np.abs(q)]  # exact powers of ten (10**22 the last)
+            if q.min() >= 0:
+                r = np.rint(v * p) / p
+            else:
+                r = np.where(q >= 0, np.rint(v * p) / p, np.rint(v / p) * p)
+            ok = r.astype(np.float32) == v32  # (0 or a power of ten too many never reads back)
+            cand, v, v32, q = cand[ok], v[ok], v32[ok], q[ok] - 1
+            flat[cand] = r[ok]  # a shorter one in a later pass overwrites it
+            q_ok = q >= -_F32_MAX_SEARCH
+            if not q_ok.all():
+                cand, v, v32, q = cand[q_ok], v[q_ok], v32[q_ok], q[q_ok]
     return x
 
 

@@ -369,3 +369,9 @@ def test_float32_statistics_print_without_the_binary_expansions_digits():
     assert text([1.6500299], 6) == ["1.65003"]  # more than 6 fraction digits in float32: rounded as before
     assert text([1.6500299], 12) == ["1.6500299"]
     assert format_rows(np.array([[9.1, 32.10919]], dtype=np.float32), 12) == ["9.1,32.10919"]
+    # subnormal, huge and near-power-of-ten float32 values, against the plain definition
+    edge = np.array([1e-40, 1.5e-45, -2e-38, 3.4e38, 1e21, 9.999999e21, 1e22, 99.99999, 1000.0, 0.001, 1e9 + 64,
+                     123456789.0, 16.0, 15.999999, 8.000001, -0.0, 0.0], dtype=np.float32)
+    for nd in (0, 3, 6, 9, 12, 22, 30, 45):
+        want = [repr(float(x)) for x in np.round(_as_decimal(edge, nd), nd)]
+        assert text(edge, nd) == want, nd
