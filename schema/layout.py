@@ -14,6 +14,7 @@ All ranks of one launch share a run id, stored in every file's FileOpened record
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import time
@@ -46,8 +47,8 @@ def make_dirs(path: str) -> None:
     try:
         os.mkdir(path, DIR_MODE)
     except FileExistsError:
-        if not os.path.isdir(path):
-            raise
+        if not os.path.isdir(path):  # a file where a directory should be: what makedirs says
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from None
 
 
 def output_dir_from_env() -> str:
