@@ -593,6 +593,7 @@ class TrainerMon(StepCollector):
         """:meth:`close`, with ``reason`` in the log's FileClosed ("exit..." when the process ends)."""
         if self._closed:
             return
+        self._end_skipped_last_step()
         self._closed = True
         self._finalizer.detach()
         _open_monitors.discard(self)
@@ -1065,19 +1066,7 @@ class TrainerMon(StepCollector):
                            "per training step, after its backward pass and before the weights change; until "
                            "then every backward pass goes into the same step")
             elif self._opt is not None:
-                non_finite = self._gradients_non_finite()
-                if non_finite is None:
-                    non_finite = n > self._passes * self._grad_acc
-                elif (not non_finite and self._distributed and self.world_size > 1 and self._passes_seen
-                      and n > self._passes * self._grad_acc and (n - 1) % self._grad_acc == 0
-                      and self._weights_unchanged()):
-                    # A loss scaler (or DeepSpeed, Megatron) decides on the reduced gradients: an inf/NaN
-                    # of another rank skips this rank's step too, though its own rows are finite. What
-                    # every rank sees alike decides instead: more whole passes than the last optimizer
-                    # step took, with the weights as the backward pass left them (no SAM-style
-                    # perturbation; a GAN's discriminator, passed through twice a step, took two).
-                    non_finite = True
-                if non_finite:
+                if self._optimizer_skipped(n):
                     self._end_step(optimizer_skipped=True)
                     n = 1
                     self._skips_in_a_row += 1
@@ -1091,6 +1080,38 @@ class TrainerMon(StepCollector):
         self._forwards = n
         if n == 1 and self._state is not None:
             self._hook_unfrozen()
+
+    def _optimizer_skipped(self, n: int) -> bool:
+        """Whether the step whose gradients were cleared after its backward pass, at the beginning of
+        its ``n``-th forward (``n > grad_acc_steps``), is one whose optimizer step never ran (see
+        :meth:`_on_micro_step`), rather than one that makes several passes."""
+        non_finite = self._gradients_non_finite()
+        if non_finite is None:
+            return n > self._passes * self._grad_acc
+        if (not non_finite and self._distributed and self.world_size > 1 and self._passes_seen
+                and n > self._passes * self._grad_acc and (n - 1) % self._grad_acc == 0
+                and self._weights_unchanged()):
+            # A loss scaler (or DeepSpeed, Megatron) decides on the reduced gradients: an inf/NaN
+            # of another rank skips this rank's step too, though its own rows are finite. What
+            # every rank sees alike decides instead: more whole passes than the last optimizer
+            # step took, with the weights as the backward pass left them (no SAM-style
+            # perturbation; a GAN's discriminator, passed through twice a step, took two).
+            return True
+        return non_finite
+
+    def _end_skipped_last_step(self) -> None:
+        """At close: the last step's optimizer step never ran (a loss scaler skipped it) and no forward
+        came after it to notice that; it is ended as such a forward would have ended it, instead of being
+        left open as a step cut short (``inspect`` said it never ended)."""
+        n = self._forwards + 1
+        if (self._opt is None or self._manual_steps or self._closed or n <= self._grad_acc
+                or not self._backward_seen or not self._grads_cleared()):
+            return
+        try:
+            if self._optimizer_skipped(n):
+                self._end_step(optimizer_skipped=True)
+        except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
+            self._hook_failed("the skipped step at close", exc)
 
     def _weights_unchanged(self) -> bool:
         """Whether chunk 0's first and last parameters are as their last backward pass left them (their

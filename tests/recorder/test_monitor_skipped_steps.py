@@ -59,6 +59,46 @@ def test_grad_scaler_skipped_step_ends_at_the_next_forward_with_its_own_gradient
     assert {k[0] for k in stats_table(ev, "exp_avg")} == {0, 1, 3, 4}  # the state after each update
 
 
+@pytest.mark.parametrize("interval", [1, 2])
+@pytest.mark.parametrize("grad_acc", [1, 2])
+def test_a_skipped_last_step_ends_skipped_at_close(tmp_path, out, grad_acc, interval):
+    """The scaler skips the run's last optimizer step: no forward follows to notice it, so close() ends
+    it as that forward would have (it was left open, and ``inspect`` called it a step that never ended,
+    as after a crash). A step cut short before its optimizer step (gradients not cleared) stays open."""
+    cfg = {"wg_distribution": True, "ops": ["norm"], "step_interval": interval}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for s in range(3):
+        for m in range(grad_acc):
+            loss = loss_of(model, 10 * s + m)
+            if s == 2:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    mon.close()
+    assert ends(events_of(out)) == [(0, False), (1, False), (2, True)]
+
+
+def test_a_step_cut_short_before_its_optimizer_step_stays_open_at_close(tmp_path, out):
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}), params_have_main_grad=False,
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=1, optimizer=opt)
+    for s in range(2):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    (loss_of(model, 2) * float("nan")).backward()  # a NaN check would raise here, before opt.step()
+    mon.close()
+    ev = events_of(out)
+    assert ends(ev) == [(0, False), (1, False)]
+    assert 2 in {k[0] for k in stats_table(ev, "grad_unreduced")}
+
+
 def test_undeclared_accumulation_and_no_grad_forwards_do_not_split_steps(tmp_path, out):
     """More forwards than grad_acc_steps while gradients are still there (accumulation the monitor was
     not told about), and training-mode forwards under no_grad: no step is taken for skipped."""
@@ -139,7 +179,7 @@ def test_many_skipped_steps_in_a_row_warn_once_about_grad_acc_steps(tmp_path, ou
         mon.close()
     warned = [r.getMessage() for r in caplog.records if "in a row never ran" in r.getMessage()]
     assert len(warned) == 1 and "grad_acc_steps=1" in warned[0]
-    assert ends(events_of(out)) == [(s, True) for s in range(11)]  # step 11 had no next forward
+    assert ends(events_of(out)) == [(s, True) for s in range(12)]  # step 11 ended at close
 
 
 @pytest.mark.parametrize("interval", [1, 3])
