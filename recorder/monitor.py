@@ -75,7 +75,7 @@ from trainrec.schema.events import (
 )
 
 from . import fsdp, runinfo, structure, zero
-from .collect import StepCollector, spill_loop
+from .collect import StepCollector, _queue_end_of_backward, spill_loop
 from .config import MonitorConfig, load_config, parse_config
 from .fused import local_tensor
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
@@ -159,6 +159,8 @@ class TrainerMon(StepCollector):
         self._skips_in_a_row = 0
         self._passes = 1  # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took
         self._passes_seen = False  # ... once an optimizer step has run
+        self._reduced_check_queued = False  # before then, with several ranks: _check_reduced_grads
+        self._reduced_non_finite: bool | None = None  # its finding for the last backward pass
         self._state: StepState | None = None
         self._step = 0
         self._step_t0 = time.perf_counter()
@@ -1032,6 +1034,31 @@ class TrainerMon(StepCollector):
         # which gradient this backward left, and its version: zeroed in place since means cleared
         self._grad_marks[id(param)] = None if g is None else (weakref.ref(g), g._version)
         self._param_marks[id(param)] = param._version
+        if not self._passes_seen and self._distributed and self.world_size > 1 and not self._reduced_check_queued:
+            # before the first optimizer step: the gradients as the data-parallel reduction leaves them are
+            # looked at once this backward pass ends (queued from a callback: after DDP's own)
+            self._reduced_check_queued = True
+            _queue_end_of_backward(_weak_call(self._queue_reduced_check))
+
+    def _queue_reduced_check(self) -> None:
+        _queue_end_of_backward(_weak_call(self._check_reduced_grads))
+
+    def _check_reduced_grads(self) -> None:
+        """Whether chunk 0's gradients hold an inf or NaN after the reduction (None: none to look at, as
+        where DeepSpeed moved them into its partitions). Before a run's first optimizer step the passes
+        per step are not known yet, and a skip decided on another rank's inf (a loss scaler's, on the
+        reduced gradients) is told from a second pass (a GAN's) by this alone."""
+        self._reduced_check_queued = False
+        try:
+            grads = [g for g in (p.grad for p in self._chunk0_params) if g is not None]
+            if not grads:
+                self._reduced_non_finite = None
+                return
+            extremes = torch.stack([m.float().to(grads[0].device) for m in torch._foreach_norm(grads, float("inf"))])
+            self._reduced_non_finite = not bool(torch.isfinite(extremes).all())  # a sync, before the first step only
+        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+            self._reduced_non_finite = None
+            self._hook_failed("checking the reduced gradients", exc)
 
     def _grads_cleared(self) -> bool:
         """Whether chunk 0's gradients were cleared since its last backward pass: every one set to None
@@ -1088,15 +1115,17 @@ class TrainerMon(StepCollector):
         non_finite = self._gradients_non_finite()
         if non_finite is None:
             return n > self._passes * self._grad_acc
-        if (not non_finite and self._distributed and self.world_size > 1 and self._passes_seen
-                and n > self._passes * self._grad_acc and (n - 1) % self._grad_acc == 0
+        if (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
                 and self._weights_unchanged()):
             # A loss scaler (or DeepSpeed, Megatron) decides on the reduced gradients: an inf/NaN
             # of another rank skips this rank's step too, though its own rows are finite. What
             # every rank sees alike decides instead: more whole passes than the last optimizer
             # step took, with the weights as the backward pass left them (no SAM-style
-            # perturbation; a GAN's discriminator, passed through twice a step, took two).
-            return True
+            # perturbation; a GAN's discriminator, passed through twice a step, took two); before
+            # the first optimizer step, the reduced gradients themselves (_check_reduced_grads).
+            if self._passes_seen:
+                return n > self._passes * self._grad_acc
+            return bool(self._reduced_non_finite)
         return non_finite
 
     def _end_skipped_last_step(self) -> None:

@@ -616,7 +616,8 @@ def test_monitor_made_before_init_process_group_has_the_stage_of_one_made_after(
 def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
     """DDP steps of 2 micro steps (the first under no_sync). ``scaler``: a GradScaler, and an inf in rank
     1's loss at step 2: the all-reduced gradients hold it on both ranks and the scaler skips the optimizer
-    step on both, though rank 0's own gradients are finite. ``sam``: two passes per optimizer step with
+    step on both, though rank 0's own gradients are finite (``scaler0``: at the run's first step, before
+    any optimizer step has run). ``sam``: two passes per optimizer step with
     the weights perturbed between them (sharpness-aware minimisation); ``gan``: two passes per step with
     the weights unchanged between them, the first one's gradients dropped (a GAN's discriminator, which
     the generator's pass goes through too): no step is skipped."""
@@ -627,15 +628,16 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
         model, _ = make(seed=0)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
-        scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if mode == "scaler" else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if mode.startswith("scaler") else None
+        inf_step = 0 if mode == "scaler0" else 2
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
         mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt, dp_group=dist.group.WORLD)
         for step in range(5):
-            for sam_pass in range(1 if mode == "scaler" else 2):
+            for sam_pass in range(1 if scaler is not None else 2):
                 for micro in range(2):
                     loss = loss_of(ddp, 100 * rank + 10 * step + micro)
                     if scaler is not None:
-                        if rank == 1 and step == 2 and micro == 1:
+                        if rank == 1 and step == inf_step and micro == 1:
                             loss = loss * float("inf")
                         loss = scaler.scale(loss)
                     if micro == 0:
@@ -662,7 +664,7 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["scaler", "sam", "gan"])
+@pytest.mark.parametrize("mode", ["scaler", "scaler0", "sam", "gan"])
 def test_ranks_agree_on_a_step_skipped_for_another_ranks_inf(tmp_path, monkeypatch, mode):
     """A loss scaler skips the optimizer step on the all-reduced gradients: an inf in rank 1's alone
     skips rank 0's step too. Both ranks mark that step skipped and number the later steps alike (rank 0
@@ -677,7 +679,8 @@ def test_ranks_agree_on_a_step_skipped_for_another_ranks_inf(tmp_path, monkeypat
     h = headers(out)
     for r in (0, 1):
         ended = [(e.step, e.micro_steps, e.optimizer_skipped) for e in h[r][2] if isinstance(e, StepEnded)]
-        if mode == "scaler":
-            assert ended == [(s, 2, s == 2) for s in range(5)], (r, ended)
+        if mode.startswith("scaler"):
+            skipped = 0 if mode == "scaler0" else 2  # the run's first step: no optimizer step ran before it
+            assert ended == [(s, 2, s == skipped) for s in range(5)], (r, ended)
         else:
             assert ended == [(s, 4, False) for s in range(5)], (r, ended)
