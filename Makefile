@@ -44,6 +44,7 @@ bench: setup $(MSPROBE_VENV)/.installed
 	$(PY) benchmarks/bench_dynamic.py --blocks 10 --steps 300
 	$(PY) benchmarks/bench_anomalies.py --steps 1000 --tensors 2000
 	$(PY) benchmarks/bench_export.py --steps 1000 --tensors 2000 --ref-steps 10
+	$(PY) benchmarks/bench_csv_text.py
 	$(PY) benchmarks/bench_live_resume.py --steps 2000 --tensors 500
 
 clean:
