@@ -1050,7 +1050,9 @@ class TrainerMon(StepCollector):
         reduced gradients) is told from a second pass (a GAN's) by this alone."""
         self._reduced_check_queued = False
         try:
-            grads = [g for g in (p.grad for p in self._chunk0_params) if g is not None]
+            # (a DTensor's own shard: no collective here; sparse gradients left out)
+            grads = [g for g in (local_tensor(p.grad) for p in self._chunk0_params)
+                     if g is not None and g.layout is torch.strided]
             if not grads:
                 self._reduced_non_finite = None
                 return
