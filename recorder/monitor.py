@@ -157,8 +157,8 @@ class TrainerMon(StepCollector):
         self._forwards = 0  # training forwards of chunk 0 in this step
         self._backward_seen = False  # and whether a backward pass ran in it
         self._skips_in_a_row = 0
-        self._passes = 1  # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took
-        self._passes_seen = False  # ... once an optimizer step has run
+        # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took; None before one ran
+        self._passes: int | None = None
         self._reduced_check_queued = False  # before then, with several ranks: _check_reduced_grads
         self._reduced_non_finite: bool | None = None  # its finding for the last backward pass
         self._state: StepState | None = None
@@ -1034,7 +1034,7 @@ class TrainerMon(StepCollector):
         # which gradient this backward left, and its version: zeroed in place since means cleared
         self._grad_marks[id(param)] = None if g is None else (weakref.ref(g), g._version)
         self._param_marks[id(param)] = param._version
-        if not self._passes_seen and self._distributed and self.world_size > 1 and not self._reduced_check_queued:
+        if self._passes is None and self._distributed and self.world_size > 1 and not self._reduced_check_queued:
             # before the first optimizer step: the gradients as the data-parallel reduction leaves them are
             # looked at once this backward pass ends (queued from a callback: after DDP's own)
             self._reduced_check_queued = True
@@ -1116,7 +1116,7 @@ class TrainerMon(StepCollector):
         :meth:`_on_micro_step`), rather than one that makes several passes."""
         non_finite = self._gradients_non_finite()
         if non_finite is None:
-            return n > self._passes * self._grad_acc
+            return n > (self._passes or 1) * self._grad_acc
         if (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
                 and self._weights_unchanged()):
             # A loss scaler (or DeepSpeed, Megatron) decides on the reduced gradients: an inf/NaN
@@ -1125,9 +1125,9 @@ class TrainerMon(StepCollector):
             # step took, with the weights as the backward pass left them (no SAM-style
             # perturbation; a GAN's discriminator, passed through twice a step, took two); before
             # the first optimizer step, the reduced gradients themselves (_check_reduced_grads).
-            if self._passes_seen:
-                return n > self._passes * self._grad_acc
-            return bool(self._reduced_non_finite)
+            if self._passes is None:
+                return bool(self._reduced_non_finite)
+            return n > self._passes * self._grad_acc
         return non_finite
 
     def _end_skipped_last_step(self) -> None:
@@ -1184,7 +1184,6 @@ class TrainerMon(StepCollector):
         if not optimizer_skipped:
             self._skips_in_a_row = 0
             self._passes = max(1, -(-self._forwards // self._grad_acc))  # passes per optimizer step, lately
-            self._passes_seen = True
         finished = self._step
         st = self._state
         self._mark_began()
