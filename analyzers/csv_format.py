@@ -56,7 +56,9 @@ def round_like_reference(values: np.ndarray, ndigits: int) -> np.ndarray:
 
 _F32_MAX_SEARCH = 22  # powers of ten used in the search stay exact doubles (10**22 is the last)
 _F32_MAX_DECIMAL = 1e22  # larger values keep their exact doubles
-_POW10_F = np.array([10.0**i for i in range(_F32_MAX_SEARCH + 1)])
+# 10**0..10**23: exact to 10**22; 10**23 serves the one pass past it (float32(1e22) reads back as 1e22,
+# and no multiple of 10**23 below 1e22 but 0 does, so the search ends there)
+_POW10_F = np.array([10.0**i for i in range(_F32_MAX_SEARCH + 2)])
 _E2_OFFSET = 160  # frexp exponents of float32 values, -148..128, as table indices
 _Q_START = np.array([int(np.ceil(-(e2 - 25) * np.log10(2.0))) for e2 in range(-_E2_OFFSET, 160)])
 
@@ -96,9 +98,6 @@ def float32_as_decimal(values: np.ndarray, ndigits: int) -> np.ndarray:
             ok = r.astype(np.float32) == v32  # (0 or a power of ten too many never reads back)
             cand, v, v32, q = cand[ok], v[ok], v32[ok], q[ok] - 1
             flat[cand] = r[ok]  # a shorter one in a later pass overwrites it
-            q_ok = q >= -_F32_MAX_SEARCH
-            if not q_ok.all():
-                cand, v, v32, q = cand[q_ok], v[q_ok], v32[q_ok], q[q_ok]
     return x
 
 

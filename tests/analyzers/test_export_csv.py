@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import math
 import os
 import warnings
 
@@ -52,13 +51,10 @@ def _expected_row(expected, kind, step, vpp, label):
 def _as_decimal(values, ndigits: int) -> np.ndarray:
     """float32 statistics as the export takes them before the reference's rounding: each the shortest
     decimal that reads back to it (numpy's float32 text) where that has at most ``ndigits`` fraction
-    digits, else its exact double."""
-    out = []
-    for x in np.asarray(values, dtype=np.float32).tolist():
-        text = np.format_float_positional(np.float32(x), unique=True, trim="-") if math.isfinite(x) else ""
-        short = 0 < abs(x) < 1e22 and len(text.partition(".")[2]) <= min(ndigits, 22)
-        out.append(float(text) if short else x)
-    return np.array(out, dtype=np.float64)
+    digits, else its exact double (the plain, one value at a time definition)."""
+    from trainrec.analyzers.export_csv import _short_decimal
+
+    return np.array([_short_decimal(x, ndigits) for x in np.asarray(values, dtype=np.float32).tolist()])
 
 
 def test_files_headers_and_rounded_values(tmp_path):
