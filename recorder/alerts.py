@@ -58,7 +58,7 @@ class AnomalyJsonDump:
             if resume and self._adopt():
                 return
             self._move_aside()
-        self._file = open(self.path, "x+b")  # noqa: SIM115 - kept open, closed by close()
+        self._file = open(self.path, "x+b", opener=layout.private_opener)  # noqa: SIM115 - kept open, closed by close()
         self._file.write(b"{\n}\n")
         self._file.flush()
         self._end = 1  # offset of the closing brace's line
@@ -76,7 +76,7 @@ class AnomalyJsonDump:
         self._keys.update(data)
         self._count = len(data)
         tmp = self.path + ".tmp"
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=layout.private_opener) as f:
             f.write(self._render_all(data))
         os.replace(tmp, self.path)
         self._file = open(self.path, "r+b")  # noqa: SIM115
@@ -143,10 +143,6 @@ class AnomalyJsonDump:
                 self._file.close()
             finally:
                 self._file = None
-            try:
-                os.chmod(self.path, 0o640)
-            except OSError:
-                pass
 
     def discard(self) -> None:
         """Undo a dump that wrote nothing (its monitor failed on its config at start-up): the empty file
