@@ -180,6 +180,8 @@ class TrainerMon(StepCollector):
         self._check_handles: list = []  # selector checks at the first call, until the first step ends
         self._chain: list = []  # the torch optimizers of Megatron's ChainedOptimizer, in stepping order
         self._z3 = None  # DeepSpeed's ZeRO 3 optimizer, where it partitions the model
+        self._ds_overflow = None  # weakref: DeepSpeed's optimizer around self._opt, where known (zero.overflow_source)
+        self._ds_steps: int | None = None  # its steps taken when the last training step ended (zero.steps_taken)
         self._wrapped = None
         self._adam: AdamState | None = None
         self._dp_duplicate = False
@@ -808,6 +810,9 @@ class TrainerMon(StepCollector):
         self._adam = AdamState(mapper, opt, chain[1:] if chain else ())
         self._opt_groups = list(opt.param_groups)
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
+        ds = zero.overflow_source(opt, (wrapped, type(self)._wrapped_optimizer, self._z3))
+        self._ds_overflow = weakref.ref(ds) if ds is not None else None
+        self._ds_steps = zero.steps_taken(ds) if ds is not None else None
         self._chain = [t for _, t in chain] if chain else []
         for t in self._chain or [opt]:
             # weak: an optimizer kept (set_wrapped_optimizer's class attribute holds one) must not keep
@@ -1098,7 +1103,8 @@ class TrainerMon(StepCollector):
                 if self._optimizer_skipped(n):
                     self._end_step(optimizer_skipped=True)
                     n = 1
-                    self._skips_in_a_row += 1
+                    if self._ds_overflow is None:  # (DeepSpeed's flag said it: no doubt to warn of)
+                        self._skips_in_a_row += 1
                     if self._skips_in_a_row == _SKIPS_TO_WARN:
                         _warn_once("skips", f"trainrec: {_SKIPS_TO_WARN} optimizer steps in a row never ran (inf/"
                                    f"NaN gradients skipped by a loss scaler?); if this run accumulates gradients "
@@ -1114,6 +1120,16 @@ class TrainerMon(StepCollector):
         """Whether the step whose gradients were cleared after its backward pass, at the beginning of
         its ``n``-th forward (``n > grad_acc_steps``), is one whose optimizer step never ran (see
         :meth:`_on_micro_step`), rather than one that makes several passes."""
+        ds = self._ds_overflow() if self._ds_overflow is not None else None
+        if ds is not None:
+            # DeepSpeed's optimizer says it: its flag is set by each of its steps, on the gradients
+            # reduced across ranks, alike on every rank (also before the run's first optimizer step, where
+            # no passes per step are known and ZeRO keeps the reduced gradients in its partitions); where
+            # its loss scaler counts its steps, a flag left from an earlier step is not taken
+            taken = zero.steps_taken(ds)
+            if taken is not None and taken == self._ds_steps:
+                return False  # its step() did not run since the last training step ended: another pass
+            return bool(ds.overflow)
         non_finite = self._gradients_non_finite()
         if non_finite is None:
             return n > (self._passes or 1) * self._grad_acc
@@ -1184,6 +1200,8 @@ class TrainerMon(StepCollector):
         if not optimizer_skipped:
             self._skips_in_a_row = 0
             self._passes = max(1, -(-self._forwards // self._grad_acc))  # passes per optimizer step, lately
+        if self._ds_overflow is not None and (ds := self._ds_overflow()) is not None:
+            self._ds_steps = zero.steps_taken(ds)
         finished = self._step
         st = self._state
         self._mark_began()

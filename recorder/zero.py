@@ -96,6 +96,25 @@ def step_part(opt: torch.optim.Optimizer, z3) -> tuple[bool, bool]:
     return any(q is flats[0] for q in stepping), any(q is flats[-1] for q in stepping)
 
 
+def overflow_source(opt: torch.optim.Optimizer, candidates) -> object | None:
+    """DeepSpeed's optimizer around torch optimizer ``opt`` (ZeRO 1, 2 or 3, or its fp16 optimizers
+    without ZeRO), among ``candidates``: what keeps the flag ``overflow``, set by each of its
+    ``step()`` calls (True: the gradients reduced across ranks held an inf or NaN, every rank's
+    step was skipped and the torch optimizer's never ran). None where none of them is one."""
+    for w in candidates:
+        if w is not None and w is not opt and getattr(w, "optimizer", None) is opt and isinstance(
+                getattr(w, "overflow", None), bool):
+            return w
+    return None
+
+
+def steps_taken(w) -> int | None:
+    """How many times DeepSpeed's optimizer ``w`` (see :func:`overflow_source`) has stepped, skipped
+    steps included: its dynamic loss scaler's count (None with a static scale, which keeps none)."""
+    n = getattr(getattr(w, "loss_scaler", None), "cur_iter", None)
+    return n if isinstance(n, int) else None
+
+
 def _flat_of(frag, groups: list[dict]) -> tuple[torch.Tensor | None, int | None]:
     """The flat partition (a parameter of the torch optimizer) that ``frag``'s piece lies in."""
     ptr = frag.hp_fragment.untyped_storage().data_ptr()

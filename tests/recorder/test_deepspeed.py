@@ -212,3 +212,58 @@ def test_deepspeed_bf16_masters_give_the_adam_state(tmp_path, monkeypatch):
                                                                       if k[0] == step}
             for name, row in rows.items():
                 assert_close(ea[(step, name, "", 0)], row, rtol=1e-5, atol=1e-9, what=f"rank {r} exp_avg {name}")
+
+
+def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: str) -> None:
+    """fp16 with DeepSpeed's dynamic loss scale, and an inf in rank 1's loss at ``inf_step``: DeepSpeed
+    finds the overflow in the reduced gradients (rank 0's own are finite) and skips the step on both
+    ranks. ``variant``: the ZeRO stage, then how the monitor knows DeepSpeed's optimizer (``wrapped``:
+    the reference's set_wrapped_optimizer; ``given``: it is the ``optimizer`` argument; ``z3``: ZeRO 3's
+    parameters name it), then the steps with the inf (digits)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import deepspeed
+    import torch.distributed as dist
+    from trainrec.recorder import TrainerMon
+
+    stage, how, inf_step = variant.split("-")
+    deepspeed.init_distributed(dist_backend="gloo")
+    model, opt = make(seed=0)
+    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": int(stage)},
+        "fp16": {"enabled": True, "initial_scale_power": 4}})
+    if how == "wrapped":
+        TrainerMon.set_wrapped_optimizer(ds_opt)
+    mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(engine.module, optimizer=ds_opt if how == "given" else ds_opt.optimizer)
+    try:
+        for step in range(4):
+            loss = loss_of(engine, 10 * rank + step)
+            if rank == 1 and str(step) in inf_step:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+        mon.close()
+    finally:
+        TrainerMon.set_wrapped_optimizer(None)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", ["2-wrapped-0", "2-given-0", "3-z3-0", "2-wrapped-2", "1-wrapped-01"])
+def test_deepspeed_overflow_of_another_rank_skips_the_step_on_both(tmp_path, monkeypatch, variant):
+    """DeepSpeed skips the step on every rank when the reduced gradients overflow, though rank 0's own
+    gradients are finite: where the monitor knows DeepSpeed's optimizer, its overflow flag says so, also
+    at the run's first step (before it, the monitor had no passes per step to go by: rank 0 merged the
+    skipped step into the next one and numbered the later steps one less than rank 1)."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]})
+    spawn_and_join(_overflow_worker, (2, free_port(), cfg, variant), 2, TIMEOUT, f"DeepSpeed fp16 {variant}")
+    h = headers(tmp_path / "out")
+    skipped = variant.rsplit("-", 1)[1]
+    for r in (0, 1):
+        assert not [e for e in h[r][2] if isinstance(e, HookFailed)]
+        ended = [(e.step, e.optimizer_skipped) for e in h[r][2] if isinstance(e, StepEnded)]
+        assert ended == [(s, str(s) in skipped) for s in range(4)], (r, ended)
