@@ -251,7 +251,7 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("variant", ["2-wrapped-0", "2-given-0", "3-z3-0", "2-wrapped-2", "1-wrapped-01"])
+@pytest.mark.parametrize("variant", ["2-wrapped-0", "3-z3-0", "1-given-01", "2-wrapped-2"])
 def test_deepspeed_overflow_of_another_rank_skips_the_step_on_both(tmp_path, monkeypatch, variant):
     """DeepSpeed skips the step on every rank when the reduced gradients overflow, though rank 0's own
     gradients are finite: where the monitor knows DeepSpeed's optimizer, its overflow flag says so, also
