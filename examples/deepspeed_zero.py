@@ -5,8 +5,9 @@
 
 Starts ``--ranks`` processes itself (torch.distributed over gloo, DeepSpeed's CPU accelerator), so
 it needs no launcher; under ``deepspeed``/``torchrun`` the part in :func:`train` is what goes into a
-training script. The one line that matters, as the reference documents it for DeepSpeed::
+training script. The lines that matter, as the reference documents them for DeepSpeed::
 
+    TrainerMon.set_wrapped_optimizer(engine.optimizer)
     monitor.monitor_gnorm_with_ad(engine.module, grad_acc_steps=..., optimizer=engine.optimizer.optimizer)
 
 Each rank writes its own log. Weight gradients before reduction are each rank's own; reduced
@@ -45,6 +46,9 @@ def train(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": args.grad_acc,
         "zero_optimization": {"stage": args.stage}})
     monitor = TrainerMon(args.config, params_have_main_grad=False)
+    # DeepSpeed's own optimizer, named as the reference does for mixed precision: with fp16, its overflow
+    # flag tells every rank alike which steps DeepSpeed skipped, the run's first included (README)
+    TrainerMon.set_wrapped_optimizer(engine.optimizer)
     monitor.monitor_gnorm_with_ad(engine.module, grad_acc_steps=args.grad_acc, optimizer=engine.optimizer.optimizer)
     data = batches(512, 8, 32, seed=args.seed + rank)
     for step in range(args.steps):
