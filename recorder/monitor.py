@@ -79,7 +79,7 @@ from .collect import StepCollector, _queue_end_of_backward, spill_loop
 from .config import MonitorConfig, load_config, parse_config
 from .fused import local_tensor
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
-from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, torch_optimizer_of
+from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, holder_of, torch_optimizer_of
 from .stats import StatsEngine, StepStats
 from .targets import ParamInfo, Targets, build_targets
 from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
@@ -776,7 +776,7 @@ class TrainerMon(StepCollector):
             log.warning("trainrec: %s is not a torch optimizer and wraps none (.optimizer); waiting for the "
                         "first optimizer that steps over the model's parameters", type(wrapped).__name__)
         if opt is not None:
-            self._bind_instance(opt, wrapped)
+            self._bind_instance(opt, holder_of(wrapped, opt))
             return
         param_ids = {id(p) for c in self._chunks for p in c.parameters()}
         ref = self._ref  # the global registry would keep this monitor alive for good

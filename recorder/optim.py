@@ -60,11 +60,13 @@ KNOWN_OPT_TYPES = (
 
 
 def torch_optimizer_of(opt) -> torch.optim.Optimizer | None:
-    """The ``torch.optim.Optimizer`` instance that steps inside ``opt`` (``opt`` itself, or found via
-    ``.optimizer``). A wrapper that subclasses ``Optimizer`` without being one is followed too:
-    accelerate's ``AcceleratedOptimizer`` (what HF's Trainer hands its callbacks) never runs
-    ``Optimizer.__init__`` and has no step hooks of its own; it steps the torch optimizer in
-    ``.optimizer``."""
+    """The ``torch.optim.Optimizer`` instance that steps inside ``opt``: ``opt`` itself, or the innermost
+    one found via ``.optimizer``, through wrappers that are not torch optimizers (Megatron's, DeepSpeed's)
+    and wrappers that subclass ``Optimizer`` without being one: accelerate's ``AcceleratedOptimizer``
+    (what HF's Trainer hands its callbacks) never runs ``Optimizer.__init__`` and has no step hooks of
+    its own; it steps what it holds in ``.optimizer`` (under DeepSpeed, DeepSpeed's optimizer, which
+    steps the torch optimizer in its own ``.optimizer``)."""
+    found = None
     seen = 0
     while opt is not None and seen < 8:
         if isinstance(opt, torch.optim.Optimizer):
@@ -73,12 +75,26 @@ def torch_optimizer_of(opt) -> torch.optim.Optimizer | None:
                 # torch.distributed.optim.ZeroRedundancyOptimizer: an Optimizer whose own ``state`` is
                 # empty; the local optimizer (``.optim``) steps this rank's shard and holds its state
                 return inner
-            inner = getattr(opt, "optimizer", None)
-            if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
-                return opt
-        opt = getattr(opt, "optimizer", None)
+            found = opt
+        inner = getattr(opt, "optimizer", None)
+        if inner is opt:
+            break
+        opt = inner
         seen += 1
-    return None
+    return found
+
+
+def holder_of(wrapped, opt: torch.optim.Optimizer):
+    """What holds torch optimizer ``opt`` directly in ``wrapped``'s ``.optimizer`` chain (a mixed-precision
+    wrapper, whose fp32 masters and flags are read), past wrappers of it (accelerate's); ``wrapped``
+    itself where it is ``opt`` or the chain does not lead to it."""
+    w = wrapped
+    for _ in range(8):
+        inner = getattr(w, "optimizer", None)
+        if inner is opt or inner is None or inner is w:
+            return w if inner is opt else wrapped
+        w = inner
+    return wrapped
 
 
 # (model parameters, their fp32 masters) group attributes of mixed-precision wrappers, in the same

@@ -159,10 +159,11 @@ def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_traini
     assert any(len(pieces) == 2 for pieces in holders.values())  # one straddles the two partitions
 
 
-def _bf16_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
+def _bf16_worker(rank: int, world: int, port: int, cfg_path: str, how: str) -> None:
     """ZeRO 0 with bf16: DeepSpeed's FP16_UnfusedOptimizer keeps a whole fp32 master per parameter, and
-    the torch optimizer's state is keyed by the masters. The wrapper is named with the reference's
-    set_wrapped_optimizer, the torch optimizer inside it is hooked."""
+    the torch optimizer's state is keyed by the masters. ``named``: the wrapper is named with the
+    reference's set_wrapped_optimizer, the torch optimizer inside it is given; ``accelerate``:
+    accelerate's wrapper of DeepSpeed's optimizer is given as it is. The torch optimizer is hooked."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -177,9 +178,18 @@ def _bf16_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                                 config={"train_micro_batch_size_per_gpu": 4,
                                                         "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}})
-    TrainerMon.set_wrapped_optimizer(ds_opt)
+    if how == "named":
+        TrainerMon.set_wrapped_optimizer(ds_opt)
+        given = ds_opt.optimizer
+    else:
+        from accelerate import Accelerator
+        from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
+
+        Accelerator(cpu=True)  # the wrapper needs accelerate's state
+        given = DeepSpeedOptimizerWrapper(ds_opt)
     mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
-    mon.monitor_gnorm_with_ad(engine.module, optimizer=ds_opt.optimizer)
+    mon.monitor_gnorm_with_ad(engine.module, optimizer=given)
+    TrainerMon.set_wrapped_optimizer(None)
     expected: dict = {}
     for step in range(2):
         engine.backward(loss_of(engine, 10 * rank + step))
@@ -197,11 +207,12 @@ def _bf16_worker(rank: int, world: int, port: int, cfg_path: str) -> None:
     dist.destroy_process_group()
 
 
-def test_deepspeed_bf16_masters_give_the_adam_state(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["named", "accelerate"])
+def test_deepspeed_bf16_masters_give_the_adam_state(tmp_path, monkeypatch, how):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     cfg = write_config(tmp_path, {"mv_distribution": True, "ur_distribution": True, "ops": OPS})
-    spawn_and_join(_bf16_worker, (2, free_port(), cfg), 2, TIMEOUT, "DeepSpeed bf16 run")
+    spawn_and_join(_bf16_worker, (2, free_port(), cfg, how), 2, TIMEOUT, "DeepSpeed bf16 run")
     h = headers(tmp_path / "out")
     for r in (0, 1):
         with open(tmp_path / f"bf16_{r}.json") as f:
@@ -218,8 +229,8 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
     """fp16 with DeepSpeed's dynamic loss scale, and an inf in rank 1's loss at ``inf_step``: DeepSpeed
     finds the overflow in the reduced gradients (rank 0's own are finite) and skips the step on both
     ranks. ``variant``: the ZeRO stage, then how the monitor knows DeepSpeed's optimizer (``wrapped``:
-    the reference's set_wrapped_optimizer; ``given``: it is the ``optimizer`` argument; ``z3``: ZeRO 3's
-    parameters name it), then the steps with the inf (digits)."""
+    the reference's set_wrapped_optimizer; ``given``: it is the ``optimizer`` argument; ``accelerate``:
+    accelerate's wrapper of it is; ``z3``: ZeRO 3's parameters name it), then the steps with the inf (digits)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -236,7 +247,15 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
     if how == "wrapped":
         TrainerMon.set_wrapped_optimizer(ds_opt)
     mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
-    mon.monitor_gnorm_with_ad(engine.module, optimizer=ds_opt if how == "given" else ds_opt.optimizer)
+    if how == "accelerate":  # accelerate's wrapper around DeepSpeed's optimizer, given as it is
+        from accelerate import Accelerator
+        from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
+
+        Accelerator(cpu=True)  # the wrapper needs accelerate's state
+        given = DeepSpeedOptimizerWrapper(ds_opt)
+    else:
+        given = ds_opt if how == "given" else ds_opt.optimizer
+    mon.monitor_gnorm_with_ad(engine.module, optimizer=given)
     try:
         for step in range(4):
             loss = loss_of(engine, 10 * rank + step)
@@ -251,7 +270,7 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("variant", ["2-wrapped-0", "3-z3-0", "1-given-01", "2-wrapped-2"])
+@pytest.mark.parametrize("variant", ["2-wrapped-0", "3-z3-0", "1-given-01", "2-accelerate-0", "2-wrapped-2"])
 def test_deepspeed_overflow_of_another_rank_skips_the_step_on_both(tmp_path, monkeypatch, variant):
     """DeepSpeed skips the step on every rank when the reduced gradients overflow, though rank 0's own
     gradients are finite: where the monitor knows DeepSpeed's optimizer, its overflow flag says so, also
