@@ -811,7 +811,7 @@ class TrainerMon(StepCollector):
         self._opt_groups = list(opt.param_groups)
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
         ds = zero.overflow_source(opt, (wrapped, type(self)._wrapped_optimizer, self._z3))
-        self._ds_overflow = weakref.ref(ds) if ds is not None else None
+        self._ds_overflow = _weak_or_strong(ds) if ds is not None else None
         self._ds_steps = zero.steps_taken(ds) if ds is not None else None
         self._chain = [t for _, t in chain] if chain else []
         for t in self._chain or [opt]:
@@ -1315,6 +1315,14 @@ def _release(owned: _Owned) -> None:
             log.warning("trainrec: closing the %s of a dropped monitor failed: %r", what, exc)
     if owned.live is not None:  # it exits after reading FileClosed: reaped off this thread
         threading.Thread(target=owned.live.wait, daemon=True, name="trainrec-live-export-reaper").start()
+
+
+def _weak_or_strong(obj):
+    """A weak reference to ``obj``, or where its class allows none, a callable that returns it."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _weak_call(method):

@@ -183,3 +183,63 @@ def test_param_group_added_after_install_is_recorded(tmp_path, monkeypatch):
     ea, upd, seen = _mv_run(tmp_path, monkeypatch, add_group)
     assert seen[(1, "head.weight")][3] == (0.5, 0.9)
     _check_mv(ea, upd, seen)
+
+
+class _Holder:
+    """A mixed-precision wrapper's shape (Megatron's, DeepSpeed's): not a torch optimizer, steps the one
+    in ``.optimizer``; ``overflow`` as DeepSpeed's fp16 optimizers keep it."""
+
+    def __init__(self, opt, overflow=False):
+        self.optimizer = opt
+        self.overflow = overflow
+
+
+class _Slotted:
+    __slots__ = ("optimizer", "overflow")
+
+    def __init__(self, opt):
+        self.optimizer = opt
+        self.overflow = False
+
+
+class _NotInitialised(torch.optim.Optimizer):
+    """accelerate's AcceleratedOptimizer's shape: an Optimizer subclass that never runs its __init__."""
+
+    def __init__(self, inner):  # noqa: D107 - no super().__init__, as accelerate's
+        self.optimizer = inner
+
+
+def test_the_torch_optimizer_is_found_through_any_wrappers_and_its_holder_is_the_innermost_wrapper():
+    """accelerate's wrapper around DeepSpeed's optimizer around the torch optimizer: the torch
+    optimizer is the one hooked (the accelerate wrapper has no hooks of its own), DeepSpeed's the one
+    whose masters and flag are read; a plain or a ZeroRedundancy-style optimizer is its own."""
+    _, opt = make()
+    ds = _Holder(opt)
+    outer = _NotInitialised(ds)
+    assert optim.torch_optimizer_of(outer) is opt and optim.torch_optimizer_of(ds) is opt
+    assert optim.holder_of(outer, opt) is ds and optim.holder_of(ds, opt) is ds and optim.holder_of(opt, opt) is opt
+    assert optim.torch_optimizer_of(_NotInitialised(None)) is not None  # nothing inside: itself
+    assert optim.torch_optimizer_of(object()) is None
+    from trainrec.recorder import zero
+
+    assert zero.overflow_source(opt, (outer,)) is ds and zero.overflow_source(opt, (opt, None)) is None
+    assert zero.overflow_source(opt, (_Holder(opt, overflow=torch.tensor(True)),)) is None  # a flag is a bool
+
+
+def test_a_wrapper_that_allows_no_weak_reference_is_held_as_it_is(tmp_path, monkeypatch):
+    """A DeepSpeed-like wrapper whose class has __slots__ (no weak references): binding it works, and a
+    training step ends at the torch optimizer's step as usual."""
+    model, opt = make()
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}),
+                     params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=_Slotted(opt))
+    for step in range(2):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    from trainrec.schema.events import StepEnded
+
+    ends = [e for e in events_of(tmp_path / "out") if isinstance(e, StepEnded)]
+    assert [(e.step, e.optimizer_skipped) for e in ends] == [(0, False), (1, False)]
