@@ -93,9 +93,15 @@ class Targets:
 
     def first_call_checks(self, source: str | None = None, on_reject: Callable | None = None) -> list:
         """Hooks checking the selectors of the modules that have any at their first call (see
-        :func:`.hooks.make_first_call_check`); the monitor removes them when the first step ends."""
-        return [module.register_forward_hook(make_first_call_check(t, source, on_reject))
-                for module, t in self.modules if t.sel]
+        :func:`.hooks.make_first_call_check`); the monitor removes them when the first step ends.
+        Made before the monitor's own module hooks, they run before them."""
+        handles = []
+        for module, t in self.modules:
+            if (pre := make_first_call_check(t, source, on_reject, inputs=True)) is not None:
+                handles.append(module.register_forward_pre_hook(pre))
+            if (post := make_first_call_check(t, source, on_reject)) is not None:
+                handles.append(module.register_forward_hook(post))
+        return handles
 
 
 def _positional_capacity(module: torch.nn.Module) -> int | None:

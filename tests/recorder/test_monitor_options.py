@@ -359,6 +359,24 @@ def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path,
     mon.close()
 
 
+@pytest.mark.parametrize("slot", ["input", "input_grad"])
+def test_an_input_selector_mismatch_is_one_config_error_not_a_failed_hook_first(tmp_path, out, caplog, slot):
+    """An input_grad selector is applied by the monitor's forward pre-hook: a mismatch there was
+    reported as a failed hook ("training goes on", a HookFailed in the log) just before the
+    ConfigError that ends the run. One message now: the ConfigError, naming the key."""
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"pair": {slot: "tensor"}}}),
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    with caplog.at_level("WARNING", logger="trainrec"), pytest.raises(ConfigError) as err:
+        loss_of(model, 0)
+    assert err.value.key == f"targets.pair.{slot}" and "gives tuple[2]" in str(err.value)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    ev = events_of(out)
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+    assert [e.keys for e in ev if isinstance(e, ConfigRejected)] == [(f"targets.pair.{slot}",)]
+
+
 def test_a_selector_mismatch_at_the_first_forward_closes_the_monitor(tmp_path, out):
     """The ConfigError out of the first forward leaves no hook of the rejected monitor on the model (a
     notebook that fixes the config and makes a new monitor records with that one alone), and its log
