@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,6 +323,10 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
 
 def load_config(path: str) -> MonitorConfig:
     """Read and validate a config file; errors name the path (and line/column for invalid JSON)."""
+    if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
+        # (an int would be opened as a file descriptor, and closed after reading)
+        raise ConfigError(f"expected the path of a config JSON file (TrainerMon and record also take a config "
+                          f"dict), got {path!r}")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

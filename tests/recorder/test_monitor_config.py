@@ -171,3 +171,22 @@ def test_a_config_file_that_cannot_be_read_as_json_names_the_file(tmp_path, data
     with pytest.raises(ConfigError) as ei:
         load_config(str(path))
     assert expect in str(ei.value) and str(path) in str(ei.value)
+
+
+@pytest.mark.parametrize("path", [None, "", 3, ["config.json"]])
+def test_a_config_path_that_is_no_path_is_a_config_error(tmp_path, path):
+    """TrainerMon(os.environ.get("MONITOR_CONFIG")) with the variable unset gave a TypeError from inside
+    open(), and an int was opened as a file descriptor (and closed after reading)."""
+    import os
+
+    if path == 3:
+        (tmp_path / "c.json").write_text('{"wg_distribution": true}')
+        path = os.open(tmp_path / "c.json", os.O_RDONLY)
+    try:
+        with pytest.raises(ConfigError, match="expected the path of a config JSON file"):
+            load_config(path)
+        if isinstance(path, int):
+            os.fstat(path)  # still open
+    finally:
+        if isinstance(path, int):
+            os.close(path)
