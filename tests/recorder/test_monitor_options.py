@@ -961,6 +961,15 @@ def test_native_record_with_a_bad_config_leaves_no_log_open(tmp_path, out):
     assert set(threading.enumerate()) - before == set()  # close() ran: the writer and spill threads stopped
 
 
+@pytest.mark.parametrize("config", [5, ["config.json"], ""])
+def test_native_record_with_a_config_that_is_neither_dict_nor_path_says_so(tmp_path, out, config):
+    from trainrec.recorder import record
+
+    model, _ = make()
+    with pytest.raises(ConfigError, match="expected the path of a config JSON file"):
+        record(model, config=config, output_dir=str(tmp_path / "bad"))
+
+
 def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_config_goes_on(tmp_path, out):
     from trainrec.recorder.config import parse_config
     from trainrec.schema.events import ConfigRejected
