@@ -278,7 +278,7 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     if "module_ranks" in raw:
         v = raw["module_ranks"]
         if not isinstance(v, list) or not all(_is_int(r) and r >= 0 for r in v):
-            raise ConfigError(f"expected a list of rank integers, got {v!r}", "module_ranks", source)
+            raise ConfigError(f"expected a list of rank integers >= 0, got {v!r}", "module_ranks", source)
         kw["module_ranks"] = tuple(v)
     if "format" in raw:
         v = raw["format"]

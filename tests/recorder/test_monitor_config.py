@@ -61,6 +61,7 @@ def test_reference_example_parses_and_keeps_raw():
         ({"format": "json"}, "format", "tensorboard, csv, api"),
         ({"eps": "1e-8"}, "eps", "number"),
         ({"module_ranks": [0, "1"]}, "module_ranks", "rank integers"),
+        ({"module_ranks": [0, -1]}, "module_ranks", "rank integers >= 0"),
         ({"targets": []}, "targets", "object"),
         ({"targets": {"layers.0": "tensor"}}, "targets.layers.0", "object"),
         ({"targets": {"layers.0": {"inputs": "tensor"}}}, "targets.layers.0", "unknown field 'inputs'"),
