@@ -96,6 +96,18 @@ def test_no_valid_op_means_norm_and_id_is_accepted(caplog):
     assert parse_config({"ops": ["max", "id", "max"]}).ops == ("max",)
 
 
+def test_a_zero_threshold_is_accepted_as_the_reference_accepts_it():
+    """msprobe 1.2.1 rejects a threshold < 0 only: a config of it with threshold 0.0 (flag every change)
+    loads here too, and its rule runs."""
+    import numpy as np
+    from trainrec.schema.rules import rules_from_config
+
+    alert = {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.0}}]}
+    assert parse_config({"alert": alert}).alert_rules[0].threshold == 0.0
+    (rule,) = rules_from_config(alert)
+    assert rule.threshold == 0.0 and np.isfinite(rule.threshold)
+
+
 def test_integer_threshold_and_eps_are_accepted():
     c = parse_config({"eps": 0, "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 1}}]}})
     assert c.eps == 0.0 and c.alert_rules[0].threshold == 1.0
