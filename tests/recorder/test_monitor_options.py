@@ -250,6 +250,29 @@ def test_a_target_that_matches_nothing_says_what_names_there_are(tmp_path, out):
     mon.close()
 
 
+@pytest.mark.parametrize(("cfg", "expect"), [
+    ({"xy_distribution": True, "targets": {"head.weight": {}}}, "is recorded by none of the options on"),
+    ({"xy_distribution": True, "wg_distribution": True, "targets": {"head.weight": {"input": "tensor"}}},
+     "has selectors for a module's inputs and outputs"),
+])
+def test_an_xy_target_that_names_only_a_parameter_fails_before_training(tmp_path, out, cfg, expect):
+    """A parameter's name under xy_distribution alone matched something (a parameter), so it passed,
+    and the run recorded nothing at all; selectors on it fitted no module and were dropped silently."""
+    mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError, match="matches no module, only parameters") as ei:
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    assert ei.value.key == "targets.head.weight" and expect in str(ei.value)
+    assert "module names look like 'embed', 'layers', " in str(ei.value)
+    mon.close()
+    # what such a name is for: with a parameter option on, it selects that parameter
+    train(tmp_path, {"xy_distribution": True, "wg_distribution": True, "targets": {"head.weight": {}, "pair": {}}},
+          steps=1)
+    ev = events_of(out)
+    assert {k[1] for k in stats_table(ev, "grad_reduced")} == {"head.weight", "pair.proj.weight", "pair.proj.bias"}
+    assert {k[1] for k in stats_table(ev, "actv")} == {"pair"}
+
+
 @pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
 def test_a_config_error_leaves_no_directory_with_the_live_export_on(tmp_path, out, fmt):
     """The live TensorBoard export has written its file's header into the directory by then: it goes
