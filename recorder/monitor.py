@@ -400,7 +400,8 @@ class TrainerMon(StepCollector):
     def ops(self, value) -> None:
         """New ops (validated): from now on where the step in progress has recorded nothing yet, else from
         the next step (a step's rows share one list of ops)."""
-        new = parse_config({**self.config.raw, "ops": list(value)}, "ops")
+        ops = list(value) if isinstance(value, (list, tuple)) else value  # (a str is no list of ops)
+        new = parse_config({**self.config.raw, "ops": ops}, "ops")
         self.config = new
         st = self._state
         if st is None or not (st.stats or st.pending or self._fired):

@@ -176,6 +176,10 @@ def test_ops_setter_validates(tmp_path, out):
     assert mon.ops == ["max", "min"]
     with pytest.raises(ConfigError, match="unknown op"):
         mon.ops = ["nope"]
+    for value in ("norm", None):  # a str was taken letter by letter ("unknown op 'n'"), None was a TypeError
+        with pytest.raises(ConfigError, match="expected a list of ops"):
+            mon.ops = value
+    assert mon.ops == ["max", "min"]
     mon.close()
 
 
