@@ -1364,6 +1364,16 @@ def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
     assert [r.getMessage() for r in caplog.records] == [
         "trainrec: module_ranks [1, 2] names no rank of this run's world size 1: no rank records activations "
         "(xy_distribution)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        for cfg in ({"ops": ["norm", "max"], "format": "csv"}, {"wg_distribution": True, "collect_times": 0},
+                    {"print_struct": True}):
+            TrainerMon(write_config(tmp_path, cfg), live_export=False).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainrec: the config turns on none of xy_distribution, wg_distribution, param_distribution, "
+        "mv_distribution, ur_distribution, mg_direction: no statistics are recorded (the log holds the steps and "
+        "the module structure only)",
+        "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)"]
 
 
 def test_mg_direction_equals_sign_agreement_of_grad_and_momentum_before_the_update(tmp_path, out):
