@@ -122,7 +122,7 @@ class TrainerMon(StepCollector):
         self.dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower() == "true"
         info = runinfo.rank_info(process_group)
         self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
-        _warn_unrecorded(self.config, self.world_size)
+        _warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
         self.group_mates = info.group_mates
         self._distributed = info.distributed
         self._run_id_shared = runinfo.run_id_shared_now()
@@ -1262,20 +1262,20 @@ _warned: set[str] = set()
 _SKIPS_TO_WARN = 8
 
 
-def _warn_unrecorded(cfg: MonitorConfig, world_size: int) -> None:
+def _warn_unrecorded(cfg: MonitorConfig, world_size: int, applied: bool = True) -> None:
     """Say once that an option trainrec accepts (for config compatibility) but does not record is on,
     that the config records nothing (no statistics option on, or collect_times 0), and that
     module_ranks names no rank of the world (no rank records activations): the reference is silent
-    about these."""
+    about these. Not ``applied`` (dynamic mode, before the switch), the config records nothing yet."""
     if cfg.cc_distribution.get("enable"):
         _warn_once("cc_distribution", "trainrec: cc_distribution is accepted for compatibility with msprobe's config "
                    "but communication is not monitored; nothing is written for it")
     options = ("xy_distribution", "wg_distribution", "param_distribution", "mv_distribution", "ur_distribution",
                "mg_direction")
-    if not cfg.print_struct and not any(getattr(cfg, k) for k in options):
+    if applied and not cfg.print_struct and not any(getattr(cfg, k) for k in options):
         _warn_once("no-options", f"trainrec: the config turns on none of {', '.join(options)}: no statistics are "
                    "recorded (the log holds the steps and the module structure only)")
-    elif cfg.collect_times == 0:
+    elif applied and cfg.collect_times == 0:
         _warn_once("collect_times-0", "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)")
     if (cfg.xy_distribution and cfg.module_ranks
             and not any(0 <= r < world_size for r in cfg.module_ranks)):

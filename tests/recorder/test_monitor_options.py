@@ -1374,6 +1374,12 @@ def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
         "mv_distribution, ur_distribution, mg_direction: no statistics are recorded (the log holds the steps and "
         "the module structure only)",
         "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)"]
+    caplog.clear()
+    monkeypatch.setattr(monitor_mod, "_warned", set())
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")  # a config that the switch has not turned on yet: nothing to say
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        TrainerMon(write_config(tmp_path, {"switch": False}), live_export=False).close()
+    assert not [r for r in caplog.records if "no statistics" in r.getMessage()]
 
 
 def test_mg_direction_equals_sign_agreement_of_grad_and_momentum_before_the_update(tmp_path, out):
