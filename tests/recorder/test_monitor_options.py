@@ -618,6 +618,12 @@ def test_module_ranks_excludes_this_rank(tmp_path, out):
     assert steps_with(ev, "actv") == [] and steps_with(ev, "grad_reduced") == [0]
 
 
+def test_module_ranks_that_names_this_rank_records_its_activations(tmp_path, out):
+    train(tmp_path, {"xy_distribution": True, "module_ranks": [1, 0]}, steps=1)
+    ev = events_of(out)
+    assert steps_with(ev, "actv") == [0] and steps_with(ev, "actv_grad") == [0]
+
+
 def test_mv_and_ur_on_plain_adam_without_opt_ty(tmp_path, out):
     mon, model, opt = train(tmp_path, {"mv_distribution": True, "ur_distribution": True, "format": "csv"}, steps=2,
                             close=False)
