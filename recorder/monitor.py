@@ -1209,7 +1209,10 @@ class TrainerMon(StepCollector):
         try:
             if st is not None:
                 if not optimizer_skipped:
-                    self._optimizer_rows(st)
+                    try:
+                        self._optimizer_rows(st)
+                    except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
+                        self._hook_failed("optimizer state statistics", exc)
                 self._finish_step(st, optimizer_skipped)
             else:
                 self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),

@@ -574,6 +574,32 @@ def test_exception_in_a_hook_is_recorded_and_training_continues(tmp_path, out):
     assert {e.where.split(" of ")[0] for e in fails} >= {"forward hook", "backward hook"}
 
 
+def test_a_failure_in_the_optimizer_state_statistics_keeps_the_steps_other_rows(tmp_path, out):
+    """mv/ur statistics that fail (an optimizer state torch cannot reduce) lose those rows only: the
+    failure ended the step's writing, and its gradient, parameter and activation rows were lost too."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "xy_distribution": True,
+                                             "mv_distribution": True, "ur_distribution": True}),
+                     params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure in the Adam state")
+
+    mon._optimizer_rows = boom
+    for s in range(2):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    fails = [e for e in ev if isinstance(e, HookFailed)]
+    assert [(e.step, e.where) for e in fails] == [(0, "optimizer state statistics"), (1, "optimizer state statistics")]
+    for kind in ("grad_reduced", "grad_unreduced", "actv", "actv_grad"):
+        assert steps_with(ev, kind) == [0, 1], kind
+    assert steps_with(ev, "exp_avg") == []
+
+
 @pytest.mark.parametrize("where", ["_begin_step", "_on_micro_step", "_mark_began", "_part_of_step"])
 def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out, where):
     """The monitor's own per-step work around the hooks (step start and end, micro-step counting, the
