@@ -427,10 +427,20 @@ class TrainerMon(StepCollector):
         if first is None or not 0 <= first < MAX_STEP:
             raise ConfigError(f"expected an integer of 0..{MAX_STEP - 1} (the first step's number), got "
                               f"{start_iteration!r}", "start_iteration")
+        acc = grad_acc_steps  # an integer; an integral float too (global_batch / dp / micro_batch)
+        if isinstance(acc, float) and acc.is_integer():
+            acc = int(acc)
+        try:
+            acc = None if isinstance(acc, bool) else operator.index(acc)
+        except TypeError:
+            acc = None
+        if acc is None or acc < 1:
+            raise ConfigError(f"expected an integer >= 1 (micro steps per optimizer step), got {grad_acc_steps!r}",
+                              "grad_acc_steps")
         given = list(model) if isinstance(model, (list, tuple)) else [model]
         self._chunks = [_uncompiled(m) for m in given]
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
-        self._grad_acc = max(1, int(grad_acc_steps))
+        self._grad_acc = acc
         self._step = int(start_iteration)
         self._tp_group = tp_group
         if not self._distributed:

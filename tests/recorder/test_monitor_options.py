@@ -154,6 +154,22 @@ def test_a_start_iteration_no_log_can_hold_is_a_config_error(tmp_path, out, bad)
     assert steps_with(events_of(out), "grad_reduced") == [7]
 
 
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "2", "abc", True, None])
+def test_a_grad_acc_steps_that_is_no_count_of_micro_steps_is_a_config_error(tmp_path, out, bad):
+    """0 and -2 were taken for 1, 2.5 for 2 and "2" for 2, silently; "abc" was a ValueError from int()."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True}), live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError, match="expected an integer >= 1") as err:
+        mon.monitor_gnorm_with_ad(model, optimizer=opt, grad_acc_steps=bad)
+    assert err.value.key == "grad_acc_steps"
+    mon.monitor_gnorm_with_ad(model, optimizer=opt, grad_acc_steps=8 / 4)  # nothing was installed; 2.0 is 2
+    for m in range(2):
+        loss_of(model, m).backward()
+    opt.step()
+    mon.close()
+    assert {k[3] for k in stats_table(events_of(out), "grad_unreduced")} == {0, 1}
+
+
 def test_ops_eps_and_full_precision(tmp_path, out):
     cfg = {"param_distribution": True, "ops": ["zeros", "max"], "eps": 0.5, "ndigits": 2}
     _, model, _ = train(tmp_path, cfg, steps=1)
