@@ -756,6 +756,8 @@ def mg_direction(g: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
         g = g.to_dense()  # a sparse gradient (nn.Embedding(sparse=True)): signs of every element
     if m is None:
         return torch.ones((), dtype=torch.float32, device=g.device)
+    if g.is_complex():  # (no sign for complex numbers: the real and imaginary parts', as Adam updates them)
+        g, m = torch.view_as_real(g), torch.view_as_real(m) if m.is_complex() else m
     agree = torch.sign(g.reshape(-1))
     agree.mul_(torch.sign(m.reshape(-1).to(g.device)))
     return (agree.sum(dtype=torch.float32) / g.numel() + 1.0) / 2.0

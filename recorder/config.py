@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,7 +278,7 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     if "module_ranks" in raw:
         v = raw["module_ranks"]
         if not isinstance(v, list) or not all(_is_int(r) and r >= 0 for r in v):
-            raise ConfigError(f"expected a list of rank integers, got {v!r}", "module_ranks", source)
+            raise ConfigError(f"expected a list of rank integers >= 0, got {v!r}", "module_ranks", source)
         kw["module_ranks"] = tuple(v)
     if "format" in raw:
         v = raw["format"]
@@ -322,6 +323,10 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
 
 def load_config(path: str) -> MonitorConfig:
     """Read and validate a config file; errors name the path (and line/column for invalid JSON)."""
+    if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
+        # (an int would be opened as a file descriptor, and closed after reading)
+        raise ConfigError(f"expected the path of a config JSON file (TrainerMon and record also take a config "
+                          f"dict), got {path!r}")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

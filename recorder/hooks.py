@@ -493,16 +493,21 @@ _SLOTS = ("input", "input_grad", "output", "output_grad")
 
 
 def make_first_call_check(t: ModuleTarget, source: str | None = None,
-                          on_reject: Callable[[ConfigError], None] | None = None):
-    """Forward hook installed until the run's first step ends: at the module's first call, its
-    selectors against its real inputs and outputs. One that does not fit is a ConfigError raised out
-    of that forward, at start-up, before training time is spent (later, in a step the monitor
-    collects, the same mismatch is a HookFailed and training goes on); ``on_reject`` is told first
-    (the monitor records it in the log, which would otherwise not say why the run stopped)."""
-    sels = [(slot, t.sel[slot]) for slot in _SLOTS if t.sel.get(slot) is not None]
+                          on_reject: Callable[[ConfigError], None] | None = None, inputs: bool = False):
+    """Hook installed until the run's first step ends: at the module's first call, its selectors
+    against its real inputs and outputs. One that does not fit is a ConfigError raised out of that
+    forward, at start-up, before training time is spent (later, in a step the monitor collects, the
+    same mismatch is a HookFailed and training goes on); ``on_reject`` is told first (the monitor
+    records it in the log, which would otherwise not say why the run stopped). With ``inputs``, a
+    forward pre-hook for the ``input`` and ``input_grad`` selectors (it runs before the monitor's own
+    pre-hook, which selects the tensor whose gradient ``input_grad`` records, and would otherwise
+    report the mismatch as a failed hook before the ConfigError); else a forward hook for ``output``
+    and ``output_grad``."""
+    sels = [(slot, t.sel[slot]) for slot in _SLOTS
+            if t.sel.get(slot) is not None and slot.startswith("input") == inputs]
     done = False
 
-    def hook(module, args, output):
+    def check(module, value):
         nonlocal done
         if done:
             return
@@ -510,11 +515,11 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None,
         for slot, sel in sels:
             key = f"targets.{t.key}.{slot}"
             try:
-                picked = pick(args if slot.startswith("input") else output, sel, key)
+                picked = pick(value, sel, key)
                 if picked is not None and not isinstance(picked, torch.Tensor):  # (None: an optional argument)
                     raise SelectorMismatch(key, f"selects {describe(picked)}, not a tensor (a selector picks a "
                                                 "tensor at the top level of the module's "
-                                                f"{'inputs' if slot.startswith('input') else 'output'})")
+                                                f"{'inputs' if inputs else 'output'})")
             except SelectorMismatch as exc:
                 err = ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
                                   f"first step; print_struct shows the real structure)", exc.key, source)
@@ -522,7 +527,11 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None,
                     on_reject(err)
                 raise err from None
 
-    return eager(hook)
+    if not sels:
+        return None
+    if inputs:
+        return eager(lambda module, args: check(module, args))
+    return eager(lambda module, args, output: check(module, output))
 
 
 def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):

@@ -122,7 +122,7 @@ class TrainerMon(StepCollector):
         self.dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower() == "true"
         info = runinfo.rank_info(process_group)
         self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
-        _warn_unrecorded(self.config, self.world_size)
+        _warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
         self.group_mates = info.group_mates
         self._distributed = info.distributed
         self._run_id_shared = runinfo.run_id_shared_now()
@@ -400,7 +400,8 @@ class TrainerMon(StepCollector):
     def ops(self, value) -> None:
         """New ops (validated): from now on where the step in progress has recorded nothing yet, else from
         the next step (a step's rows share one list of ops)."""
-        new = parse_config({**self.config.raw, "ops": list(value)}, "ops")
+        ops = list(value) if isinstance(value, (list, tuple)) else value  # (a str is no list of ops)
+        new = parse_config({**self.config.raw, "ops": ops}, "ops")
         self.config = new
         st = self._state
         if st is None or not (st.stats or st.pending or self._fired):
@@ -426,10 +427,20 @@ class TrainerMon(StepCollector):
         if first is None or not 0 <= first < MAX_STEP:
             raise ConfigError(f"expected an integer of 0..{MAX_STEP - 1} (the first step's number), got "
                               f"{start_iteration!r}", "start_iteration")
+        acc = grad_acc_steps  # an integer; an integral float too (global_batch / dp / micro_batch)
+        if isinstance(acc, float) and acc.is_integer():
+            acc = int(acc)
+        try:
+            acc = None if isinstance(acc, bool) else operator.index(acc)
+        except TypeError:
+            acc = None
+        if acc is None or acc < 1:
+            raise ConfigError(f"expected an integer >= 1 (micro steps per optimizer step), got {grad_acc_steps!r}",
+                              "grad_acc_steps")
         given = list(model) if isinstance(model, (list, tuple)) else [model]
         self._chunks = [_uncompiled(m) for m in given]
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
-        self._grad_acc = max(1, int(grad_acc_steps))
+        self._grad_acc = acc
         self._step = int(start_iteration)
         self._tp_group = tp_group
         if not self._distributed:
@@ -1208,7 +1219,10 @@ class TrainerMon(StepCollector):
         try:
             if st is not None:
                 if not optimizer_skipped:
-                    self._optimizer_rows(st)
+                    try:
+                        self._optimizer_rows(st)
+                    except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
+                        self._hook_failed("optimizer state statistics", exc)
                 self._finish_step(st, optimizer_skipped)
             else:
                 self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
@@ -1261,13 +1275,21 @@ _warned: set[str] = set()
 _SKIPS_TO_WARN = 8
 
 
-def _warn_unrecorded(cfg: MonitorConfig, world_size: int) -> None:
+def _warn_unrecorded(cfg: MonitorConfig, world_size: int, applied: bool = True) -> None:
     """Say once that an option trainrec accepts (for config compatibility) but does not record is on,
-    and that module_ranks names no rank of the world (no rank records activations: the reference is
-    silent about it)."""
+    that the config records nothing (no statistics option on, or collect_times 0), and that
+    module_ranks names no rank of the world (no rank records activations): the reference is silent
+    about these. Not ``applied`` (dynamic mode, before the switch), the config records nothing yet."""
     if cfg.cc_distribution.get("enable"):
         _warn_once("cc_distribution", "trainrec: cc_distribution is accepted for compatibility with msprobe's config "
                    "but communication is not monitored; nothing is written for it")
+    options = ("xy_distribution", "wg_distribution", "param_distribution", "mv_distribution", "ur_distribution",
+               "mg_direction")
+    if applied and not cfg.print_struct and not any(getattr(cfg, k) for k in options):
+        _warn_once("no-options", f"trainrec: the config turns on none of {', '.join(options)}: no statistics are "
+                   "recorded (the log holds the steps and the module structure only)")
+    elif applied and cfg.collect_times == 0:
+        _warn_once("collect_times-0", "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)")
     if (cfg.xy_distribution and cfg.module_ranks
             and not any(0 <= r < world_size for r in cfg.module_ranks)):
         _warn_once(f"module_ranks-{cfg.module_ranks}-{world_size}",

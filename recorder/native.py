@@ -60,7 +60,7 @@ class Recorder:
             raise TypeError(f"record() got an unexpected keyword argument {name!r}{hint}")
         if config is None:
             config = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG")
-        elif not isinstance(config, (dict, MonitorConfig)):
+        elif isinstance(config, os.PathLike):
             config = os.fspath(config)  # a file, read by the monitor (and watched in dynamic mode)
         # the live CSV/TensorBoard export only where the config names a format
         self.monitor = TrainerMon(config, params_have_main_grad=params_have_main_grad, output_dir=output_dir,

@@ -289,8 +289,9 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
     scales, shifts = bias_corrections(entries)
     update_parts, ratio_parts = [], []
     for a, b in _chunks([e[2].numel() for e in entries], chunk_numel):
-        ms = [fused.local_tensor(e[1]) for e in entries[a:b]]
-        vs = [fused.local_tensor(e[2]) for e in entries[a:b]]
+        # (a complex parameter's state as torch's Adam updates it: its real view, real and imaginary parts)
+        ms = [_real_view(fused.local_tensor(e[1])) for e in entries[a:b]]
+        vs = [_real_view(fused.local_tensor(e[2])) for e in entries[a:b]]
         denom = torch._foreach_sqrt(vs)
         # 0 -> the dtype's smallest normal, so 0/0 gives ratio 0 where v == 0. Exact elsewhere: for
         # v > 0, sqrt(v) >= sqrt(smallest subnormal), far above it. One in-place pass; NaNs stay.
@@ -305,6 +306,10 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
             update_parts.append(compute(quot, scales[a:b]))
         del denom, quot  # freed before the next chunk's temporaries are made
     return _cat(update_parts), _cat(ratio_parts)
+
+
+def _real_view(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(x) if x.is_complex() else x
 
 
 def bias_corrections(entries) -> tuple[list[float], list[float]]:

@@ -172,6 +172,8 @@ class StatsEngine:
         single = False
         vals, is_norm = [], []
         for x in xs:
+            if x.is_complex():  # its magnitudes, as compute() measures it (a cast kept the real parts, warning)
+                x = x.abs()
             want_single = threads > 1 and x.numel() < SMALL_NUMEL
             if want_single != single:
                 torch.set_num_threads(1 if want_single else threads)

@@ -93,9 +93,15 @@ class Targets:
 
     def first_call_checks(self, source: str | None = None, on_reject: Callable | None = None) -> list:
         """Hooks checking the selectors of the modules that have any at their first call (see
-        :func:`.hooks.make_first_call_check`); the monitor removes them when the first step ends."""
-        return [module.register_forward_hook(make_first_call_check(t, source, on_reject))
-                for module, t in self.modules if t.sel]
+        :func:`.hooks.make_first_call_check`); the monitor removes them when the first step ends.
+        Made before the monitor's own module hooks, they run before them."""
+        handles = []
+        for module, t in self.modules:
+            if (pre := make_first_call_check(t, source, on_reject, inputs=True)) is not None:
+                handles.append(module.register_forward_pre_hook(pre))
+            if (post := make_first_call_check(t, source, on_reject)) is not None:
+                handles.append(module.register_forward_hook(post))
+        return handles
 
 
 def _positional_capacity(module: torch.nn.Module) -> int | None:
@@ -176,6 +182,7 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
     matched: set[str] = set()
     matched_frozen: set[str] = set()  # targets that matched parameters frozen now
     matched_params: set[str] = set()  # ... and parameters that require grad
+    matched_modules: set[str] = set()
     param_stats = cfg.wg_distribution or cfg.param_distribution or cfg.mv_distribution or cfg.ur_distribution
     xy_here = (cfg.xy_distribution or False) and (not cfg.module_ranks or rank in cfg.module_ranks)
     all_modules: list[str] = []
@@ -190,6 +197,7 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
             s = short[full]
             hit = [t for t in targets if t and module_matches(t, full, s, vpp)]
             matched.update(hit)
+            matched_modules.update(hit)
             if not xy_here:
                 continue
             if hit or cfg.all_xy or everything:
@@ -218,12 +226,26 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
     if param_stats:
         out.frozen_only = [t for t in targets if t and t in matched_frozen and t not in matched_params]
     for t in targets:
+        err = None
         if t and t not in matched:
             err = ConfigError(
                 f"matches no module and no parameter of the model; {_names_like(all_modules, all_params)} (an "
                 "optional '0:' prefix selects the chunk)",
                 f"targets.{t}",
             )
+        elif t and cfg.xy_distribution and t not in matched_modules and (targets[t] or not (
+                param_stats or cfg.mg_direction)):
+            # a parameter's name: xy_distribution records modules, and no option here records parameters
+            # (or the entry's selectors, which pick module inputs and outputs, fit nothing)
+            what = ("has selectors for a module's inputs and outputs" if targets[t] else
+                    "is recorded by none of the options on (wg_distribution, param_distribution, "
+                    "mv_distribution, ur_distribution, mg_direction)")
+            err = ConfigError(
+                f"matches no module, only parameters, and {what}; name a module for xy_distribution (module "
+                f"names look like {_examples(all_modules)})",
+                f"targets.{t}",
+            )
+        if err is not None:
             if strict:
                 raise err
             log.warning("trainrec: rank %d: %s (with pipeline parallelism it may be another stage's; nothing is "

@@ -409,7 +409,7 @@ RULES: dict[str, type[Rule]] = {cls.name: cls for cls in (AnomalyTurbulence, NaN
 # Argument specs: name -> (kind, required, minimum, minimum inclusive)
 _ARG_SPECS: dict[str, dict[str, tuple[str, bool, float | None, bool]]] = {
     "AnomalyTurbulence": {
-        "threshold": ("float", True, 0.0, False),
+        "threshold": ("float", True, 0.0, True),  # 0 flags every change (msprobe 1.2.1 accepts it)
         "window": ("int", False, 1, True),
         "warmup": ("int", False, 0, True),
         "noise": ("float", False, 0.0, True),

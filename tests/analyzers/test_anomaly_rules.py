@@ -287,7 +287,7 @@ def test_alert_config_accepts_the_reference_and_int_thresholds():
         ({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": "0.5"}}]},
          "alert.rules[0].args.threshold", "number"),
         ({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": -1}}]},
-         "alert.rules[0].args.threshold", "> 0"),
+         "alert.rules[0].args.threshold", ">= 0"),
         ({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": float("nan")}}]},
          "alert.rules[0].args.threshold", "finite"),
         ({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5, "window": 2.5}}]},

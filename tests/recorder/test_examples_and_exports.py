@@ -41,6 +41,36 @@ def test_examples_record_a_run(tmp_path, script, args):
     assert ev[-1].__class__.__name__ == "FileClosed"
 
 
+@pytest.mark.parametrize("fmt", [None, "tensorboard"])
+def test_format_tensorboard_the_default_writes_the_references_scalars(tmp_path, monkeypatch, fmt):
+    """format "tensorboard" (also where the config has no format: the reference's default) ends with an
+    event file in the rank directory, with the reference's tags, one value per collected step."""
+    pytest.importorskip("trainrec.tools.live_export")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = {"wg_distribution": True, "ops": ["norm", "max"], "step_interval": 2}
+    if fmt:
+        cfg["format"] = fmt
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for s in range(4):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()  # waits for the projection to read FileClosed and exit
+    (d,) = rank_dirs(tmp_path / "out")
+    (events,) = glob.glob(os.path.join(d, "events.out.tfevents.*"))
+    ea = EventAccumulator(events)
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert {"0:head.weight/rank0/post_grad_norm", "0:head.weight/rank0/acc_grad_max"} <= tags
+    assert all(t.rsplit("_", 1)[1] in ("norm", "max") for t in tags)
+    assert [e.step for e in ea.Scalars("0:head.weight/rank0/post_grad_norm")] == [0, 2]
+    assert not glob.glob(os.path.join(d, "*.csv"))
+
+
 def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
     pytest.importorskip("trainrec.tools.live_export")
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))

@@ -202,6 +202,18 @@ def test_engine_norms_are_bitwise_the_compute_norms():
     assert torch.equal(eng.norms(xs), rows[:, OPS.index("norm")])
 
 
+def test_engine_norms_of_complex_tensors_are_those_of_compute():
+    """A complex gradient (an FFT layer's weight): its norm is the complex tensor's, as compute() gives
+    it; a cast kept the real parts, with a torch UserWarning inside the optimizer step hook (under
+    warnings as errors, a failed hook and the step's reduced-gradient rows lost)."""
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.complex(torch.randn(50, generator=g), torch.randn(50, generator=g)), torch.randn(10, generator=g)]
+    eng = StatsEngine(OPS)
+    rows = eng.compute(xs)
+    assert torch.equal(eng.norms(xs), rows[:, OPS.index("norm")])
+    assert close(eng.norms(xs[:1]).item(), torch.linalg.vector_norm(xs[0]).item())
+
+
 def stepped_adam_state(n: int = 5000, zero_rows: bool = True):
     g = torch.Generator().manual_seed(5)
     p = torch.nn.Parameter(torch.randn(n, generator=g))

@@ -61,6 +61,7 @@ def test_reference_example_parses_and_keeps_raw():
         ({"format": "json"}, "format", "tensorboard, csv, api"),
         ({"eps": "1e-8"}, "eps", "number"),
         ({"module_ranks": [0, "1"]}, "module_ranks", "rank integers"),
+        ({"module_ranks": [0, -1]}, "module_ranks", "rank integers >= 0"),
         ({"targets": []}, "targets", "object"),
         ({"targets": {"layers.0": "tensor"}}, "targets.layers.0", "object"),
         ({"targets": {"layers.0": {"inputs": "tensor"}}}, "targets.layers.0", "unknown field 'inputs'"),
@@ -93,6 +94,18 @@ def test_no_valid_op_means_norm_and_id_is_accepted(caplog):
     assert parse_config({"ops": []}).ops == ("norm",)
     assert parse_config({"ops": ["id"]}).ops == ("norm",)
     assert parse_config({"ops": ["max", "id", "max"]}).ops == ("max",)
+
+
+def test_a_zero_threshold_is_accepted_as_the_reference_accepts_it():
+    """msprobe 1.2.1 rejects a threshold < 0 only: a config of it with threshold 0.0 (flag every change)
+    loads here too, and its rule runs."""
+    import numpy as np
+    from trainrec.schema.rules import rules_from_config
+
+    alert = {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.0}}]}
+    assert parse_config({"alert": alert}).alert_rules[0].threshold == 0.0
+    (rule,) = rules_from_config(alert)
+    assert rule.threshold == 0.0 and np.isfinite(rule.threshold)
 
 
 def test_integer_threshold_and_eps_are_accepted():
@@ -171,3 +184,22 @@ def test_a_config_file_that_cannot_be_read_as_json_names_the_file(tmp_path, data
     with pytest.raises(ConfigError) as ei:
         load_config(str(path))
     assert expect in str(ei.value) and str(path) in str(ei.value)
+
+
+@pytest.mark.parametrize("path", [None, "", 3, ["config.json"]])
+def test_a_config_path_that_is_no_path_is_a_config_error(tmp_path, path):
+    """TrainerMon(os.environ.get("MONITOR_CONFIG")) with the variable unset gave a TypeError from inside
+    open(), and an int was opened as a file descriptor (and closed after reading)."""
+    import os
+
+    if path == 3:
+        (tmp_path / "c.json").write_text('{"wg_distribution": true}')
+        path = os.open(tmp_path / "c.json", os.O_RDONLY)
+    try:
+        with pytest.raises(ConfigError, match="expected the path of a config JSON file"):
+            load_config(path)
+        if isinstance(path, int):
+            os.fstat(path)  # still open
+    finally:
+        if isinstance(path, int):
+            os.close(path)

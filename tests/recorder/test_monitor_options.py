@@ -154,6 +154,22 @@ def test_a_start_iteration_no_log_can_hold_is_a_config_error(tmp_path, out, bad)
     assert steps_with(events_of(out), "grad_reduced") == [7]
 
 
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "2", "abc", True, None])
+def test_a_grad_acc_steps_that_is_no_count_of_micro_steps_is_a_config_error(tmp_path, out, bad):
+    """0 and -2 were taken for 1, 2.5 for 2 and "2" for 2, silently; "abc" was a ValueError from int()."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True}), live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError, match="expected an integer >= 1") as err:
+        mon.monitor_gnorm_with_ad(model, optimizer=opt, grad_acc_steps=bad)
+    assert err.value.key == "grad_acc_steps"
+    mon.monitor_gnorm_with_ad(model, optimizer=opt, grad_acc_steps=8 / 4)  # nothing was installed; 2.0 is 2
+    for m in range(2):
+        loss_of(model, m).backward()
+    opt.step()
+    mon.close()
+    assert {k[3] for k in stats_table(events_of(out), "grad_unreduced")} == {0, 1}
+
+
 def test_ops_eps_and_full_precision(tmp_path, out):
     cfg = {"param_distribution": True, "ops": ["zeros", "max"], "eps": 0.5, "ndigits": 2}
     _, model, _ = train(tmp_path, cfg, steps=1)
@@ -176,6 +192,10 @@ def test_ops_setter_validates(tmp_path, out):
     assert mon.ops == ["max", "min"]
     with pytest.raises(ConfigError, match="unknown op"):
         mon.ops = ["nope"]
+    for value in ("norm", None):  # a str was taken letter by letter ("unknown op 'n'"), None was a TypeError
+        with pytest.raises(ConfigError, match="expected a list of ops"):
+            mon.ops = value
+    assert mon.ops == ["max", "min"]
     mon.close()
 
 
@@ -248,6 +268,29 @@ def test_a_target_that_matches_nothing_says_what_names_there_are(tmp_path, out):
     assert "module names look like 'embed', 'layers', " in str(ei.value)
     assert "parameter names like 'embed.weight', 'layers.0.0.weight', " in str(ei.value)
     mon.close()
+
+
+@pytest.mark.parametrize(("cfg", "expect"), [
+    ({"xy_distribution": True, "targets": {"head.weight": {}}}, "is recorded by none of the options on"),
+    ({"xy_distribution": True, "wg_distribution": True, "targets": {"head.weight": {"input": "tensor"}}},
+     "has selectors for a module's inputs and outputs"),
+])
+def test_an_xy_target_that_names_only_a_parameter_fails_before_training(tmp_path, out, cfg, expect):
+    """A parameter's name under xy_distribution alone matched something (a parameter), so it passed,
+    and the run recorded nothing at all; selectors on it fitted no module and were dropped silently."""
+    mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
+    model, opt = make()
+    with pytest.raises(ConfigError, match="matches no module, only parameters") as ei:
+        mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    assert ei.value.key == "targets.head.weight" and expect in str(ei.value)
+    assert "module names look like 'embed', 'layers', " in str(ei.value)
+    mon.close()
+    # what such a name is for: with a parameter option on, it selects that parameter
+    train(tmp_path, {"xy_distribution": True, "wg_distribution": True, "targets": {"head.weight": {}, "pair": {}}},
+          steps=1)
+    ev = events_of(out)
+    assert {k[1] for k in stats_table(ev, "grad_reduced")} == {"head.weight", "pair.proj.weight", "pair.proj.bias"}
+    assert {k[1] for k in stats_table(ev, "actv")} == {"pair"}
 
 
 @pytest.mark.parametrize("fmt", ["csv", "tensorboard"])
@@ -357,6 +400,24 @@ def test_selector_mismatch_fails_the_first_forward_with_a_config_error(tmp_path,
         loss_of(model, 0)
     assert err.value.key == "targets.layers.1.output"
     mon.close()
+
+
+@pytest.mark.parametrize("slot", ["input", "input_grad"])
+def test_an_input_selector_mismatch_is_one_config_error_not_a_failed_hook_first(tmp_path, out, caplog, slot):
+    """An input_grad selector is applied by the monitor's forward pre-hook: a mismatch there was
+    reported as a failed hook ("training goes on", a HookFailed in the log) just before the
+    ConfigError that ends the run. One message now: the ConfigError, naming the key."""
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"pair": {slot: "tensor"}}}),
+                     live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    with caplog.at_level("WARNING", logger="trainrec"), pytest.raises(ConfigError) as err:
+        loss_of(model, 0)
+    assert err.value.key == f"targets.pair.{slot}" and "gives tuple[2]" in str(err.value)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    ev = events_of(out)
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+    assert [e.keys for e in ev if isinstance(e, ConfigRejected)] == [(f"targets.pair.{slot}",)]
 
 
 def test_a_selector_mismatch_at_the_first_forward_closes_the_monitor(tmp_path, out):
@@ -529,6 +590,32 @@ def test_exception_in_a_hook_is_recorded_and_training_continues(tmp_path, out):
     assert {e.where.split(" of ")[0] for e in fails} >= {"forward hook", "backward hook"}
 
 
+def test_a_failure_in_the_optimizer_state_statistics_keeps_the_steps_other_rows(tmp_path, out):
+    """mv/ur statistics that fail (an optimizer state torch cannot reduce) lose those rows only: the
+    failure ended the step's writing, and its gradient, parameter and activation rows were lost too."""
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "xy_distribution": True,
+                                             "mv_distribution": True, "ur_distribution": True}),
+                     params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure in the Adam state")
+
+    mon._optimizer_rows = boom
+    for s in range(2):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    fails = [e for e in ev if isinstance(e, HookFailed)]
+    assert [(e.step, e.where) for e in fails] == [(0, "optimizer state statistics"), (1, "optimizer state statistics")]
+    for kind in ("grad_reduced", "grad_unreduced", "actv", "actv_grad"):
+        assert steps_with(ev, kind) == [0, 1], kind
+    assert steps_with(ev, "exp_avg") == []
+
+
 @pytest.mark.parametrize("where", ["_begin_step", "_on_micro_step", "_mark_began", "_part_of_step"])
 def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out, where):
     """The monitor's own per-step work around the hooks (step start and end, micro-step counting, the
@@ -571,6 +658,12 @@ def test_module_ranks_excludes_this_rank(tmp_path, out):
     train(tmp_path, {"xy_distribution": True, "wg_distribution": True, "module_ranks": [1]}, steps=1)
     ev = events_of(out)
     assert steps_with(ev, "actv") == [] and steps_with(ev, "grad_reduced") == [0]
+
+
+def test_module_ranks_that_names_this_rank_records_its_activations(tmp_path, out):
+    train(tmp_path, {"xy_distribution": True, "module_ranks": [1, 0]}, steps=1)
+    ev = events_of(out)
+    assert steps_with(ev, "actv") == [0] and steps_with(ev, "actv_grad") == [0]
 
 
 def test_mv_and_ur_on_plain_adam_without_opt_ty(tmp_path, out):
@@ -943,6 +1036,15 @@ def test_native_record_with_a_bad_config_leaves_no_log_open(tmp_path, out):
     assert set(threading.enumerate()) - before == set()  # close() ran: the writer and spill threads stopped
 
 
+@pytest.mark.parametrize("config", [5, ["config.json"], ""])
+def test_native_record_with_a_config_that_is_neither_dict_nor_path_says_so(tmp_path, out, config):
+    from trainrec.recorder import record
+
+    model, _ = make()
+    with pytest.raises(ConfigError, match="expected the path of a config JSON file"):
+        record(model, config=config, output_dir=str(tmp_path / "bad"))
+
+
 def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_config_goes_on(tmp_path, out):
     from trainrec.recorder.config import parse_config
     from trainrec.schema.events import ConfigRejected
@@ -1310,6 +1412,22 @@ def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
     assert [r.getMessage() for r in caplog.records] == [
         "trainrec: module_ranks [1, 2] names no rank of this run's world size 1: no rank records activations "
         "(xy_distribution)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        for cfg in ({"ops": ["norm", "max"], "format": "csv"}, {"wg_distribution": True, "collect_times": 0},
+                    {"print_struct": True}):
+            TrainerMon(write_config(tmp_path, cfg), live_export=False).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainrec: the config turns on none of xy_distribution, wg_distribution, param_distribution, "
+        "mv_distribution, ur_distribution, mg_direction: no statistics are recorded (the log holds the steps and "
+        "the module structure only)",
+        "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)"]
+    caplog.clear()
+    monkeypatch.setattr(monitor_mod, "_warned", set())
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")  # a config that the switch has not turned on yet: nothing to say
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
+        TrainerMon(write_config(tmp_path, {"switch": False}), live_export=False).close()
+    assert not [r for r in caplog.records if "no statistics" in r.getMessage()]
 
 
 def test_mg_direction_equals_sign_agreement_of_grad_and_momentum_before_the_update(tmp_path, out):

@@ -433,3 +433,40 @@ def test_a_tensor_the_engine_cannot_measure_costs_its_own_row_only(tmp_path, mon
     assert all(math.isnan(v) for v in rows[(0, "scale", "", 0)].values())
     failed = [e for e in ev if type(e).__name__ == "HookFailed"]
     assert failed and "'scale'" in failed[0].where and "NoMinMax" in failed[0].error
+
+
+def test_a_complex_weight_gradient_is_recorded_at_every_step(tmp_path, out):
+    """A complex parameter (an FFT filter's): its reduced gradient, checked for reuse against the
+    unreduced row, was cast to float32 there, with a torch UserWarning inside the optimizer step hook;
+    under warnings as errors that hook failed and the step's reduced rows, of every parameter, were lost."""
+    import torch.nn as nn
+    from trainrec.schema.events import HookFailed
+
+    class Filter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.c = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (self.lin(x) * self.c).abs().sum()
+
+    torch.manual_seed(0)
+    model = Filter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}), params_have_main_grad=False,
+                     live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    want = []
+    for _ in range(2):
+        model(torch.randn(3, 4)).backward()
+        want.append(torch.linalg.vector_norm(model.c.grad).item())
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+    red = stats_table(ev, "grad_reduced")
+    assert sorted(red) == [(s, n, "", 0) for s in (0, 1) for n in ("c", "lin.bias", "lin.weight")]
+    for s in (0, 1):
+        assert red[(s, "c", "", 0)]["norm"] == pytest.approx(want[s], rel=1e-5)

@@ -243,3 +243,43 @@ def test_a_wrapper_that_allows_no_weak_reference_is_held_as_it_is(tmp_path, monk
 
     ends = [e for e in events_of(tmp_path / "out") if isinstance(e, StepEnded)]
     assert [(e.step, e.optimizer_skipped) for e in ends] == [(0, False), (1, False)]
+
+
+def test_a_complex_parameter_under_adam_keeps_the_steps_rows(tmp_path, out):
+    """A complex parameter (torch's Adam updates its real view): update/ratio took sqrt and clamp of the
+    complex state and mg_direction its sign, which torch does not do for complex numbers. The failure
+    in the optimizer step hook lost every row of every step (gradients and parameters too). Now the
+    update is that of the real view, as Adam computes it, and the sign agreement is its parts'."""
+    from trainrec.schema.events import HookFailed
+
+    class Filter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.c = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (self.lin(x) * self.c).abs().sum()
+
+    torch.manual_seed(0)
+    model = Filter()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    cfg = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True, "ur_distribution": True,
+           "mg_direction": True, "ops": ALL_OPS}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for _ in range(2):
+        model(torch.randn(3, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    st = opt.state[model.c]
+    m, v = torch.view_as_real(st["exp_avg"]), torch.view_as_real(st["exp_avg_sq"])
+    t, (b1, b2), eps = float(st["step"]), opt.param_groups[0]["betas"], opt.param_groups[0]["eps"]
+    want = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)  # the update AdamW applied at step 1
+    mon.close()
+    ev = events_of(out)
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+    for kind in ("grad_reduced", "param", "exp_avg", "exp_avg_sq", "update", "ratio"):
+        assert {(k[0], k[1]) for k in stats_table(ev, kind)} >= {(1, "c"), (1, "lin.weight")}, kind
+    assert_close(stats_table(ev, "update")[(1, "c", "", 0)], ref_stats(want), what="update of c")
+    assert (1, "c", "", 0) in stats_table(ev, "mg_direction")

@@ -101,7 +101,7 @@ def test_torn_tail_is_used_and_reported(tmp_path, capsys):
         (["--threshold", "0.3"], 2, "error: option --rule: --threshold, --window, --warmup and --arg need --rule"),
         (["--rule", "Bogus"], 2, "unknown rule 'Bogus'"),
         (["--rule", "NaNInf", "--threshold", "1"], 2, "no chosen rule takes threshold"),
-        (["--rule", "AnomalyTurbulence", "--threshold", "-1"], 2, "must be > 0.0"),
+        (["--rule", "AnomalyTurbulence", "--threshold", "-1"], 2, "must be >= 0.0"),
         (["--rule", "AnomalyTurbulence"], 2, "needs the argument 'threshold'"),
         (["--kinds", "actv"], 2, "error: option --kinds: --kinds selects what to re-detect on and needs --rule"),
     ],
