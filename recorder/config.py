@@ -185,7 +185,7 @@ def _parse_alert(raw: Any, source: str | None) -> tuple:
     for k in raw:
         if k not in ("rules", "dump"):
             raise ConfigError(f"unknown key {k!r}; expected 'rules' and/or 'dump'", "alert", source)
-    if "dump" in raw and not isinstance(raw["dump"], bool):
+    if raw.get("dump") is not None and not isinstance(raw["dump"], bool):  # null: not set
         raise ConfigError(f"expected true or false, got {raw['dump']!r}", "alert.dump", source)
     rules = raw.get("rules", [])
     if not isinstance(rules, list):

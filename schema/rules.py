@@ -514,7 +514,9 @@ def validate_alert_config(raw: Any, *, source: str | None = None) -> dict[str, A
         args = spec.get("args") or {}
         rule = make_rule(spec["rule_name"], args, key=key, source=source)
         out_rules.append({"rule_name": rule.name, "args": {k: rule.args[k] for k in args}})
-    dump = raw.get("dump", False)
+    dump = raw.get("dump")
+    if dump is None:  # absent or null: not set
+        dump = False
     if not isinstance(dump, bool):
         raise ConfigError(f"must be true or false, not {dump!r}", key="alert.dump", source=source)
     return {"rules": out_rules, "dump": dump}

@@ -268,6 +268,7 @@ def test_alert_config_accepts_the_reference_and_int_thresholds():
     assert cfg == {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 1.0}}], "dump": True}
     assert isinstance(cfg["rules"][0]["args"]["threshold"], float)
     assert validate_alert_config(None) == {"rules": [], "dump": False}
+    assert validate_alert_config({"rules": [], "dump": None}) == {"rules": [], "dump": False}  # null: not set
     rules = rules_from_config({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5, "window": 8}},
                                          {"rule_name": "NaNInf", "args": {}}, {"rule_name": "ZScore"}]})
     assert [r.name for r in rules] == ["AnomalyTurbulence", "NaNInf", "ZScore"]

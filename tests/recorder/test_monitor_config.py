@@ -108,6 +108,13 @@ def test_a_zero_threshold_is_accepted_as_the_reference_accepts_it():
     assert rule.threshold == 0.0 and np.isfinite(rule.threshold)
 
 
+def test_alert_dump_null_is_not_set():
+    """``"dump": null`` (the reference takes any false value there): no dump, not an error."""
+    c = parse_config({"alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}],
+                                "dump": None}})
+    assert not c.alert.get("dump")
+
+
 def test_integer_threshold_and_eps_are_accepted():
     c = parse_config({"eps": 0, "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 1}}]}})
     assert c.eps == 0.0 and c.alert_rules[0].threshold == 1.0
