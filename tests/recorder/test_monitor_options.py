@@ -1105,6 +1105,45 @@ def test_activation_gradients_under_checkpointing_equal_those_without_it(tmp_pat
             assert (math.isnan(v) and math.isnan(got)) or abs(got - v) <= 1e-5 + 1e-4 * abs(v), (key, op, got, v)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_input_gradient_of_a_checkpointed_segment_whose_input_feeds_a_residual(tmp_path, reentrant):
+    """``h + checkpoint(block, h)``: non-reentrant checkpointing records the gradient of ``h`` over all
+    its uses, as without checkpointing; reentrant checkpointing gets its gradients from the
+    recomputation, on a detached copy of ``h``: the gradient through the block only (README)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(3, 4)
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+        def forward(self, x):
+            h = self.emb(x)
+            return h + checkpoint(self.block, h, use_reentrant=reentrant)
+
+    torch.manual_seed(0)
+    model = Res()
+    seen = {}
+    model.block.register_full_backward_hook(lambda m, gin, gout: seen.__setitem__("block", gin[0].clone()))
+
+    def on_h(module, args, h):
+        h.register_hook(lambda g: seen.__setitem__("all", g.clone()))
+
+    model.emb.register_forward_hook(on_h)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "targets": {"block": {"input_grad": "tuple[1]:0"}}},
+                     params_have_main_grad=False, live_export=False, output_dir=str(tmp_path / "out"))
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    model(torch.randn(2, 3)).pow(2).sum().backward()
+    opt.step()
+    mon.close()
+    (got,) = [v for k, v in stats_table(events_of(tmp_path / "out"), "actv_grad").items() if k[2] == "input_grad"]
+    want = seen["block" if reentrant else "all"].double().norm().item()
+    assert not math.isclose(seen["block"].norm().item(), seen["all"].norm().item(), rel_tol=1e-2)
+    assert math.isclose(got["norm"], want, rel_tol=1e-5)
+
+
 def test_parameter_passed_as_a_module_input_gets_one_gradient_row_per_micro_step(tmp_path, out):
     """A leaf tensor keeps its gradient hooks across backward passes (a learned prefix passed to a
     module): each micro step's call gets that micro step's gradient once, and no hook outlives the step."""
