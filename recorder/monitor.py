@@ -64,6 +64,7 @@ from trainrec.schema.events import (
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
     KIND_PARAM,
+    KINDS,
     MAX_STEP,
     ConfigApplied,
     ConfigRejected,
@@ -568,7 +569,10 @@ class TrainerMon(StepCollector):
         return self._metrics("actv"), self._metrics("actv_grad")
 
     def generate_metrics(self, kind: str) -> dict:
-        """Metrics of any kind (param, exp_avg, exp_avg_sq, update, ratio, ...) of the latest collected step."""
+        """Metrics of any kind (param, exp_avg, exp_avg_sq, update, ratio, ...) of the latest collected step;
+        an unknown kind is a ValueError (it would otherwise look like a kind with nothing recorded)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
         return self._metrics(kind)
 
     def reload_xy(self, xy_distribution: bool = False) -> None:

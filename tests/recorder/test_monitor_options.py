@@ -895,6 +895,10 @@ def test_native_record_detects_steps_through_the_optimizer(tmp_path, out):
         opt.step()
         with pytest.raises(RuntimeError):
             rec.step()
+        assert set(rec.metrics("grad_reduced")) == {f"0:{n}/rank0/post_grad" for n in squash_all(
+            [n for n, _ in model.named_parameters()]).values()}
+        with pytest.raises(ValueError, match="unknown kind 'wg'; expected one of actv, actv_grad"):
+            rec.metrics("wg")  # a typo is not an empty result
     ev = events_of(tmp_path / "native")
     assert steps_with(ev, "grad_reduced") == [0] and steps_with(ev, "param") == [0]
 
