@@ -64,6 +64,7 @@ from trainrec.schema.events import (
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
     KIND_PARAM,
+    KINDS,
     MAX_STEP,
     ConfigApplied,
     ConfigRejected,
@@ -173,6 +174,7 @@ class TrainerMon(StepCollector):
         self._first_step = 0
         self._grad_acc = 1
         self._chunks: list[torch.nn.Module] = []
+        self._fullgraph = False  # a chunk was given as torch.compile(..., fullgraph=True): no graph breaks
         self._targets: Targets | None = None
         self._params: list[ParamInfo] = []
         self._opt = None
@@ -439,6 +441,7 @@ class TrainerMon(StepCollector):
                               "grad_acc_steps")
         given = list(model) if isinstance(model, (list, tuple)) else [model]
         self._chunks = [_uncompiled(m) for m in given]
+        self._fullgraph = any(map(_compiled_fullgraph, given))
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
         self._grad_acc = acc
         self._step = int(start_iteration)
@@ -469,11 +472,14 @@ class TrainerMon(StepCollector):
             self._open_output()
         self._write_structure()
         self._warn_if_monitored_already()
-        # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step
+        # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step; on the
+        # wrapper of a chunk compiled with fullgraph=True, whose own hooks run outside the graph (inside
+        # it, a hook that dynamo may not trace is a graph break, which fullgraph makes an error)
+        hooked = [m if _compiled_fullgraph(m) else c for m, c in zip(given, self._chunks, strict=True)]
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
-                               for vpp, chunk in enumerate(self._chunks)]
+                               for vpp, chunk in enumerate(hooked)]
         self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self, vpp))
-                                for vpp, chunk in enumerate(self._chunks)]
+                                for vpp, chunk in enumerate(hooked)]
         self._chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
         # a backward ran in this step: the first and last parameters of chunk 0 got a gradient
         self._marked_params = list({id(q): q for q in self._chunk0_params[:1] + self._chunk0_params[-1:]}.values())
@@ -574,7 +580,10 @@ class TrainerMon(StepCollector):
         return self._metrics("actv"), self._metrics("actv_grad")
 
     def generate_metrics(self, kind: str) -> dict:
-        """Metrics of any kind (param, exp_avg, exp_avg_sq, update, ratio, ...) of the latest collected step."""
+        """Metrics of any kind (param, exp_avg, exp_avg_sq, update, ratio, ...) of the latest collected step;
+        an unknown kind is a ValueError (it would otherwise look like a kind with nothing recorded)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
         return self._metrics(kind)
 
     def reload_xy(self, xy_distribution: bool = False) -> None:
@@ -753,6 +762,13 @@ class TrainerMon(StepCollector):
         # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
         targets = build_targets(self._chunks, cfg, self.rank, self._intern,
                                 strict=not (self._distributed and self.world_size > 1))
+        if self._fullgraph and (targets.modules or cfg.print_struct):
+            key = "xy_distribution" if targets.modules else "print_struct"
+            raise ConfigError("the model was compiled with torch.compile(fullgraph=True), and the module hooks "
+                              f"that {key} needs are graph breaks inside its compiled forward, which fullgraph "
+                              "makes an error: compile it without fullgraph=True, or turn "
+                              f"{key} off (weight gradients, parameters and optimizer state are recorded "
+                              "either way)", key)
         for key in targets.frozen_only:
             _warn_once(f"frozen-{key}", f"trainrec: rank {self.rank}: targets.{key} matches only parameters that do "
                        "not require grad (frozen); they are recorded from the first collected step after they "
@@ -1376,6 +1392,12 @@ def _close_open_monitors() -> None:
 
 
 atexit.register(_close_open_monitors)
+
+
+def _compiled_fullgraph(model) -> bool:
+    """Whether ``model`` is ``torch.compile(module, fullgraph=True)``'s ``OptimizedModule``."""
+    return type(model).__name__ == "OptimizedModule" and bool(getattr(getattr(model, "dynamo_ctx", None),
+                                                                       "fullgraph", False))
 
 
 def _uncompiled(model):

@@ -29,7 +29,7 @@ from .hooks import (
     make_grad_hook,
     make_pre_hook,
 )
-from .names import module_matches, param_matches, squash_all
+from .names import module_matches, param_matches, squash, squash_all
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +210,16 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
         params = list(chunk.named_parameters())
         pshort = squash_all([n for n, _ in params], cfg.squash_name)
         all_params.extend(n for n, _ in params)
+        # a parameter shared by several modules (an output layer tied to the embedding) is listed once,
+        # under its first name; a target may name it through another one (``lm_head``)
+        aliases: dict[int, list[str]] = {}
+        for full, p in chunk.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(full)
         for full, p in params:
             s = pshort[full]
-            hit = [t for t in targets if t and param_matches(t, full, s, vpp)]
+            others = [(a, squash(a) if cfg.squash_name else a) for a in aliases.get(id(p), ()) if a != full]
+            hit = [t for t in targets if t and (param_matches(t, full, s, vpp)
+                                                or any(param_matches(t, a, sa, vpp) for a, sa in others))]
             if not p.requires_grad:
                 matched_frozen.update(hit)
                 if hit or everything:

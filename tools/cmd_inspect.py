@@ -75,8 +75,10 @@ def _rank_lines(r: RankSummary) -> list[str]:
         lines.append(f"  optimizer step skipped (inf/NaN gradients) at {len(r.skipped_steps)} step(s): {shown}")
     if r.unended:
         shown = ", ".join(map(str, r.unended[:10])) + (", ..." if len(r.unended) > 10 else "")
-        lines.append(f"  step(s) {shown} began and did not end (the process stopped in the middle of it, or is "
-                     "still in it)")
+        last = r.files[-1] if r.files else None
+        why = (f"its log was closed in the middle of it: {last.close_reason}" if last and last.closed_cleanly
+               else "the process stopped in the middle of it, or is still in it")
+        lines.append(f"  step(s) {shown} began and did not end ({why})")
     for d in r.dirs:
         lines.append(f"  dir {d}")
     for f in r.files:

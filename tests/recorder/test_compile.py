@@ -13,6 +13,7 @@ import pytest
 import torch
 from trainmon_util import assert_close, events_of, loss_of, make, stats_table, write_config
 from trainrec.recorder import TrainerMon, hooks
+from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import HookFailed
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile is torch 2.0+")
@@ -126,3 +127,49 @@ def test_a_compiled_optimizer_step_runs_the_monitors_hooks_uncompiled(tmp_path, 
         assert want and set(tables[1][kind]) == set(want), kind
         for key, row in want.items():
             assert_close(tables[1][kind][key], row, rtol=1e-5, atol=1e-7, what=f"{kind} {key}")
+
+
+def _sequential():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_model_compiled_with_fullgraph_records_weight_gradients_and_refuses_activations(
+        tmp_path, monkeypatch, compiled_frames):
+    """``torch.compile(model, fullgraph=True)``, where a graph break is an error. The hooks on the model
+    chunk go on the compiled wrapper, outside the graph (those of a ``torch.nn`` container are traced
+    with its forward): weight gradients, per micro step, and parameters equal the uncompiled model's.
+    The module hooks ``xy_distribution`` needs would be graph breaks inside the graph: a ConfigError
+    at start-up, naming the key, rather than dynamo's error out of the first forward."""
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    cfg = {"wg_distribution": True, "param_distribution": True, "ops": ["norm", "min", "max", "mean"]}
+    tables = []
+    for compiled in (False, True):
+        model, opt = _sequential()
+        net = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        mon = TrainerMon(dict(cfg), output_dir=str(tmp_path / str(compiled)), live_export=False)
+        mon.monitor_gnorm_with_ad(net, grad_acc_steps=2, optimizer=opt)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for _ in range(2):
+                net(torch.randn(3, 4, generator=g)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+        ev = events_of(tmp_path / str(compiled))
+        tables.append({kind: stats_table(ev, kind) for kind in ("grad_unreduced", "grad_reduced", "param")})
+    assert compiled_frames, "dynamo compiled nothing: the model did not run compiled"
+    assert len(tables[0]["grad_unreduced"]) == 3 * 2 * 4
+    for kind, want in tables[0].items():
+        assert want and set(tables[1][kind]) == set(want), kind
+        for key, row in want.items():
+            assert_close(tables[1][kind][key], row, rtol=1e-5, atol=1e-7, what=f"{kind} {key}")
+
+    model, opt = _sequential()
+    net = torch.compile(model, backend="aot_eager", fullgraph=True)
+    mon = TrainerMon({"xy_distribution": True, "wg_distribution": True}, output_dir=str(tmp_path / "xy"),
+                     live_export=False)
+    with pytest.raises(ConfigError, match="'xy_distribution'.*fullgraph=True"):
+        mon.monitor_gnorm_with_ad(net, optimizer=opt)
+    mon.close()

@@ -535,7 +535,9 @@ raise RuntimeError("the loss went away")
     assert main(["inspect", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["per_rank"][0]["steps_not_ended"] == [3]
     assert main(["inspect", str(out)]) == 0
-    assert "step(s) 3 began and did not end" in capsys.readouterr().out
+    # the log says why the step was cut short: not "the process stopped" (it closed the log on its way out)
+    assert ("step(s) 3 began and did not end (its log was closed in the middle of it: exit after an uncaught "
+            "RuntimeError)") in capsys.readouterr().out
 
 
 def test_selector_mismatch_after_the_first_step_is_reported_once_and_training_goes_on(tmp_path, out, caplog):
@@ -988,6 +990,10 @@ def test_native_record_detects_steps_through_the_optimizer(tmp_path, out):
         opt.step()
         with pytest.raises(RuntimeError):
             rec.step()
+        assert set(rec.metrics("grad_reduced")) == {f"0:{n}/rank0/post_grad" for n in squash_all(
+            [n for n, _ in model.named_parameters()]).values()}
+        with pytest.raises(ValueError, match="unknown kind 'wg'; expected one of actv, actv_grad"):
+            rec.metrics("wg")  # a typo is not an empty result
     ev = events_of(tmp_path / "native")
     assert steps_with(ev, "grad_reduced") == [0] and steps_with(ev, "param") == [0]
 
@@ -1205,6 +1211,45 @@ def test_activation_gradients_under_checkpointing_equal_those_without_it(tmp_pat
         for op, v in want.items():
             got = ckpt[key][op]
             assert (math.isnan(v) and math.isnan(got)) or abs(got - v) <= 1e-5 + 1e-4 * abs(v), (key, op, got, v)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_input_gradient_of_a_checkpointed_segment_whose_input_feeds_a_residual(tmp_path, reentrant):
+    """``h + checkpoint(block, h)``: non-reentrant checkpointing records the gradient of ``h`` over all
+    its uses, as without checkpointing; reentrant checkpointing gets its gradients from the
+    recomputation, on a detached copy of ``h``: the gradient through the block only (README)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(3, 4)
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+        def forward(self, x):
+            h = self.emb(x)
+            return h + checkpoint(self.block, h, use_reentrant=reentrant)
+
+    torch.manual_seed(0)
+    model = Res()
+    seen = {}
+    model.block.register_full_backward_hook(lambda m, gin, gout: seen.__setitem__("block", gin[0].clone()))
+
+    def on_h(module, args, h):
+        h.register_hook(lambda g: seen.__setitem__("all", g.clone()))
+
+    model.emb.register_forward_hook(on_h)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({"xy_distribution": True, "targets": {"block": {"input_grad": "tuple[1]:0"}}},
+                     params_have_main_grad=False, live_export=False, output_dir=str(tmp_path / "out"))
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    model(torch.randn(2, 3)).pow(2).sum().backward()
+    opt.step()
+    mon.close()
+    (got,) = [v for k, v in stats_table(events_of(tmp_path / "out"), "actv_grad").items() if k[2] == "input_grad"]
+    want = seen["block" if reentrant else "all"].double().norm().item()
+    assert not math.isclose(seen["block"].norm().item(), seen["all"].norm().item(), rel_tol=1e-2)
+    assert math.isclose(got["norm"], want, rel_tol=1e-5)
 
 
 def test_parameter_passed_as_a_module_input_gets_one_gradient_row_per_micro_step(tmp_path, out):

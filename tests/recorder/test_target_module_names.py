@@ -59,3 +59,35 @@ def test_a_full_name_that_is_another_modules_squashed_name_stays_squashed(tmp_pa
     mon.close()
     names = [k[1] for k in stats_table(events_of(out), "actv")]
     assert sorted(set(names)) == ["0", "layers.0"]  # one name each (without the check: both "layers.0")
+
+
+@pytest.mark.parametrize("target", ["head", "head.weight", "0:head", "emb"])
+def test_a_tied_parameter_is_selected_through_either_module(out, target):
+    """An output layer tied to the embedding (GPT-2's ``lm_head``): ``named_parameters()`` lists the
+    shared weight once, as ``emb.weight``. A target naming the output layer selects it too (it selected
+    nothing, silently, and ``head.weight`` was a ConfigError), recorded under that one name."""
+    import torch
+    from trainrec.recorder import record
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.mid = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.mid(self.emb(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, opt, config={"wg_distribution": True, "ops": ["norm"], "targets": {target: {}}},
+                output_dir=str(out)):
+        model(torch.tensor([1, 2, 3])).sum().backward()
+        want = model.emb.weight.grad.norm().item()
+        opt.step()
+    rows = stats_table(events_of(out), "grad_reduced")
+    assert list(rows) == [(0, "emb.weight", "", 0)]
+    assert rows[(0, "emb.weight", "", 0)]["norm"] == pytest.approx(want, rel=1e-6)
