@@ -10,7 +10,16 @@ import subprocess
 import sys
 
 import pytest
-from trainmon_util import deepspeed_missing, events_of, loss_of, make, rank_dirs, train_random, write_config
+from trainmon_util import (
+    deepspeed_missing,
+    events_of,
+    loss_of,
+    make,
+    rank_dirs,
+    train_batches,
+    train_random,
+    write_config,
+)
 from trainrec.recorder import TrainerMon
 from trainrec.schema.events import TensorStatsRecorded
 
@@ -55,10 +64,7 @@ def test_format_tensorboard_the_default_writes_the_references_scalars(tmp_path, 
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
     model, opt = make()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    for s in range(4):
-        loss_of(model, s).backward()
-        opt.step()
-        opt.zero_grad()
+    train_batches(model, opt, steps=4, grad_acc=1)
     mon.close()  # waits for the projection to read FileClosed and exit
     (d,) = rank_dirs(tmp_path / "out")
     (events,) = glob.glob(os.path.join(d, "events.out.tfevents.*"))
@@ -79,10 +85,7 @@ def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
     model, opt = make()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    for s in range(4):
-        loss_of(model, s).backward()
-        opt.step()
-        opt.zero_grad()
+    train_batches(model, opt, steps=4, grad_acc=1)
     mon.close()  # waits for the projection to read FileClosed and exit
     (d,) = rank_dirs(tmp_path / "out")
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "grad_reduced_*.csv")))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from trainmon_util import (
     ALL_OPS,
+    ComplexFilter,
     TinyNet,
     assert_close,
     events_of,
@@ -439,20 +440,10 @@ def test_a_complex_weight_gradient_is_recorded_at_every_step(tmp_path, out):
     """A complex parameter (an FFT filter's): its reduced gradient, checked for reuse against the
     unreduced row, was cast to float32 there, with a torch UserWarning inside the optimizer step hook;
     under warnings as errors that hook failed and the step's reduced rows, of every parameter, were lost."""
-    import torch.nn as nn
     from trainrec.schema.events import HookFailed
 
-    class Filter(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.c = nn.Parameter(torch.randn(4, dtype=torch.complex64))
-
-        def forward(self, x):
-            return (self.lin(x) * self.c).abs().sum()
-
     torch.manual_seed(0)
-    model = Filter()
+    model = ComplexFilter()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]}), params_have_main_grad=False,
                      live_export=False)

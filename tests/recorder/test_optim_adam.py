@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 from trainmon_util import (
     ALL_OPS,
+    ComplexFilter,
     assert_close,
     events_of,
     loss_of,
@@ -252,17 +253,8 @@ def test_a_complex_parameter_under_adam_keeps_the_steps_rows(tmp_path, out):
     update is that of the real view, as Adam computes it, and the sign agreement is its parts'."""
     from trainrec.schema.events import HookFailed
 
-    class Filter(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.c = nn.Parameter(torch.randn(4, dtype=torch.complex64))
-
-        def forward(self, x):
-            return (self.lin(x) * self.c).abs().sum()
-
     torch.manual_seed(0)
-    model = Filter()
+    model = ComplexFilter()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     cfg = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True, "ur_distribution": True,
            "mg_direction": True, "ops": ALL_OPS}

@@ -28,6 +28,19 @@ class Pair(nn.Module):
         return h, h.detach() * 0
 
 
+class ComplexFilter(nn.Module):
+    """A linear layer times a complex parameter (a learned filter): the loss is real, the gradient and
+    Adam's state of ``c`` complex."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.c = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    def forward(self, x):
+        return (self.lin(x) * self.c).abs().sum()
+
+
 class TinyNet(nn.Module):
     """embed -> layers.0 (Linear+ReLU) -> layers.1 (Linear) -> pair(x, x) -> head."""
 
