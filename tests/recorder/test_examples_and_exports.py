@@ -50,6 +50,18 @@ def test_examples_record_a_run(tmp_path, script, args):
     assert ev[-1].__class__.__name__ == "FileClosed"
 
 
+def _four_steps_recorded(tmp_path, cfg: dict) -> str:
+    """Four plain training steps under a TrainerMon with ``cfg`` (its live export included); the rank
+    directory, after close() has waited for the export to finish."""
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    train_batches(model, opt, steps=4, grad_acc=1)
+    mon.close()  # waits for the projection to read FileClosed and exit
+    (d,) = rank_dirs(tmp_path / "out")
+    return d
+
+
 @pytest.mark.parametrize("fmt", [None, "tensorboard"])
 def test_format_tensorboard_the_default_writes_the_references_scalars(tmp_path, monkeypatch, fmt):
     """format "tensorboard" (also where the config has no format: the reference's default) ends with an
@@ -61,12 +73,7 @@ def test_format_tensorboard_the_default_writes_the_references_scalars(tmp_path, 
     cfg = {"wg_distribution": True, "ops": ["norm", "max"], "step_interval": 2}
     if fmt:
         cfg["format"] = fmt
-    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
-    model, opt = make()
-    mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    train_batches(model, opt, steps=4, grad_acc=1)
-    mon.close()  # waits for the projection to read FileClosed and exit
-    (d,) = rank_dirs(tmp_path / "out")
+    d = _four_steps_recorded(tmp_path, cfg)
     (events,) = glob.glob(os.path.join(d, "events.out.tfevents.*"))
     ea = EventAccumulator(events)
     ea.Reload()
@@ -82,12 +89,7 @@ def test_format_csv_starts_the_live_projection(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     cfg = {"wg_distribution": True, "ops": ["norm", "max"], "format": "csv", "ndigits": 3,
            "step_count_per_record": 2}
-    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
-    model, opt = make()
-    mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    train_batches(model, opt, steps=4, grad_acc=1)
-    mon.close()  # waits for the projection to read FileClosed and exit
-    (d,) = rank_dirs(tmp_path / "out")
+    d = _four_steps_recorded(tmp_path, cfg)
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "grad_reduced_*.csv")))
     assert files == ["grad_reduced_0-1.csv", "grad_reduced_2-3.csv"]
     with open(os.path.join(d, "grad_reduced_0-1.csv")) as f:
