@@ -26,6 +26,10 @@ half the time, so the paired figures charge about half of it to the baseline. Ea
 prints that work's CPU time per monitored step (threads named ``trainrec-*`` and child processes,
 from /proc); on a machine whose cores training keeps busy, it costs up to that much wall time.
 
+``--calibrate`` also runs each config with model A unmonitored (implementation ``none``): its paired
+figures are the two identical models' own difference (allocation, cache placement, which one steps
+first), a control that every monitored figure includes.
+
 Also printed per run: the minor page faults per step of the monitored and the baseline model. With
 glibc's default malloc, whether a step's large temporaries (Adam's, 4 MB each here) reuse free heap
 or get fresh pages (trimmed and re-faulted every step, ~1 us per 4 KiB page) depends on the process's
@@ -234,6 +238,9 @@ def main() -> int:
     p.add_argument("--format", default="csv", choices=["csv", "api", "tensorboard"])
     p.add_argument("--configs", default="a,b,skip")
     p.add_argument("--no-msprobe", action="store_true")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also run each config with no monitor on model A (impl 'none'): the two models' own "
+                        "difference, which every paired figure includes")
     p.add_argument("--malloc", default="default", choices=["default", "fixed"],
                    help="fixed: glibc malloc with fixed mmap/trim thresholds in every worker (see the docstring)")
     args = p.parse_args()
@@ -249,7 +256,8 @@ def main() -> int:
     background: dict[tuple, list[float]] = {}  # background CPU per monitored step over the baseline step
     for _ in range(args.rounds):
         for cfg in configs:
-            runs = [("trainrec", sys.executable)] + ([("msprobe", MSPROBE_PY)] if have_ms else [])
+            runs = ([("trainrec", sys.executable)] + ([("msprobe", MSPROBE_PY)] if have_ms else [])
+                    + ([("none", sys.executable)] if args.calibrate else []))
             for impl, py in runs:
                 r = run_worker(py, impl, cfg, args)
                 added.setdefault((impl, cfg), []).append(r["monitored_s"] / r["baseline_s"] - 1)
