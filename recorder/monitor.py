@@ -116,7 +116,10 @@ class TrainerMon(StepCollector):
             self.config = load_config(config_file_path)
         self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None
         self.process_group = process_group
-        self.params_have_main_grad = params_have_main_grad
+        if not isinstance(params_have_main_grad, (bool, int)) or params_have_main_grad not in (0, 1):
+            # ("no" would be taken as true: main_grad looked for, where a run has none, .grad used)
+            raise ConfigError(f"expected True or False, got {params_have_main_grad!r}", "params_have_main_grad")
+        self.params_have_main_grad = bool(params_have_main_grad)
         if opt_ty is not None and opt_ty not in KNOWN_OPT_TYPES:
             raise ConfigError(f"unknown opt_ty {opt_ty!r}; expected one of {', '.join(KNOWN_OPT_TYPES)}", "opt_ty")
         self.opt_ty = opt_ty

@@ -210,3 +210,19 @@ def test_a_config_path_that_is_no_path_is_a_config_error(tmp_path, path):
     finally:
         if isinstance(path, int):
             os.close(path)
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [({"params_have_main_grad": "no"}, "params_have_main_grad"),
+                                             ({"params_have_main_grad": 2}, "params_have_main_grad"),
+                                             ({"opt_ty": "Nope"}, "opt_ty")])
+def test_trainermon_arguments_of_the_wrong_kind_are_config_errors(kwargs, key, out):
+    """TrainerMon's own arguments: a string for params_have_main_grad ("no" was taken as true) and an
+    unknown opt_ty are one ConfigError naming the argument; True, False, 1 and 0 are taken."""
+    from trainrec.recorder import TrainerMon
+
+    with pytest.raises(ConfigError) as ei:
+        TrainerMon({"wg_distribution": True}, live_export=False, **kwargs)
+    assert ei.value.key == key
+    for ok in (True, False, 1, 0):
+        mon = TrainerMon({"wg_distribution": True}, params_have_main_grad=ok, live_export=False)
+        assert mon.params_have_main_grad is bool(ok)
