@@ -840,7 +840,9 @@ class TrainerMon(StepCollector):
         self._adam = AdamState(mapper, opt, chain[1:] if chain else ())
         self._opt_groups = list(opt.param_groups)
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
-        ds = zero.overflow_source(opt, (wrapped, type(self)._wrapped_optimizer, self._z3))
+        # (a model chunk that is DeepSpeed's engine, as accelerate's prepare() returns it, names its optimizer)
+        ds = zero.overflow_source(opt, (wrapped, type(self)._wrapped_optimizer, self._z3,
+                                        *(getattr(c, "optimizer", None) for c in self._chunks)))
         self._ds_overflow = _weak_or_strong(ds) if ds is not None else None
         self._ds_steps = zero.steps_taken(ds) if ds is not None else None
         self._chain = [t for _, t in chain] if chain else []

@@ -188,7 +188,7 @@ def _bf16_worker(rank: int, world: int, port: int, cfg_path: str, how: str) -> N
         Accelerator(cpu=True)  # the wrapper needs accelerate's state
         given = DeepSpeedOptimizerWrapper(ds_opt)
     mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
-    mon.monitor_gnorm_with_ad(engine.module, optimizer=given)
+    mon.monitor_gnorm_with_ad(engine if how == "engine" else engine.module, optimizer=given)
     TrainerMon.set_wrapped_optimizer(None)
     expected: dict = {}
     for step in range(2):
@@ -230,7 +230,8 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
     finds the overflow in the reduced gradients (rank 0's own are finite) and skips the step on both
     ranks. ``variant``: the ZeRO stage, then how the monitor knows DeepSpeed's optimizer (``wrapped``:
     the reference's set_wrapped_optimizer; ``given``: it is the ``optimizer`` argument; ``accelerate``:
-    accelerate's wrapper of it is; ``z3``: ZeRO 3's parameters name it), then the steps with the inf (digits)."""
+    accelerate's wrapper of it is; ``engine``: the model given is DeepSpeed's engine, as accelerate's
+    prepare() returns it, with the torch optimizer; ``z3``: ZeRO 3's parameters name it), then the steps with the inf (digits)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -255,7 +256,7 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
         given = DeepSpeedOptimizerWrapper(ds_opt)
     else:
         given = ds_opt if how == "given" else ds_opt.optimizer
-    mon.monitor_gnorm_with_ad(engine.module, optimizer=given)
+    mon.monitor_gnorm_with_ad(engine if how == "engine" else engine.module, optimizer=given)
     try:
         for step in range(4):
             loss = loss_of(engine, 10 * rank + step)
@@ -270,7 +271,8 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("variant", ["2-wrapped-0", "3-z3-0", "1-given-01", "2-accelerate-0", "2-wrapped-2"])
+@pytest.mark.parametrize("variant", ["2-wrapped-0", "3-z3-0", "1-given-01", "2-accelerate-0", "2-engine-0",
+                                     "2-wrapped-2"])
 def test_deepspeed_overflow_of_another_rank_skips_the_step_on_both(tmp_path, monkeypatch, variant):
     """DeepSpeed skips the step on every rank when the reduced gradients overflow, though rank 0's own
     gradients are finite: where the monitor knows DeepSpeed's optimizer, its overflow flag says so, also
