@@ -31,7 +31,9 @@ Sharded optimizers: torch's ZeroRedundancyOptimizer, DeepSpeed ZeRO 1-3 (:mod:`.
 optimizer steps once per param group, counted as one step, see ``_part_of_step``) and Megatron's
 DistributedOptimizer: each rank records its own pieces of the Adam state and reduced gradients.
 Megatron's ChainedOptimizer (a DistributedOptimizer or Float16OptimizerWithFloat16Params per part,
-stepped one after the other) is one step too, with every member's state mapped.
+stepped one after the other) is one step too, with every member's state mapped; so is a list of
+optimizers given as ``optimizer=`` (each steps its part of the model once per training step, in any
+order).
 
 Selectors are checked against a module's real inputs and outputs at its first call: in the run's
 first step a mismatch is a ConfigError out of that forward (before training time is spent); a module
@@ -183,7 +185,8 @@ class TrainerMon(StepCollector):
         self._opt = None
         self._opt_groups: list = []  # the optimizer's param groups between steps
         self._check_handles: list = []  # selector checks at the first call, until the first step ends
-        self._chain: list = []  # the torch optimizers of Megatron's ChainedOptimizer, in stepping order
+        self._chain: list = []  # the torch optimizers of Megatron's ChainedOptimizer, or of a list given
+        self._chain_stepped: set[int] = set()  # those of them that stepped in this training step
         self._z3 = None  # DeepSpeed's ZeRO 3 optimizer, where it partitions the model
         self._ds_overflow = None  # weakref: DeepSpeed's optimizer around self._opt, where known (zero.overflow_source)
         self._ds_steps: int | None = None  # its steps taken when the last training step ended (zero.steps_taken)
@@ -1025,7 +1028,8 @@ class TrainerMon(StepCollector):
         ``param_groups`` cut down to that group for the call) or sub-group (ZeRO 3): those calls
         together are one training step, begun by the first group's and ended by the last group's."""
         if self._chain and any(opt is t for t in self._chain):
-            return opt is self._chain[0], opt is self._chain[-1]
+            # in whatever order they step: the first to step begins the step, the last one ends it
+            return not self._chain_stepped, len(self._chain_stepped | {id(opt)}) == len(self._chain)
         if opt is None or opt is not self._opt:
             return True, True
         if self._z3 is not None:  # ZeRO 3 empties the other sub-groups' params lists instead
@@ -1060,7 +1064,10 @@ class TrainerMon(StepCollector):
 
     def _post_step(self, opt, args, kwargs) -> None:
         try:
-            if self._part_of_step(opt)[1]:  # else the step goes on with the next param group
+            last = self._part_of_step(opt)[1]
+            if self._chain:
+                self._chain_stepped.add(id(opt))
+            if last:  # else the step goes on with the next param group or optimizer
                 self._end_step()
         except Exception as exc:  # noqa: BLE001 - the step's bookkeeping never kills training
             self._hook_failed("optimizer post-step", exc)
@@ -1226,6 +1233,7 @@ class TrainerMon(StepCollector):
         return bool(torch.stack([f.to(flags[0].device) for f in flags]).any())  # one read-back
 
     def _end_step(self, optimizer_skipped: bool = False) -> None:
+        self._chain_stepped.clear()
         for h in self._check_handles:  # the first step ran: selectors are checked by the hooks from now on
             h.remove()
         self._check_handles.clear()

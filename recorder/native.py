@@ -44,7 +44,7 @@ class Recorder:
     def __init__(
         self,
         model: torch.nn.Module | Sequence[torch.nn.Module],
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | list | None = None,  # or a list of them, each over a part
         config: dict | str | os.PathLike | MonitorConfig | None = None,
         output_dir: str | None = None,
         *,

@@ -112,9 +112,11 @@ _MASTER_GROUPS = (
 def chain_of(opt) -> list[tuple[object, torch.optim.Optimizer]] | None:
     """``(optimizer, its torch optimizer)`` of each member of Megatron's ``ChainedOptimizer`` (dense and
     expert parameters, or several model parts, each with its own DistributedOptimizer or
-    Float16OptimizerWithFloat16Params, stepped one after the other in one training step), in the order
-    they step; None where ``opt`` is no such chain. Members without a torch optimizer are left out."""
-    members = getattr(opt, "chained_optimizers", None)
+    Float16OptimizerWithFloat16Params, stepped one after the other in one training step), or of a list
+    or tuple of optimizers that each step part of the model once per training step (Muon for the
+    matrices and AdamW for the rest); None where ``opt`` is neither. Members without a torch
+    optimizer are left out."""
+    members = opt if isinstance(opt, (list, tuple)) else getattr(opt, "chained_optimizers", None)
     if not isinstance(members, (list, tuple)):
         return None
     pairs = [(m, torch_optimizer_of(m)) for m in members]

@@ -275,3 +275,43 @@ def test_a_complex_parameter_under_adam_keeps_the_steps_rows(tmp_path, out):
         assert {(k[0], k[1]) for k in stats_table(ev, kind)} >= {(1, "c"), (1, "lin.weight")}, kind
     assert_close(stats_table(ev, "update")[(1, "c", "", 0)], ref_stats(want), what="update of c")
     assert (1, "c", "", 0) in stats_table(ev, "mg_direction")
+
+
+def test_a_list_of_optimizers_is_one_training_step_in_any_order(tmp_path, out):
+    """Two optimizers over parts of one model (Muon's way: one for the matrices, AdamW for the rest),
+    given as a list and stepped in another order than listed: one training step each time; every
+    parameter's reduced gradient and value as they were before the first of them stepped; the Adam
+    state of the AdamW part after its step."""
+    model, _ = make()
+    names = dict(model.named_parameters())
+    short = squash_all(list(names))
+    embed = [p for n, p in names.items() if n.startswith("embed")]
+    rest = [p for n, p in names.items() if not n.startswith("embed")]
+    sgd, adamw = torch.optim.SGD(embed, lr=0.1), torch.optim.AdamW(rest, lr=1e-2)
+    cfg = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True, "ops": ALL_OPS}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=[adamw, sgd])
+    want: dict = {}
+    for step in range(3):
+        loss_of(model, step).backward()
+        want[step] = {short[n]: (ref_stats(p.grad), ref_stats(p)) for n, p in names.items()}
+        sgd.step()  # the list's second first
+        adamw.step()
+        for n, p in names.items():
+            if any(p is q for q in rest):
+                want[step][short[n]] += (ref_stats(adamw.state[p]["exp_avg"]),)
+        sgd.zero_grad()
+        adamw.zero_grad()
+    mon.close()
+    from trainrec.schema.events import StepEnded
+
+    ev = events_of(out)
+    assert [(e.step, e.optimizer_skipped) for e in ev if isinstance(e, StepEnded)] == [(s, False) for s in range(3)]
+    red, par, ea = stats_table(ev, "grad_reduced"), stats_table(ev, "param"), stats_table(ev, "exp_avg")
+    for step, rows in want.items():
+        assert {k[1] for k in ea if k[0] == step} == {n for n, r in rows.items() if len(r) == 3}
+        for name, r in rows.items():
+            assert_close(red[(step, name, "", 0)], r[0], what=f"step {step} reduced {name}")
+            assert_close(par[(step, name, "", 0)], r[1], what=f"step {step} param {name}")
+            if len(r) == 3:
+                assert_close(ea[(step, name, "", 0)], r[2], what=f"step {step} exp_avg {name}")
