@@ -7,7 +7,8 @@ A small transformer language model (embedding, 2 encoder layers, linear head) le
 next token of random sequences with a repeating pattern; AdamW; gradient accumulation optional. The
 monitor is configured by ``examples/monitor_config.json`` (activations of every module, weight
 gradients, parameters, Adam state, update/ratio; all six statistics) unless ``--config`` says
-otherwise. The log goes to ``$MONITOR_OUTPUT_DIR`` (default ``./monitor_output``).
+otherwise. The log goes to ``$MONITOR_OUTPUT_DIR`` (default ``./monitor_output``), with the reference's
+CSV files beside it, written during training (the config's ``format`` is ``csv``).
 """
 
 from __future__ import annotations
