@@ -842,6 +842,12 @@ class TrainerMon(StepCollector):
             mapper = wrapped
         self._adam = AdamState(mapper, opt, chain[1:] if chain else ())
         self._opt_groups = list(opt.param_groups)
+        trained = [p for c in self._chunks for p in c.parameters() if p.requires_grad]
+        if trained and not self._adam.holds_any(trained, getattr(wrapped, "param_groups", None)):
+            _warn_once(f"foreign-opt-{id(opt)}", f"trainrec: the optimizer given ({type(opt).__name__}) steps none "
+                       "of the monitored model's parameters: was it made for another model, or for a copy of "
+                       "this one? Steps are still counted at its step(), but the weights it changes are not "
+                       "those recorded, and no optimizer state is found for them")
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
         # (a model chunk that is DeepSpeed's engine, as accelerate's prepare() returns it, names its optimizer)
         ds = zero.overflow_source(opt, (wrapped, type(self)._wrapped_optimizer, self._z3,

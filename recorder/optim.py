@@ -175,6 +175,14 @@ class AdamState:
         if self._opts[0].param_groups:
             self._groups = list(self._opts[0].param_groups)
 
+    def holds_any(self, params: Sequence[torch.Tensor], groups: Sequence[dict] | None = None) -> bool:
+        """Whether the optimizer steps any of ``params``: in its param groups (or ``groups``, a wrapper's,
+        such as torch's ZeroRedundancyOptimizer's, whose local optimizer holds this rank's shard only),
+        through an fp32 master, or in DeepSpeed's partitions."""
+        ids = set(self._group_of) | set(self._master)
+        ids.update(id(q) for g in groups or () for q in g.get("params", ()))
+        return any(id(p) in ids or zero.is_partitioned(p) for p in params)
+
     def state_param(self, p: torch.Tensor) -> torch.Tensor:
         return self._master.get(id(p), p)
 

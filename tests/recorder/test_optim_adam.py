@@ -315,3 +315,24 @@ def test_a_list_of_optimizers_is_one_training_step_in_any_order(tmp_path, out):
             assert_close(par[(step, name, "", 0)], r[1], what=f"step {step} param {name}")
             if len(r) == 3:
                 assert_close(ea[(step, name, "", 0)], r[2], what=f"step {step} exp_avg {name}")
+
+
+def test_an_optimizer_over_another_model_is_said(tmp_path, out, caplog):
+    """An optimizer made for another model (a copy made before it) steps none of the monitored model's
+    parameters: a warning naming it says so at install (it was silent, the model's weights never
+    changing); the right optimizer, and a list holding it, raise none."""
+    import copy
+
+    model, opt = make()
+    other = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=1e-2)
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]})
+    said = {}
+    with caplog.at_level("WARNING", logger="trainrec"):
+        for case, given in (("other", other), ("own", opt), ("list", [opt])):
+            caplog.clear()
+            mon = TrainerMon(cfg, params_have_main_grad=False, live_export=False)
+            mon.monitor_gnorm_with_ad(model, optimizer=given)
+            mon.close()
+            said[case] = [r.getMessage() for r in caplog.records if "steps none of the monitored" in r.getMessage()]
+    assert len(said["other"]) == 1 and "(AdamW)" in said["other"][0]
+    assert said["own"] == said["list"] == []
