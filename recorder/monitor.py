@@ -850,8 +850,8 @@ class TrainerMon(StepCollector):
                        "those recorded, and no optimizer state is found for them")
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
         # (a model chunk that is DeepSpeed's engine, as accelerate's prepare() returns it, names its optimizer)
-        ds = zero.overflow_source(opt, (wrapped, type(self)._wrapped_optimizer, self._z3,
-                                        *(getattr(c, "optimizer", None) for c in self._chunks)))
+        ds = zero.overflow_source(opt, [holder_of(w, opt) for w in (
+            wrapped, type(self)._wrapped_optimizer, self._z3, *(getattr(c, "optimizer", None) for c in self._chunks))])
         self._ds_overflow = _weak_or_strong(ds) if ds is not None else None
         self._ds_steps = zero.steps_taken(ds) if ds is not None else None
         self._chain = [t for _, t in chain] if chain else []

@@ -100,16 +100,13 @@ def overflow_source(opt: torch.optim.Optimizer, candidates) -> object | None:
     """DeepSpeed's optimizer around torch optimizer ``opt`` (ZeRO 1, 2 or 3, or its fp16 optimizers
     without ZeRO), among ``candidates``: what keeps the flag ``overflow``, set by each of its
     ``step()`` calls (True: the gradients reduced across ranks held an inf or NaN, every rank's
-    step was skipped and the torch optimizer's never ran). A candidate may also wrap it (accelerate's
-    ``DeepSpeedOptimizerWrapper``: ``.optimizer`` down to it). None where none of them is one."""
+    step was skipped and the torch optimizer's never ran). Candidates are what holds ``opt`` directly
+    (:func:`.optim.holder_of`, past accelerate's ``DeepSpeedOptimizerWrapper``). None where none of
+    them is one."""
     for w in candidates:
-        for _ in range(4):  # wrappers' .optimizer, a few deep
-            if w is None or w is opt:
-                break
-            inner = getattr(w, "optimizer", None)
-            if inner is opt and isinstance(getattr(w, "overflow", None), bool):
-                return w
-            w = inner
+        if w is not None and w is not opt and getattr(w, "optimizer", None) is opt and isinstance(
+                getattr(w, "overflow", None), bool):
+            return w
     return None
 
 

@@ -13,7 +13,6 @@ import pytest
 from trainmon_util import (
     deepspeed_missing,
     events_of,
-    loss_of,
     make,
     rank_dirs,
     train_batches,
@@ -132,10 +131,7 @@ def test_what_the_recorder_writes_has_the_references_permissions(tmp_path, monke
         mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
         model, opt = make()
         mon.monitor_gnorm_with_ad(model, optimizer=opt)
-        for s in range(3):
-            loss_of(model, s).backward()
-            opt.step()
-            opt.zero_grad()
+        train_batches(model, opt, steps=3, grad_acc=1)
         mon.close()
         assert main(["export", "csv", str(tmp_path / "out" / "deeper"), "-o", str(tmp_path / "out" / "again")]) == 0
     finally:

@@ -223,7 +223,8 @@ def test_the_torch_optimizer_is_found_through_any_wrappers_and_its_holder_is_the
     assert optim.torch_optimizer_of(object()) is None
     from trainrec.recorder import zero
 
-    assert zero.overflow_source(opt, (outer,)) is ds and zero.overflow_source(opt, (opt, None)) is None
+    assert zero.overflow_source(opt, (optim.holder_of(outer, opt),)) is ds
+    assert zero.overflow_source(opt, (opt, None)) is None
     assert zero.overflow_source(opt, (_Holder(opt, overflow=torch.tensor(True)),)) is None  # a flag is a bool
 
 
