@@ -47,7 +47,8 @@ def train(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         "zero_optimization": {"stage": args.stage}})
     monitor = TrainerMon(args.config, params_have_main_grad=False)
     # DeepSpeed's own optimizer, named as the reference does for mixed precision: with fp16, its overflow
-    # flag tells every rank alike which steps DeepSpeed skipped, the run's first included (README)
+    # flag tells every rank alike which steps DeepSpeed skipped, the run's first included (README; without
+    # this line the monitor finds it as what holds engine.optimizer.optimizer)
     TrainerMon.set_wrapped_optimizer(engine.optimizer)
     monitor.monitor_gnorm_with_ad(engine.module, grad_acc_steps=args.grad_acc, optimizer=engine.optimizer.optimizer)
     data = batches(512, 8, 32, seed=args.seed + rank)

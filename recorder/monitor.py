@@ -849,9 +849,12 @@ class TrainerMon(StepCollector):
                        "this one? Steps are still counted at its step(), but the weights it changes are not "
                        "those recorded, and no optimizer state is found for them")
         self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
-        # (a model chunk that is DeepSpeed's engine, as accelerate's prepare() returns it, names its optimizer)
+        # (a model chunk that is DeepSpeed's engine, as accelerate's prepare() returns it, names its optimizer;
+        # else, where DeepSpeed is loaded, what refers to the optimizer may be DeepSpeed's)
         ds = zero.overflow_source(opt, [holder_of(w, opt) for w in (
             wrapped, type(self)._wrapped_optimizer, self._z3, *(getattr(c, "optimizer", None) for c in self._chunks))])
+        if ds is None and "deepspeed" in sys.modules and isinstance(opt, torch.optim.Optimizer):
+            ds = zero.overflow_source(opt, zero.referrers_of(opt))
         self._ds_overflow = _weak_or_strong(ds) if ds is not None else None
         self._ds_steps = zero.steps_taken(ds) if ds is not None else None
         self._chain = [t for _, t in chain] if chain else []

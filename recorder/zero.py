@@ -110,6 +110,24 @@ def overflow_source(opt: torch.optim.Optimizer, candidates) -> object | None:
     return None
 
 
+def referrers_of(opt: torch.optim.Optimizer):
+    """What refers to ``opt`` directly, found through the garbage collector (one walk of every tracked
+    object: tens of milliseconds for a few hundred thousand objects). An instance whose attributes are
+    a dict of their own appears as that dict; its owner is looked up only for a dict that holds ``opt``
+    as ``optimizer`` with a bool ``overflow`` beside it. Candidates for :func:`overflow_source` where
+    DeepSpeed is loaded and nothing the monitor was given names its optimizer: the reference's
+    ``optimizer=optimizer.optimizer`` (the torch optimizer inside DeepSpeed's) with a model that is
+    not the engine (``engine.module``). Nothing is called."""
+    import gc
+
+    for r in gc.get_referrers(opt):
+        if isinstance(r, dict):
+            if r.get("optimizer") is opt and isinstance(r.get("overflow"), bool):
+                yield from (o for o in gc.get_referrers(r) if getattr(o, "__dict__", None) is r)
+        else:
+            yield r
+
+
 def steps_taken(w) -> int | None:
     """How many times DeepSpeed's optimizer ``w`` (see :func:`overflow_source`) has stepped, skipped
     steps included: its dynamic loss scaler's count (None with a static scale, which keeps none)."""

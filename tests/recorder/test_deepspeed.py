@@ -231,7 +231,9 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
     ranks. ``variant``: the ZeRO stage, then how the monitor knows DeepSpeed's optimizer (``wrapped``:
     the reference's set_wrapped_optimizer; ``given``: it is the ``optimizer`` argument; ``accelerate``:
     accelerate's wrapper of it is; ``engine``: the model given is DeepSpeed's engine, as accelerate's
-    prepare() returns it, with the torch optimizer; ``z3``: ZeRO 3's parameters name it), then the steps with the inf (digits)."""
+    prepare() returns it, with the torch optimizer; ``z3``: ZeRO 3's parameters name it; ``inner``: the
+    reference's ``optimizer=optimizer.optimizer`` with ``engine.module``, and nothing else: DeepSpeed's gradient
+    hooks on the parameters name it), then the steps with the inf (digits)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -272,7 +274,7 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
 
 
 @pytest.mark.parametrize("variant", ["2-wrapped-0", "3-z3-0", "1-given-01", "2-accelerate-0", "2-engine-0",
-                                     "2-wrapped-2"])
+                                     "2-wrapped-2", "1-inner-0", "2-inner-02", "0-inner-0"])
 def test_deepspeed_overflow_of_another_rank_skips_the_step_on_both(tmp_path, monkeypatch, variant):
     """DeepSpeed skips the step on every rank when the reduced gradients overflow, though rank 0's own
     gradients are finite: where the monitor knows DeepSpeed's optimizer, its overflow flag says so, also
