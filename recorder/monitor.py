@@ -1182,13 +1182,15 @@ class TrainerMon(StepCollector):
         if non_finite is None:
             return n > (self._passes or 1) * self._grad_acc
         if (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
-                and self._weights_unchanged()):
+                and (self._weights_unchanged() or self._chain_stepped)):
             # A loss scaler (or DeepSpeed, Megatron) decides on the reduced gradients: an inf/NaN
             # of another rank skips this rank's step too, though its own rows are finite. What
             # every rank sees alike decides instead: more whole passes than the last optimizer
             # step took, with the weights as the backward pass left them (no SAM-style
-            # perturbation; a GAN's discriminator, passed through twice a step, took two); before
-            # the first optimizer step, the reduced gradients themselves (_check_reduced_grads).
+            # perturbation; a GAN's discriminator, passed through twice a step, took two) or
+            # changed by some of several optimizers given as one step (a GradScaler skips each
+            # optimizer whose own gradients hold the inf, and steps the others); before the first
+            # optimizer step, the reduced gradients themselves (_check_reduced_grads).
             if self._passes is None:
                 return bool(self._reduced_non_finite)
             return n > self._passes * self._grad_acc

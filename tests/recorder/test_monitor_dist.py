@@ -620,7 +620,9 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
     any optimizer step has run). ``sam``: two passes per optimizer step with
     the weights perturbed between them (sharpness-aware minimisation); ``gan``: two passes per step with
     the weights unchanged between them, the first one's gradients dropped (a GAN's discriminator, which
-    the generator's pass goes through too): no step is skipped."""
+    the generator's pass goes through too): no step is skipped. ``scaler-chain``: two optimizers given as
+    a list (one for the embedding, one for the rest), and the inf in rank 1's embedding gradient alone:
+    the scaler skips the embedding's optimizer and steps the other (``scaler0-chain``: at the first step)."""
     init_gloo(rank, world, port)
     try:
         from trainrec.recorder import TrainerMon
@@ -628,23 +630,35 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
         model, _ = make(seed=0)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+        opts = [opt]
+        if mode.endswith("-chain"):
+            embed = [p for n, p in model.named_parameters() if n.startswith("embed")]
+            rest = [p for n, p in model.named_parameters() if not n.startswith("embed")]
+            opts = [torch.optim.SGD(embed, lr=1e-2), torch.optim.SGD(rest, lr=1e-2)]
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if mode.startswith("scaler") else None
-        inf_step = 0 if mode == "scaler0" else 2
+        inf_step = 0 if mode.startswith("scaler0") else 2
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
-        mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt, dp_group=dist.group.WORLD)
+        mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opts if len(opts) > 1 else opt,
+                                  dp_group=dist.group.WORLD)
         for step in range(5):
             for sam_pass in range(1 if scaler is not None else 2):
                 for micro in range(2):
                     loss = loss_of(ddp, 100 * rank + 10 * step + micro)
+                    hook = None
                     if scaler is not None:
                         if rank == 1 and step == inf_step and micro == 1:
-                            loss = loss * float("inf")
+                            if len(opts) > 1:
+                                hook = model.embed.weight.register_hook(lambda g: g * float("inf"))
+                            else:
+                                loss = loss * float("inf")
                         loss = scaler.scale(loss)
                     if micro == 0:
                         with ddp.no_sync():
                             loss.backward()
                     else:
                         loss.backward()
+                    if hook is not None:
+                        hook.remove()
                 if mode == "sam" and sam_pass == 0:
                     with torch.no_grad():
                         for p in model.parameters():
@@ -653,23 +667,26 @@ def _skip_worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> 
                 if mode == "gan" and sam_pass == 0:
                     opt.zero_grad()  # the generator's step: the discriminator's gradients go
             if scaler is not None:
-                scaler.step(opt)
+                for o in opts:
+                    scaler.step(o)
                 scaler.update()
             else:
                 opt.step()
-            opt.zero_grad()
+            for o in opts:
+                o.zero_grad()
         mon.close()
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["scaler", "scaler0", "sam", "gan"])
+@pytest.mark.parametrize("mode", ["scaler", "scaler0", "scaler-chain", "scaler0-chain", "sam", "gan"])
 def test_ranks_agree_on_a_step_skipped_for_another_ranks_inf(tmp_path, monkeypatch, mode):
     """A loss scaler skips the optimizer step on the all-reduced gradients: an inf in rank 1's alone
     skips rank 0's step too. Both ranks mark that step skipped and number the later steps alike (rank 0
     took the next step's passes for more passes of the skipped one); passes of one step, with the
-    weights changed between them or as many as every step takes, stay one step."""
+    weights changed between them or as many as every step takes, stay one step. With several optimizers
+    as one step, one of them skipped and another stepped, the step is skipped (partly) on both ranks."""
     from trainrec.schema.events import StepEnded
 
     out = tmp_path / "out"
@@ -680,7 +697,7 @@ def test_ranks_agree_on_a_step_skipped_for_another_ranks_inf(tmp_path, monkeypat
     for r in (0, 1):
         ended = [(e.step, e.micro_steps, e.optimizer_skipped) for e in h[r][2] if isinstance(e, StepEnded)]
         if mode.startswith("scaler"):
-            skipped = 0 if mode == "scaler0" else 2  # the run's first step: no optimizer step ran before it
+            skipped = 0 if mode.startswith("scaler0") else 2  # the run's first step: no optimizer step ran before it
             assert ended == [(s, 2, s == skipped) for s in range(5)], (r, ended)
         else:
             assert ended == [(s, 4, False) for s in range(5)], (r, ended)
