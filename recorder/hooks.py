@@ -507,7 +507,7 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None,
             if t.sel.get(slot) is not None and slot.startswith("input") == inputs]
     done = False
 
-    def check(module, value):
+    def check(module, value, kwargs=None):
         nonlocal done
         if done:
             return
@@ -521,16 +521,22 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None,
                                                 "tensor at the top level of the module's "
                                                 f"{'inputs' if inputs else 'output'})")
             except SelectorMismatch as exc:
+                called = ""
+                if kwargs and not value:  # selectors pick from positional arguments; HF's models pass
+                    # hidden_states= to their attention by keyword
+                    called = (f"; it was called with keyword arguments only "
+                              f"({', '.join(f'{k}={describe(v)}' for k, v in kwargs.items())}), "
+                              "which selectors do not pick from")
                 err = ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
-                                  f"first step; print_struct shows the real structure)", exc.key, source)
+                                  f"first step{called}; print_struct shows the real structure)", exc.key, source)
                 if on_reject is not None:
                     on_reject(err)
                 raise err from None
 
     if not sels:
         return None
-    if inputs:
-        return eager(lambda module, args: check(module, args))
+    if inputs:  # (registered with_kwargs, to say where a module called with keywords only took its input)
+        return eager(lambda module, args, kwargs: check(module, args, kwargs))
     return eager(lambda module, args, output: check(module, output))
 
 

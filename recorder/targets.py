@@ -98,7 +98,7 @@ class Targets:
         handles = []
         for module, t in self.modules:
             if (pre := make_first_call_check(t, source, on_reject, inputs=True)) is not None:
-                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             if (post := make_first_call_check(t, source, on_reject)) is not None:
                 handles.append(module.register_forward_hook(post))
         return handles

@@ -420,6 +420,33 @@ def test_an_input_selector_mismatch_is_one_config_error_not_a_failed_hook_first(
     assert [e.keys for e in ev if isinstance(e, ConfigRejected)] == [(f"targets.pair.{slot}",)]
 
 
+class _KeywordCall(nn.Module):
+    """Calls its child with keyword arguments only, as HF's decoder layers call their attention
+    (``self.self_attn(hidden_states=h, ...)``): a forward pre-hook sees no positional input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.attn(input=x)
+
+
+@pytest.mark.parametrize("slot", ["input", "input_grad"])
+def test_an_input_selector_on_a_module_called_with_keywords_says_so(tmp_path, out, slot):
+    """The ConfigError said only "the module gives tuple[0]" of a module that does get a tensor, as a
+    keyword argument: misleading where HF's models call their attention so. It names the keywords."""
+    mon = TrainerMon(write_config(tmp_path, {"xy_distribution": True, "targets": {"attn": {slot: "tensor"}}}),
+                     live_export=False)
+    model = _KeywordCall()
+    mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigError) as err:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert err.value.key == f"targets.attn.{slot}" and "gives tuple[0]" in str(err.value)
+    assert "keyword arguments only (input=a tensor)" in str(err.value)
+    mon.close()
+
+
 def test_a_selector_mismatch_at_the_first_forward_closes_the_monitor(tmp_path, out):
     """The ConfigError out of the first forward leaves no hook of the rejected monitor on the model (a
     notebook that fixes the config and makes a new monitor records with that one alone), and its log
