@@ -118,6 +118,9 @@ def pick(value: Any, sel: Selector | None, key: str) -> Any:
     if sel is None:  # default: the tensor, or element 0 of a tuple (the reference's struct default)
         if isinstance(value, (tuple, list)):
             return value[0] if value else None
+        if isinstance(value, Mapping):  # a dict, or HF's ModelOutput (which indexes as a tuple of its
+            # fields that are set): its first value set
+            return next((v for v in value.values() if v is not None), None)
         return value
     if sel.is_tensor:
         if isinstance(value, torch.Tensor):
@@ -138,6 +141,20 @@ def select(value: Any, sel: Selector | None, key: str) -> torch.Tensor | None:
     """The tensor a selector picks from a hook argument; None (a NaN row) when it is not a tensor."""
     v = pick(value, sel, key)
     return v if isinstance(v, torch.Tensor) else None
+
+
+# _KWARGS_GONE: the module hooks here are registered with_kwargs, and are also called without the
+# keyword arguments: torch's Module._call_impl calls the hooks it listed before the first of them ran,
+# and one removed since (the chunk's pre-hook attaches a collected step's hooks anew, for a model found
+# compiled at that forward) is no longer known to take them.
+
+
+def inputs_of(args: tuple, kwargs: dict | None, sel: Selector | None) -> Any:
+    """What an input selector picks from: the positional arguments, or, for the default selection of a
+    module called with keyword arguments only (HF's decoder layers call their attention as
+    ``self_attn(hidden_states=...)``), the keyword arguments, whose first value set it takes.
+    Selectors pick from positional arguments only (see :func:`make_first_call_check`)."""
+    return kwargs if not args and kwargs and sel is None else args
 
 
 class StepState:
@@ -420,12 +437,12 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
     want_in = "input_grad" in t.wants
     pair = want_in and "output_grad" in t.wants
 
-    def hook(module, args):
+    def hook(module, args, kwargs=None):  # (registered with_kwargs; see _KWARGS_GONE)
         st = mon._state
         if st is None or not module.training or not torch.is_grad_enabled():
             return
         try:
-            x = select(args, sel_in, key_in) if want_in else None
+            x = select(inputs_of(args, kwargs, sel_in), sel_in, key_in) if want_in else None
             gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x), pair)
             st.open_calls.setdefault(mid, []).append(gc)
             if gc.in_hooked:
@@ -454,7 +471,8 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
     n = len(fwd_slots)
     mids, vpps = (mid,) * n, (vpp,) * n
 
-    def hook(module, args, output):
+    def hook(module, args, *kwargs_output):  # (registered with_kwargs: kwargs, output; see _KWARGS_GONE)
+        kwargs, output = kwargs_output if len(kwargs_output) == 2 else (None, kwargs_output[0])
         st = mon._state
         if st is None or not module.training or (st.nograd_fwd if st.chunk_open else not torch.is_grad_enabled()):
             # a training-mode call under no_grad: inside a chunk's forward, as that forward began (reentrant
@@ -478,9 +496,10 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
             micro = st.micro_of(vpp, mid, st.fwd_count, mon._grad_acc)
             call = st.fire(mid, DIR_FORWARD, micro)
             if n == 2:
-                xs = (select(args, sel_in, key_in), select(output, sel_out, key_out))
+                xs = (select(inputs_of(args, kwargs, sel_in), sel_in, key_in), select(output, sel_out, key_out))
             else:
-                xs = (select(args, sel_in, key_in) if want_in else select(output, sel_out, key_out),)
+                xs = (select(inputs_of(args, kwargs, sel_in), sel_in, key_in) if want_in
+                      else select(output, sel_out, key_out),)
             rows = rows_for(mon, st, xs)
             st.stats.add(StatsPart(KIND_ACTV, rows, mids, (micro,) * n, (call,) * n, fwd_slots, vpps))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
@@ -536,7 +555,7 @@ def make_first_call_check(t: ModuleTarget, source: str | None = None,
     if not sels:
         return None
     if inputs:  # (registered with_kwargs, to say where a module called with keywords only took its input)
-        return eager(lambda module, args, kwargs: check(module, args, kwargs))
+        return eager(lambda module, args, kwargs=None: check(module, args, kwargs))  # (see _KWARGS_GONE)
     return eager(lambda module, args, output: check(module, output))
 
 

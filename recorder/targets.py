@@ -69,11 +69,13 @@ class Targets:
             # (only the slots its targets entry names: ModuleTarget.wants)
             backward = self.backward and not t.wants.isdisjoint(_GRAD_SLOTS)
             forward = self.forward and not t.wants.isdisjoint(_VALUE_SLOTS)
+            # (with the keyword arguments: a module called with them only takes its input from them)
             if backward:
-                handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t)))
+                handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t),
+                                                                with_kwargs=True))
             if forward or backward:
                 handles.append(module.register_forward_hook(
-                    self._hook(mon, ("fwd", k), make_forward_hook, t, forward, backward)))
+                    self._hook(mon, ("fwd", k), make_forward_hook, t, forward, backward), with_kwargs=True))
         return handles
 
     def grad_hook(self, mon, index: int, incoming: bool | str):

@@ -461,3 +461,83 @@ def test_a_complex_weight_gradient_is_recorded_at_every_step(tmp_path, out):
     assert sorted(red) == [(s, n, "", 0) for s in (0, 1) for n in ("c", "lin.bias", "lin.weight")]
     for s in (0, 1):
         assert red[(s, "c", "", 0)]["norm"] == pytest.approx(want[s], rel=1e-5)
+
+
+class KwAttn(torch.nn.Module):
+    """Called with keyword arguments only, as HF's decoder layers call their attention."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, hidden_states=None, attention_mask=None):
+        return self.proj(hidden_states) * attention_mask
+
+
+class DictOut(torch.nn.Module):
+    """Returns a mapping (a plain dict, or HF's ``ModelOutput`` where ``output_type`` is one), as HF's
+    models do; the first field set is the hidden state, an auxiliary one follows."""
+
+    def __init__(self, output_type=dict) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.attn = KwAttn(8)
+        self.output_type = output_type
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        mask = torch.ones_like(h)
+        y = self.attn(hidden_states=h, attention_mask=mask)
+        return self.output_type(last_hidden_state=y, aux=y.detach().sum())
+
+
+def _model_output_type():
+    from dataclasses import dataclass
+
+    transformers = pytest.importorskip("transformers")
+
+    @dataclass
+    class Out(transformers.utils.ModelOutput):
+        last_hidden_state: torch.Tensor | None = None
+        unset: torch.Tensor | None = None
+        aux: torch.Tensor | None = None
+
+    return Out
+
+
+@pytest.mark.parametrize("output_type", ["dict", "ModelOutput"])
+def test_keyword_inputs_and_mapping_outputs_are_recorded_by_default(tmp_path, out, output_type):
+    """all_xy on a module called with keyword arguments only (HF's attention: ``self_attn(hidden_states=
+    ...)``) records its first keyword argument as its input, and on a module returning a dict or HF's
+    ModelOutput the first field set as its output, with their gradients; both were NaN rows (input,
+    output) or no rows at all (input_grad, output_grad), silently."""
+    kind = dict if output_type == "dict" else _model_output_type()
+    torch.manual_seed(0)
+    model = DictOut(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"xy_distribution": True, "all_xy": True, "ops": ALL_OPS}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    seen = {}
+
+    def keep(name, t):
+        seen[name] = t.detach().clone()
+        t.register_hook(lambda g: seen.__setitem__(name + "_grad", g.detach().clone()))
+
+    model.attn.register_forward_pre_hook(lambda m, a, kw: keep("attn_in", kw["hidden_states"]), with_kwargs=True)
+    model.attn.register_forward_hook(lambda m, a, o: keep("attn_out", o))
+    for step in range(2):
+        x = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(step))
+        out_ = model(x)
+        (out_["last_hidden_state"] ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    act, grad = stats_table(events_of(out), "actv"), stats_table(events_of(out), "actv_grad")
+    assert_close(act[(1, "attn", "input", 0)], ref_stats(seen["attn_in"]), what="attn input")
+    assert_close(act[(1, "attn", "output", 0)], ref_stats(seen["attn_out"]), what="attn output")
+    assert_close(grad[(1, "attn", "input_grad", 0)], ref_stats(seen["attn_in_grad"]), what="attn input_grad")
+    assert_close(grad[(1, "attn", "output_grad", 0)], ref_stats(seen["attn_out_grad"]), what="attn output_grad")
+    # the model's own output: its first field set, the attention's output (the same tensor)
+    assert_close(act[(1, "", "output", 0)], ref_stats(seen["attn_out"]), what="model output")
+    assert_close(grad[(1, "", "output_grad", 0)], ref_stats(seen["attn_out_grad"]), what="model output_grad")
