@@ -31,6 +31,7 @@ from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
 from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
 from trainrec.analyzers.ranking import PHASE_NAMES, phase_of, rank_anomalies
 from trainrec.replay.run import Run
+from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError, TrainrecError
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.rules import RULES, Rule, make_rule, rule_arguments
@@ -174,18 +175,19 @@ def format_table(ranked: Sequence[AnomalyDetected]) -> str:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` with orjson (NaN/Inf become null), atomically; a path that cannot be written is a
-    TrainrecError that names it (no temporary file is left behind)."""
+    """Write ``obj`` with orjson (NaN/Inf become null), atomically, with the reference's permissions (the
+    file 0640, directories it creates 0750); a path that cannot be written is a TrainrecError that names
+    it (no temporary file is left behind)."""
     data = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     parent = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        os.makedirs(parent, exist_ok=True)
+        layout.make_dirs(parent)
     except OSError as exc:
         why = "a file of that name is in the way" if os.path.lexists(parent) else exc.strerror or exc
         raise TrainrecError(f"cannot write {path}: cannot create the directory {parent}: {why}") from exc
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=layout.private_opener) as f:
             f.write(data + b"\n")
         os.replace(tmp, path)
     except OSError as exc:

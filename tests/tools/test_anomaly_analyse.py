@@ -94,6 +94,22 @@ def test_top_k_and_steps_on_reference_files(reference_dir, capsys, tmp_path):
     assert code == 0 and len(json.loads((tmp_path / "x.json").read_text())) == 2
 
 
+
+def test_written_with_the_reference_permissions(reference_dir, capsys, tmp_path):
+    # the reference's anomaly_analyse.json is rw-r----- (msprobe's save_json), as everything trainrec writes
+    old = os.umask(0o022)
+    try:
+        code, _, _ = analyse(capsys, "-d", reference_dir, "-k", 3)
+        assert code == 0
+        assert oct((reference_dir / "anomaly_analyse.json").stat().st_mode & 0o777) == "0o640"
+        code, _, _ = analyse(capsys, "-d", reference_dir, "-k", 3, "-o", tmp_path / "new" / "res")
+        assert code == 0
+        assert oct((tmp_path / "new" / "res" / "anomaly_analyse.json").stat().st_mode & 0o777) == "0o640"
+        assert oct((tmp_path / "new" / "res").stat().st_mode & 0o777) == "0o750"
+        assert oct((tmp_path / "new").stat().st_mode & 0o777) == "0o750"
+    finally:
+        os.umask(old)
+
 def test_a_trainrec_run_in_the_reference_schema(our_run, capsys):
     code, out, err = analyse(capsys, "-d", our_run, "-k", 4)
     assert code == 0, err
