@@ -928,7 +928,8 @@ class TrainerMon(StepCollector):
         self._targets, self._params = targets, params
 
     def _mark_began(self) -> None:
-        """StepBegan is written at the step's first sign of life (a hook firing, an optimizer step),
+        """StepBegan is written at the step's first sign of life (a training forward of the model, a hook
+        firing, an optimizer step),
         with the wall time of the step's start, so a run that ends between steps has no dangling step."""
         if not self._began:
             self._began = True
@@ -1161,6 +1162,9 @@ class TrainerMon(StepCollector):
                 else:
                     self._backward_seen = False  # another pass of this step begins: its backward comes later
         self._forwards = n
+        # the step's first sign of life, before any module's hook: a rank that hangs in this forward (a
+        # collective inside it) and is killed there leaves the step it was in, not the previous one's end
+        self._mark_began()
         if n == 1 and self._state is not None:
             self._hook_unfrozen()
 

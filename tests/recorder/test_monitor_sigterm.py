@@ -153,3 +153,64 @@ def test_sigterm_in_the_middle_of_a_step_keeps_what_the_step_recorded(tmp_path):
     assert [e.step for e in events if isinstance(e, StepEnded)] == [0, 1]
     assert {k[0] for k in stats_table(events, "grad_unreduced")} == {0, 1, 2}
     assert {k[0] for k in stats_table(events, "actv")} == {0, 1, 2}
+
+
+HANG_IN_FORWARD = textwrap.dedent("""
+    import sys, time, torch
+    from trainrec.recorder import TrainerMon
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+            self.hang = False
+
+        def forward(self, x):
+            if self.hang:  # a collective inside the forward (a tensor-parallel all-reduce, FSDP's all-gather)
+                print("hung", flush=True)
+                time.sleep(600)
+            return self.body(x)
+
+    mon = TrainerMon({"xy_distribution": True, "wg_distribution": True, "ops": ["norm"]}, live_export=False,
+                     output_dir=sys.argv[1])
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for step in range(3):
+        model.hang = step == 2
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def _post_mortem(out):
+    from trainrec.replay.run import open_run
+    from trainrec.replay.summary import summarize
+    from trainrec.schema.events import StepBegan
+
+    (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
+    _, events = read_log(log_path)
+    (rank,) = summarize(open_run(str(out))).ranks
+    return [e.step for e in events if isinstance(e, StepBegan)], rank
+
+
+def test_a_rank_killed_in_its_first_forward_shows_the_step_it_was_in(tmp_path):
+    """A rank hung inside the model's forward (no module's forward hook has fired yet in that step) and
+    then killed: the log says that step began and did not end. It ended with the previous step's
+    records, as if the rank had died between steps, and the post-mortem of a multi-rank hang pointed at
+    the other ranks, whose logs do show the step (they wait for this one in the backward's all-reduce)."""
+    _, reader, _ = _signal_when(HANG_IN_FORWARD, tmp_path / "out", "hung", signal.SIGKILL, 1.0)
+    assert not reader.closed_cleanly
+    began, rank = _post_mortem(tmp_path / "out")
+    assert began == [0, 1, 2]
+    assert rank.unended == [2] and rank.last_step == 2
+
+
+def test_a_rank_stopped_by_sigterm_in_its_first_forward_shows_the_step_it_was_in(tmp_path):
+    rc, reader, events = _signal_when(HANG_IN_FORWARD, tmp_path / "out", "hung", signal.SIGTERM)
+    assert rc == -signal.SIGTERM and reader.closed_cleanly and events[-1].reason == "sigterm"
+    assert events[-1].step == 2
+    began, rank = _post_mortem(tmp_path / "out")
+    assert began == [0, 1, 2] and rank.unended == [2]
