@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report_damage(run, ranks) -> None:
-    """What was skipped or is inconsistent, on stderr (the JSON lines on stdout hold only what was read)."""
+    """What was skipped, is inconsistent or is incomplete (a torn tail), on stderr (the JSON lines on stdout hold only what was read)."""
     readers = run.readers_of(ranks)
     for path, err in run.file_errors.items():
         print(f"trainrec dump: note: skipped {path}: {err}", file=sys.stderr)
@@ -135,6 +135,9 @@ def _report_damage(run, ranks) -> None:
         if len(reader.problems) > 5:
             print(f"trainrec dump: note: ... {len(reader.problems) - 5} more in {reader.path} (trainrec check)",
                   file=sys.stderr)
+        if reader.pending_bytes:
+            print(f"trainrec dump: note: {reader.path} ends in an incomplete record ({reader.pending_bytes} bytes: "
+                  "still being written, or the run crashed); everything before it is printed", file=sys.stderr)
 
 
 def _followed(args: argparse.Namespace):

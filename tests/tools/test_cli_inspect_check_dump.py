@@ -360,3 +360,21 @@ def test_a_torn_tail_a_resume_went_on_from_is_a_note_not_a_failure(tmp_path, cap
         f.truncate(os.path.getsize(w2.path) - 5)
     assert main(["check", out]) == 1
     assert "torn tail of" in capsys.readouterr().out
+
+
+def test_dump_of_a_torn_log_says_what_it_left_out(tmp_path, capsys):
+    """kill -9 in the middle of a frame: dump prints every complete event and says on stderr that the
+    log ends in an incomplete record (it said nothing: the last events were missing without a word,
+    where anomalies and export say so)."""
+    out = str(tmp_path / "out")
+    for r in (0, 1):
+        path = _write_rank(out, r, close=False)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 5)  # rank 1's last frame torn
+    assert main(["dump", out, "--type", "se"]) == 0
+    cap = capsys.readouterr()
+    assert [(e["rank"], e["step"]) for e in map(orjson.loads, cap.out.splitlines())] == [
+        (r, s) for s in range(3) for r in (0, 1)] + [(0, 3)]
+    assert f"{path} ends in an incomplete record" in cap.err
+    assert main(["dump", out, "--rank", "0"]) == 0
+    assert "incomplete record" not in capsys.readouterr().err
