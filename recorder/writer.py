@@ -584,6 +584,19 @@ def _flush_all(timeout: float) -> None:
 
 
 def _after_fork_in_child() -> None:
+    if _SIGTERM_WATCH:  # the parent's watcher pipe: a SIGTERM of this child must not reach the parent's watcher
+        import signal
+
+        try:
+            signal.set_wakeup_fd(-1)
+        except (ValueError, OSError):
+            pass
+        for fd in _SIGTERM_WATCH:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _SIGTERM_WATCH.clear()
     for w in list(_live_writers):
         w._close_once.acquire(False)
         w._closed = True
@@ -637,7 +650,10 @@ def install_sigterm_handler() -> bool:
                     log.debug("trainrec: a SIGTERM callback failed", exc_info=True)
         _close_all(reason="sigterm")
 
+    handled = threading.Event()
+
     def handler(signum, frame):
+        handled.set()
         if not callable(previous):
             close_all()
             signal.signal(signum, signal.SIG_DFL)
@@ -654,4 +670,76 @@ def install_sigterm_handler() -> bool:
 
     handler._trainrec = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGTERM, handler)
+    if not callable(previous):  # the process is to die of SIGTERM, also where its main thread cannot run Python
+        _watch_sigterm(handled, close_all)
     return True
+
+
+# A watcher thread for SIGTERM where the process is to die of it (the default disposition): Python runs a
+# signal handler on the main thread, between bytecodes, and a main thread blocked in C (a rank waiting in
+# a collective for a hung peer, for gloo's or NCCL's timeout of 30 minutes) never gets there. The default
+# disposition would have ended the process at once; the handler kept it alive until the SIGKILL that a
+# job's preemption or torchrun's shutdown sends later. Python's C-level handler writes each signal's
+# number to its wakeup fd at once, from whatever thread: where the handler has not run
+# _SIGTERM_WATCH_GRACE_S after a SIGTERM, the watcher does what it would have (the step in progress
+# written, the logs closed, at most _SIGTERM_WATCH_CLOSE_S), then ends the process by SIGTERM.
+_SIGTERM_WATCH: list[int] = []  # the watcher pipe's two fds, while one is installed
+_SIGTERM_WATCH_GRACE_S = 2.0
+_SIGTERM_WATCH_CLOSE_S = 10.0
+
+
+def _watch_sigterm(handled: threading.Event, close_all: Callable[[], None]) -> None:
+    """Install the SIGTERM watcher (see above); not where the wakeup fd is someone else's (an asyncio loop
+    running on the main thread), which is left to them."""
+    import signal
+
+    try:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (OSError, ValueError) as exc:
+        log.debug("trainrec: no SIGTERM watcher: %r", exc)
+        return
+    if old != -1:
+        signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
+        return
+    _SIGTERM_WATCH[:] = [r, w]
+
+    def watch() -> None:
+        while True:
+            try:
+                got = os.read(r, 256)
+            except InterruptedError:
+                continue
+            except OSError:
+                return  # closed (a forked child's copy)
+            if not got:
+                return
+            if signal.SIGTERM not in got or handled.wait(_SIGTERM_WATCH_GRACE_S):
+                continue
+            closer = threading.Thread(target=close_all, daemon=True, name="trainrec-sigterm-close")
+            closer.start()
+            closer.join(_SIGTERM_WATCH_CLOSE_S)
+            _die_of(signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="trainrec-sigterm").start()
+
+
+def _die_of(signum: int) -> None:
+    """End the process by signal ``signum`` from a thread that is not the main one (Python lets only the
+    main thread change a disposition: the C library's ``signal`` does it here); by exit status 128 +
+    ``signum`` where that fails."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal(signum, None)  # SIG_DFL
+        os.kill(os.getpid(), signum)
+        time.sleep(5.0)
+    except Exception:  # noqa: BLE001 - the process ends either way
+        pass
+    os._exit(128 + signum)

@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+from trainmon_util import new_threads
 from trainrec.recorder import TrainerMon
 from trainrec.replay import open_run
 from trainrec.schema.events import FileClosed
@@ -46,9 +47,9 @@ def test_dropped_monitor_is_collected_and_its_log_closed(tmp_path, monkeypatch):
     gc.collect()
     assert [r() is None for r in refs] == [True, True, True]
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(t.ident not in before and t.is_alive() for t in threading.enumerate()):
+    while time.monotonic() < deadline and new_threads(before):
         time.sleep(0.05)
-    assert [t.name for t in threading.enumerate() if t.ident not in before] == []  # writer, spill, watcher, export
+    assert [t.name for t in new_threads(before)] == []  # writer, spill, watcher, export
     run = open_run(str(tmp_path / "out"))
     events = list(run.events())
     assert isinstance(events[-1], FileClosed)

@@ -14,7 +14,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from trainmon_util import ALL_OPS, Pair, events_of, loss_of, make, rank_dirs, stats_table, write_config
+from trainmon_util import (
+    ALL_OPS,
+    Pair,
+    events_of,
+    loss_of,
+    make,
+    new_threads,
+    rank_dirs,
+    stats_table,
+    write_config,
+)
 from trainrec.recorder import TrainerMon
 from trainrec.recorder.monitor import PRINT_STRUCT_EXIT
 from trainrec.recorder.names import squash_all
@@ -1064,9 +1074,9 @@ def test_native_record_with_a_bad_config_leaves_no_log_open(tmp_path, out):
     assert str(ei.value).startswith("config dict: config key 'bogus': unknown key; expected one of ")
     assert glob.glob(str(tmp_path / "bad" / "*")) == []  # nothing recorded: its empty log and directory went
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and set(threading.enumerate()) - before:
+    while time.monotonic() < deadline and new_threads(before):
         time.sleep(0.02)
-    assert set(threading.enumerate()) - before == set()  # close() ran: the writer and spill threads stopped
+    assert new_threads(before) == []  # close() ran: the writer and spill threads stopped
 
 
 @pytest.mark.parametrize("config", [5, ["config.json"], ""])

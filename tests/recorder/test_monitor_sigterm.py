@@ -214,3 +214,92 @@ def test_a_rank_stopped_by_sigterm_in_its_first_forward_shows_the_step_it_was_in
     assert events[-1].step == 2
     began, rank = _post_mortem(tmp_path / "out")
     assert began == [0, 1, 2] and rank.unended == [2]
+
+
+HANG_IN_COLLECTIVE = textwrap.dedent("""
+    import os, sys, time, torch
+    import torch.distributed as dist
+    from trainrec.recorder import TrainerMon
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    if rank == 1:  # the rank that never comes to the all-reduce
+        print("ready", flush=True)
+        time.sleep(600)
+    mon = TrainerMon({"wg_distribution": True, "ops": ["norm"]}, live_export=False, output_dir=sys.argv[1])
+""" + _TRAIN3 + """        model(torch.randn(8, 4)).sum().backward()
+        if step == 2:
+            print("hung", flush=True)
+            dist.all_reduce(torch.ones(4))  # blocks in gloo's C++, where no Python signal handler runs
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def test_sigterm_ends_a_rank_hung_in_a_collective(tmp_path):
+    """A rank blocked in a collective (its peer hung elsewhere) never runs Python's signal handlers: the
+    monitor's SIGTERM handler kept it alive where the default disposition ends it at once, and the job's
+    preemption or torchrun's shutdown waited for the SIGKILL that follows. A watcher thread told of the
+    signal (Python's wakeup fd) writes the step in progress, closes the log and ends the process by
+    SIGTERM, as the default would have."""
+    import time
+
+    from test_monitor_dist import free_port
+
+    out = tmp_path / "out"
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, "-c", HANG_IN_COLLECTIVE, str(out)], stdout=subprocess.PIPE,
+                              text=True, env=dict(env, RANK=str(r))) for r in (0, 1)]
+    try:
+        assert procs[1].stdout.readline().strip() == "ready"
+        assert procs[0].stdout.readline().strip() == "hung"
+        time.sleep(1.0)  # into the all-reduce
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        rc = procs[0].wait(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+            p.stdout.close()
+    assert rc == -signal.SIGTERM and took < 15
+    (log_path,) = glob.glob(os.path.join(str(out), "*-rank0-*", "*.trl"))
+    reader, events = read_log(log_path)
+    assert reader.closed_cleanly and events[-1].reason == "sigterm"
+    from trainmon_util import stats_table
+
+    assert {k[0] for k in stats_table(events, "grad_unreduced")} == {0, 1, 2}  # the step it hung in
+
+
+FORKED_CHILD = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    from trainrec.recorder import TrainerMon
+    mon = TrainerMon({"wg_distribution": True, "ops": ["norm"]}, live_export=False, output_dir=sys.argv[1])
+""" + _TRAIN3 + """        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    pid = os.fork()  # a DataLoader worker, a multiprocessing fork
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGTERM)  # the child dies of it (DataLoader ends stuck workers so)
+    _, status = os.waitpid(pid, 0)
+    time.sleep(4.0)  # the watcher's grace, and then some
+    mon.close()
+    print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
+""")
+
+
+def test_a_forked_childs_sigterm_leaves_the_parent_alone(tmp_path):
+    """A forked child inherits the SIGTERM handler and Python's wakeup fd: its signal must not reach the
+    parent's SIGTERM watcher, which would end the parent."""
+    proc = subprocess.run([sys.executable, "-c", FORKED_CHILD, str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["child", str(int(signal.SIGTERM))]
+    (log_path,) = glob.glob(os.path.join(str(tmp_path / "out"), "*-rank0-*", "*.trl"))
+    reader, events = read_log(log_path)
+    assert reader.closed_cleanly and events[-1].reason == "close"

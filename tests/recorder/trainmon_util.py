@@ -16,6 +16,15 @@ from trainrec.schema.events import SLOTS, TensorStatsRecorded
 ALL_OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
 
 
+def new_threads(before) -> list:
+    """The live threads not among ``before`` (idents, or threads), less the process's SIGTERM watcher
+    (installed once per process with the SIGTERM handler, as that is: no monitor's own)."""
+    import threading
+
+    return [t for t in threading.enumerate() if t.ident not in before and t not in before
+            and t.is_alive() and t.name != "trainrec-sigterm"]
+
+
 class Pair(nn.Module):
     """A module with two inputs and a tuple output (for tuple selectors)."""
 
