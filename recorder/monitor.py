@@ -165,7 +165,7 @@ class TrainerMon(StepCollector):
         self._skips_in_a_row = 0
         # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took; None before one ran
         self._passes: int | None = None
-        self._reduced_check_queued = False  # before then, with several ranks: _check_reduced_grads
+        self._reduced_check_queued = False  # before then: _check_reduced_grads
         self._reduced_non_finite: bool | None = None  # its finding for the last backward pass
         self._state: StepState | None = None
         self._step = 0
@@ -1087,9 +1087,10 @@ class TrainerMon(StepCollector):
         # which gradient this backward left, and its version: zeroed in place since means cleared
         self._grad_marks[id(param)] = None if g is None else (weakref.ref(g), g._version)
         self._param_marks[id(param)] = param._version
-        if self._passes is None and self._distributed and self.world_size > 1 and not self._reduced_check_queued:
-            # before the first optimizer step: the gradients as the data-parallel reduction leaves them are
-            # looked at once this backward pass ends (queued from a callback: after DDP's own)
+        if self._passes is None and not self._manual_steps and not self._reduced_check_queued:
+            # before the first optimizer step: the gradients (with several ranks, as the data-parallel
+            # reduction leaves them) are looked at once this backward pass ends (queued from a callback:
+            # after DDP's own)
             self._reduced_check_queued = True
             _queue_end_of_backward(_weak_call(self._queue_reduced_check))
 
@@ -1100,7 +1101,8 @@ class TrainerMon(StepCollector):
         """Whether chunk 0's gradients hold an inf or NaN after the reduction (None: none to look at, as
         where DeepSpeed moved them into its partitions). Before a run's first optimizer step the passes
         per step are not known yet, and a skip decided on another rank's inf (a loss scaler's, on the
-        reduced gradients) is told from a second pass (a GAN's) by this alone."""
+        reduced gradients), or on a step without gradient rows (not collected) any skip, is told from a
+        second pass (a GAN's, SAM's) by this alone."""
         self._reduced_check_queued = False
         try:
             # (a DTensor's own shard: no collective here; sparse gradients left out)
@@ -1180,6 +1182,11 @@ class TrainerMon(StepCollector):
             return bool(ds.overflow)
         non_finite = self._gradients_non_finite()
         if non_finite is None:
+            if self._passes is None and self._reduced_non_finite is not None:
+                # no rows (a step not collected) and no optimizer step yet to count passes by: the
+                # gradients the last backward pass left decide (a GAN's generator pass or SAM's first
+                # one is finite)
+                return self._reduced_non_finite
             return n > (self._passes or 1) * self._grad_acc
         if (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
                 and (self._weights_unchanged() or self._chain_stepped)):
