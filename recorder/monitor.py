@@ -654,8 +654,9 @@ class TrainerMon(StepCollector):
     def __enter__(self) -> TrainerMon:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # the log says what ended it: an exception out of the with block (a NaN check, a KeyboardInterrupt)
+        self._close(f"close after an exception: {exc_type.__name__}" if exc_type is not None else "close")
 
     # ------------------------------------------------------------------ configuration
     def _check_config(self, config: MonitorConfig) -> int:

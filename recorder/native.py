@@ -107,7 +107,7 @@ class Recorder:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.monitor.__exit__(*exc)
 
 
 def _check_optimizer(optimizer) -> None:
