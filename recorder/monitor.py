@@ -652,7 +652,15 @@ class TrainerMon(StepCollector):
         self._engine.release()
 
     def __enter__(self) -> TrainerMon:
+        self._check_open("with")
         return self
+
+    def _check_open(self, what: str) -> None:
+        """A closed monitor records nothing more (its log is closed): a step() there would put its hooks
+        back on the model, for good, and a with block would record nothing, silently."""
+        if self._closed:
+            raise RuntimeError(f"{what} on a closed monitor (its log {self.log_path or '(format api)'} is closed): "
+                               "make a new one (record(...), or TrainerMon) to record more")
 
     def __exit__(self, exc_type, exc, tb) -> None:
         # the log says what ended it: an exception out of the with block (a NaN check, a KeyboardInterrupt)
@@ -1284,6 +1292,7 @@ class TrainerMon(StepCollector):
 
     def step(self) -> None:
         """End the current step by hand (for loops without a hooked optimizer)."""
+        self._check_open("step()")
         self._pre_step(None, (), {})
         self._post_step(None, (), {})
 

@@ -104,6 +104,7 @@ class Recorder:
         self.monitor.close()
 
     def __enter__(self) -> Recorder:
+        self.monitor.__enter__()  # (a RuntimeError where it is closed)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -306,3 +306,29 @@ def test_an_exception_out_of_the_with_block_is_the_logs_close_reason_and_goes_on
     assert [e.step for e in events if isinstance(e, StepEnded)] == [0, 1]
     assert 2 in {e.step for e in events if isinstance(e, TensorStatsRecorded) and e.kind == "grad_unreduced"}
     assert isinstance(events[-1], FileClosed) and "LossIsNaN" in events[-1].reason
+
+
+def test_a_closed_recorder_says_so_and_puts_no_hooks_back(tmp_path):
+    """step() on a closed recorder began a new step: its hooks went back on the model, for good, with no
+    log to write to; a second ``with rec:`` recorded nothing, silently. Both are a RuntimeError now, and
+    the model keeps no hook; the metrics of the last step stay readable."""
+    from trainrec.recorder import record
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+    def hooks():
+        return (sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+                + sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
+                      for p in model.parameters()))
+
+    rec = record(model, config={"wg_distribution": True, "xy_distribution": True}, output_dir=str(tmp_path / "out"))
+    with rec:
+        model(torch.randn(2, 4)).sum().backward()
+        rec.step()
+    assert hooks() == 0 and rec.step_count == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        rec.step()
+    with pytest.raises(RuntimeError, match="closed"), rec:
+        pass
+    assert hooks() == 0 and rec.step_count == 1
+    assert rec.metrics("grad_reduced")
