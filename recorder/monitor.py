@@ -605,6 +605,16 @@ class TrainerMon(StepCollector):
                             "(its log: %s): both record every step, each at its own cost; close() the other one "
                             "(or use `with TrainerMon(...)`/`with record(...)`)", other.log_path or "none, format api")
                 return
+        # two models of one process (a GAN's generator and discriminator) logged side by side: one run id,
+        # one rank, two launches in one directory, of which replay shows one
+        here = os.path.realpath(self.output_dir)
+        for other in list(_open_monitors):
+            if (other is not self and not other._closed and self._writer is not None and other._writer is not None
+                    and other.rank == self.rank and os.path.realpath(other.output_dir) == here):
+                log.warning("trainrec: another open monitor of this process writes to the same output directory "
+                            "%s (its log: %s): replay shows one launch per directory, so one of the two logs would "
+                            "be hidden; give each its own output_dir (or $MONITOR_OUTPUT_DIR)", here, other.log_path)
+                return
 
     def _close(self, reason: str) -> None:
         """:meth:`close`, with ``reason`` in the log's FileClosed ("exit..." when the process ends)."""

@@ -332,3 +332,25 @@ def test_a_closed_recorder_says_so_and_puts_no_hooks_back(tmp_path):
         pass
     assert hooks() == 0 and rec.step_count == 1
     assert rec.metrics("grad_reduced")
+
+
+def test_two_open_recorders_writing_to_one_output_directory_are_warned_about(tmp_path, caplog):
+    """A GAN's two recorders without an output_dir each (both under $MONITOR_OUTPUT_DIR): one run id, two
+    rank-0 directories, and replay shows one of them, the other's log hidden, with nothing said. A
+    warning names the other's log; with their own directories nothing is said."""
+    import logging
+
+    from trainrec.recorder import record
+
+    gen, disc = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    cfg = {"wg_distribution": True}
+    with caplog.at_level(logging.WARNING, logger="trainrec"):
+        with record(gen, config=cfg, output_dir=str(tmp_path / "own_g")), \
+                record(disc, config=cfg, output_dir=str(tmp_path / "own_d")):
+            pass
+        assert not [r for r in caplog.records if "same output directory" in r.getMessage()]
+        with record(gen, config=cfg, output_dir=str(tmp_path / "out")) as rg, \
+                record(disc, config=cfg, output_dir=str(tmp_path / "out" / ".")):
+            pass
+    said = [r.getMessage() for r in caplog.records if "same output directory" in r.getMessage()]
+    assert len(said) == 1 and rg.log_path in said[0] and "output_dir" in said[0]
