@@ -165,7 +165,7 @@ class TrainerMon(StepCollector):
         self._skips_in_a_row = 0
         # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took; None before one ran
         self._passes: int | None = None
-        self._reduced_check_queued = False  # before then, with several ranks: _check_reduced_grads
+        self._reduced_check_queued = False  # before then: _check_reduced_grads
         self._reduced_non_finite: bool | None = None  # its finding for the last backward pass
         self._state: StepState | None = None
         self._step = 0
@@ -429,23 +429,10 @@ class TrainerMon(StepCollector):
         if self._chunks:
             raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
         try:
-            first = None if isinstance(start_iteration, bool) else operator.index(start_iteration)
-        except TypeError:
-            first = None
-        if first is None or not 0 <= first < MAX_STEP:
-            raise ConfigError(f"expected an integer of 0..{MAX_STEP - 1} (the first step's number), got "
-                              f"{start_iteration!r}", "start_iteration")
-        acc = grad_acc_steps  # an integer; an integral float too (global_batch / dp / micro_batch)
-        if isinstance(acc, float) and acc.is_integer():
-            acc = int(acc)
-        try:
-            acc = None if isinstance(acc, bool) else operator.index(acc)
-        except TypeError:
-            acc = None
-        if acc is None or acc < 1:
-            raise ConfigError(f"expected an integer >= 1 (micro steps per optimizer step), got {grad_acc_steps!r}",
-                              "grad_acc_steps")
-        given = list(model) if isinstance(model, (list, tuple)) else [model]
+            given, acc = checked_model(model), _checked_arguments(grad_acc_steps, start_iteration)
+        except (ConfigError, TypeError):
+            self._discard_empty_output()  # nothing installed: no empty run left beside a fixed one
+            raise
         self._chunks = [_uncompiled(m) for m in given]
         self._fullgraph = any(map(_compiled_fullgraph, given))
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
@@ -618,6 +605,16 @@ class TrainerMon(StepCollector):
                             "(its log: %s): both record every step, each at its own cost; close() the other one "
                             "(or use `with TrainerMon(...)`/`with record(...)`)", other.log_path or "none, format api")
                 return
+        # two models of one process (a GAN's generator and discriminator) logged side by side: one run id,
+        # one rank, two launches in one directory, of which replay shows one
+        here = os.path.realpath(self.output_dir)
+        for other in list(_open_monitors):
+            if (other is not self and not other._closed and self._writer is not None and other._writer is not None
+                    and other.rank == self.rank and os.path.realpath(other.output_dir) == here):
+                log.warning("trainrec: another open monitor of this process writes to the same output directory "
+                            "%s (its log: %s): replay shows one launch per directory, so one of the two logs would "
+                            "be hidden; give each its own output_dir (or $MONITOR_OUTPUT_DIR)", here, other.log_path)
+                return
 
     def _close(self, reason: str) -> None:
         """:meth:`close`, with ``reason`` in the log's FileClosed ("exit..." when the process ends)."""
@@ -665,10 +662,19 @@ class TrainerMon(StepCollector):
         self._engine.release()
 
     def __enter__(self) -> TrainerMon:
+        self._check_open("with")
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _check_open(self, what: str) -> None:
+        """A closed monitor records nothing more (its log is closed): a step() there would put its hooks
+        back on the model, for good, and a with block would record nothing, silently."""
+        if self._closed:
+            raise RuntimeError(f"{what} on a closed monitor (its log {self.log_path or '(format api)'} is closed): "
+                               "make a new one (record(...), or TrainerMon) to record more")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # the log says what ended it: an exception out of the with block (a NaN check, a KeyboardInterrupt)
+        self._close(f"close after an exception: {exc_type.__name__}" if exc_type is not None else "close")
 
     # ------------------------------------------------------------------ configuration
     def _check_config(self, config: MonitorConfig) -> int:
@@ -1088,9 +1094,10 @@ class TrainerMon(StepCollector):
         # which gradient this backward left, and its version: zeroed in place since means cleared
         self._grad_marks[id(param)] = None if g is None else (weakref.ref(g), g._version)
         self._param_marks[id(param)] = param._version
-        if self._passes is None and self._distributed and self.world_size > 1 and not self._reduced_check_queued:
-            # before the first optimizer step: the gradients as the data-parallel reduction leaves them are
-            # looked at once this backward pass ends (queued from a callback: after DDP's own)
+        if self._passes is None and not self._manual_steps and not self._reduced_check_queued:
+            # before the first optimizer step: the gradients (with several ranks, as the data-parallel
+            # reduction leaves them) are looked at once this backward pass ends (queued from a callback:
+            # after DDP's own)
             self._reduced_check_queued = True
             _queue_end_of_backward(_weak_call(self._queue_reduced_check))
 
@@ -1101,7 +1108,8 @@ class TrainerMon(StepCollector):
         """Whether chunk 0's gradients hold an inf or NaN after the reduction (None: none to look at, as
         where DeepSpeed moved them into its partitions). Before a run's first optimizer step the passes
         per step are not known yet, and a skip decided on another rank's inf (a loss scaler's, on the
-        reduced gradients) is told from a second pass (a GAN's) by this alone."""
+        reduced gradients), or on a step without gradient rows (not collected) any skip, is told from a
+        second pass (a GAN's, SAM's) by this alone."""
         self._reduced_check_queued = False
         try:
             # (a DTensor's own shard: no collective here; sparse gradients left out)
@@ -1184,6 +1192,11 @@ class TrainerMon(StepCollector):
             return bool(ds.overflow)
         non_finite = self._gradients_non_finite()
         if non_finite is None:
+            if self._passes is None and self._reduced_non_finite is not None:
+                # no rows (a step not collected) and no optimizer step yet to count passes by: the
+                # gradients the last backward pass left decide (a GAN's generator pass or SAM's first
+                # one is finite)
+                return self._reduced_non_finite
             return n > (self._passes or 1) * self._grad_acc
         if (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
                 and (self._weights_unchanged() or self._chain_stepped)):
@@ -1293,6 +1306,7 @@ class TrainerMon(StepCollector):
 
     def step(self) -> None:
         """End the current step by hand (for loops without a hooked optimizer)."""
+        self._check_open("step()")
         self._pre_step(None, (), {})
         self._post_step(None, (), {})
 
@@ -1426,6 +1440,43 @@ def _compiled_fullgraph(model) -> bool:
     """Whether ``model`` is ``torch.compile(module, fullgraph=True)``'s ``OptimizedModule``."""
     return type(model).__name__ == "OptimizedModule" and bool(getattr(getattr(model, "dynamo_ctx", None),
                                                                        "fullgraph", False))
+
+
+def checked_model(model) -> list[torch.nn.Module]:
+    """``model`` as the list of its chunks; a TypeError naming what it is where it is not a module or a
+    non-empty list of them (an AttributeError from deep inside, else)."""
+    given = list(model) if isinstance(model, (list, tuple)) else [model]
+    wrong = [m for m in given if not isinstance(m, torch.nn.Module)]
+    if given and not wrong:
+        return given
+    bad = wrong[0] if wrong else None
+    what = ("an empty list" if not given else type(bad).__name__ if bad is model else
+            f"a list holding {type(bad).__name__}")
+    hint = " (the model comes first, then the optimizer)" if isinstance(bad, torch.optim.Optimizer) else ""
+    raise TypeError(f"model: expected a torch.nn.Module or a list of them (virtual pipeline chunks), got "
+                    f"{what}{hint}")
+
+
+def _checked_arguments(grad_acc_steps, start_iteration) -> int:
+    """``grad_acc_steps`` as an integer, after both are checked (a ConfigError naming the wrong one)."""
+    try:
+        first = None if isinstance(start_iteration, bool) else operator.index(start_iteration)
+    except TypeError:
+        first = None
+    if first is None or not 0 <= first < MAX_STEP:
+        raise ConfigError(f"expected an integer of 0..{MAX_STEP - 1} (the first step's number), got "
+                          f"{start_iteration!r}", "start_iteration")
+    acc = grad_acc_steps  # an integer; an integral float too (global_batch / dp / micro_batch)
+    if isinstance(acc, float) and acc.is_integer():
+        acc = int(acc)
+    try:
+        acc = None if isinstance(acc, bool) else operator.index(acc)
+    except TypeError:
+        acc = None
+    if acc is None or acc < 1:
+        raise ConfigError(f"expected an integer >= 1 (micro steps per optimizer step), got {grad_acc_steps!r}",
+                          "grad_acc_steps")
+    return acc
 
 
 def _uncompiled(model):

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 import torch
 
 from .config import MonitorConfig, parse_config
-from .monitor import TrainerMon
+from .monitor import TrainerMon, checked_model
+from .optim import chain_of, torch_optimizer_of
 
 DEFAULT_CONFIG = {
     "wg_distribution": True,
@@ -58,6 +59,8 @@ class Recorder:
             hint = (" (start_step is a config key, the first step collected; the number the first step gets "
                     "is start_iteration)" if name == "start_step" else "")
             raise TypeError(f"record() got an unexpected keyword argument {name!r}{hint}")
+        checked_model(model)  # (a TypeError naming it, before anything is made)
+        _check_optimizer(optimizer)
         if config is None:
             config = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG")
         elif isinstance(config, os.PathLike):
@@ -101,10 +104,30 @@ class Recorder:
         self.monitor.close()
 
     def __enter__(self) -> Recorder:
+        self.monitor.__enter__()  # (a RuntimeError where it is closed)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.monitor.__exit__(*exc)
+
+
+def _check_optimizer(optimizer) -> None:
+    """A TypeError where ``optimizer`` is neither None nor a torch optimizer (or what holds one, in
+    ``.optimizer``: accelerate's, DeepSpeed's, Megatron's wrappers), nor a list of those: its steps
+    could not be hooked (they would never be counted, and :meth:`Recorder.step` is for runs without one)."""
+    if optimizer is None:
+        return
+    members = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not members:
+        raise TypeError("optimizer: got an empty list; pass None (and call rec.step() once per training step) "
+                        "where there is no optimizer")
+    for i, m in enumerate(members):
+        if torch_optimizer_of(m) is None and (m is not optimizer or chain_of(m) is None):
+            kind = f"the class {m.__name__} (an instance is needed)" if isinstance(m, type) else type(m).__name__
+            what = kind if m is optimizer else f"item {i} of the list ({kind})"
+            raise TypeError(f"optimizer: {what} is not a torch.optim.Optimizer and holds none (in .optimizer), so "
+                            "its steps cannot be hooked: pass optimizer=None and call rec.step() once per "
+                            "training step, after its backward pass and before the weights change")
 
 
 def record(model, optimizer=None, config=None, output_dir: str | None = None, **kwargs) -> Recorder:

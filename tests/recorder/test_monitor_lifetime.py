@@ -269,3 +269,89 @@ def test_ranks_from_the_environment_without_a_shared_run_id_are_warned_about(tmp
     said = [r.getMessage() for r in caplog.records if "a run of its own" in r.getMessage()]
     assert mon.rank == 1 and mon.world_size == 2
     assert len(said) == (1 if run_id is None else 0) and all("TRAINREC_RUN_ID" in m for m in said)
+
+
+@pytest.mark.parametrize("api", ["record", "TrainerMon"])
+def test_an_exception_out_of_the_with_block_is_the_logs_close_reason_and_goes_on_unchanged(tmp_path, api):
+    """A NaN check that raises between backward and the optimizer step inside ``with record(...)``: the
+    exception comes out as it was raised, the step it cut short keeps what it recorded (no StepEnded),
+    and the log's FileClosed says the exception closed it (it said "close", and ``inspect`` that the
+    log was closed in the middle of the step by a close())."""
+    from trainrec.recorder import record
+    from trainrec.replay.reader import read_log
+    from trainrec.schema.events import StepEnded, TensorStatsRecorded
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"wg_distribution": True, "ops": ["norm"]}
+
+    class LossIsNaN(Exception):
+        pass
+
+    err = LossIsNaN("loss is nan")
+    if api == "record":
+        rec = record(model, opt, config=cfg, output_dir=str(tmp_path / "out"))
+    else:
+        rec = TrainerMon(cfg, output_dir=str(tmp_path / "out"), live_export=False)
+        rec.monitor_gnorm_with_ad(model, optimizer=opt)
+    with pytest.raises(LossIsNaN) as ei, rec:
+        for step in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            if step == 2:
+                raise err
+            opt.step()
+            opt.zero_grad()
+    assert ei.value is err and ei.value.__context__ is None
+    reader, events = read_log(rec.log_path)
+    assert [e.step for e in events if isinstance(e, StepEnded)] == [0, 1]
+    assert 2 in {e.step for e in events if isinstance(e, TensorStatsRecorded) and e.kind == "grad_unreduced"}
+    assert isinstance(events[-1], FileClosed) and "LossIsNaN" in events[-1].reason
+
+
+def test_a_closed_recorder_says_so_and_puts_no_hooks_back(tmp_path):
+    """step() on a closed recorder began a new step: its hooks went back on the model, for good, with no
+    log to write to; a second ``with rec:`` recorded nothing, silently. Both are a RuntimeError now, and
+    the model keeps no hook; the metrics of the last step stay readable."""
+    from trainrec.recorder import record
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+    def hooks():
+        return (sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+                + sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
+                      for p in model.parameters()))
+
+    rec = record(model, config={"wg_distribution": True, "xy_distribution": True}, output_dir=str(tmp_path / "out"))
+    with rec:
+        model(torch.randn(2, 4)).sum().backward()
+        rec.step()
+    assert hooks() == 0 and rec.step_count == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        rec.step()
+    with pytest.raises(RuntimeError, match="closed"), rec:
+        pass
+    assert hooks() == 0 and rec.step_count == 1
+    assert rec.metrics("grad_reduced")
+
+
+def test_two_open_recorders_writing_to_one_output_directory_are_warned_about(tmp_path, caplog):
+    """A GAN's two recorders without an output_dir each (both under $MONITOR_OUTPUT_DIR): one run id, two
+    rank-0 directories, and replay shows one of them, the other's log hidden, with nothing said. A
+    warning names the other's log; with their own directories nothing is said."""
+    import logging
+
+    from trainrec.recorder import record
+
+    gen, disc = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    cfg = {"wg_distribution": True}
+    with caplog.at_level(logging.WARNING, logger="trainrec"):
+        with record(gen, config=cfg, output_dir=str(tmp_path / "own_g")), \
+                record(disc, config=cfg, output_dir=str(tmp_path / "own_d")):
+            pass
+        assert not [r for r in caplog.records if "same output directory" in r.getMessage()]
+        with record(gen, config=cfg, output_dir=str(tmp_path / "out")) as rg, \
+                record(disc, config=cfg, output_dir=str(tmp_path / "out" / ".")):
+            pass
+    said = [r.getMessage() for r in caplog.records if "same output directory" in r.getMessage()]
+    assert len(said) == 1 and rg.log_path in said[0] and "output_dir" in said[0]

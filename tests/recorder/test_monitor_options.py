@@ -1079,6 +1079,49 @@ def test_native_record_with_a_bad_config_leaves_no_log_open(tmp_path, out):
     assert new_threads(before) == []  # close() ran: the writer and spill threads stopped
 
 
+class _PlainSGD:
+    """An optimizer that is no torch Optimizer (no step hooks to find steps by)."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        self.params = list(params)
+        self.lr = lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            p -= self.lr * p.grad
+
+
+@pytest.mark.parametrize("case", ["model None", "model a str", "model and optimizer swapped", "model []",
+                                  "model [module, 3]", "optimizer a str", "optimizer the model", "optimizer []",
+                                  "optimizer [opt, 3]", "optimizer no torch Optimizer", "grad_acc_steps 0"])
+def test_native_record_with_a_wrong_model_or_optimizer_says_what_is_wrong_and_leaves_nothing(tmp_path, out, case):
+    """A model or optimizer of the wrong type is one error out of record() that names the argument (an
+    optimizer whose steps cannot be hooked was a warning, then steps never counted and rec.step()
+    refused; a model that is no module an AttributeError from inside), and no empty log is left."""
+    from trainrec.recorder import record
+
+    model, opt = make()
+    args, kwargs, what = {
+        "model None": ((None, opt), {}, "model"),
+        "model a str": (("model", opt), {}, "model"),
+        "model and optimizer swapped": ((opt, model), {}, "model"),
+        "model []": (([], opt), {}, "model"),
+        "model [module, 3]": (([model, 3], opt), {}, "model"),
+        "optimizer a str": ((model, "adam"), {}, "optimizer"),
+        "optimizer the model": ((model, model), {}, "optimizer"),
+        "optimizer []": ((model, []), {}, "optimizer"),
+        "optimizer [opt, 3]": ((model, [opt, 3]), {}, "optimizer"),
+        "optimizer no torch Optimizer": ((model, _PlainSGD(model.parameters())), {}, "optimizer"),
+        "grad_acc_steps 0": ((model, opt), {"grad_acc_steps": 0}, "grad_acc_steps"),
+    }[case]
+    with pytest.raises((TypeError, ConfigError), match=what) as ei:
+        record(*args, config={"wg_distribution": True}, output_dir=str(tmp_path / "bad"), **kwargs)
+    if case == "optimizer no torch Optimizer":
+        assert "rec.step()" in str(ei.value)  # what to do instead
+    assert glob.glob(str(tmp_path / "bad" / "*")) == []
+
+
 @pytest.mark.parametrize("config", [5, ["config.json"], ""])
 def test_native_record_with_a_config_that_is_neither_dict_nor_path_says_so(tmp_path, out, config):
     from trainrec.recorder import record

@@ -304,3 +304,49 @@ def test_no_grad_calls_in_training_mode_record_no_rows_and_begin_no_step(tmp_pat
     root = {(k[0], k[3]): v["norm"] for k, v in stats_table(ev, "actv").items() if k[1:3] == ("", "output")}
     assert root == pytest.approx(outs, rel=1e-5)
     assert [e.step for e in ev if isinstance(e, StepBegan)] == [0, 1]
+
+
+@pytest.mark.parametrize("pattern", ["gan_generator_first", "sam", "scaler_skip"])
+def test_several_passes_before_the_first_optimizer_step_on_a_step_not_collected_are_one_step(tmp_path, pattern):
+    """start_step 2: step 0 is not collected, so it has no gradient rows, and no optimizer step has run
+    yet to tell how many passes one takes. A GAN that steps the generator first (the discriminator's
+    recorder sees the generator's pass, zero_grad, then its own pass) and SAM look there like a skipped
+    step; the gradients are finite, so it is none: each recorder counts one step per optimizer step. A
+    loss scaler's skip of step 0 (inf gradients) still is one."""
+    from trainrec.recorder import record
+
+    disc, opt_d = make()
+    gen = torch.nn.Embedding(50, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    cfg = {"wg_distribution": True, "ops": ["norm"], "start_step": 2}
+    with record(disc, opt_d, config=cfg, output_dir=str(tmp_path / "d")) as rec:
+        for s in range(4):
+            if pattern == "gan_generator_first":
+                opt_g.zero_grad()
+                (disc(torch.ones(2, 3, dtype=torch.long)).mean() * gen.weight[s].sum()).backward()  # D's grads too
+                opt_g.step()
+                opt_d.zero_grad()
+                loss_of(disc, s).backward()
+            elif pattern == "scaler_skip":  # step 0's optimizer step never runs: 5 steps
+                if s == 0:
+                    (loss_of(disc, s) * float("inf")).backward()
+                    opt_d.zero_grad()
+                loss_of(disc, s).backward()
+            else:  # SAM: a pass, zero_grad, a second pass at perturbed weights
+                loss_of(disc, s).backward()
+                with torch.no_grad():
+                    eps = [0.01 * p.grad for p in disc.parameters()]
+                    for p, e in zip(disc.parameters(), eps, strict=True):
+                        p.add_(e)
+                opt_d.zero_grad()
+                loss_of(disc, s).backward()
+                with torch.no_grad():
+                    for p, e in zip(disc.parameters(), eps, strict=True):
+                        p.sub_(e)
+            opt_d.step()
+            opt_d.zero_grad()
+        skipped = pattern == "scaler_skip"
+        assert rec.step_count == 4 + skipped
+    ev = events_of(tmp_path / "d")
+    assert ends(ev) == [(0, skipped)] + [(s, False) for s in range(1, 4 + skipped)]
+    assert {k[0] for k in stats_table(ev, "grad_reduced")} == set(range(2, 4 + skipped))
