@@ -622,7 +622,8 @@ def before_sigterm_close(method) -> None:
 def install_sigterm_handler() -> bool:
     """On SIGTERM, close every live writer and hand the signal on to the previous disposition.
 
-    With the default disposition the process then dies of SIGTERM as it would have. A previous handler
+    With the default disposition the process then dies of SIGTERM as it would have, also where its main
+    thread is blocked in C and never runs the handler (the watcher below, :func:`_watch_sigterm`). A previous handler
     of Python's own (a preemption handler that sets a flag, saves a checkpoint and lets training finish
     its step) runs first, after the writers have written out what they hold: where it raises (an exit,
     KeyboardInterrupt) the writers close with reason ``sigterm``, as with the default; where it returns,
