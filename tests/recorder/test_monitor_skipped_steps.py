@@ -20,6 +20,21 @@ def ends(events) -> list[tuple[int, bool]]:
     return [(e.step, e.optimizer_skipped) for e in events if isinstance(e, StepEnded)]
 
 
+def sam_passes(model, opt, i: int) -> None:
+    """SAM's two passes of one step: a pass, zero_grad, a second pass at weights perturbed along the
+    first pass's gradients, the weights restored (the second pass's gradients are the step's)."""
+    loss_of(model, i).backward()
+    with torch.no_grad():
+        eps = [0.01 * p.grad for p in model.parameters()]
+        for p, e in zip(model.parameters(), eps, strict=True):
+            p.add_(e)
+    opt.zero_grad()
+    loss_of(model, i).backward()
+    with torch.no_grad():
+        for p, e in zip(model.parameters(), eps, strict=True):
+            p.sub_(e)
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("grad_acc", [1, 2])
 def test_grad_scaler_skipped_step_ends_at_the_next_forward_with_its_own_gradients(tmp_path, out, grad_acc,
@@ -194,17 +209,8 @@ def test_several_passes_per_optimizer_step_are_one_step(tmp_path, out, interval)
     model, opt = make()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     reduced = {}
-    for s in range(7):  # SAM
-        loss_of(model, s).backward()
-        with torch.no_grad():
-            eps = [0.01 * p.grad for p in model.parameters()]
-            for p, e in zip(model.parameters(), eps, strict=True):
-                p.add_(e)
-        opt.zero_grad()
-        loss_of(model, s).backward()
-        with torch.no_grad():
-            for p, e in zip(model.parameters(), eps, strict=True):
-                p.sub_(e)
+    for s in range(7):
+        sam_passes(model, opt, s)
         reduced[s] = float(model.head.weight.grad.norm())
         opt.step()
         opt.zero_grad()
@@ -332,17 +338,8 @@ def test_several_passes_before_the_first_optimizer_step_on_a_step_not_collected_
                     (loss_of(disc, s) * float("inf")).backward()
                     opt_d.zero_grad()
                 loss_of(disc, s).backward()
-            else:  # SAM: a pass, zero_grad, a second pass at perturbed weights
-                loss_of(disc, s).backward()
-                with torch.no_grad():
-                    eps = [0.01 * p.grad for p in disc.parameters()]
-                    for p, e in zip(disc.parameters(), eps, strict=True):
-                        p.add_(e)
-                opt_d.zero_grad()
-                loss_of(disc, s).backward()
-                with torch.no_grad():
-                    for p, e in zip(disc.parameters(), eps, strict=True):
-                        p.sub_(e)
+            else:
+                sam_passes(disc, opt_d, s)
             opt_d.step()
             opt_d.zero_grad()
         skipped = pattern == "scaler_skip"
