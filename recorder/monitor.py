@@ -133,7 +133,10 @@ class TrainerMon(StepCollector):
         self._distributed = info.distributed
         self._run_id_shared = runinfo.run_id_shared_now()
         self.run_id = runinfo.shared_run_id()
-        self.output_dir = output_dir or layout.output_dir_from_env()
+        if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
+            raise TypeError(f"output_dir: expected a directory path (str or os.PathLike), got "
+                            f"{type(output_dir).__name__}")
+        self.output_dir = os.fspath(output_dir) if output_dir else layout.output_dir_from_env()
         self._output_dir_given = bool(output_dir)
         self._live_export_enabled = live_export if live_export is not None else "format" in self.config.raw
         self._engine = StatsEngine(self.config.ops, self.config.eps)

@@ -1122,6 +1122,19 @@ def test_native_record_with_a_wrong_model_or_optimizer_says_what_is_wrong_and_le
     assert glob.glob(str(tmp_path / "bad" / "*")) == []
 
 
+@pytest.mark.parametrize("output_dir", [5, ["out"]])
+def test_an_output_dir_that_is_no_path_is_named(tmp_path, out, output_dir):
+    """output_dir of the wrong type says so, naming it (it was os.path's bare 'expected str, bytes or
+    os.PathLike object, not int', from wherever the path was first joined)."""
+    from trainrec.recorder import record
+
+    model, opt = make()
+    with pytest.raises(TypeError, match="output_dir: expected a directory path"):
+        record(model, opt, config={"wg_distribution": True}, output_dir=output_dir)
+    with pytest.raises(TypeError, match="output_dir: expected a directory path"):
+        TrainerMon({"wg_distribution": True}, output_dir=output_dir)
+
+
 @pytest.mark.parametrize("config", [5, ["config.json"], ""])
 def test_native_record_with_a_config_that_is_neither_dict_nor_path_says_so(tmp_path, out, config):
     from trainrec.recorder import record
