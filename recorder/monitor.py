@@ -793,8 +793,10 @@ class TrainerMon(StepCollector):
             import torch.distributed as dist
 
             tp_first = dist.get_rank(group=self._tp_group) == 0
+            tp_ranks = dist.get_process_group_ranks(self._tp_group) if not tp_first else None
             for p in targets.params:
-                p.tp_duplicate = not tp_first and not getattr(p.param, "tensor_model_parallel", False)
+                p.tp_duplicate = not tp_first and not getattr(p.param, "tensor_model_parallel", False) \
+                    and not _sharded_over(p.param, tp_ranks)
         return targets, targets.params
 
     def _write_structure(self) -> None:
@@ -1480,6 +1482,18 @@ def _checked_arguments(grad_acc_steps, start_iteration) -> int:
         raise ConfigError(f"expected an integer >= 1 (micro steps per optimizer step), got {grad_acc_steps!r}",
                           "grad_acc_steps")
     return acc
+
+
+def _sharded_over(param, ranks: list[int]) -> bool:
+    """Whether ``param`` is a DTensor sharded over the mesh dimension of these ranks (torch's tensor
+    parallelism, ``parallelize_module``): each of them holds a shard of its own, no duplicate."""
+    import torch.distributed as dist
+
+    mesh, placements = getattr(param, "device_mesh", None), getattr(param, "placements", None)
+    if mesh is None or placements is None:
+        return False
+    return any(pl.is_shard() and dist.get_process_group_ranks(mesh.get_group(dim)) == ranks
+               for dim, pl in enumerate(placements))
 
 
 def _uncompiled(model):

@@ -1,0 +1,120 @@
+"""torch's native tensor parallelism (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``)
+in a real 2-process gloo group: parameters and gradients are DTensors, each rank's shard its own, and
+activations are DTensors (the inputs the plans wrap) or ``AsyncCollectiveTensor`` (a rowwise layer's
+all-reduced output): neither has storage of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import torch
+import torch.nn as nn
+from trainmon_util import events_of, init_gloo, rank_dirs, spawn_and_join, stats_table, write_config
+
+TIMEOUT = 120
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t.wait() if hasattr(t, "wait") else t
+
+
+def _worker(rank: int, world: int, port: int, cfg_path: str, d: int, rows: int) -> None:
+    init_gloo(rank, world, port)
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from trainrec.recorder import TrainerMon
+
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        model = Net(d)
+        for b in model.blocks:
+            parallelize_module(b, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+        mon.monitor_gnorm_with_ad(model, optimizer=opt, tp_group=mesh.get_group())
+        want: dict = {"actv": {}}
+
+        def hook(name):
+            def f(_m, args, out):
+                want["actv"][f"{name}/input"] = float(_plain(args[0]).norm())
+                want["actv"][f"{name}/output"] = float(_plain(out).norm())
+            return f
+
+        for n, m in model.named_modules():
+            if n.count(".") == 2:
+                m.register_forward_hook(hook(n))
+        x = torch.randn(rows, d, generator=torch.Generator().manual_seed(1))  # the same on both ranks
+        model(x).pow(2).mean().backward()
+        want["grad"] = {n: float(p.grad.to_local().norm()) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        mon.close()
+        with open(os.path.join(os.path.dirname(cfg_path), f"want_{rank}.json"), "w") as f:
+            json.dump(want, f)
+        dist.barrier()
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def run(tmp_path, monkeypatch, d: int, rows: int) -> dict:
+    """Each rank's ``(events, want)``."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    cfg = write_config(tmp_path, {"wg_distribution": True, "xy_distribution": True, "all_xy": True,
+                                  "ops": ["norm", "max"]})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn_and_join(_worker, (2, port, cfg, d, rows), 2, TIMEOUT, "2-process tensor-parallel run")
+    res = {}
+    for dr in rank_dirs(out):
+        ev = events_of(dr)
+        with open(tmp_path / f"want_{ev[0].rank}.json") as f:
+            res[ev[0].rank] = (ev, json.load(f))
+    assert sorted(res) == [0, 1]
+    return res
+
+
+def test_tp_group_keeps_each_ranks_shards_of_sharded_parameters(tmp_path, monkeypatch):
+    """tp_group drops the reduced gradients that every rank of the group holds alike (a RowwiseParallel
+    bias, replicated) on all but its first rank; a parameter sharded over the group (ColwiseParallel's
+    weight and bias, RowwiseParallel's weight) has a shard of its own on each rank, recorded there (all
+    of rank 1's were dropped: they lack Megatron's ``tensor_model_parallel`` attribute)."""
+    res = run(tmp_path, monkeypatch, d=8, rows=4)
+    for r, (ev, want) in res.items():
+        red = stats_table(ev, "grad_reduced")
+        names = {k[1] for k in red}
+        sharded = {f"blocks.{i}.{n}" for i in (0, 1) for n in ("fc1.weight", "fc1.bias", "fc2.weight")}
+        assert names == (sharded if r else set(want["grad"])), (r, sorted(names))
+        for (_, name, _, _), row in red.items():
+            w = want["grad"][name]
+            assert abs(row["norm"] - w) <= 1e-5 * w + 1e-9, (r, name, row["norm"], w)
