@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -124,11 +125,17 @@ def using_kernel(name: str):
 
 def local_tensor(x):
     """``x`` as a plain tensor over its own memory: a DTensor (FSDP2, tensor parallel) gives this rank's
-    local shard (its statistics are the shard's); other tensors, and None, are returned as they are."""
+    local shard (its statistics are the shard's); an ``AsyncCollectiveTensor`` (a functional
+    collective's result, as RowwiseParallel's output) the result, waited for; other tensors, and None,
+    are returned as they are."""
     if x is None or type(x) in _PLAIN:
         return x
     to_local = getattr(x, "to_local", None)
-    return to_local() if to_local is not None else x
+    if to_local is not None:
+        return to_local()
+    collectives = sys.modules.get("torch.distributed._functional_collectives")  # not imported: not in use
+    acs = getattr(collectives, "AsyncCollectiveTensor", None)
+    return x.wait() if acs is not None and isinstance(x, acs) else x
 
 
 def supports(x: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ import socket
 import torch
 import torch.nn as nn
 from trainmon_util import events_of, init_gloo, rank_dirs, spawn_and_join, stats_table, write_config
+from trainrec.schema.events import HookFailed
 
 TIMEOUT = 120
 
@@ -118,3 +119,20 @@ def test_tp_group_keeps_each_ranks_shards_of_sharded_parameters(tmp_path, monkey
         for (_, name, _, _), row in red.items():
             w = want["grad"][name]
             assert abs(row["norm"] - w) <= 1e-5 * w + 1e-9, (r, name, row["norm"], w)
+
+
+def _check_activations(res: dict) -> None:
+    for r, (ev, want) in res.items():
+        assert not [e for e in ev if isinstance(e, HookFailed)], r
+        actv = stats_table(ev, "actv")
+        for key, w in want["actv"].items():
+            name, slot = key.rsplit("/", 1)
+            got = actv.get((0, name, slot, 0))
+            assert got is not None and abs(got["norm"] - w) <= 1e-5 * w, (r, key, got, w)
+
+
+def test_rowwise_parallel_outputs_are_recorded(tmp_path, monkeypatch):
+    """RowwiseParallel's output is an AsyncCollectiveTensor (the all-reduce's result, waited on at its
+    first use), a wrapper without storage: its forward hook failed ("tensor 1 has no data") at every
+    call and its row was missing. It is measured as the all-reduced tensor it stands for."""
+    _check_activations(run(tmp_path, monkeypatch, d=8, rows=4))
