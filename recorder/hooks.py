@@ -59,6 +59,7 @@ from trainrec.schema.events import (
 )
 
 from .config import Selector
+from .fused import _PLAIN, local_tensor
 from .stats import StatsPart, StepStats
 
 if TYPE_CHECKING:
@@ -251,6 +252,14 @@ def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.nda
     found: list | None = None
     for k, x in enumerate(xs):
         if x is not None and x.numel() >= MEMO_MIN_NUMEL:
+            if type(x) not in _PLAIN:
+                # a DTensor or AsyncCollectiveTensor has no memory of its own (data_ptr() is 0 for all of
+                # them): its local tensor's is measured and remembered; another such wrapper, not
+                xs = list(xs)
+                xs[k] = x = local_tensor(x)
+                if type(x) not in _PLAIN:
+                    todo.append(k)
+                    continue
             key = keys[k] = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
             hit = memo.get(key)
             if hit is not None and hit[0]() is not None and hit[1] == x._version:

@@ -136,3 +136,11 @@ def test_rowwise_parallel_outputs_are_recorded(tmp_path, monkeypatch):
     first use), a wrapper without storage: its forward hook failed ("tensor 1 has no data") at every
     call and its row was missing. It is measured as the all-reduced tensor it stands for."""
     _check_activations(run(tmp_path, monkeypatch, d=8, rows=4))
+
+
+def test_activations_without_storage_do_not_share_rows(tmp_path, monkeypatch):
+    """An activation of 4096 elements or more that repeats one measured in the step reuses its row: they
+    were told apart by data_ptr(), shape, strides and dtype, and a DTensor's (or AsyncCollectiveTensor's)
+    data_ptr() is 0, so the second block's inputs and every RowwiseParallel output of one shape got the
+    first one's row (wrong values, silently). They are keyed by the memory of their local tensors."""
+    _check_activations(run(tmp_path, monkeypatch, d=64, rows=64))
