@@ -89,6 +89,7 @@ from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
 
 log = logging.getLogger(__name__)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_PARAM_REQUIRES_GRAD = operator.attrgetter("param.requires_grad")
 
 PRINT_STRUCT_EXIT = "exit after first monitor step when print model struct"
 
@@ -916,10 +917,12 @@ class TrainerMon(StepCollector):
 
     def _hook_unfrozen(self) -> None:
         """The step's hooks attached, also on parameters frozen when they were attached or chosen that
-        require grad now (fine-tuning that unfreezes layers as it goes): at a collected step's begin,
-        and again at its first forward (layers are unfrozen in the loop, after the last step ended)."""
+        require grad now (fine-tuning that unfreezes layers as it goes), and without the parameters
+        frozen since they were chosen (an adapter switched off): at a collected step's begin, and again
+        at its first forward (layers are unfrozen in the loop, after the last step ended)."""
         t = self._targets
-        if t is not None and t.frozen and any(map(_REQUIRES_GRAD, t.frozen)):
+        if t is not None and ((t.frozen and any(map(_REQUIRES_GRAD, t.frozen)))
+                              or not all(map(_PARAM_REQUIRES_GRAD, self._params))):
             self._select_unfrozen()
         elif self._step_handles and self._frozen and any(self._params[i].param.requires_grad for i in self._frozen):
             self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
@@ -927,8 +930,9 @@ class TrainerMon(StepCollector):
             self._attach()
 
     def _select_unfrozen(self) -> None:
-        """A parameter frozen when the targets were chosen now requires grad: choose them again, so that
-        it is recorded from this step on (fine-tuning that unfreezes layers as it goes)."""
+        """A parameter frozen when the targets were chosen now requires grad, or one chosen is frozen now:
+        choose them again, so that it is recorded from this step on (fine-tuning that unfreezes layers
+        as it goes), or no longer (no parameter or optimizer-state rows of a parameter not trained)."""
         try:
             targets, params = self._select(self.config)
         except ConfigError as exc:  # (the same config was accepted before; the model may have changed)

@@ -144,6 +144,48 @@ def test_parameters_frozen_at_install_are_recorded_once_unfrozen(tmp_path, out, 
             assert v == pytest.approx(want[s][full[n]], rel=1e-5), (kind, s, n)
 
 
+class LoraLinear(nn.Module):
+    """A frozen Linear with a low-rank adapter beside it, named as peft's LoRA layers name theirs."""
+
+    def __init__(self, d: int = 8, r: int = 2) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(d, d).requires_grad_(False)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(d, r, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, d, bias=False)})
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+@pytest.mark.parametrize("xy", [False, True])
+def test_parameters_frozen_mid_run_are_no_longer_recorded(tmp_path, out, xy):
+    """A parameter frozen mid-run (LoRA-FA's frozen lora_A, an adapter switched off) gets no gradient,
+    parameter or optimizer-state rows from the first collected step after: its parameter and Adam
+    state rows went on (stale, with an update the optimizer never made), except where another
+    parameter was unfrozen at the same time."""
+    from trainrec.recorder import record
+
+    torch.manual_seed(0)
+    model = nn.Sequential(LoraLinear(), nn.ReLU(), LoraLinear())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    cfg = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True,
+           "ur_distribution": True, "xy_distribution": xy, "ops": ["norm"]}
+    with record(model, opt, config=cfg) as rec:
+        for s in range(4):
+            if s == 2:
+                model[0].lora_A["default"].requires_grad_(False)
+            model(torch.randn(3, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    ev = events_of(rec.log_path)
+    assert [e for e in ev if isinstance(e, HookFailed)] == []
+    for kind in ("grad_unreduced", "grad_reduced", "param", "exp_avg", "exp_avg_sq", "update", "ratio"):
+        got = stats_table(ev, kind)
+        assert sorted({k[0] for k in got if k[1] == "0.lora_A.default.weight"}) == [0, 1], kind
+        assert sorted({k[0] for k in got if k[1] == "0.lora_B.default.weight"}) == [0, 1, 2, 3], kind
+        assert not any("base_layer" in k[1] for k in got), kind
+
+
 def test_start_iteration_offsets_the_step_counter(tmp_path, out):
     train(tmp_path, {"wg_distribution": True, "start_step": 11}, steps=3, start_iteration=10)
     assert steps_with(events_of(out), "grad_reduced") == [11, 12]
