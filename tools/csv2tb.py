@@ -189,7 +189,7 @@ def convert_csv_files(task: _Task) -> _Result:
     sorted_steps = steps[order]
     uniq, starts = np.unique(sorted_steps, return_index=True)
     bounds = [*starts.tolist(), len(order)]
-    os.makedirs(task.out_dir, exist_ok=True)
+    layout.make_dirs(task.out_dir)
     for old in os.listdir(task.out_dir):
         if old.startswith("events.out.tfevents."):
             os.remove(os.path.join(task.out_dir, old))
@@ -248,7 +248,7 @@ def csv2tensorboard_by_step(
         stamp = time.strftime(layout.TIME_FORMAT, time.localtime())
         output_dirpath = os.path.join(monitor_path, f"{stamp}-csv2tensorboard_by_step")
     output_dirpath = os.path.expanduser(str(output_dirpath))
-    os.makedirs(output_dirpath, exist_ok=True)
+    layout.make_dirs(output_dirpath)
     counts: dict[int, int] = {}
     for rank, _ in targets:
         counts[rank] = counts.get(rank, 0) + 1

@@ -185,3 +185,17 @@ def test_the_reference_csv2tb_reads_our_csv_directories_as_ours_does(tmp_path):
             assert len(series) == 3 and all(
                 a[0] == b[0] and (a[1] == b[1] or (math.isnan(a[1]) and math.isnan(b[1])))
                 for a, b in zip(series, ours[tag], strict=True)), (kind, tag)
+
+
+def test_written_with_the_reference_permissions(reference_dirs, tmp_path):
+    """The directories it makes are rwxr-x--- (msprobe's create_directory; as everything trainrec writes);
+    they were rwxr-xr-x under the usual umask."""
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "new" / "tb"
+        csv2tensorboard_by_step(str(reference_dirs), "Dec03_21-34-40", "Dec03_21-34-40", output_dirpath=str(out),
+                                data_type_list=["actv"])
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "new", out, out / "rank0", out / "rank0" / "actv"):
+        assert oct(d.stat().st_mode & 0o777) == "0o750", d
