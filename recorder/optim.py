@@ -261,8 +261,9 @@ class AdamState:
             out.append((i, m, v, float(step), group))
         if missing == len(params) and params and not self._warned and state:
             self._warned = True
-            log.warning("trainrec: no Adam state (exp_avg/exp_avg_sq) found for the monitored parameters in %s; "
-                        "mv_distribution, ur_distribution and mg_direction record nothing for them",
+            log.warning("trainrec: no Adam state (exp_avg with exp_avg_sq) found for the monitored parameters in "
+                        "%s (an optimizer outside Adam's family keeps none, or only part: Adafactor's exp_avg_sq "
+                        "alone); mv_distribution, ur_distribution and mg_direction record nothing for them",
                         type(self.torch_opt).__name__)
         return out
 
