@@ -257,13 +257,17 @@ class StepBegan(Event):
 class StepEnded(Event):
     """A training step ended. ``optimizer_skipped``: its optimizer step never ran (``GradScaler`` or
     DeepSpeed found inf/NaN gradients and skipped it); the recorder saw the next step's first forward
-    with the gradients cleared instead."""
+    with the gradients cleared instead. ``foreign_passes``: no training step, but what the run left
+    after its last one when it ended: passes of the model inside other optimizers' steps only (a GAN's
+    discriminator in the generator's step, which comes second), with nothing of a step of its own after
+    them; its records are those passes', and replay counts no step for it."""
 
     TAG: ClassVar[str] = "se"
     duration: float = 0.0
     collected: bool = False
     micro_steps: int = 1
     optimizer_skipped: bool = False
+    foreign_passes: bool = False
 
     def check(self) -> str | None:
         if not 0 <= self.micro_steps <= MAX_MICRO_STEPS:

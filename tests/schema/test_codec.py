@@ -167,10 +167,12 @@ def test_encoder_accepts_numpy_scalars_and_sets_and_refuses_other_objects():
 
 def test_encode_seq_override_and_wire_layout_is_frozen():
     ev = StepEnded(seq=4, rank=2, step=9, wall=1.5, duration=0.5, collected=True, micro_steps=2)
-    # optimizer_skipped was appended later (schema growth): the fields before it keep their places
-    assert msgpack.unpackb(encode(ev, seq=11)) == ["se", 11, 2, 9, 1.5, 0.5, True, 2, False]
-    assert encode(ev).hex() == "99a27365040209cb3ff8000000000000cb3fe0000000000000c302c2"
+    # optimizer_skipped, then foreign_passes were appended later (schema growth): the fields before
+    # them keep their places, and records written before them decode with their defaults
+    assert msgpack.unpackb(encode(ev, seq=11)) == ["se", 11, 2, 9, 1.5, 0.5, True, 2, False, False]
+    assert encode(ev).hex() == "9aa27365040209cb3ff8000000000000cb3fe0000000000000c302c2c2"
     assert decode(bytes.fromhex("98a27365040209cb3ff8000000000000cb3fe0000000000000c302")) == ev
+    assert decode(bytes.fromhex("99a27365040209cb3ff8000000000000cb3fe0000000000000c302c2")) == ev
 
 
 def test_read_time_upgrade_of_an_older_format_version(monkeypatch):
