@@ -551,12 +551,12 @@ class StepCollector:
             self._add_rows(st, KIND_MG_DIRECTION, scalar_rows(torch.stack(vals), self._engine.ops,
                                                               self._engine.eps), idx)
 
-    def _finish_step(self, st: StepState, optimizer_skipped: bool = False) -> None:
+    def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
         self._write_step(st)
         self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
                              duration=time.perf_counter() - self._step_t0, collected=True,
                              micro_steps=max([self._grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
-                             optimizer_skipped=optimizer_skipped))
+                             optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
 
     def _write_step(self, st: StepState) -> None:
         """The step's hook firings and statistics, to the log (and to the api metrics); less what

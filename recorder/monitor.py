@@ -25,7 +25,10 @@ instance, and are removed at the next step boundary.
 
 Recorded per collected step: HooksFired (every module hook firing and every gradient-accumulation
 hook firing, with its call id in execution order and micro step), TensorStatsRecorded per kind, and
-StepBegan/StepEnded for every step (StepBegan is written at the step's first sign of life).
+StepBegan/StepEnded for every step (StepBegan is written at the step's first sign of life). The
+model's passes inside another optimizer's step (a GAN's discriminator in the generator's step) go into
+its next step; where the run ends after such passes, a close without an exception ends them with a
+StepEnded marked ``foreign_passes`` (no step; see ``_end_foreign_passes``).
 
 Sharded optimizers: torch's ZeroRedundancyOptimizer, DeepSpeed ZeRO 1-3 (:mod:`.zero`; its torch
 optimizer steps once per param group, counted as one step, see ``_part_of_step``) and Megatron's
@@ -166,6 +169,12 @@ class TrainerMon(StepCollector):
         self._param_marks: dict[int, int] = {}  # id(param) -> the parameter's version at its last backward
         self._forwards = 0  # training forwards of chunk 0 in this step
         self._backward_seen = False  # and whether a backward pass ran in it
+        # of those forwards, how many another optimizer's step came after (_other_stepped), and whether a
+        # second pass of the step began (gradients cleared after a backward, _on_micro_step): a step that
+        # is still one pass, every forward of it followed by another optimizer's step, has only passes of
+        # the model inside another model's steps so far (a GAN's discriminator in the generator's step)
+        self._foreign_forwards = 0
+        self._pass_split = False
         self._skips_in_a_row = 0
         # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took; None before one ran
         self._passes: int | None = None
@@ -484,6 +493,12 @@ class TrainerMon(StepCollector):
             # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
             # the monitor (which holds the model) would keep both alive until exit
             self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(_weak_call(self._on_backward))))
+        if not self._manual_steps:
+            # every optimizer's step, once each: another optimizer's (a GAN's other model's) tells the
+            # passes of this model inside that model's step from this model's own (_other_stepped)
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._chunk_handles.append(register_optimizer_step_post_hook(eager(_weak_call(self._other_stepped))))
         self._bind_optimizer(optimizer)
         if self._resumed_from:
             if self._step == 0:
@@ -625,6 +640,8 @@ class TrainerMon(StepCollector):
         if self._closed:
             return
         self._end_skipped_last_step()
+        if reason in ("close", "exit"):  # (after an exception or a signal, a step begun stays open)
+            self._end_foreign_passes()
         self._closed = True
         self._finalizer.detach()
         _open_monitors.discard(self)
@@ -896,6 +913,8 @@ class TrainerMon(StepCollector):
                 self._hook_failed("checking the live export", exc)
         self._forwards = 0
         self._backward_seen = False
+        self._foreign_forwards = 0
+        self._pass_split = False
         if not self._compiled and self._chunks_compiled():
             self._compiled = True
         if self._collects(self._step):
@@ -1178,6 +1197,7 @@ class TrainerMon(StepCollector):
                                    f"grad_acc_steps")
                 else:
                     self._backward_seen = False  # another pass of this step begins: its backward comes later
+                    self._pass_split = True
         self._forwards = n
         # the step's first sign of life, before any module's hook: a rank that hangs in this forward (a
         # collective inside it) and is killed there leaves the step it was in, not the previous one's end
@@ -1206,6 +1226,11 @@ class TrainerMon(StepCollector):
                 # gradients the last backward pass left decide (a GAN's generator pass or SAM's first
                 # one is finite)
                 return self._reduced_non_finite
+            if self._only_foreign_passes():
+                # what came before is the model's part in other models' steps (a GAN's discriminator in
+                # the generator's, as often as the orders of their steps have it), not a pass of its own:
+                # a step with a different number of such passes than the last one is not skipped
+                return False
             return n > (self._passes or 1) * self._grad_acc
         if (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
                 and (self._weights_unchanged() or self._chain_stepped)):
@@ -1219,8 +1244,45 @@ class TrainerMon(StepCollector):
             # optimizer step, the reduced gradients themselves (_check_reduced_grads).
             if self._passes is None:
                 return bool(self._reduced_non_finite)
-            return n > self._passes * self._grad_acc
+            return not self._only_foreign_passes() and n > self._passes * self._grad_acc
         return non_finite
+
+    def _other_stepped(self, opt, args, kwargs) -> None:
+        """Any optimizer's step ended (the global post-step hook, after the instance hooks): where it is
+        not this monitor's, every forward of the step so far was followed by it."""
+        if opt is not self._opt and self._forwards and not any(opt is t for t in self._chain):
+            self._foreign_forwards = self._forwards
+
+    def _only_foreign_passes(self) -> bool:
+        """Whether the step so far is one pass, inside other optimizers' steps (every forward of it was
+        followed by another optimizer's step, and its gradients were not cleared for a pass of its
+        own): the model's part in another model's training step (a GAN's discriminator in the
+        generator's, the generator making the discriminator's fakes), not a pass of its own step."""
+        return (self._opt is not None and not self._pass_split and self._forwards > 0
+                and self._foreign_forwards == self._forwards)
+
+    def _end_foreign_passes(self) -> None:
+        """At a close that is no failure: the run ended after this model's last optimizer step with
+        passes inside other optimizers' steps only (the discriminator's in the generator's, where the
+        generator's optimizer steps second). They are no step of this model's: recorded with a
+        StepEnded that says so (``foreign_passes``), not left as a step begun and never ended, and the
+        step count stays that of the training steps."""
+        if self._closed or self._manual_steps or not self._only_foreign_passes():
+            return
+        try:
+            if self._gradients_non_finite():
+                return  # its own pass among them, whose optimizer step a loss scaler skipped: not only theirs
+            st = self._state
+            self._mark_began()
+            if st is not None:
+                self._finish_step(st, foreign_passes=True)
+            else:
+                self._emit(StepEnded(rank=self.rank, step=self._step, wall=time.time(),
+                                     duration=time.perf_counter() - self._step_t0, collected=False,
+                                     micro_steps=self._grad_acc, foreign_passes=True))
+            self._state = None
+        except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
+            self._hook_failed("passes inside other optimizers' steps at close", exc)
 
     def _end_skipped_last_step(self) -> None:
         """At close: the last step's optimizer step never ran (a loss scaler skipped it) and no forward

@@ -239,7 +239,11 @@ def test_a_gan_discriminator_used_in_the_generator_pass_keeps_its_step_count(tmp
         (disc(torch.ones(2, 3, dtype=torch.long)).mean() * gen.weight[s].sum()).backward()  # D's grads too
         opt_g.step()
     mon.close()
-    assert ends(events_of(out)) == [(s, False) for s in range(6)]
+    ev = events_of(out)
+    # the discriminator's pass in the last generator step: no step of its own (nor one left open)
+    assert ends(ev) == [(s, False) for s in range(7)]
+    assert [e.step for e in ev if isinstance(e, StepEnded) and e.foreign_passes] == [6]
+    assert [e.step for e in ev if isinstance(e, StepBegan)] == list(range(7))
 
 
 def test_no_grad_forwards_in_training_mode_take_no_micro_step(tmp_path, out):
