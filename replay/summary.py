@@ -101,6 +101,9 @@ class RankSummary:
     # stopped, the first failure of each hook (at most MAX_NOTES)
     notes: list[str] = field(default_factory=list)
     unended: list[int] = field(default_factory=list)  # steps that began and did not end
+    # the run's end after the last step: passes of the model inside other optimizers' steps only (a GAN's
+    # discriminator in the generator's), under the next step's number; not counted in ``steps``
+    foreign_passes: list[int] = field(default_factory=list)
 
     @property
     def first_step(self) -> int | None:
@@ -130,6 +133,7 @@ class RankSummary:
             "optimizer_skipped_steps": self.skipped_steps,
             "notes": self.notes,
             "steps_not_ended": self.unended,
+            "foreign_passes_after_last_step": self.foreign_passes,
             "closed_cleanly": self.closed_cleanly,
             "torn_bytes": sum(f.torn_bytes for f in self.files),
             "damage": sum(len(f.problems) for f in self.files),
@@ -193,6 +197,7 @@ def summarize(run: Run) -> RunSummary:
         failed: set[str] = set()
         began: set[int] = set()
         ended: set[int] = set()
+        foreign: set[int] = set()
         for ev in run.events(rank=r):
             t = type(ev)
             counts[t.__name__] += 1
@@ -205,6 +210,8 @@ def summarize(run: Run) -> RunSummary:
                     ended.add(ev.step)
                     if ev.optimizer_skipped:
                         rs.skipped_steps.append(ev.step)
+                    if ev.foreign_passes:
+                        foreign.add(ev.step)
                 elif t is StepBegan:
                     began.add(ev.step)
             elif t is AnomalyDetected:
@@ -223,6 +230,9 @@ def summarize(run: Run) -> RunSummary:
             elif t is ConfigApplied and ev.reason == "dynamic":
                 _note(rs, f"step {ev.step}: monitoring started (dynamic config); first collected step {ev.start_step}")
         rs.unended = sorted(began - ended)
+        rs.foreign_passes = sorted(foreign)
+        rs.steps -= foreign
+        rs.stats_steps -= foreign
         readers = run.readers
         for lf in run.log_files(r):
             try:

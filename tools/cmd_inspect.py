@@ -79,6 +79,9 @@ def _rank_lines(r: RankSummary) -> list[str]:
         why = (f"its log was closed in the middle of it: {last.close_reason}" if last and last.closed_cleanly
                else "the process stopped in the middle of it, or is still in it")
         lines.append(f"  step(s) {shown} began and did not end ({why})")
+    if r.foreign_passes:
+        lines.append(f"  then, as step {', '.join(map(str, r.foreign_passes))}: passes inside other optimizers' steps "
+                     "after the last step (a GAN's discriminator in the generator's step), not a step")
     for d in r.dirs:
         lines.append(f"  dir {d}")
     for f in r.files:
