@@ -540,8 +540,10 @@ class StepStats:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
             host.copy_(values, non_blocking=True)
             if values.is_cuda:
+                # the copy runs on the current stream of the rows' device, which need not be the current
+                # device (a model on cuda:1): the event goes on that stream, or it may complete first
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(values.device))
             values = host
         return HostStats(
             step=step, ops=self.ops, values=values, event=event, kinds=kinds,
