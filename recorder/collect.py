@@ -67,7 +67,7 @@ from . import fused, zero
 from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
-from .stats import StatsPart, StepStats, build_stats_events
+from .stats import StatsPart, StepStats, build_stats_events, gather_device, to_device
 
 log = logging.getLogger(__name__)
 
@@ -429,8 +429,8 @@ class StepCollector:
         if all(isinstance(r, np.ndarray) for r in rows):
             out = np.stack(rows)
         else:
-            dev = next(r.device for r in rows if isinstance(r, torch.Tensor))
-            out = torch.stack([torch.from_numpy(r).to(dev) if isinstance(r, np.ndarray) else r for r in rows])
+            dev = gather_device(r.device for r in rows if isinstance(r, torch.Tensor))
+            out = torch.stack([to_device(torch.from_numpy(r) if isinstance(r, np.ndarray) else r, dev) for r in rows])
         self._add_rows(st, KIND_GRAD_REDUCED, out, [i for i, _ in own])
 
     def _param_pieces(self) -> tuple[list, list]:

@@ -60,7 +60,7 @@ from trainrec.schema.events import (
 
 from .config import Selector
 from .fused import _PLAIN, local_tensor
-from .stats import StatsPart, StepStats
+from .stats import StatsPart, StepStats, gather_device, to_device
 
 if TYPE_CHECKING:
     from .monitor import TrainerMon
@@ -288,8 +288,8 @@ def stack_rows(rows: list) -> torch.Tensor | np.ndarray:
         for i, r in enumerate(rows):
             out[i] = r
         return out
-    dev = next(r.device for r in rows if isinstance(r, torch.Tensor))
-    return torch.stack([torch.from_numpy(r).to(dev) if isinstance(r, np.ndarray) else r for r in rows])
+    dev = gather_device(r.device for r in rows if isinstance(r, torch.Tensor))
+    return torch.stack([to_device(torch.from_numpy(r) if isinstance(r, np.ndarray) else r, dev) for r in rows])
 
 
 class ModuleTarget:

@@ -227,7 +227,7 @@ class StatsEngine:
         if any(t is not None and t.layout is not torch.strided for t in tensors):
             return self._with_sparse(tensors, scales)
         n = len(tensors)
-        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+        device = gather_device(t.device for t in tensors if t is not None)
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:
@@ -244,7 +244,7 @@ class StatsEngine:
         results = {}
         for key, idx in groups.items():
             rows = self._group([tensors[i] for i in idx], key[0], [scales[i] for i in idx] if scales else None)
-            results[key] = rows if rows.device == device else rows.to(device, non_blocking=True)
+            results[key] = to_device(rows, device)
             for k, i in enumerate(idx):
                 owner[i], pos[i] = key, k
         pieces = []
@@ -562,8 +562,24 @@ def _concat(rows: list, nops: int) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([r if isinstance(r, np.ndarray) else r.numpy() for r in rows]))
     tensors = [torch.from_numpy(r) if isinstance(r, np.ndarray) else r for r in rows]
     if len({t.device for t in tensors}) > 1:
-        tensors = [t.cpu() for t in tensors]
+        # (a model split over devices, host rows among a device's): on one accelerator, without waiting
+        # for any, so the step still makes one asynchronous copy to the host
+        dev = gather_device(t.device for t in tensors)
+        tensors = [to_device(t, dev) for t in tensors]
     return torch.cat(tensors)
+
+
+def gather_device(devices) -> torch.device:
+    """Where rows of several devices go together: the first accelerator among ``devices`` (a copy there
+    from the host or from another accelerator starts without waiting for a device, while one to
+    pageable host memory waits, ``non_blocking`` or not), the host where all are on it."""
+    devices = list(devices)
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, copied without blocking the host (a blocking copy syncs the stream)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def build_stats_events(
