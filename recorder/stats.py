@@ -383,13 +383,17 @@ class StatsEngine:
                 # itself may round the other way. A NaN poisons that dot product; such rows (their
                 # sum is not finite) are counted exactly afterwards.
                 e = eps / scales[k] if scales else eps
+                # The field holds the count of zeros: the nonzero count subtracted from numel as an integer
+                # (int64 on the device path: exact past 2**24 elements, where two float32 counts differ by
+                # less than their spacing) and rounded once.
                 if fast:
                     vb, _ = self._buffers(x)
                     q = torch.div(flat, e, rounding_mode="trunc", out=vb[:numel])
                     q.clamp_(-1.0, 1.0)
-                    flat_vals.append(torch.dot(q, q))
+                    flat_vals.append(torch.rsub(torch.dot(q, q), numel))
                 else:
-                    flat_vals.append(torch.count_nonzero(torch.div(x, e, rounding_mode="trunc")).float())
+                    flat_vals.append(torch.rsub(torch.count_nonzero(torch.div(x, e, rounding_mode="trunc")),
+                                                numel).float())
         if single:
             torch.set_num_threads(threads)
         n = len(xs)
@@ -438,7 +442,7 @@ class StatsEngine:
                 cols["nans"] = torch.stack(nan_counts).to(torch.float32)
         if self._zeros:
             if want_zeros:
-                zeros = (numel_t - raw[:, j]) / numel_t
+                zeros = raw[:, j] / numel_t
                 if cpu and bad:
                     for i in bad:  # a NaN made the fast count NaN: count exactly
                         e = eps / scales[i] if scales else eps
