@@ -317,7 +317,7 @@ class StepCollector:
         docstring): on CPU, with a norm to check. (The one-pass kernel's rows carry fingerprints instead,
         with ``TRAINREC_REUSE_UNCHANGED_GRADS=1``.)"""
         eng = self._engine
-        return ("norm" in eng.ops and g.device.type == "cpu" and g.layout is torch.strided
+        return ("norm" in eng.ops and g.device.type == "cpu" and eng.host_paths and g.layout is torch.strided
                 and not (eng.fused and fused.supports(g)))
 
     def _own_grads(self, partitioned_only: bool = False):
