@@ -123,3 +123,27 @@ def test_host_copy_event_is_recorded_on_the_stream_of_the_rows_device(monkeypatc
     monkeypatch.undo()
     assert log == [("copy", torch.device("cuda", 1), True), ("record", ("stream", torch.device("cuda", 1)))]
     assert hs.event is not None
+
+
+def test_host_copy_event_waits_without_spinning(monkeypatch):
+    """The writer thread waits on the host copy's event for up to a step of the device's work: a CUDA
+    event made without ``blocking=True`` spins a core meanwhile (the default scheduling where the
+    process has no more CUDA contexts than cores), against the training thread and data loaders."""
+    made: list = []
+
+    class FakeEvent:
+        def __init__(self, **kwargs) -> None:
+            made.append(kwargs)
+
+        def record(self, stream=None):
+            pass
+
+    monkeypatch.setattr(stats, "_concat", lambda rows, nops: _FakeValues())
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _FakeHost([]))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    st = StepStats(OPS)
+    st.add(StatsPart("actv", None, [0, 1]))
+    st.finish(5)
+    monkeypatch.undo()
+    assert made == [{"blocking": True}]
