@@ -545,8 +545,9 @@ class StepStats:
             host.copy_(values, non_blocking=True)
             if values.is_cuda:
                 # the copy runs on the current stream of the rows' device, which need not be the current
-                # device (a model on cuda:1): the event goes on that stream, or it may complete first
-                event = torch.cuda.Event()
+                # device (a model on cuda:1): the event goes on that stream, or it may complete first.
+                # blocking: the writer thread that waits on it sleeps instead of spinning a core
+                event = torch.cuda.Event(blocking=True)
                 event.record(torch.cuda.current_stream(values.device))
             values = host
         return HostStats(

@@ -106,6 +106,9 @@ def test_host_copy_event_is_recorded_on_the_stream_of_the_rows_device(monkeypatc
     log: list = []
 
     class FakeEvent:
+        def __init__(self, **kwargs) -> None:
+            pass
+
         def record(self, stream=None):
             log.append(("record", stream))
 
