@@ -35,8 +35,11 @@ to check that code against float64 references on a machine without an accelerato
 
 :class:`StepStats` gathers the rows of one step (per kind, with name ids, micro steps, call ids,
 slots and vpp stages), concatenates them into a single tensor and moves it to the host once
-(``non_blocking`` into pinned memory plus a CUDA event where the device is CUDA). The event objects
-are built later from :class:`HostStats` on the writer thread.
+(``non_blocking`` into pinned memory plus a CUDA event, recorded on the stream of the rows' device,
+where the device is CUDA). Rows of several devices (a model split over GPUs, host rows among a
+device's) are gathered on the first accelerator with non-blocking copies, here and in the hooks: a
+copy to pageable host memory would wait for the device. The event objects are built later from
+:class:`HostStats` on the writer thread.
 """
 
 from __future__ import annotations
