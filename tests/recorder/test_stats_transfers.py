@@ -20,6 +20,12 @@ ACCEL = torch.device("meta")
 OPS = ("min", "max", "norm")
 
 
+@pytest.fixture
+def meta_as_cuda(monkeypatch):
+    """The meta stand-in takes the asynchronous copies a CUDA device takes."""
+    monkeypatch.setattr(stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}), raising=False)
+
+
 class CopySpy(TorchDispatchMode):
     """Every copy between devices: (source device, destination device, non_blocking)."""
 
@@ -38,7 +44,7 @@ class CopySpy(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_rows_of_the_host_and_an_accelerator_are_stacked_there_without_waiting():
+def test_rows_of_the_host_and_an_accelerator_are_stacked_there_without_waiting(meta_as_cuda):
     """A hook's rows, some from the host's kernel (numpy) and some from an accelerator: stacked on the
     accelerator, the host rows copied there without blocking (a blocking copy waits for the stream)."""
     spy = CopySpy()
@@ -48,7 +54,7 @@ def test_rows_of_the_host_and_an_accelerator_are_stacked_there_without_waiting()
     assert spy.copies == [("cpu", "meta", True)]
 
 
-def test_a_batch_of_host_and_accelerator_tensors_is_gathered_on_the_accelerator(monkeypatch):
+def test_a_batch_of_host_and_accelerator_tensors_is_gathered_on_the_accelerator(monkeypatch, meta_as_cuda):
     """A module whose input is on the host and output on an accelerator (a model that moves its input
     in its forward, an embedding kept on the host): the rows go together on the accelerator; a copy of
     the accelerator's rows to the host waits for the device inside the hook, even with non_blocking
@@ -66,7 +72,7 @@ def test_a_batch_of_host_and_accelerator_tensors_is_gathered_on_the_accelerator(
     assert all(src == "cpu" and dst == "meta" and nb for src, dst, nb in spy.copies), spy.copies
 
 
-def test_a_step_with_rows_on_several_devices_is_gathered_without_waiting():
+def test_a_step_with_rows_on_several_devices_is_gathered_without_waiting(meta_as_cuda):
     """Rows of the host (the one-pass kernel's numpy arrays) and of an accelerator in one step: one
     tensor on the accelerator, so the step still makes a single asynchronous copy to the host (a
     blocking ``.cpu()`` of each device's rows waits for it at every collected step)."""
@@ -150,3 +156,37 @@ def test_host_copy_event_waits_without_spinning(monkeypatch):
     st.finish(5)
     monkeypatch.undo()
     assert made == [{"blocking": True}]
+
+
+class _FakeMpsValues(_FakeValues):
+    is_cuda = False
+    device = torch.device("mps")
+
+
+def test_host_copy_from_an_accelerator_without_a_cuda_event_completes_before_it_is_read(monkeypatch):
+    """Without a CUDA event to wait on (MPS, NPU), a non-blocking copy to the host may still be in flight
+    when the writer thread reads the rows (torch documents non_blocking device-to-host copies as
+    needing a sync before the values are read): that copy blocks."""
+    log: list = []
+    monkeypatch.setattr(stats, "_concat", lambda rows, nops: _FakeMpsValues())
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _FakeHost(log))
+    st = StepStats(OPS)
+    st.add(StatsPart("actv", None, [0, 1]))
+    hs = st.finish(5)
+    monkeypatch.undo()
+    assert log == [("copy", torch.device("mps"), False)] and hs.event is None
+
+
+def test_copies_to_a_device_are_asynchronous_only_where_that_is_safe(monkeypatch):
+    """Host rows go to CUDA without blocking (the driver stages pageable memory before the call returns),
+    but not to other accelerators, where a non-blocking copy from pageable memory is not safe everywhere
+    (CPU to MPS gives wrong values, pytorch/pytorch#139550)."""
+    spy = CopySpy()
+    with spy:
+        stats.to_device(torch.ones(3), ACCEL)
+    assert spy.copies == [("cpu", "meta", False)]
+    monkeypatch.setattr(stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
+    spy = CopySpy()
+    with spy:
+        stats.to_device(torch.ones(3), ACCEL)
+    assert spy.copies == [("cpu", "meta", True)]
