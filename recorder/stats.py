@@ -545,7 +545,9 @@ class StepStats:
         event = None
         if to_host and values.device.type != "cpu":
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
-            host.copy_(values, non_blocking=True)
+            # without a CUDA event to wait on (MPS, NPU) the copy blocks: a non-blocking one to the host
+            # may still be in flight when the writer thread reads it
+            host.copy_(values, non_blocking=values.is_cuda)
             if values.is_cuda:
                 # the copy runs on the current stream of the rows' device, which need not be the current
                 # device (a model on cuda:1): the event goes on that stream, or it may complete first.
@@ -585,9 +587,15 @@ def gather_device(devices) -> torch.device:
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
 
 
+# Device types a copy goes to without blocking (from pageable host memory, the driver stages it before
+# the call returns; between devices, torch orders the two streams). Elsewhere it blocks: a non-blocking
+# copy from the host is not safe on every accelerator (CPU to MPS gives wrong values, pytorch#139550).
+ASYNC_COPY_DEVICES = frozenset({"cuda"})
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``, copied without blocking the host (a blocking copy syncs the stream)."""
-    return t if t.device == device else t.to(device, non_blocking=True)
+    """``t`` on ``device``; on CUDA without blocking the host (a blocking copy syncs the stream)."""
+    return t if t.device == device else t.to(device, non_blocking=device.type in ASYNC_COPY_DEVICES)
 
 
 def build_stats_events(

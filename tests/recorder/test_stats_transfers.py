@@ -23,7 +23,7 @@ OPS = ("min", "max", "norm")
 @pytest.fixture
 def meta_as_cuda(monkeypatch):
     """The meta stand-in takes the asynchronous copies a CUDA device takes."""
-    monkeypatch.setattr(stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}), raising=False)
+    monkeypatch.setattr(stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
 
 
 class CopySpy(TorchDispatchMode):
