@@ -190,3 +190,34 @@ def test_copies_to_a_device_are_asynchronous_only_where_that_is_safe(monkeypatch
     with spy:
         stats.to_device(torch.ones(3), ACCEL)
     assert spy.copies == [("cpu", "meta", True)]
+
+
+def test_mg_direction_of_a_model_on_two_devices(meta_as_cuda):
+    """mg_direction's values, each on its gradient's device, go together on one device before they are
+    stacked (torch.stack of values on two devices raised at every collected step of a model split over
+    devices)."""
+    from types import SimpleNamespace
+
+    from trainrec.recorder.collect import StepCollector
+
+    grads = [torch.ones(4), torch.ones(4, device=ACCEL)]
+    moms = [torch.ones(4), torch.ones(4, device=ACCEL)]
+
+    class Stub(StepCollector):
+        def __init__(self) -> None:
+            self._adam = SimpleNamespace(adam_family=True, stepped=True,
+                                         lookup=lambda params: [(i, m, m, 1.0, {}) for i, m in enumerate(moms)])
+            self._params = [SimpleNamespace(param=torch.zeros(4)) for _ in grads]
+            self._engine = StatsEngine(OPS)
+            self.added: list = []
+
+        def _own_grad_lists(self, partitioned_only=False):
+            return [0, 1], grads
+
+        def _add_rows(self, st, kind, rows, indices):
+            self.added.append((kind, rows, indices))
+
+    stub = Stub()
+    stub._mg_direction_rows(None)
+    (kind, rows, indices), = stub.added
+    assert rows.shape == (2, len(OPS)) and rows.device == ACCEL and indices == [0, 1]
