@@ -473,8 +473,8 @@ class StepCollector:
                 except Exception as exc:  # noqa: BLE001
                     self._hook_failed(f"{what} of {self._params[i].name!r}", exc)
                     rows.append(None)
-            dev = next((r.device for r in rows if r is not None), torch.device("cpu"))
-            return torch.cat([r.to(dev) if r is not None else self._engine.nan_rows(1, dev) for r in rows])
+            dev = gather_device(r.device for r in rows if r is not None)
+            return torch.cat([to_device(r, dev) if r is not None else self._engine.nan_rows(1, dev) for r in rows])
 
     def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
         """Rows of parameters ``indices`` that fire now, one call id each (the optimizer step's)."""
@@ -548,8 +548,9 @@ class StepCollector:
             idx.append(i)
             vals.append(mg_direction(g, m))
         if idx:
-            self._add_rows(st, KIND_MG_DIRECTION, scalar_rows(torch.stack(vals), self._engine.ops,
-                                                              self._engine.eps), idx)
+            dev = gather_device(v.device for v in vals)  # (a model split over devices)
+            self._add_rows(st, KIND_MG_DIRECTION, scalar_rows(torch.stack([to_device(v, dev) for v in vals]),
+                                                              self._engine.ops, self._engine.eps), idx)
 
     def _finish_step(self, st: StepState, optimizer_skipped: bool = False) -> None:
         self._write_step(st)
