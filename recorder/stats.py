@@ -37,9 +37,9 @@ to check that code against float64 references on a machine without an accelerato
 slots and vpp stages), concatenates them into a single tensor and moves it to the host once
 (``non_blocking`` into pinned memory plus a CUDA event, recorded on the stream of the rows' device,
 where the device is CUDA). Rows of several devices (a model split over GPUs, host rows among a
-device's) are gathered on the first accelerator with non-blocking copies, here and in the hooks: a
-copy to pageable host memory would wait for the device. The event objects are built later from
-:class:`HostStats` on the writer thread.
+device's) are gathered on the first accelerator (non-blocking copies to CUDA), here and in the hooks:
+a blocking copy to the host waits for the device, and a non-blocking one may be read before it has
+landed. The event objects are built later from :class:`HostStats` on the writer thread.
 """
 
 from __future__ import annotations
@@ -581,8 +581,9 @@ def _concat(rows: list, nops: int) -> torch.Tensor:
 
 def gather_device(devices) -> torch.device:
     """Where rows of several devices go together: the first accelerator among ``devices`` (a copy there
-    from the host or from another accelerator starts without waiting for a device, while one to
-    pageable host memory waits, ``non_blocking`` or not), the host where all are on it."""
+    from the host or from another accelerator starts without waiting for a device, while one to the
+    host waits for the device, or, ``non_blocking``, may be read before it has landed), the host where
+    all are on it."""
     devices = list(devices)
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
 
