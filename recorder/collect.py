@@ -82,6 +82,13 @@ _PARAM = attrgetter("param")
 # a top-k mask) would go unseen.
 REUSE_UNCHANGED = os.environ.get("TRAINREC_REUSE_UNCHANGED_GRADS", "0") == "1"
 
+# The weight-gradient batch of the Python hooks is measured once its gradients hold this many bytes: it
+# may be their only holder. DDP with gradient_as_bucket_view, after zero_grad() (set_to_none), copies each
+# fresh gradient into its bucket in its own hook, right after the monitor's, points .grad at the bucket
+# and drops the fresh tensor; a batch held to the end of the backward pass would keep a second copy of
+# every gradient on the device at each collected step.
+PENDING_FLUSH_BYTES = 1 << 28
+
 # A collected step open this long has what it recorded so far written while it goes on (StepCollector._spill),
 # checked every SPILL_TICK_S seconds.
 SPILL_AFTER_S = 1.0
@@ -142,12 +149,19 @@ class StepCollector:
             self._queue_flush_at_end_of_backward()
         pending.append((index, micro, call, g))
         st.pending_set.add(index)
+        if g is None:
+            st.pending_lookup = True
         if now or (len(pending) >= len(self._params) and g is not None):
             self._flush_grads()
         elif _in_shared_buffer(g):
             if drained:  # its owner (DDP) may have changed it since it fired: hooks that measure it then
                 self._list_hooks_fallback("a gradient is a view into a shared buffer")
             self._flush_grads()
+        elif g is not None and not st.pending_lookup:
+            # the batch may be the only holder of its gradients (see PENDING_FLUSH_BYTES)
+            st.pending_bytes += g.nbytes
+            if st.pending_bytes >= PENDING_FLUSH_BYTES:
+                self._flush_grads()
 
     def _end_of_backward_flush(self) -> None:
         st = self._state
@@ -271,6 +285,8 @@ class StepCollector:
         pend = st.pending
         st.pending = []
         st.pending_set = set()
+        st.pending_bytes = 0
+        st.pending_lookup = False
         if not pend:
             return
         idxs, micros, calls, grads = zip(*pend, strict=True)

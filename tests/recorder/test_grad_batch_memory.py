@@ -17,7 +17,7 @@ from trainrec.recorder import TrainerMon, collect
 
 
 def test_gradients_swapped_out_by_their_owner_are_not_kept_to_the_end_of_backward(tmp_path, monkeypatch):
-    monkeypatch.setattr(collect, "PENDING_FLUSH_BYTES", 1, raising=False)
+    monkeypatch.setattr(collect, "PENDING_FLUSH_BYTES", 1)
     mon = TrainerMon({"wg_distribution": True, "ops": ALL_OPS, "format": "csv"}, live_export=False,
                      output_dir=str(tmp_path / "out"))
     model, opt = make(0)
