@@ -10,7 +10,8 @@ the end of the backward pass: see the comment above :meth:`StepCollector._list_h
 measured in one batch when every monitored parameter has fired in this micro step, at the end of the
 backward pass (a callback queued in the autograd engine at the batch's first gradient, so it runs
 before DDP's end-of-backward callback writes the averaged gradients back), when the next micro step's
-forward begins (a forward pre-hook on each model chunk), or at the optimizer pre-step, whichever
+forward begins (a forward pre-hook on each model chunk), at the optimizer pre-step, or once the
+Python hooks' queue holds PENDING_FLUSH_BYTES of gradients (it may be their only holder), whichever
 comes first, so ``.grad`` is measured before the next micro step accumulates into it. A
 gradient that is a view into a shared buffer (DDP bucket views, Megatron's grad buffer) is measured
 in its own hook, with the queue: the buffer's owner changes it in place right after (DDP divides it
