@@ -164,7 +164,7 @@ def test_the_device_path_reads_no_value_back_on_the_training_thread(tmp_path, mo
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     model, opt = make()
     cfg = {**EVERYTHING, "format": "csv"}
-    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False)
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
     mon._engine.fused = False
     mon._engine.host_paths = False
