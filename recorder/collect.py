@@ -10,7 +10,8 @@ the end of the backward pass: see the comment above :meth:`StepCollector._list_h
 measured in one batch when every monitored parameter has fired in this micro step, at the end of the
 backward pass (a callback queued in the autograd engine at the batch's first gradient, so it runs
 before DDP's end-of-backward callback writes the averaged gradients back), when the next micro step's
-forward begins (a forward pre-hook on each model chunk), or at the optimizer pre-step, whichever
+forward begins (a forward pre-hook on each model chunk), at the optimizer pre-step, or once the
+Python hooks' queue holds PENDING_FLUSH_BYTES of gradients (it may be their only holder), whichever
 comes first, so ``.grad`` is measured before the next micro step accumulates into it. A
 gradient that is a view into a shared buffer (DDP bucket views, Megatron's grad buffer) is measured
 in its own hook, with the queue: the buffer's owner changes it in place right after (DDP divides it
@@ -67,7 +68,7 @@ from . import fused, zero
 from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
-from .stats import StatsPart, StepStats, build_stats_events
+from .stats import StatsPart, StepStats, build_stats_events, gather_device, to_device
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,13 @@ _PARAM = attrgetter("param")
 # .data or numpy that leaves both extreme elements alone (zeroing some rows of an embedding's gradient,
 # a top-k mask) would go unseen.
 REUSE_UNCHANGED = os.environ.get("TRAINREC_REUSE_UNCHANGED_GRADS", "0") == "1"
+
+# The weight-gradient batch of the Python hooks is measured once its gradients hold this many bytes: it
+# may be their only holder. DDP with gradient_as_bucket_view, after zero_grad() (set_to_none), copies each
+# fresh gradient into its bucket in its own hook, right after the monitor's, points .grad at the bucket
+# and drops the fresh tensor; a batch held to the end of the backward pass would keep a second copy of
+# every gradient on the device at each collected step.
+PENDING_FLUSH_BYTES = 1 << 28
 
 # A collected step open this long has what it recorded so far written while it goes on (StepCollector._spill),
 # checked every SPILL_TICK_S seconds.
@@ -142,12 +150,19 @@ class StepCollector:
             self._queue_flush_at_end_of_backward()
         pending.append((index, micro, call, g))
         st.pending_set.add(index)
+        if g is None:
+            st.pending_lookup = True
         if now or (len(pending) >= len(self._params) and g is not None):
             self._flush_grads()
         elif _in_shared_buffer(g):
             if drained:  # its owner (DDP) may have changed it since it fired: hooks that measure it then
                 self._list_hooks_fallback("a gradient is a view into a shared buffer")
             self._flush_grads()
+        elif g is not None and not st.pending_lookup:
+            # the batch may be the only holder of its gradients (see PENDING_FLUSH_BYTES)
+            st.pending_bytes += g.nbytes
+            if st.pending_bytes >= PENDING_FLUSH_BYTES:
+                self._flush_grads()
 
     def _end_of_backward_flush(self) -> None:
         st = self._state
@@ -271,6 +286,8 @@ class StepCollector:
         pend = st.pending
         st.pending = []
         st.pending_set = set()
+        st.pending_bytes = 0
+        st.pending_lookup = False
         if not pend:
             return
         idxs, micros, calls, grads = zip(*pend, strict=True)
@@ -317,7 +334,7 @@ class StepCollector:
         docstring): on CPU, with a norm to check. (The one-pass kernel's rows carry fingerprints instead,
         with ``TRAINREC_REUSE_UNCHANGED_GRADS=1``.)"""
         eng = self._engine
-        return ("norm" in eng.ops and g.device.type == "cpu" and g.layout is torch.strided
+        return ("norm" in eng.ops and g.device.type == "cpu" and eng.host_paths and g.layout is torch.strided
                 and not (eng.fused and fused.supports(g)))
 
     def _own_grads(self, partitioned_only: bool = False):
@@ -429,8 +446,8 @@ class StepCollector:
         if all(isinstance(r, np.ndarray) for r in rows):
             out = np.stack(rows)
         else:
-            dev = next(r.device for r in rows if isinstance(r, torch.Tensor))
-            out = torch.stack([torch.from_numpy(r).to(dev) if isinstance(r, np.ndarray) else r for r in rows])
+            dev = gather_device(r.device for r in rows if isinstance(r, torch.Tensor))
+            out = torch.stack([to_device(torch.from_numpy(r) if isinstance(r, np.ndarray) else r, dev) for r in rows])
         self._add_rows(st, KIND_GRAD_REDUCED, out, [i for i, _ in own])
 
     def _param_pieces(self) -> tuple[list, list]:
@@ -473,8 +490,8 @@ class StepCollector:
                 except Exception as exc:  # noqa: BLE001
                     self._hook_failed(f"{what} of {self._params[i].name!r}", exc)
                     rows.append(None)
-            dev = next((r.device for r in rows if r is not None), torch.device("cpu"))
-            return torch.cat([r.to(dev) if r is not None else self._engine.nan_rows(1, dev) for r in rows])
+            dev = gather_device(r.device for r in rows if r is not None)
+            return torch.cat([to_device(r, dev) if r is not None else self._engine.nan_rows(1, dev) for r in rows])
 
     def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
         """Rows of parameters ``indices`` that fire now, one call id each (the optimizer step's)."""
@@ -548,8 +565,9 @@ class StepCollector:
             idx.append(i)
             vals.append(mg_direction(g, m))
         if idx:
-            self._add_rows(st, KIND_MG_DIRECTION, scalar_rows(torch.stack(vals), self._engine.ops,
-                                                              self._engine.eps), idx)
+            dev = gather_device(v.device for v in vals)  # (a model split over devices)
+            self._add_rows(st, KIND_MG_DIRECTION, scalar_rows(torch.stack([to_device(v, dev) for v in vals]),
+                                                              self._engine.ops, self._engine.eps), idx)
 
     def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
         self._write_step(st)

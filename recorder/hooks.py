@@ -60,7 +60,7 @@ from trainrec.schema.events import (
 
 from .config import Selector
 from .fused import _PLAIN, local_tensor
-from .stats import StatsPart, StepStats
+from .stats import StatsPart, StepStats, gather_device, to_device
 
 if TYPE_CHECKING:
     from .monitor import TrainerMon
@@ -162,7 +162,7 @@ class StepState:
     """What the hooks of one collected step accumulate."""
 
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
-                 "grad_count", "pending", "pending_set", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
+                 "grad_count", "pending", "pending_set", "pending_bytes", "pending_lookup", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
                  "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro", "spilled_parts", "spilled_fires", "written",
                  "nograd_fwd", "chunk_open", "eob_queued")
 
@@ -180,6 +180,8 @@ class StepState:
         self.grad_count: dict[int, int] = {}
         self.pending: list[tuple] = []  # (param index, micro step, call id, .grad tensor or None)
         self.pending_set: set[int] = set()
+        self.pending_bytes = 0  # bytes of the pending gradients queued by the Python hooks
+        self.pending_lookup = False  # a pending entry's gradient is looked up when the batch is measured
         self.last_unreduced: dict[int, tuple] = {}  # param index -> (rows tensor, row, grad id, version)
         self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)
         self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
@@ -288,8 +290,8 @@ def stack_rows(rows: list) -> torch.Tensor | np.ndarray:
         for i, r in enumerate(rows):
             out[i] = r
         return out
-    dev = next(r.device for r in rows if isinstance(r, torch.Tensor))
-    return torch.stack([torch.from_numpy(r).to(dev) if isinstance(r, np.ndarray) else r for r in rows])
+    dev = gather_device(r.device for r in rows if isinstance(r, torch.Tensor))
+    return torch.stack([to_device(torch.from_numpy(r) if isinstance(r, np.ndarray) else r, dev) for r in rows])
 
 
 class ModuleTarget:

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from . import fused, zero
+from .stats import gather_device, to_device
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +369,10 @@ def _chunks(numels: Sequence[int], limit: int) -> list[tuple[int, int]]:
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The chunks' rows, each on its first tensor's device, on one device (a model split over devices)."""
     if not parts:
         return None
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(parts) == 1:
+        return parts[0]
+    dev = gather_device(p.device for p in parts)
+    return torch.cat([to_device(p, dev) for p in parts])

@@ -35,8 +35,11 @@ to check that code against float64 references on a machine without an accelerato
 
 :class:`StepStats` gathers the rows of one step (per kind, with name ids, micro steps, call ids,
 slots and vpp stages), concatenates them into a single tensor and moves it to the host once
-(``non_blocking`` into pinned memory plus a CUDA event where the device is CUDA). The event objects
-are built later from :class:`HostStats` on the writer thread.
+(``non_blocking`` into pinned memory plus a CUDA event, recorded on the stream of the rows' device,
+where the device is CUDA). Rows of several devices (a model split over GPUs, host rows among a
+device's) are gathered on the first accelerator (non-blocking copies to CUDA), here and in the hooks:
+a blocking copy to the host waits for the device, and a non-blocking one may be read before it has
+landed. The event objects are built later from :class:`HostStats` on the writer thread.
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ class StatsEngine:
         if any(t is not None and t.layout is not torch.strided for t in tensors):
             return self._with_sparse(tensors, scales)
         n = len(tensors)
-        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+        device = gather_device(t.device for t in tensors if t is not None)
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:
@@ -244,7 +247,7 @@ class StatsEngine:
         results = {}
         for key, idx in groups.items():
             rows = self._group([tensors[i] for i in idx], key[0], [scales[i] for i in idx] if scales else None)
-            results[key] = rows if rows.device == device else rows.to(device, non_blocking=True)
+            results[key] = to_device(rows, device)
             for k, i in enumerate(idx):
                 owner[i], pos[i] = key, k
         pieces = []
@@ -383,13 +386,17 @@ class StatsEngine:
                 # itself may round the other way. A NaN poisons that dot product; such rows (their
                 # sum is not finite) are counted exactly afterwards.
                 e = eps / scales[k] if scales else eps
+                # The field holds the count of zeros: the nonzero count subtracted from numel as an integer
+                # (int64 on the device path: exact past 2**24 elements, where two float32 counts differ by
+                # less than their spacing) and rounded once.
                 if fast:
                     vb, _ = self._buffers(x)
                     q = torch.div(flat, e, rounding_mode="trunc", out=vb[:numel])
                     q.clamp_(-1.0, 1.0)
-                    flat_vals.append(torch.dot(q, q))
+                    flat_vals.append(torch.rsub(torch.dot(q, q), numel))
                 else:
-                    flat_vals.append(torch.count_nonzero(torch.div(x, e, rounding_mode="trunc")).float())
+                    flat_vals.append(torch.rsub(torch.count_nonzero(torch.div(x, e, rounding_mode="trunc")),
+                                                numel).float())
         if single:
             torch.set_num_threads(threads)
         n = len(xs)
@@ -438,7 +445,7 @@ class StatsEngine:
                 cols["nans"] = torch.stack(nan_counts).to(torch.float32)
         if self._zeros:
             if want_zeros:
-                zeros = (numel_t - raw[:, j]) / numel_t
+                zeros = raw[:, j] / numel_t
                 if cpu and bad:
                     for i in bad:  # a NaN made the fast count NaN: count exactly
                         e = eps / scales[i] if scales else eps
@@ -538,10 +545,15 @@ class StepStats:
         event = None
         if to_host and values.device.type != "cpu":
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
-            host.copy_(values, non_blocking=True)
+            # without a CUDA event to wait on (MPS, NPU) the copy blocks: a non-blocking one to the host
+            # may still be in flight when the writer thread reads it
+            host.copy_(values, non_blocking=values.is_cuda)
             if values.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
+                # the copy runs on the current stream of the rows' device, which need not be the current
+                # device (a model on cuda:1): the event goes on that stream, or it may complete first.
+                # blocking: the writer thread that waits on it sleeps instead of spinning a core
+                event = torch.cuda.Event(blocking=True)
+                event.record(torch.cuda.current_stream(values.device))
             values = host
         return HostStats(
             step=step, ops=self.ops, values=values, event=event, kinds=kinds,
@@ -560,8 +572,31 @@ def _concat(rows: list, nops: int) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([r if isinstance(r, np.ndarray) else r.numpy() for r in rows]))
     tensors = [torch.from_numpy(r) if isinstance(r, np.ndarray) else r for r in rows]
     if len({t.device for t in tensors}) > 1:
-        tensors = [t.cpu() for t in tensors]
+        # (a model split over devices, host rows among a device's): on one accelerator, without waiting
+        # for any, so the step still makes one asynchronous copy to the host
+        dev = gather_device(t.device for t in tensors)
+        tensors = [to_device(t, dev) for t in tensors]
     return torch.cat(tensors)
+
+
+def gather_device(devices) -> torch.device:
+    """Where rows of several devices go together: the first accelerator among ``devices`` (a copy there
+    from the host or from another accelerator starts without waiting for a device, while one to the
+    host waits for the device, or, ``non_blocking``, may be read before it has landed), the host where
+    all are on it."""
+    devices = list(devices)
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+
+
+# Device types a copy goes to without blocking (from pageable host memory, the driver stages it before
+# the call returns; between devices, torch orders the two streams). Elsewhere it blocks: a non-blocking
+# copy from the host is not safe on every accelerator (CPU to MPS gives wrong values, pytorch#139550).
+ASYNC_COPY_DEVICES = frozenset({"cuda"})
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; on CUDA without blocking the host (a blocking copy syncs the stream)."""
+    return t if t.device == device else t.to(device, non_blocking=device.type in ASYNC_COPY_DEVICES)
 
 
 def build_stats_events(

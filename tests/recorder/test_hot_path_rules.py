@@ -6,6 +6,9 @@ paths (the one-pass kernel, torch's CPU reductions, and the code accelerators ta
 from __future__ import annotations
 
 import collections
+import os
+import threading
+import traceback
 
 import pytest
 import torch
@@ -144,3 +147,47 @@ def test_own_gradients_without_a_loop_are_those_of_the_general_path(tmp_path, mo
     general, fast = _own_grads_both_ways(mon)
     assert fast == general and general == ([], [])
     mon.close()
+
+
+# Where the device path may read a value back: plain Adam's step counter (a CPU tensor on every device),
+# and the reduced gradients' inf/NaN check before the run's first optimizer step (a sync once).
+_ALLOWED_READS = {("optim.py", "lookup"), ("monitor.py", "_check_reduced_grads")}
+_READS = ("tolist", "numpy", "item", "__bool__", "__float__", "__int__", "__index__", "cpu", "nonzero")
+
+
+def test_the_device_path_reads_no_value_back_on_the_training_thread(tmp_path, monkeypatch):
+    """The promise of no per-tensor device sync and no ``.item()`` in hooks, on the code accelerators take
+    (``host_paths = False``): with every option on, the training thread's collected steps call no method
+    that copies a tensor's values to the host (a sync on an accelerator) from the recorder, but for the
+    two reads it documents. Spies on the Tensor methods themselves (on CPU these read memory without a
+    dispatched op)."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model, opt = make()
+    cfg = {**EVERYTHING, "format": "csv"}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
+    mon._engine.fused = False
+    mon._engine.host_paths = False
+    seen = collections.Counter()
+    main = threading.main_thread()
+
+    def spy_of(name):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *args, **kwargs):
+            if threading.current_thread() is main:
+                frames = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}recorder{os.sep}" in f.filename
+                          and f"{os.sep}tests{os.sep}" not in f.filename]
+                if frames:
+                    seen[(os.path.basename(frames[-1].filename), frames[-1].name, name)] += 1
+            return real(self, *args, **kwargs)
+
+        return spy
+
+    for name in _READS:
+        monkeypatch.setattr(torch.Tensor, name, spy_of(name))
+    train_batches(model, opt, steps=3)
+    monkeypatch.undo()
+    mon.close()
+    assert mon._collections == 3  # it did record
+    assert {k: n for k, n in seen.items() if k[:2] not in _ALLOWED_READS} == {}

@@ -337,3 +337,22 @@ def test_an_optimizer_over_another_model_is_said(tmp_path, out, caplog):
             said[case] = [r.getMessage() for r in caplog.records if "steps none of the monitored" in r.getMessage()]
     assert len(said["other"]) == 1 and "(AdamW)" in said["other"][0]
     assert said["own"] == said["list"] == []
+
+
+def test_update_and_ratio_of_state_on_two_devices_in_separate_chunks(monkeypatch):
+    """A model split over two devices whose state spans more than one chunk: the chunks' rows, each on
+    its first tensor's device, go together on one device (torch.cat of rows on two devices raised, and
+    the step lost its update and ratio rows). The meta device stands in for the second accelerator."""
+    from trainrec.recorder import stats
+
+    monkeypatch.setattr(stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
+    group = {"betas": (0.9, 0.999), "eps": 1e-8}
+    entries = [(0, torch.ones(4), torch.ones(4), 3.0, group),
+               (1, torch.ones(4, device="meta"), torch.ones(4, device="meta"), 3.0, group)]
+
+    def compute(xs, scales):
+        return torch.zeros(len(xs), 3, device=xs[0].device)
+
+    upd, ratio = update_and_ratio(entries, compute, True, True, chunk_numel=4)
+    assert upd.shape == ratio.shape == (2, 3)
+    assert upd.device == ratio.device == torch.device("meta")

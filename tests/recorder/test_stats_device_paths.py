@@ -162,3 +162,15 @@ def test_device_path_temporaries_are_bounded_by_a_part(dtype, monkeypatch):
     for got_row, want_row in zip(rows.tolist(), want.tolist(), strict=True):
         assert all(close(a, b, 1e-2 if dtype is not torch.float32 else 1e-4) for a, b in zip(got_row, want_row,
                                                                                              strict=True))
+
+
+def test_device_path_counts_a_few_zeros_among_more_than_2_24_elements():
+    """The zero count of a tensor of more than 2**24 elements is exact before its one rounding to the
+    float32 fraction: one zero in 20M elements is 5e-8, not the difference of two float32 counts (0)."""
+    eng = StatsEngine(("zeros",), 1e-8)
+    eng.host_paths = False
+    n = 20_000_001
+    x = torch.ones(n, dtype=torch.bfloat16)
+    x[12345] = 0
+    got = eng.compute([x])[0, 0].item()
+    assert got == pytest.approx(1 / n, rel=1e-6)
