@@ -15,12 +15,13 @@ there, then each event as it is written, in the order each rank wrote them (rank
 they are read, not merged by execution order); it ends when every rank's log is closed, or its
 writer (a process of this host) is gone after a crash, or at Ctrl-C. A run whose every log file
 cannot be read (not a log, an unsupported version, no permission) is an error, as without ``-f``;
-a directory where no log has appeared yet is waited for.
+a directory where no log has appeared yet (or a path not made yet) is waited for, said once on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -144,6 +145,7 @@ def _followed(args: argparse.Namespace):
     """The events of a run being written, one list per poll that found any, until it is closed or
     its writers are gone."""
     follower = RunFollower(args.run, run_id=args.run_id)
+    said_waiting = False
     while True:
         events = follower.poll()
         if events:
@@ -158,4 +160,8 @@ def _followed(args: argparse.Namespace):
             print("trainrec dump: the process writing the run is gone and left its log unclosed (a crash)",
                   file=sys.stderr)
             return
+        if not said_waiting and not follower.readers and not follower.file_errors:  # (a mistyped RUN, too)
+            what = "has no trainrec log yet" if os.path.exists(args.run) else "does not exist yet"
+            print(f"trainrec dump: waiting for a log: {args.run} {what} (Ctrl-C to stop)", file=sys.stderr)
+            said_waiting = True
         time.sleep(args.poll_interval)

@@ -128,6 +128,27 @@ def test_dump_follow_still_waits_for_a_run_whose_logs_have_not_appeared(tmp_path
     assert result == [0] and '"type":"FileClosed"' in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("exists", [False, True])
+def test_dump_follow_says_once_that_it_waits_for_a_log_and_where(tmp_path, capsys, exists):
+    """A mistyped RUN (or one given before training made it) was waited for without a word: the
+    command sat there with no output, as if the run had nothing to show."""
+    out = tmp_path / "out"
+    if exists:
+        out.mkdir()
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(main(["dump", "-f", "--poll-interval", "0.02", str(out)])),
+                         daemon=True)
+    t.start()
+    t.join(0.5)
+    assert result == []
+    err = capsys.readouterr().err
+    what = "has no trainrec log yet" if exists else "does not exist yet"
+    assert err.count("trainrec dump: waiting") == 1 and f"{out} {what}" in err, err
+    good_log(str(out))
+    t.join(10)
+    assert result == [0] and "waiting" not in capsys.readouterr().err
+
+
 def test_an_empty_log_is_a_note_given_as_file_rank_directory_or_output_directory(tmp_path, capsys):
     out = tmp_path / "out"
     log = out / f"{STAMP}-rank0-0000beef" / "trainrec-00000.trl"
