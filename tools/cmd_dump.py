@@ -161,7 +161,10 @@ def _followed(args: argparse.Namespace):
                   file=sys.stderr)
             return
         if not said_waiting and not follower.readers and not follower.file_errors:  # (a mistyped RUN, too)
-            what = "has no trainrec log yet" if os.path.exists(args.run) else "does not exist yet"
+            if not os.path.exists(args.run):
+                what = "does not exist yet"
+            else:
+                what = f"has no log of run id {args.run_id!r} yet" if args.run_id else "has no trainrec log yet"
             print(f"trainrec dump: waiting for a log: {args.run} {what} (Ctrl-C to stop)", file=sys.stderr)
             said_waiting = True
         time.sleep(args.poll_interval)

@@ -149,6 +149,23 @@ def test_dump_follow_says_once_that_it_waits_for_a_log_and_where(tmp_path, capsy
     assert result == [0] and "waiting" not in capsys.readouterr().err
 
 
+def test_dump_follow_of_a_run_id_not_there_says_it_waits_for_that_run(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    good_log(out)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(main(["dump", "-f", "--poll-interval", "0.02", "--run-id", "zzz",
+                                                            out])), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert result == []
+    assert f"waiting for a log: {out} has no log of run id 'zzz' yet" in capsys.readouterr().err
+    from trainrec.recorder.writer import LogWriter
+
+    LogWriter(os.path.join(out, f"{STAMP}-rank0-0000feed"), rank=0, world_size=1, run_id="zzz1").close()
+    t.join(10)
+    assert result == [0]
+
+
 def test_an_empty_log_is_a_note_given_as_file_rank_directory_or_output_directory(tmp_path, capsys):
     out = tmp_path / "out"
     log = out / f"{STAMP}-rank0-0000beef" / "trainrec-00000.trl"
