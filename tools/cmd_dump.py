@@ -151,7 +151,10 @@ def _followed(args: argparse.Namespace):
         if events:
             yield events
             continue
-        if follower.closed:
+        if follower.closed:  # (every rank of the run seen)
+            missing = sorted(set(args.rank or ()) - set(follower.ranks))
+            if missing:
+                raise TrainrecError(f"rank(s) {missing} not in run {follower.run_id!r} (ranks: {follower.ranks})")
             return
         err = follower.unfollowable
         if err is not None:

@@ -166,6 +166,17 @@ def test_dump_follow_of_a_run_id_not_there_says_it_waits_for_that_run(tmp_path, 
     assert result == [0]
 
 
+def test_dump_follow_of_a_rank_the_closed_run_does_not_have_is_an_error_like_dump(tmp_path, capsys):
+    """It printed nothing and exited 0, where plain dump names the ranks the run has."""
+    out = str(tmp_path / "out")
+    good_log(out)
+    assert main(["dump", "--rank", "5", out]) == 2
+    plain = capsys.readouterr().err
+    assert main(["dump", "-f", "--poll-interval", "0.02", "--rank", "5", out]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err == plain and "rank(s) [5] not in run 'hostile' (ranks: [0])" in plain
+
+
 def test_an_empty_log_is_a_note_given_as_file_rank_directory_or_output_directory(tmp_path, capsys):
     out = tmp_path / "out"
     log = out / f"{STAMP}-rank0-0000beef" / "trainrec-00000.trl"
