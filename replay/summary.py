@@ -18,6 +18,7 @@ Finding severities:
 from __future__ import annotations
 
 import os
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from trainrec.schema.events import (
 )
 
 from .discover import LogFile
+from .follow import pid_alive
 from .reader import Problem, SeqGap
 from .run import Run
 
@@ -59,6 +61,9 @@ class FileSummary:
     gaps: list[SeqGap] = field(default_factory=list)
     error: str | None = None
     first_record_is_header: bool = True
+    writer_pid: int = 0  # the writer's, from the file's header
+    writer_host: str = ""
+    writer_running: bool | None = None  # for a file not closed: whether its writer runs (None: another host)
 
     @property
     def lost_frames(self) -> int:
@@ -81,6 +86,9 @@ class FileSummary:
             ],
             "lost_frames": self.lost_frames,
             "error": self.error,
+            "writer_pid": self.writer_pid,
+            "writer_host": self.writer_host,
+            "writer_running": self.writer_running,
         }
 
 
@@ -250,6 +258,10 @@ def summarize(run: Run) -> RunSummary:
                 fs.problems = list(reader.problems)
                 fs.gaps = list(reader.gaps)
                 fs.first_record_is_header = reader.events_read == 0 or isinstance(reader.header, FileOpened)
+                if isinstance(reader.header, FileOpened):
+                    fs.writer_pid, fs.writer_host = reader.header.pid, reader.header.host
+                    if not fs.closed_cleanly and fs.writer_pid and fs.writer_host == socket.gethostname():
+                        fs.writer_running = pid_alive(fs.writer_pid)
             rs.files.append(fs)
         ranks.append(rs)
     return RunSummary(

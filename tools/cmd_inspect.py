@@ -50,6 +50,10 @@ def _file_state(f: FileSummary) -> str:
             state += f", {f.torn_bytes} stray bytes after it"
     elif f.torn_bytes:
         state = f"NOT closed, torn tail {f.torn_bytes} bytes"
+    elif f.writer_running:
+        state = f"not closed: still being written (pid {f.writer_pid})"
+    elif f.writer_running is False:
+        state = f"not closed: its writer (pid {f.writer_pid}) is gone (killed, or crashed after a flush)"
     else:
         state = "not closed (killed after a flush, or still being written)"
     if f.problems:

@@ -378,3 +378,27 @@ def test_dump_of_a_torn_log_says_what_it_left_out(tmp_path, capsys):
     assert f"{path} ends in an incomplete record" in cap.err
     assert main(["dump", out, "--rank", "0"]) == 0
     assert "incomplete record" not in capsys.readouterr().err
+
+
+def test_inspect_tells_a_log_still_being_written_from_one_whose_writer_is_gone(tmp_path, capsys):
+    """Both were 'not closed (killed after a flush, or still being written)', where export tells them
+    apart by the writer's pid: a post-mortem wants to know which."""
+    import subprocess
+    import sys
+
+    live = str(tmp_path / "live")
+    _write_rank(live, 0, close=False)  # this process: still running
+    assert main(["inspect", live]) == 0
+    assert f"not closed: still being written (pid {os.getpid()})" in capsys.readouterr().out
+    dead = str(tmp_path / "dead")
+    code = ("import os, sys; sys.path.insert(0, sys.argv[2]); from test_cli_inspect_check_dump import _write_rank; "
+            "_write_rank(sys.argv[1], 0, close=False); print(os.getpid(), flush=True); os._exit(0)")
+    proc = subprocess.run([sys.executable, "-c", code, dead, os.path.dirname(__file__)], capture_output=True,
+                          text=True, check=True)
+    pid = int(proc.stdout.split()[-1])
+    assert main(["inspect", dead]) == 0
+    out = capsys.readouterr().out
+    assert f"not closed: its writer (pid {pid}) is gone (killed, or crashed after a flush)" in out
+    assert main(["inspect", dead, "--json"]) == 0
+    (f,) = orjson.loads(capsys.readouterr().out)["per_rank"][0]["files"]
+    assert (f["writer_pid"], f["writer_running"]) == (pid, False)
