@@ -80,8 +80,12 @@ def _rank_lines(r: RankSummary) -> list[str]:
     if r.unended:
         shown = ", ".join(map(str, r.unended[:10])) + (", ..." if len(r.unended) > 10 else "")
         last = r.files[-1] if r.files else None
-        why = (f"its log was closed in the middle of it: {last.close_reason}" if last and last.closed_cleanly
-               else "the process stopped in the middle of it, or is still in it")
+        if last and last.closed_cleanly:
+            why = f"its log was closed in the middle of it: {last.close_reason}"
+        elif last and last.writer_running is not None:
+            why = "the process is still in it" if last.writer_running else "the process stopped in the middle of it"
+        else:
+            why = "the process stopped in the middle of it, or is still in it"
         lines.append(f"  step(s) {shown} began and did not end ({why})")
     for d in r.dirs:
         lines.append(f"  dir {d}")

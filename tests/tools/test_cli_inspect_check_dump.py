@@ -380,6 +380,17 @@ def test_dump_of_a_torn_log_says_what_it_left_out(tmp_path, capsys):
     assert "incomplete record" not in capsys.readouterr().err
 
 
+
+def _unclosed_in_step_1(out: str) -> None:
+    """A log whose writer stopped (or is still) in step 1, after a flush."""
+    w = LogWriter(os.path.join(out, f"{STAMP}-rank0-0000beef"), rank=0, world_size=1, run_id="cli-run",
+                  flush_interval=0.01)
+    w.write(StepBegan(rank=0, step=0))
+    w.write(StepEnded(rank=0, step=0, duration=0.1))
+    w.write(StepBegan(rank=0, step=1))
+    w.flush(timeout=10)
+
+
 def test_inspect_tells_a_log_still_being_written_from_one_whose_writer_is_gone(tmp_path, capsys):
     """Both were 'not closed (killed after a flush, or still being written)', where export tells them
     apart by the writer's pid: a post-mortem wants to know which."""
@@ -387,18 +398,21 @@ def test_inspect_tells_a_log_still_being_written_from_one_whose_writer_is_gone(t
     import sys
 
     live = str(tmp_path / "live")
-    _write_rank(live, 0, close=False)  # this process: still running
+    _unclosed_in_step_1(live)  # this process: still running
     assert main(["inspect", live]) == 0
-    assert f"not closed: still being written (pid {os.getpid()})" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"not closed: still being written (pid {os.getpid()})" in out
+    assert "step(s) 1 began and did not end (the process is still in it)" in out
     dead = str(tmp_path / "dead")
-    code = ("import os, sys; sys.path.insert(0, sys.argv[2]); from test_cli_inspect_check_dump import _write_rank; "
-            "_write_rank(sys.argv[1], 0, close=False); print(os.getpid(), flush=True); os._exit(0)")
+    code = ("import os, sys; sys.path.insert(0, sys.argv[2]); from test_cli_inspect_check_dump import "
+            "_unclosed_in_step_1; _unclosed_in_step_1(sys.argv[1]); print(os.getpid(), flush=True); os._exit(0)")
     proc = subprocess.run([sys.executable, "-c", code, dead, os.path.dirname(__file__)], capture_output=True,
                           text=True, check=True)
     pid = int(proc.stdout.split()[-1])
     assert main(["inspect", dead]) == 0
     out = capsys.readouterr().out
     assert f"not closed: its writer (pid {pid}) is gone (killed, or crashed after a flush)" in out
+    assert "step(s) 1 began and did not end (the process stopped in the middle of it)" in out
     assert main(["inspect", dead, "--json"]) == 0
     (f,) = orjson.loads(capsys.readouterr().out)["per_rank"][0]["files"]
     assert (f["writer_pid"], f["writer_running"]) == (pid, False)
