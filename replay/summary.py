@@ -344,10 +344,10 @@ def findings(summary: RunSummary) -> list[Finding]:
                             "or is starting)")
                 )
             elif not fs.closed_cleanly:
-                found.append(
-                    Finding("unclosed", fs.path, fs.end_offset,
-                            "not closed cleanly (writer killed after a flush, or still writing); no bytes lost")
-                )
+                why = {True: f"still being written, pid {fs.writer_pid}",
+                       False: f"its writer, pid {fs.writer_pid}, is gone: killed or crashed after a flush",
+                       None: "writer killed after a flush, or still writing"}[fs.writer_running]
+                found.append(Finding("unclosed", fs.path, fs.end_offset, f"not closed cleanly ({why}); no bytes lost"))
             found.sort(key=lambda f: (f.offset is not None, f.offset or 0))
             out.extend(found)
     for path, why in summary.unattributed:

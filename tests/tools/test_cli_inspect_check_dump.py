@@ -416,3 +416,10 @@ def test_inspect_tells_a_log_still_being_written_from_one_whose_writer_is_gone(t
     assert main(["inspect", dead, "--json"]) == 0
     (f,) = orjson.loads(capsys.readouterr().out)["per_rank"][0]["files"]
     assert (f["writer_pid"], f["writer_running"]) == (pid, False)
+
+
+def test_check_says_of_an_unclosed_log_whether_its_writer_still_runs(tmp_path, capsys):
+    live = str(tmp_path / "live")
+    _unclosed_in_step_1(live)
+    assert main(["check", live]) == 0
+    assert f"not closed cleanly (still being written, pid {os.getpid()}); no bytes lost" in capsys.readouterr().out
