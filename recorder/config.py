@@ -19,6 +19,7 @@ Differences from the reference, where its documentation promises more than its c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -245,6 +246,9 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     for key in raw:
         if key not in KNOWN_KEYS:
             hint = _KEY_HINTS.get(key, "")
+            close = difflib.get_close_matches(str(key).lower(), sorted(KNOWN_KEYS), n=1, cutoff=0.8)
+            if not hint and close:
+                hint = f" (did you mean {close[0]!r}?)"
             raise ConfigError(f"unknown key{hint}; expected one of {', '.join(sorted(KNOWN_KEYS))}", key, source)
     kw: dict[str, Any] = {}
     for key in _BOOL_KEYS:
