@@ -21,6 +21,7 @@ December sorts after one started the next January; pass ``--run-id`` there.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -332,6 +333,32 @@ def _parse_stamp_arg(value: str | None, option: str) -> tuple[int, ...] | None:
     return key
 
 
+def _reference_output_hint(path: str) -> str:
+    """What to say where ``path`` (or a rank directory in it) holds the reference's CSV or TensorBoard
+    files but no log: msprobe's own output, most likely, which the commands do not read."""
+
+    def exported(d: str) -> bool:
+        try:
+            with os.scandir(d) as it:
+                return any(e.name.endswith(".csv") or e.name.startswith("events.out.tfevents")
+                           for e in itertools.islice(it, 1000))
+        except OSError:
+            return False
+
+    try:
+        with os.scandir(path) as it:
+            subdirs = [e.path for e in itertools.islice(it, 1000)
+                       if layout.parse_rank_dir(e.name) is not None and e.is_dir()]
+    except OSError:
+        subdirs = []
+    if os.path.isfile(os.path.join(path, layout.EXPORT_MARKER)):
+        return "; it is the output of trainrec export, not a run: give the directory the training wrote to"
+    if not any(exported(d) for d in [path, *subdirs[:20]]):
+        return ""
+    return ("; it holds the reference's CSV or TensorBoard files and no trainrec log (msprobe's output?): "
+            "trainrec reads its own logs; trainrec.tools.csv2tb converts those CSV files to TensorBoard")
+
+
 def find_run(
     path: str, run_id: str | None = None, time_start: str | None = None, time_end: str | None = None
 ) -> RunInfo:
@@ -359,7 +386,8 @@ def find_run(
         if not runs:
             raise NotARunError(
                 "no trainrec logs here: expected an output directory with rank directories like "
-                "Nov30_11-13-33-rank0-4700973a/, one rank directory, or a trainrec-00000.trl file",
+                "Nov30_11-13-33-rank0-4700973a/, one rank directory, or a trainrec-00000.trl file"
+                + _reference_output_hint(path),
                 path,
             )
         # rank directories with no readable header (a damaged or empty first file) group as runs of
