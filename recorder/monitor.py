@@ -126,7 +126,12 @@ class TrainerMon(StepCollector):
         if opt_ty is not None and opt_ty not in KNOWN_OPT_TYPES:
             raise ConfigError(f"unknown opt_ty {opt_ty!r}; expected one of {', '.join(KNOWN_OPT_TYPES)}", "opt_ty")
         self.opt_ty = opt_ty
-        self.dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower() == "true"
+        dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower()
+        if dynamic not in ("true", "false", ""):  # msprobe's test: 'true' turns it on, anything else off
+            log.warning("trainrec: DYNAMIC_MONITOR=%r is neither true nor false: dynamic mode is off, as in msprobe "
+                        "(only 'true' turns it on); the config applies as it is, from the start",
+                        os.environ["DYNAMIC_MONITOR"])
+        self.dynamic = dynamic == "true"
         info = runinfo.rank_info(process_group)
         self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
         _warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
