@@ -41,7 +41,6 @@ Elsewhere (accelerators: the check would cost a synchronisation) they are measur
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -80,7 +79,7 @@ _PARAM = attrgetter("param")
 # shows it unchanged reuses its unreduced row (see the module docstring). Off by default: a write through
 # .data or numpy that leaves both extreme elements alone (zeroing some rows of an embedding's gradient,
 # a top-k mask) would go unseen.
-REUSE_UNCHANGED = os.environ.get("TRAINREC_REUSE_UNCHANGED_GRADS", "0") == "1"
+REUSE_UNCHANGED = fused.env_choice("TRAINREC_REUSE_UNCHANGED_GRADS", ("0", "1", ""), "0") == "1"
 
 # A collected step open this long has what it recorded so far written while it goes on (StepCollector._spill),
 # checked every SPILL_TICK_S seconds.
