@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 from trainrec.schema import layout
@@ -334,26 +335,26 @@ def _parse_stamp_arg(value: str | None, option: str) -> tuple[int, ...] | None:
 
 
 def _reference_output_hint(path: str) -> str:
-    """What to say where ``path`` (or a rank directory in it) holds the reference's CSV or TensorBoard
-    files but no log: msprobe's own output, most likely, which the commands do not read."""
+    """What to say where ``path`` holds no log but files of another tool: rank*/anomaly.json (the
+    alert dump), a trainrec export, or the reference's CSV or TensorBoard files (in it or in its rank
+    directories: msprobe's own output, most likely)."""
 
-    def exported(d: str) -> bool:
+    def entries(d: str) -> list[os.DirEntry]:
         try:
             with os.scandir(d) as it:
-                return any(e.name.endswith(".csv") or e.name.startswith("events.out.tfevents")
-                           for e in itertools.islice(it, 1000))
+                return list(itertools.islice(it, 1000))
         except OSError:
-            return False
+            return []
 
-    try:
-        with os.scandir(path) as it:
-            subdirs = [e.path for e in itertools.islice(it, 1000)
-                       if layout.parse_rank_dir(e.name) is not None and e.is_dir()]
-    except OSError:
-        subdirs = []
-    if os.path.isfile(os.path.join(path, layout.EXPORT_MARKER)):
+    here = entries(path)
+    if any(re.fullmatch(r"rank\d+", e.name) and os.path.isfile(os.path.join(e.path, "anomaly.json")) for e in here):
+        return ("; it holds anomaly.json files: python -m trainrec.tools.anomaly_analyse -d DIR ranks those; the "
+                "trainrec commands take the directory the training wrote to")
+    if any(e.name == layout.EXPORT_MARKER for e in here):
         return "; it is the output of trainrec export, not a run: give the directory the training wrote to"
-    if not any(exported(d) for d in [path, *subdirs[:20]]):
+    rank_dirs = [e.path for e in here if layout.parse_rank_dir(e.name) is not None and e.is_dir()][:20]
+    if not any(e.name.endswith(".csv") or e.name.startswith("events.out.tfevents")
+               for d in [path, *rank_dirs] for e in (here if d == path else entries(d))):
         return ""
     return ("; it holds the reference's CSV or TensorBoard files and no trainrec log (msprobe's output?): "
             "trainrec reads its own logs; trainrec.tools.csv2tb converts those CSV files to TensorBoard")

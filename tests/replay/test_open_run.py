@@ -284,3 +284,13 @@ def test_a_trainrec_export_given_as_run_is_named_as_such(tmp_path):
     with pytest.raises(NotARunError) as exc:
         open_run(str(out))
     assert "it is the output of trainrec export, not a run: give the directory the training wrote to" in str(exc.value)
+
+
+def test_a_directory_of_anomaly_json_files_given_as_run_points_to_anomaly_analyse(tmp_path):
+    out = tmp_path / "out" / "anomaly_detected"
+    (out / "rank0").mkdir(parents=True)
+    (out / "rank0" / "anomaly.json").write_text("{}")
+    with pytest.raises(NotARunError) as exc:
+        open_run(str(out))
+    assert ("it holds anomaly.json files: python -m trainrec.tools.anomaly_analyse -d DIR ranks those; the trainrec "
+            "commands take the directory the training wrote to") in str(exc.value)
