@@ -493,7 +493,7 @@ class TrainerMon(StepCollector):
         if self._resumed_from:
             if self._step == 0:
                 log.warning("trainrec: append_output resumes the run in this launch, but training starts "
-                            "at step 0 here (start_iteration not given): replay takes every step from 0 on as "
+                            "at step 0 here (start_iteration not given, or 0): replay takes every step from 0 on as "
                             "re-run, so what the earlier launches recorded is superseded (hidden from inspect, "
                             "exports and anomalies; the live CSV export removes its files). Pass "
                             "monitor_gnorm_with_ad(..., start_iteration=<the step training resumes at>)")
