@@ -2,8 +2,9 @@
 
 Shows the format version, run id, ranks and world size; per rank its directories, files (size,
 closed cleanly or torn tail, damage found), steps recorded with the first and last step, event
-counts by type, statistics and anomalies. ``--json`` prints the same as one JSON object (the
-schema is :meth:`trainrec.replay.summary.RunSummary.to_json`).
+counts by type, statistics and anomalies; then the output directory's other launches, if any (the
+last 10). ``--json`` prints the run as one JSON object (the schema is
+:meth:`trainrec.replay.summary.RunSummary.to_json`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import os
 import sys
 
 import orjson
-from trainrec.replay.discover import format_ranks
+from trainrec.replay.discover import format_ranks, list_runs
 from trainrec.replay.summary import FileSummary, RankSummary, RunSummary, summarize
+from trainrec.schema import layout
 
 from .runarg import add_run_arguments, open_run_from_args
 
@@ -38,7 +40,18 @@ def run(args: argparse.Namespace) -> int:
         out.write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     out.write(render(summary))
+    others = _other_launches(args.run, summary.run_id)
+    if others:
+        out.write("other launches here (choose one with --run-id PREFIX):\n"
+                  + "".join(f"  {r.describe()}\n" for r in others[-10:]))
     return 0
+
+
+def _other_launches(path: str, run_id: str | None) -> list:
+    """The launches of an output directory besides the one shown (none for a rank directory or a file)."""
+    if not os.path.isdir(path) or layout.list_logs(path):
+        return []
+    return [r for r in list_runs(path) if r.run_id and r.run_id != run_id]
 
 
 def _file_state(f: FileSummary) -> str:

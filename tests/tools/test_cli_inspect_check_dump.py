@@ -423,3 +423,23 @@ def test_check_says_of_an_unclosed_log_whether_its_writer_still_runs(tmp_path, c
     _unclosed_in_step_1(live)
     assert main(["check", live]) == 0
     assert f"not closed cleanly (still being written, pid {os.getpid()}); no bytes lost" in capsys.readouterr().out
+
+
+def test_inspect_names_the_other_launches_of_the_output_directory(tmp_path, capsys):
+    """Two trainings into one output directory: inspect showed the latest only, not that another was
+    there (a crashed run followed by a fresh launch), nor how to reach it."""
+    out = str(tmp_path / "out")
+    for stamp, run_id in (("Nov30_11-13-33", "older-run"), ("Nov30_12-00-00", "newer-run")):
+        w = LogWriter(os.path.join(out, f"{stamp}-rank0-0000beef"), rank=0, world_size=1, run_id=run_id,
+                      flush_interval=0.01)
+        w.write(StepBegan(rank=0, step=0))
+        w.write(StepEnded(rank=0, step=0, duration=0.1))
+        w.close()
+    assert main(["inspect", out]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("run newer-run")
+    assert "other launches here (choose one with --run-id PREFIX):\n  run older-run  stamps Nov30_11-13-33  ranks 0\n" in text
+    assert main(["inspect", out, "--run-id", "older"]) == 0
+    assert "  run newer-run  stamps Nov30_12-00-00  ranks 0\n" in capsys.readouterr().out
+    assert main(["inspect", os.path.join(out, "Nov30_12-00-00-rank0-0000beef")]) == 0  # a rank directory: no others
+    assert "other launches" not in capsys.readouterr().out
