@@ -62,7 +62,7 @@ from trainrec.schema.events import (
 )
 from trainrec.schema.naming import reference_tag
 
-from . import fused, zero
+from . import config, fused, zero
 from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
@@ -79,7 +79,7 @@ _PARAM = attrgetter("param")
 # shows it unchanged reuses its unreduced row (see the module docstring). Off by default: a write through
 # .data or numpy that leaves both extreme elements alone (zeroing some rows of an embedding's gradient,
 # a top-k mask) would go unseen.
-REUSE_UNCHANGED = fused.env_choice("TRAINREC_REUSE_UNCHANGED_GRADS", ("0", "1", ""), "0") == "1"
+REUSE_UNCHANGED = config.env_choice("TRAINREC_REUSE_UNCHANGED_GRADS", ("0", "1", ""), "0") == "1"
 
 # A collected step open this long has what it recorded so far written while it goes on (StepCollector._spill),
 # checked every SPILL_TICK_S seconds.

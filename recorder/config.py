@@ -239,6 +239,17 @@ _KEY_HINTS = {
 }
 
 
+def env_choice(name: str, values: tuple[str, ...], default: str) -> str:
+    """The environment variable ``name`` where it is one of ``values``; else ``default``, with a
+    warning for a value it does not take (a typo would otherwise leave the default on without a word)."""
+    value = os.environ.get(name, default)
+    if value in values:
+        return value
+    log.warning("trainrec: %s=%r is not one of its values (%s); ignored: the default applies", name, value,
+                ", ".join(v for v in values if v))
+    return default
+
+
 def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     """Validate a raw config dict; ``source`` (a path) is named in errors. Raises ConfigError."""
     if not isinstance(raw, dict):

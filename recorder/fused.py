@@ -20,8 +20,6 @@ gives their local shard, the entry points take plain tensors only, and the C sid
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import sys
 from array import array
 from collections.abc import Sequence
@@ -29,26 +27,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
-
-
-def env_choice(name: str, values: tuple[str, ...], default: str) -> str:
-    """The environment variable ``name`` where it is one of ``values``; else ``default``, with a
-    warning for a value it does not take (a typo would otherwise leave the default on without a word)."""
-    value = os.environ.get(name, default)
-    if value in values:
-        return value
-    log.warning("trainrec: %s=%r is not one of its values (%s); ignored: the default applies", name, value,
-                ", ".join(v for v in values if v))
-    return default
-
+from . import config
 
 try:
     from . import _fused  # type: ignore[attr-defined]
 except ImportError:  # no C compiler at install time: the torch path runs
     _fused = None
 
-AVAILABLE = _fused is not None and env_choice("TRAINREC_FUSED", ("1", "0", ""), "1") != "0"
+AVAILABLE = _fused is not None and config.env_choice("TRAINREC_FUSED", ("1", "0", ""), "1") != "0"
 
 # Statistics calls with fewer values than PARALLEL_NUMEL run on the calling thread only. With more,
 # the kernel's helpers run as a parallel region of the process's GNU OpenMP runtime (PyTorch's own CPU
@@ -104,7 +90,7 @@ def using_threads(name: str):
     return _using(_fused.set_threads, name)
 
 
-if env_choice("TRAINREC_THREADS", ("pthreads", "openmp", ""), "") == "pthreads" and AVAILABLE:
+if config.env_choice("TRAINREC_THREADS", ("pthreads", "openmp", ""), "") == "pthreads" and AVAILABLE:
     _fused.set_threads("pthreads")
 _set_parallel_numel()
 
