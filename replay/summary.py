@@ -2,7 +2,8 @@
 
 :func:`summarize` reads every rank once (resume supersession applied) and returns a
 :class:`RunSummary`; :func:`findings` turns its per-file reader state into a list of
-:class:`Finding`. Pure: nothing here prints.
+:class:`Finding`. Pure: nothing here prints. (It does look up whether the writer of a file not
+closed still runs, by the pid in the file's header, where that host is this one.)
 
 Finding severities:
 
