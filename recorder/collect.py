@@ -42,7 +42,6 @@ Elsewhere (accelerators: the check would cost a synchronisation) they are measur
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -64,7 +63,7 @@ from trainrec.schema.events import (
 )
 from trainrec.schema.naming import reference_tag
 
-from . import fused, zero
+from . import config, fused, zero
 from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
@@ -81,7 +80,7 @@ _PARAM = attrgetter("param")
 # shows it unchanged reuses its unreduced row (see the module docstring). Off by default: a write through
 # .data or numpy that leaves both extreme elements alone (zeroing some rows of an embedding's gradient,
 # a top-k mask) would go unseen.
-REUSE_UNCHANGED = os.environ.get("TRAINREC_REUSE_UNCHANGED_GRADS", "0") == "1"
+REUSE_UNCHANGED = config.env_choice("TRAINREC_REUSE_UNCHANGED_GRADS", ("0", "1", ""), "0") == "1"
 
 # The weight-gradient batch of the Python hooks is measured once its gradients hold this many bytes: it
 # may be their only holder. DDP with gradient_as_bucket_view, after zero_grad() (set_to_none), copies each

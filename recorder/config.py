@@ -19,6 +19,7 @@ Differences from the reference, where its documentation promises more than its c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -238,6 +239,17 @@ _KEY_HINTS = {
 }
 
 
+def env_choice(name: str, values: tuple[str, ...], default: str) -> str:
+    """The environment variable ``name`` where it is one of ``values``; else ``default``, with a
+    warning for a value it does not take (a typo would otherwise leave the default on without a word)."""
+    value = os.environ.get(name, default)
+    if value in values:
+        return value
+    log.warning("trainrec: %s=%r is not one of its values (%s); ignored: the default applies", name, value,
+                ", ".join(v for v in values if v))
+    return default
+
+
 def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     """Validate a raw config dict; ``source`` (a path) is named in errors. Raises ConfigError."""
     if not isinstance(raw, dict):
@@ -245,6 +257,9 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     for key in raw:
         if key not in KNOWN_KEYS:
             hint = _KEY_HINTS.get(key, "")
+            close = difflib.get_close_matches(str(key).lower(), sorted(KNOWN_KEYS), n=1, cutoff=0.8)
+            if not hint and close:
+                hint = f" (did you mean {close[0]!r}?)"
             raise ConfigError(f"unknown key{hint}; expected one of {', '.join(sorted(KNOWN_KEYS))}", key, source)
     kw: dict[str, Any] = {}
     for key in _BOOL_KEYS:

@@ -20,7 +20,6 @@ gives their local shard, the entry points take plain tensors only, and the C sid
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from array import array
 from collections.abc import Sequence
@@ -28,12 +27,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from . import config
+
 try:
     from . import _fused  # type: ignore[attr-defined]
 except ImportError:  # no C compiler at install time: the torch path runs
     _fused = None
 
-AVAILABLE = _fused is not None and os.environ.get("TRAINREC_FUSED", "1") != "0"
+AVAILABLE = _fused is not None and config.env_choice("TRAINREC_FUSED", ("1", "0", ""), "1") != "0"
 
 # Statistics calls with fewer values than PARALLEL_NUMEL run on the calling thread only. With more,
 # the kernel's helpers run as a parallel region of the process's GNU OpenMP runtime (PyTorch's own CPU
@@ -89,7 +90,7 @@ def using_threads(name: str):
     return _using(_fused.set_threads, name)
 
 
-if AVAILABLE and os.environ.get("TRAINREC_THREADS", "") == "pthreads":
+if config.env_choice("TRAINREC_THREADS", ("pthreads", "openmp", ""), "") == "pthreads" and AVAILABLE:
     _fused.set_threads("pthreads")
 _set_parallel_numel()
 

@@ -129,7 +129,12 @@ class TrainerMon(StepCollector):
         if opt_ty is not None and opt_ty not in KNOWN_OPT_TYPES:
             raise ConfigError(f"unknown opt_ty {opt_ty!r}; expected one of {', '.join(KNOWN_OPT_TYPES)}", "opt_ty")
         self.opt_ty = opt_ty
-        self.dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower() == "true"
+        dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower()
+        if dynamic not in ("true", "false", ""):  # msprobe's test: 'true' turns it on, anything else off
+            log.warning("trainrec: DYNAMIC_MONITOR=%r is neither true nor false: dynamic mode is off, as in msprobe "
+                        "(only 'true' turns it on); the config applies as it is, from the start",
+                        os.environ["DYNAMIC_MONITOR"])
+        self.dynamic = dynamic == "true"
         info = runinfo.rank_info(process_group)
         self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
         _warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
@@ -503,7 +508,7 @@ class TrainerMon(StepCollector):
         if self._resumed_from:
             if self._step == 0:
                 log.warning("trainrec: append_output resumes the run in this launch, but training starts "
-                            "at step 0 here (start_iteration not given): replay takes every step from 0 on as "
+                            "at step 0 here (start_iteration not given, or 0): replay takes every step from 0 on as "
                             "re-run, so what the earlier launches recorded is superseded (hidden from inspect, "
                             "exports and anomalies; the live CSV export removes its files). Pass "
                             "monitor_gnorm_with_ad(..., start_iteration=<the step training resumes at>)")

@@ -21,8 +21,10 @@ December sorts after one started the next January; pass ``--run-id`` there.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 from trainrec.schema import layout
@@ -332,6 +334,32 @@ def _parse_stamp_arg(value: str | None, option: str) -> tuple[int, ...] | None:
     return key
 
 
+def _reference_output_hint(path: str) -> str:
+    """What to say where ``path`` holds no log but files of another tool: rank*/anomaly.json (the
+    alert dump), a trainrec export, or the reference's CSV or TensorBoard files (in it or in its rank
+    directories: msprobe's own output, most likely)."""
+
+    def entries(d: str) -> list[os.DirEntry]:
+        try:
+            with os.scandir(d) as it:
+                return list(itertools.islice(it, 1000))
+        except OSError:
+            return []
+
+    here = entries(path)
+    if any(re.fullmatch(r"rank\d+", e.name) and os.path.isfile(os.path.join(e.path, "anomaly.json")) for e in here):
+        return ("; it holds anomaly.json files: python -m trainrec.tools.anomaly_analyse -d DIR ranks those; the "
+                "trainrec commands take the directory the training wrote to")
+    if any(e.name == layout.EXPORT_MARKER for e in here):
+        return "; it is the output of trainrec export, not a run: give the directory the training wrote to"
+    rank_dirs = [e.path for e in here if layout.parse_rank_dir(e.name) is not None and e.is_dir()][:20]
+    if not any(e.name.endswith(".csv") or e.name.startswith("events.out.tfevents")
+               for d in [path, *rank_dirs] for e in (here if d == path else entries(d))):
+        return ""
+    return ("; it holds the reference's CSV or TensorBoard files and no trainrec log (msprobe's output?): "
+            "trainrec reads its own logs; trainrec.tools.csv2tb converts those CSV files to TensorBoard")
+
+
 def find_run(
     path: str, run_id: str | None = None, time_start: str | None = None, time_end: str | None = None
 ) -> RunInfo:
@@ -359,7 +387,8 @@ def find_run(
         if not runs:
             raise NotARunError(
                 "no trainrec logs here: expected an output directory with rank directories like "
-                "Nov30_11-13-33-rank0-4700973a/, one rank directory, or a trainrec-00000.trl file",
+                "Nov30_11-13-33-rank0-4700973a/, one rank directory, or a trainrec-00000.trl file"
+                + _reference_output_hint(path),
                 path,
             )
         # rank directories with no readable header (a damaged or empty first file) group as runs of

@@ -2,7 +2,8 @@
 
 :func:`summarize` reads every rank once (resume supersession applied) and returns a
 :class:`RunSummary`; :func:`findings` turns its per-file reader state into a list of
-:class:`Finding`. Pure: nothing here prints.
+:class:`Finding`. Pure: nothing here prints. (It does look up whether the writer of a file not
+closed still runs, by the pid in the file's header, where that host is this one.)
 
 Finding severities:
 
@@ -18,6 +19,7 @@ Finding severities:
 from __future__ import annotations
 
 import os
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -36,6 +38,7 @@ from trainrec.schema.events import (
 )
 
 from .discover import LogFile
+from .follow import pid_alive
 from .reader import Problem, SeqGap
 from .run import Run
 
@@ -59,6 +62,9 @@ class FileSummary:
     gaps: list[SeqGap] = field(default_factory=list)
     error: str | None = None
     first_record_is_header: bool = True
+    writer_pid: int = 0  # the writer's, from the file's header
+    writer_host: str = ""
+    writer_running: bool | None = None  # for a file not closed: whether its writer runs (None: another host)
 
     @property
     def lost_frames(self) -> int:
@@ -81,6 +87,9 @@ class FileSummary:
             ],
             "lost_frames": self.lost_frames,
             "error": self.error,
+            "writer_pid": self.writer_pid,
+            "writer_host": self.writer_host,
+            "writer_running": self.writer_running,
         }
 
 
@@ -260,6 +269,10 @@ def summarize(run: Run) -> RunSummary:
                 fs.problems = list(reader.problems)
                 fs.gaps = list(reader.gaps)
                 fs.first_record_is_header = reader.events_read == 0 or isinstance(reader.header, FileOpened)
+                if isinstance(reader.header, FileOpened):
+                    fs.writer_pid, fs.writer_host = reader.header.pid, reader.header.host
+                    if not fs.closed_cleanly and fs.writer_pid and fs.writer_host == socket.gethostname():
+                        fs.writer_running = pid_alive(fs.writer_pid)
             rs.files.append(fs)
         ranks.append(rs)
     return RunSummary(
@@ -342,10 +355,10 @@ def findings(summary: RunSummary) -> list[Finding]:
                             "or is starting)")
                 )
             elif not fs.closed_cleanly:
-                found.append(
-                    Finding("unclosed", fs.path, fs.end_offset,
-                            "not closed cleanly (writer killed after a flush, or still writing); no bytes lost")
-                )
+                why = {True: f"still being written, pid {fs.writer_pid}",
+                       False: f"its writer, pid {fs.writer_pid}, is gone: killed or crashed after a flush",
+                       None: "writer killed after a flush, or still writing"}[fs.writer_running]
+                found.append(Finding("unclosed", fs.path, fs.end_offset, f"not closed cleanly ({why}); no bytes lost"))
             found.sort(key=lambda f: (f.offset is not None, f.offset or 0))
             out.extend(found)
     for path, why in summary.unattributed:

@@ -26,6 +26,7 @@ LOG_NAME_RE = re.compile(r"^trainrec-(\d{5,})\.trl$")
 # The reference's discovery regex (append_output, csv2tb): prefix is the time stamp.
 RANK_DIR_RE = re.compile(r"([\w-]{0,20})-rank(\d{1,5})-")
 TIME_FORMAT = "%b%d_%H-%M-%S"
+EXPORT_MARKER = ".trainrec-export.json"  # in a directory `trainrec export` wrote: what, from where
 DEFAULT_OUTPUT_DIR = "./monitor_output"
 # The reference's permissions for what it writes (msprobe's file utilities): files rw-r-----, directories
 # rwxr-x---; the process's umask can only take more away.

@@ -8,6 +8,7 @@ trainrec tree are printed as one clear line with exit code 2; damage found by ``
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import logging
@@ -67,9 +68,34 @@ def _version() -> str:
         return "unknown"
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)subcommand's parser that ``args`` were parsed by: ``trainrec export csv``'s for that command."""
+    while True:
+        subs = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, subs.dest, None) if subs is not None else None
+        if subs is None or name not in subs.choices:
+            return parser
+        parser = subs.choices[name]
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's message for arguments no parser took, with the option meant where one looks like it."""
+    known = [s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg[2:].split("=", 1)[0], known, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean --{close[0]}?")
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # under the subcommand's usage, not the top level's (which lists none of its options)
+        chosen = _chosen_parser(parser, args)
+        chosen.error(_unrecognized(chosen, extra))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(message)s")
     try:
         return int(args.func(args) or 0)

@@ -143,7 +143,11 @@ def build_rules(args) -> list[Rule]:
         rules.append(make_rule(name, mine, key=f"--rule {name}"))
     unused = set(given) - used
     if unused:
-        raise ConfigError(f"no chosen rule takes {', '.join(sorted(unused))}", key="--arg")
+        takes = "; ".join(f"{name} takes {', '.join(rule_arguments(name)) or 'no arguments'}"
+                          for name in dict.fromkeys(args.rule))
+        named = [k for k in ("threshold", "window", "warmup") if k in unused and getattr(args, k) is not None]
+        raise ConfigError(f"no chosen rule takes {', '.join(sorted(unused))} ({takes})",
+                          key=f"--{named[0]}" if named else "--arg")
     return rules
 
 

@@ -15,12 +15,13 @@ there, then each event as it is written, in the order each rank wrote them (rank
 they are read, not merged by execution order); it ends when every rank's log is closed, or its
 writer (a process of this host) is gone after a crash, or at Ctrl-C. A run whose every log file
 cannot be read (not a log, an unsupported version, no permission) is an error, as without ``-f``;
-a directory where no log has appeared yet is waited for.
+a directory where no log has appeared yet (or a path not made yet) is waited for, said once on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -144,12 +145,16 @@ def _followed(args: argparse.Namespace):
     """The events of a run being written, one list per poll that found any, until it is closed or
     its writers are gone."""
     follower = RunFollower(args.run, run_id=args.run_id)
+    said_waiting = False
     while True:
         events = follower.poll()
         if events:
             yield events
             continue
-        if follower.closed:
+        if follower.closed:  # (every rank of the run seen)
+            missing = sorted(set(args.rank or ()) - set(follower.ranks))
+            if missing:
+                raise TrainrecError(f"rank(s) {missing} not in run {follower.run_id!r} (ranks: {follower.ranks})")
             return
         err = follower.unfollowable
         if err is not None:
@@ -158,4 +163,11 @@ def _followed(args: argparse.Namespace):
             print("trainrec dump: the process writing the run is gone and left its log unclosed (a crash)",
                   file=sys.stderr)
             return
+        if not said_waiting and not follower.readers and not follower.file_errors:  # (a mistyped RUN, too)
+            if not os.path.exists(args.run):
+                what = "does not exist yet"
+            else:
+                what = f"has no log of run id {args.run_id!r} yet" if args.run_id else "has no trainrec log yet"
+            print(f"trainrec dump: waiting for a log: {args.run} {what} (Ctrl-C to stop)", file=sys.stderr)
+            said_waiting = True
         time.sleep(args.poll_interval)

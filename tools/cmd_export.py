@@ -45,7 +45,7 @@ from .runarg import add_run_arguments, check_steps, note_incomplete
 
 log = logging.getLogger(__name__)
 
-MARKER = ".trainrec-export.json"
+MARKER = layout.EXPORT_MARKER
 FORMATS = {"csv": "CSV files", "tb": "TensorBoard event files"}
 
 

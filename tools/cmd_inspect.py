@@ -2,8 +2,9 @@
 
 Shows the format version, run id, ranks and world size; per rank its directories, files (size,
 closed cleanly or torn tail, damage found), steps recorded with the first and last step, event
-counts by type, statistics and anomalies. ``--json`` prints the same as one JSON object (the
-schema is :meth:`trainrec.replay.summary.RunSummary.to_json`).
+counts by type, statistics and anomalies; then the output directory's other launches, if any (the
+last 10). ``--json`` prints the run as one JSON object (the schema is
+:meth:`trainrec.replay.summary.RunSummary.to_json`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import os
 import sys
 
 import orjson
-from trainrec.replay.discover import format_ranks
+from trainrec.replay.discover import format_ranks, list_runs
 from trainrec.replay.summary import FileSummary, RankSummary, RunSummary, summarize
+from trainrec.schema import layout
 
 from .runarg import add_run_arguments, open_run_from_args
 
@@ -38,7 +40,18 @@ def run(args: argparse.Namespace) -> int:
         out.write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     out.write(render(summary))
+    others = _other_launches(args.run, summary.run_id)
+    if others:
+        out.write("other launches here (choose one with --run-id PREFIX):\n"
+                  + "".join(f"  {r.describe()}\n" for r in others[-10:]))
     return 0
+
+
+def _other_launches(path: str, run_id: str | None) -> list:
+    """The launches of an output directory besides the one shown (none for a rank directory or a file)."""
+    if not os.path.isdir(path) or layout.list_logs(path):
+        return []
+    return [r for r in list_runs(path) if r.run_id and r.run_id != run_id]
 
 
 def _file_state(f: FileSummary) -> str:
@@ -50,6 +63,10 @@ def _file_state(f: FileSummary) -> str:
             state += f", {f.torn_bytes} stray bytes after it"
     elif f.torn_bytes:
         state = f"NOT closed, torn tail {f.torn_bytes} bytes"
+    elif f.writer_running:
+        state = f"not closed: still being written (pid {f.writer_pid})"
+    elif f.writer_running is False:
+        state = f"not closed: its writer (pid {f.writer_pid}) is gone (killed, or crashed after a flush)"
     else:
         state = "not closed (killed after a flush, or still being written)"
     if f.problems:
@@ -76,8 +93,12 @@ def _rank_lines(r: RankSummary) -> list[str]:
     if r.unended:
         shown = ", ".join(map(str, r.unended[:10])) + (", ..." if len(r.unended) > 10 else "")
         last = r.files[-1] if r.files else None
-        why = (f"its log was closed in the middle of it: {last.close_reason}" if last and last.closed_cleanly
-               else "the process stopped in the middle of it, or is still in it")
+        if last and last.closed_cleanly:
+            why = f"its log was closed in the middle of it: {last.close_reason}"
+        elif last and last.writer_running is not None:
+            why = "the process is still in it" if last.writer_running else "the process stopped in the middle of it"
+        else:
+            why = "the process stopped in the middle of it, or is still in it"
         lines.append(f"  step(s) {shown} began and did not end ({why})")
     if r.foreign_passes:
         lines.append(f"  then, as step {', '.join(map(str, r.foreign_passes))}: passes inside other optimizers' steps "

@@ -264,3 +264,26 @@ def test_a_target_that_matches_no_module_is_rejected_before_anything_changes(tmp
     assert applied.step > rejected.step
     assert sorted({e.step for e in events if isinstance(e, TensorStatsRecorded)}) == [applied.step + 1,
                                                                                       applied.step + 2]
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "on"])
+def test_a_dynamic_monitor_value_that_is_not_true_or_false_is_a_warning(tmp_path, monkeypatch, caplog, value):
+    """msprobe turns dynamic mode on for 'true' only (any case); DYNAMIC_MONITOR=1 left it off without a
+    word, so the config's switch: false was ignored and monitoring ran from step 0."""
+    monkeypatch.setenv("DYNAMIC_MONITOR", value)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"wg_distribution": True, "switch": False}))
+    with caplog.at_level("WARNING", logger="trainrec"):
+        mon = TrainerMon(str(cfg), output_dir=str(tmp_path / "out"), live_export=False)
+    mon.close()
+    assert not mon.dynamic
+    assert any(f"DYNAMIC_MONITOR={value!r} is neither true nor false" in r.getMessage() for r in caplog.records)
+
+
+def test_dynamic_monitor_false_is_quiet(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "False")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"wg_distribution": True}))
+    with caplog.at_level("WARNING", logger="trainrec"):
+        TrainerMon(str(cfg), output_dir=str(tmp_path / "out"), live_export=False).close()
+    assert not [r for r in caplog.records if "DYNAMIC_MONITOR" in r.getMessage()]

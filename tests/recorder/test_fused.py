@@ -454,3 +454,28 @@ def test_unchanged_sees_scaling_and_writes_at_the_extremes():
     assert fused.unchanged([xs[4]], np.full((1, 4), -1.0)) == b"\x00"
     with pytest.raises(ValueError, match="extremes"):
         fused.unchanged(xs, ext[:2])
+
+
+@pytest.mark.parametrize(("var", "value"), [("TRAINREC_THREADS", "pthread"), ("TRAINREC_REUSE_UNCHANGED_GRADS", "yes"),
+                                            ("TRAINREC_FUSED", "off")])
+def test_an_environment_switch_with_a_value_it_does_not_take_is_a_warning(var, value):
+    """TRAINREC_THREADS=pthread (for pthreads) or TRAINREC_REUSE_UNCHANGED_GRADS=yes (for 1) were ignored
+    without a word: the run went on with the default the user meant to change."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, var: value}
+    proc = subprocess.run([sys.executable, "-c", "import trainrec.recorder.collect"], env=env, capture_output=True,
+                          text=True, check=True)
+    assert f"trainrec: {var}={value!r} is not one of its values" in proc.stderr
+    assert "ignored" in proc.stderr
+
+
+def test_environment_switches_with_their_values_are_quiet():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRAINREC_THREADS": "pthreads", "TRAINREC_REUSE_UNCHANGED_GRADS": "1", "TRAINREC_FUSED": "1"}
+    proc = subprocess.run([sys.executable, "-c", "import trainrec.recorder.collect"], env=env, capture_output=True,
+                          text=True, check=True)
+    assert "TRAINREC_" not in proc.stderr

@@ -90,6 +90,21 @@ def test_bad_values_name_the_key(raw, key, expect):
     assert expect in str(ei.value) and "cfg.json" in str(ei.value)
 
 
+@pytest.mark.parametrize(("key", "meant"), [("wg_distributon", "wg_distribution"), ("step_intervals", "step_interval"),
+                                            ("Targets", "targets")])
+def test_a_misspelt_key_names_the_key_it_resembles(key, meant):
+    """The message listed all 26 keys, leaving the reader to find which one the typo was meant to be."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config({key: True}, "cfg.json")
+    assert f"config key {key!r}: unknown key (did you mean {meant!r}?); expected one of " in str(ei.value)
+
+
+def test_an_unknown_key_like_none_gets_no_guess():
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"bogus": True}, "cfg.json")
+    assert "did you mean" not in str(ei.value)
+
+
 def test_no_valid_op_means_norm_and_id_is_accepted(caplog):
     assert parse_config({"ops": []}).ops == ("norm",)
     assert parse_config({"ops": ["id"]}).ops == ("norm",)

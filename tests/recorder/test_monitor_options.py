@@ -956,7 +956,11 @@ def test_a_resume_without_start_iteration_warns_that_it_supersedes_the_run(tmp_p
     assert "start_iteration" not in caplog.text
     with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
         train(tmp_path, {"wg_distribution": True, "append_output": [stamp, stamp]}, steps=1)
-    assert "training starts at step 0 here (start_iteration not given)" in caplog.text
+    assert "training starts at step 0 here (start_iteration not given, or 0)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):  # (it said 'not given' of a 0 given)
+        train(tmp_path, {"wg_distribution": True, "append_output": [stamp, stamp]}, steps=1, start_iteration=0)
+    assert "training starts at step 0 here (start_iteration not given, or 0)" in caplog.text
 
 
 def test_append_output_without_a_match_is_a_clear_error(tmp_path, out):

@@ -255,3 +255,42 @@ def test_a_resume_after_many_structure_records_is_still_recognised(tmp_path):
     run = open_run(d)
     assert run.cutoffs == {p0: 4}
     assert [e.step for e in run.events() if isinstance(e, StepBegan)] == [0, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("given", ["output", "rankdir"])
+def test_the_references_output_without_logs_is_named_as_such(tmp_path, given):
+    """msprobe's own output directory (its CSV or TensorBoard files, no trainrec log) got the bare
+    'no trainrec logs here', which does not say that these are files trainrec reads elsewhere."""
+    rank_dir = tmp_path / "out" / "Dec03_21-34-40-rank0-4700973a"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "actv_0-0.csv").write_text("vpp_stage,module_name,step\n")
+    path = tmp_path / "out" if given == "output" else rank_dir
+    with pytest.raises(NotARunError) as exc:
+        open_run(str(path))
+    assert "no trainrec logs here" in str(exc.value)
+    assert "holds the reference's CSV or TensorBoard files and no trainrec log (msprobe's output?)" in str(exc.value)
+    assert "trainrec.tools.csv2tb" in str(exc.value)
+    (rank_dir / "actv_0-0.csv").unlink()
+    with pytest.raises(NotARunError) as exc:
+        open_run(str(path))
+    assert "msprobe" not in str(exc.value)
+
+
+def test_a_trainrec_export_given_as_run_is_named_as_such(tmp_path):
+    out = tmp_path / "csv_out"
+    (out / "Dec03_21-34-40-rank0-4700973a").mkdir(parents=True)
+    (out / "Dec03_21-34-40-rank0-4700973a" / "actv_0-0.csv").write_text("vpp_stage,module_name,step\n")
+    (out / ".trainrec-export.json").write_text("{}")
+    with pytest.raises(NotARunError) as exc:
+        open_run(str(out))
+    assert "it is the output of trainrec export, not a run: give the directory the training wrote to" in str(exc.value)
+
+
+def test_a_directory_of_anomaly_json_files_given_as_run_points_to_anomaly_analyse(tmp_path):
+    out = tmp_path / "out" / "anomaly_detected"
+    (out / "rank0").mkdir(parents=True)
+    (out / "rank0" / "anomaly.json").write_text("{}")
+    with pytest.raises(NotARunError) as exc:
+        open_run(str(out))
+    assert ("it holds anomaly.json files: python -m trainrec.tools.anomaly_analyse -d DIR ranks those; the trainrec "
+            "commands take the directory the training wrote to") in str(exc.value)

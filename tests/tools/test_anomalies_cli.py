@@ -100,7 +100,11 @@ def test_torn_tail_is_used_and_reported(tmp_path, capsys):
         (["-s", "[1,two]"], 2, "bad step range 'two'"),
         (["--threshold", "0.3"], 2, "error: option --rule: --threshold, --window, --warmup and --arg need --rule"),
         (["--rule", "Bogus"], 2, "unknown rule 'Bogus'"),
-        (["--rule", "NaNInf", "--threshold", "1"], 2, "no chosen rule takes threshold"),
+        (["--rule", "NaNInf", "--threshold", "1"], 2,
+         "error: option --threshold: no chosen rule takes threshold (NaNInf takes no arguments)"),
+        (["--rule", "NaNInf", "--rule", "ZScore", "--arg", "noise=4"], 2,
+         "error: option --arg: no chosen rule takes noise (NaNInf takes no arguments; ZScore takes threshold, "
+         "window, warmup, floor)"),
         (["--rule", "AnomalyTurbulence", "--threshold", "-1"], 2, "must be >= 0.0"),
         (["--rule", "AnomalyTurbulence"], 2, "needs the argument 'threshold'"),
         (["--kinds", "actv"], 2, "error: option --kinds: --kinds selects what to re-detect on and needs --rule"),

@@ -378,3 +378,68 @@ def test_dump_of_a_torn_log_says_what_it_left_out(tmp_path, capsys):
     assert f"{path} ends in an incomplete record" in cap.err
     assert main(["dump", out, "--rank", "0"]) == 0
     assert "incomplete record" not in capsys.readouterr().err
+
+
+
+def _unclosed_in_step_1(out: str) -> None:
+    """A log whose writer stopped (or is still) in step 1, after a flush."""
+    w = LogWriter(os.path.join(out, f"{STAMP}-rank0-0000beef"), rank=0, world_size=1, run_id="cli-run",
+                  flush_interval=0.01)
+    w.write(StepBegan(rank=0, step=0))
+    w.write(StepEnded(rank=0, step=0, duration=0.1))
+    w.write(StepBegan(rank=0, step=1))
+    w.flush(timeout=10)
+
+
+def test_inspect_tells_a_log_still_being_written_from_one_whose_writer_is_gone(tmp_path, capsys):
+    """Both were 'not closed (killed after a flush, or still being written)', where export tells them
+    apart by the writer's pid: a post-mortem wants to know which."""
+    import subprocess
+    import sys
+
+    live = str(tmp_path / "live")
+    _unclosed_in_step_1(live)  # this process: still running
+    assert main(["inspect", live]) == 0
+    out = capsys.readouterr().out
+    assert f"not closed: still being written (pid {os.getpid()})" in out
+    assert "step(s) 1 began and did not end (the process is still in it)" in out
+    dead = str(tmp_path / "dead")
+    code = ("import os, sys; sys.path.insert(0, sys.argv[2]); from test_cli_inspect_check_dump import "
+            "_unclosed_in_step_1; _unclosed_in_step_1(sys.argv[1]); print(os.getpid(), flush=True); os._exit(0)")
+    proc = subprocess.run([sys.executable, "-c", code, dead, os.path.dirname(__file__)], capture_output=True,
+                          text=True, check=True)
+    pid = int(proc.stdout.split()[-1])
+    assert main(["inspect", dead]) == 0
+    out = capsys.readouterr().out
+    assert f"not closed: its writer (pid {pid}) is gone (killed, or crashed after a flush)" in out
+    assert "step(s) 1 began and did not end (the process stopped in the middle of it)" in out
+    assert main(["inspect", dead, "--json"]) == 0
+    (f,) = orjson.loads(capsys.readouterr().out)["per_rank"][0]["files"]
+    assert (f["writer_pid"], f["writer_running"]) == (pid, False)
+
+
+def test_check_says_of_an_unclosed_log_whether_its_writer_still_runs(tmp_path, capsys):
+    live = str(tmp_path / "live")
+    _unclosed_in_step_1(live)
+    assert main(["check", live]) == 0
+    assert f"not closed cleanly (still being written, pid {os.getpid()}); no bytes lost" in capsys.readouterr().out
+
+
+def test_inspect_names_the_other_launches_of_the_output_directory(tmp_path, capsys):
+    """Two trainings into one output directory: inspect showed the latest only, not that another was
+    there (a crashed run followed by a fresh launch), nor how to reach it."""
+    out = str(tmp_path / "out")
+    for stamp, run_id in (("Nov30_11-13-33", "older-run"), ("Nov30_12-00-00", "newer-run")):
+        w = LogWriter(os.path.join(out, f"{stamp}-rank0-0000beef"), rank=0, world_size=1, run_id=run_id,
+                      flush_interval=0.01)
+        w.write(StepBegan(rank=0, step=0))
+        w.write(StepEnded(rank=0, step=0, duration=0.1))
+        w.close()
+    assert main(["inspect", out]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("run newer-run")
+    assert "other launches here (choose one with --run-id PREFIX):\n  run older-run  stamps Nov30_11-13-33  ranks 0\n" in text
+    assert main(["inspect", out, "--run-id", "older"]) == 0
+    assert "  run newer-run  stamps Nov30_12-00-00  ranks 0\n" in capsys.readouterr().out
+    assert main(["inspect", os.path.join(out, "Nov30_12-00-00-rank0-0000beef")]) == 0  # a rank directory: no others
+    assert "other launches" not in capsys.readouterr().out

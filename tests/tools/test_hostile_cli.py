@@ -128,6 +128,55 @@ def test_dump_follow_still_waits_for_a_run_whose_logs_have_not_appeared(tmp_path
     assert result == [0] and '"type":"FileClosed"' in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("exists", [False, True])
+def test_dump_follow_says_once_that_it_waits_for_a_log_and_where(tmp_path, capsys, exists):
+    """A mistyped RUN (or one given before training made it) was waited for without a word: the
+    command sat there with no output, as if the run had nothing to show."""
+    out = tmp_path / "out"
+    if exists:
+        out.mkdir()
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(main(["dump", "-f", "--poll-interval", "0.02", str(out)])),
+                         daemon=True)
+    t.start()
+    t.join(0.5)
+    assert result == []
+    err = capsys.readouterr().err
+    what = "has no trainrec log yet" if exists else "does not exist yet"
+    assert err.count("trainrec dump: waiting") == 1 and f"{out} {what}" in err, err
+    good_log(str(out))
+    t.join(10)
+    assert result == [0] and "waiting" not in capsys.readouterr().err
+
+
+def test_dump_follow_of_a_run_id_not_there_says_it_waits_for_that_run(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    good_log(out)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(main(["dump", "-f", "--poll-interval", "0.02", "--run-id", "zzz",
+                                                            out])), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert result == []
+    assert f"waiting for a log: {out} has no log of run id 'zzz' yet" in capsys.readouterr().err
+    from trainrec.recorder.writer import LogWriter
+
+    LogWriter(os.path.join(out, f"{STAMP}-rank0-0000feed"), rank=0, world_size=1, run_id="zzz1").close()
+    t.join(10)
+    assert result == [0]
+
+
+def test_dump_follow_of_a_rank_the_closed_run_does_not_have_is_an_error_like_dump(tmp_path, capsys):
+    """It printed nothing and exited 0, where plain dump names the ranks the run has."""
+    out = str(tmp_path / "out")
+    good_log(out)
+    assert main(["dump", "--rank", "5", out]) == 2
+    plain = capsys.readouterr().err
+    assert main(["dump", "-f", "--poll-interval", "0.02", "--rank", "5", out]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err == plain and "rank(s) [5] not in run 'hostile' (ranks: [0])" in plain
+
+
 def test_an_empty_log_is_a_note_given_as_file_rank_directory_or_output_directory(tmp_path, capsys):
     out = tmp_path / "out"
     log = out / f"{STAMP}-rank0-0000beef" / "trainrec-00000.trl"
