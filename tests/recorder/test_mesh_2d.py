@@ -8,10 +8,12 @@ What each log should hold, by the README's rules: every rank its own shards of t
 (sharded over dp: ``dp_group`` drops none), less the RowwiseParallel bias on the second rank of each tp
 group (replicated over tp: ``tp_group`` keeps it on the group's first rank only); every parameter's
 unreduced gradient (this rank's whole gradient of its tp shard, before FSDP reduce-scatters it) and
-parameter shard (before the update) on every rank. The logs are read back with ``open_run``."""
+parameter shard (before the update) on every rank; activations and their gradients as under tensor
+parallelism alone (see test_tensor_parallel_grads.py). The logs are read back with ``open_run``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -65,6 +67,12 @@ def _tp(model: Net, mesh) -> Net:
     return model
 
 
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local tensor, an AsyncCollectiveTensor's result."""
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t.wait() if hasattr(t, "wait") else t
+
+
 def _worker(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
     os.environ["MONITOR_OUTPUT_DIR"] = out
     os.environ.pop("DYNAMIC_MONITOR", None)
@@ -88,11 +96,33 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
         mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dp.get_group(), tp_group=tp.get_group())
         want: dict = {"dp": dp.get_local_rank(), "tp": tp.get_local_rank(), "steps": []}
+        actv: dict = {}
+        grads: list = []  # (key, gradient, placements of the tensor) in backward order: alike on every rank
+
+        def on_grad(key, placements, g):
+            grads.append((key, g, placements))
+
+        def hook(name):
+            def f(_m, args, out):
+                for slot, t in (("input", args[0]), ("output", out)):
+                    actv[f"{name}/{slot}"] = ref_stats(_held(t))
+                    t.register_hook(functools.partial(on_grad, f"{name}/{slot}_grad",
+                                                      getattr(t, "placements", None)))
+            return f
+
+        for n, m in model.named_modules():  # after the monitor's and FSDP's and TP's: what the monitor sees
+            m.register_forward_hook(hook(n))
         for step in range(STEPS):
             # one batch per dp rank, the same on the ranks of a tp group
             x = torch.randn(4, D, generator=torch.Generator().manual_seed(10 * step + dp.get_local_rank()))
-            model(x).pow(2).mean().backward()
-            cur = {"placements": {n: str(p.placements) for n, p in model.named_parameters()},
+            actv.clear()
+            grads.clear()
+            model(x.requires_grad_()).pow(2).mean().backward()
+            for key, g, placements in grads:
+                if placements is not None and g.placements != placements:
+                    g = g.redistribute(placements=placements)  # Partial: the sum it stands for
+                actv[key] = ref_stats(_held(g))
+            cur = {"actv": dict(actv),"placements": {n: str(p.placements) for n, p in model.named_parameters()},
                    "grad": {n: ref_stats(p.grad.to_local()) for n, p in model.named_parameters()},
                    "param": {n: ref_stats(p.to_local()) for n, p in model.named_parameters()}}
             if step == 0:
@@ -116,7 +146,8 @@ def mesh_run(tmp_path_factory):
     """``(run, {rank: what it should record})`` of one 4-process run."""
     tmp_path = tmp_path_factory.mktemp("mesh2d")
     out = tmp_path / "out"
-    cfg = write_config(tmp_path, {"wg_distribution": True, "param_distribution": True, "ops": ALL_OPS})
+    cfg = write_config(tmp_path, {"wg_distribution": True, "param_distribution": True, "xy_distribution": True,
+                                  "all_xy": True, "ops": ALL_OPS})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -184,3 +215,20 @@ def test_unreduced_gradients_and_parameters_on_every_rank(mesh_run):
         for (step, name, _slot, _micro), row in params.items():
             assert_close(row, want[r]["steps"][step]["param"][name], rtol=1e-4, atol=1e-7,
                          what=f"rank {r} step {step} {name} param")
+
+
+def test_activations_and_their_gradients(mesh_run):
+    """Every module's input, output and their gradients, as under tensor parallelism alone (see
+    test_tensor_parallel_grads.py), with FSDP2's hooks on the blocks and the model too."""
+    run, want = mesh_run
+    for r in run.ranks:
+        ev = list(run.events(r))
+        table = {**stats_table(ev, "actv"), **stats_table(ev, "actv_grad")}
+        for step in range(STEPS):
+            expected = want[r]["steps"][step]["actv"]
+            assert len(expected) == 7 * 4
+            assert {(k[1], k[2]) for k in table if k[0] == step} == {tuple(k.rsplit("/", 1)) for k in expected}
+            for key, w in expected.items():
+                name, slot = key.rsplit("/", 1)
+                assert_close(table[(step, name, slot, 0)], w, rtol=1e-4, atol=1e-7,
+                             what=f"rank {r} step {step} {key}")
