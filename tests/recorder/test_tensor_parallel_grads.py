@@ -51,8 +51,13 @@ class Net(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.mesh = None  # where set, the blocks take and give DTensors (use_local_output=False)
 
     def forward(self, x):
+        if self.mesh is not None:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
         for b in self.blocks:
             x = b(x)
         return x
@@ -61,10 +66,11 @@ class Net(nn.Module):
 def _held(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of ``t``: a DTensor's local tensor, an AsyncCollectiveTensor's result."""
     t = t.detach()
-    return t.to_local() if hasattr(t, "to_local") else t.wait() if hasattr(t, "wait") else t
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.wait() if hasattr(t, "wait") else t  # (also a DTensor's local tensor: redistribute's result)
 
 
-def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, rows: int) -> None:
+def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, rows: int, local: bool) -> None:
     os.environ["MONITOR_OUTPUT_DIR"] = out
     os.environ.pop("DYNAMIC_MONITOR", None)
     init_gloo(rank, world, port)
@@ -77,8 +83,10 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, r
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)
         model = Net(d)
+        plan = {"fc1": ColwiseParallel(use_local_output=local), "fc2": RowwiseParallel(use_local_output=local)}
         for b in model.blocks:
-            parallelize_module(b, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            parallelize_module(b, mesh, plan)
+        model.mesh = None if local else mesh
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
         mon.monitor_gnorm_with_ad(model, optimizer=opt, tp_group=mesh.get_group())
@@ -98,6 +106,8 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, r
                     if t.requires_grad:
                         t.register_hook(functools.partial(on_grad, f"{name}/{slot}_grad",
                                                           getattr(t, "placements", None)))
+                        if hasattr(t, "placements"):
+                            cur[f"{name}/{slot}_grad/made_by"] = t.grad_fn.name()
             return f
 
         for n, m in model.named_modules():
@@ -107,7 +117,8 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, r
             grads.clear()
             x = torch.randn(rows, d, generator=torch.Generator().manual_seed(step))  # the same on both ranks
             x.requires_grad_()  # every input has a gradient
-            model(x).pow(2).mean().backward()
+            y = model(x)
+            (y if local else y.full_tensor()).pow(2).mean().backward()
             cur = steps[-1]
             for key, g, placements in grads:
                 if placements is not None:
@@ -117,6 +128,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, r
                 cur[key] = ref_stats(_held(g))
             for n, p in model.named_parameters():
                 cur[f"{n}/grad"] = ref_stats(p.grad.to_local())
+                cur[f"{n}/grad/placements"] = str(p.grad.placements)
                 cur[f"{n}/param"] = ref_stats(p.to_local())  # rows taken before the update
             opt.step()
             opt.zero_grad()
@@ -130,9 +142,11 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, r
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def res(tmp_path_factory) -> dict:
-    """One run for the tests of this module: each rank's ``(events, [what it should record, per step])``."""
+@pytest.fixture(scope="module", params=[True, False], ids=["local_output", "dtensor_output"])
+def res(tmp_path_factory, request) -> dict:
+    """One run per plan for the tests of this module: each rank's ``(events, [what it should record, per
+    step])``. ``dtensor_output``: the plans' ``use_local_output=False``, the blocks' activations DTensors
+    (RowwiseParallel's output one whose local tensor is the all-reduce's AsyncCollectiveTensor)."""
     tmp_path = tmp_path_factory.mktemp("tp")
     out = tmp_path / "out"
     cfg = write_config(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True,
@@ -140,7 +154,7 @@ def res(tmp_path_factory) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spawn_and_join(_worker, (2, port, cfg, str(out), 8, 4), 2, TIMEOUT, "2-process tensor-parallel run")
+    spawn_and_join(_worker, (2, port, cfg, str(out), 8, 4, request.param), 2, TIMEOUT, "2-process tensor-parallel run")
     res = {}
     for dr in rank_dirs(out):
         ev = events_of(dr)
@@ -155,6 +169,15 @@ def _check(got: dict, want: dict, what: str) -> None:
     assert_close(got, want, rtol=1e-4, atol=1e-7, what=what)
 
 
+def _partial_elsewhere(want: dict, key: str) -> bool:
+    """Whether a gradient reached a DTensor Partial where no DTensor.from_local made that DTensor of a
+    local tensor (activations that are DTensors throughout: use_local_output=False): its sum needs a
+    collective, which the monitor does not run, so it is recorded as this rank's addend (README), and not
+    checked here."""
+    return ("Partial" in want.get(f"{key}/placements", "")
+            and want.get(f"{key}/made_by") != "_FromTorchTensorBackward")
+
+
 def test_activations_and_their_gradients_are_what_each_rank_holds(res):
     """Every module's input, output, input_grad and output_grad, per step and rank, all six ops: the
     shards, the replicated tensors whole, and ColwiseParallel's input gradient as the sum over the
@@ -165,10 +188,12 @@ def test_activations_and_their_gradients_are_what_each_rank_holds(res):
         table = {**stats_table(ev, "actv"), **stats_table(ev, "actv_grad")}
         for step, want in enumerate(steps):
             # the premise: ColwiseParallel's input gradient reaches its DTensor as a Partial one
-            assert want["blocks.0.fc1/input_grad/placements"] == "(Partial(sum),)", want
+            assert want["blocks.1.fc1/input_grad/placements"] == "(Partial(sum),)", want
             keys = [k for k in want if k.count("/") == 1 and not k.endswith(("/grad", "/param"))]
             assert len(keys) == 7 * 4  # Net, 2 blocks, 4 linears: input, output and their gradients
             for key in keys:
+                if _partial_elsewhere(want, key):
+                    continue
                 name, slot = key.rsplit("/", 1)
                 _check(table.get((step, name, slot, 0)), want[key], f"rank {r} step {step} {key}")
     for step in range(STEPS):
@@ -180,7 +205,9 @@ def test_activations_and_their_gradients_are_what_each_rank_holds(res):
 def test_weight_gradients_and_parameters_with_tp_group(res):
     """Each rank's shard of the sharded parameters, reduced and unreduced gradients and the parameters
     themselves (before the update), all six ops; the replicated RowwiseParallel bias's reduced gradient
-    (the same on both ranks) on rank 0 only, its other rows on both."""
+    (the same on both ranks) on rank 0 only, its other rows on both. (With DTensor activations
+    throughout, torch leaves the first block's RowwiseParallel gradients Partial, one addend per rank:
+    not checked, see _partial_elsewhere.)"""
     names = [f"blocks.{i}.{n}" for i in (0, 1) for n in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
     replicated = {"blocks.0.fc2.bias", "blocks.1.fc2.bias"}
     for r, (ev, steps) in res.items():
@@ -190,8 +217,11 @@ def test_weight_gradients_and_parameters_with_tp_group(res):
             assert {k[1] for k in table} == keep, (r, kind, sorted({k[1] for k in table}))
             assert {k[0] for k in table} == set(range(STEPS)), (r, kind)
             for (step, name, _slot, _micro), row in table.items():
-                _check(row, steps[step][f"{name}/{suffix}"], f"rank {r} {kind} step {step} {name}")
+                if suffix == "param" or "Partial" not in steps[step][f"{name}/grad/placements"]:
+                    _check(row, steps[step][f"{name}/{suffix}"], f"rank {r} {kind} step {step} {name}")
     for step in range(STEPS):
         for name in replicated:
+            if "Partial" in res[0][1][step][f"{name}/grad/placements"]:
+                continue
             assert_close(res[0][1][step][f"{name}/grad"], res[1][1][step][f"{name}/grad"], rtol=1e-6,
                          what=f"step {step} {name} grad rank 0 vs 1")
