@@ -232,3 +232,57 @@ def test_activations_and_their_gradients(mesh_run):
                 name, slot = key.rsplit("/", 1)
                 assert_close(table[(step, name, slot, 0)], w, rtol=1e-4, atol=1e-7,
                              what=f"rank {r} step {step} {key}")
+
+
+def _hsdp_worker(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
+    os.environ["MONITOR_OUTPUT_DIR"] = out
+    os.environ.pop("DYNAMIC_MONITOR", None)
+    init_gloo(rank, world, port)
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from trainrec.recorder import TrainerMon
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = Net(D)
+        fully_shard(model, mesh=mesh)  # HSDP: sharded over "shard", replicated over "replicate"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
+        mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dist.group.WORLD)  # every rank data-parallel
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(rank))
+        model(x).pow(2).mean().backward()
+        want = {n: ref_stats(p.grad.to_local()) for n, p in model.named_parameters()}
+        opt.step()
+        mon.close()
+        with open(os.path.join(os.path.dirname(cfg_path), f"want_{rank}.json"), "w") as f:
+            json.dump(want, f)
+        dist.barrier()
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def test_hsdp_replicas_reduced_gradients_are_dp_duplicates(tmp_path):
+    """HSDP (``fully_shard`` on a (replicate, shard) mesh), ``dp_group`` all four ranks: ranks 2 and 3
+    hold the same shards of the reduced gradients as ranks 0 and 1 (their replicas), so only 0 and 1
+    record them, each its own shard (all four did: a DTensor's shard was taken for this rank's alone,
+    whatever its placement over the replicate dimension)."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn_and_join(_hsdp_worker, (4, port, cfg, str(out)), 4, TIMEOUT, "4-process HSDP run")
+    run = open_run(str(out))
+    assert run.ranks == [0, 1, 2, 3]
+    for r in run.ranks:
+        with open(tmp_path / f"want_{r}.json") as f:
+            want = json.load(f)
+        table = stats_table(run.events(r), "grad_reduced")
+        assert {k[1] for k in table} == (set(NAMES) if r < 2 else set()), (r, sorted(k[1] for k in table))
+        for (_step, name, _slot, _micro), row in table.items():
+            assert_close(row, want[name], rtol=1e-4, atol=1e-7, what=f"rank {r} {name} reduced")
+        assert {k[1] for k in stats_table(run.events(r), "grad_unreduced")} == set(NAMES), r
