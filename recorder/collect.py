@@ -349,7 +349,8 @@ class StepCollector:
         group holds the same one: the reference's documentation gives the deduplication for a run
         "without a distributed optimizer" (its code drops every rank's but the first). A share of a
         sharded gradient (an optimizer's piece, an FSDP2 DTensor's local shard) is this rank's alone
-        and is recorded on every rank."""
+        and is recorded on every rank, but where another rank of the group holds the same one (see
+        :meth:`_dp_copy`: HSDP's replicas)."""
         adam = self._adam
         reduced_grad = None
         if adam is not None:
@@ -365,10 +366,24 @@ class StepCollector:
                 g = getattr(p, "main_grad", None) if main_grad else None
                 if g is None:
                     g = p.grad
-                if g is not None and dp_duplicate and not _is_shard(g):
+                if g is not None and dp_duplicate and self._dp_copy(g):
                     continue
             if g is not None:
                 yield i, g
+
+    def _dp_copy(self, g: torch.Tensor) -> bool:
+        """Whether a rank before this one in ``dp_group`` holds the same ``g`` (this rank is not the
+        group's first): a plain or whole gradient, or a DTensor's shard replicated over a dimension of
+        its mesh that lies within the group, where this rank is not that dimension's first (HSDP's
+        replicas, ``fully_shard`` on a (replicate, shard) mesh)."""
+        if not _is_shard(g):
+            return True
+        mesh = g.device_mesh
+        key = (id(mesh), tuple(g.placements))
+        hit = self._dp_replicas.get(key)
+        if hit is None or hit[0] is not mesh:
+            hit = self._dp_replicas[key] = (mesh, _replica_within(g, self._dp_ranks))
+        return hit[1]
 
     def _own_grad_lists(self, partitioned_only: bool = False) -> tuple[list, list]:
         """:meth:`_own_grads` as two lists, indices and gradients. In the common case (no tensor- or
@@ -704,6 +719,17 @@ def _is_shard(g: torch.Tensor) -> bool:
     """Whether ``g`` is a DTensor of which this rank holds a part only (FSDP2's sharded gradients)."""
     local = local_tensor(g)
     return local is not g and local.numel() != g.numel()
+
+
+def _replica_within(g, ranks: frozenset) -> bool:
+    """Whether the DTensor ``g`` is replicated over a dimension of its mesh whose ranks all belong to
+    ``ranks``, where this rank is not that dimension's first: the first holds the same local tensor."""
+    import torch.distributed as dist
+
+    mesh = g.device_mesh
+    return any(pl.is_replicate() and mesh.get_local_rank(dim) != 0
+               and ranks.issuperset(dist.get_process_group_ranks(mesh.get_group(dim)))
+               for dim, pl in enumerate(g.placements))
 
 
 # The largest temporary main_grad + .grad made at once (elements): a larger parameter (an LLM's

@@ -127,13 +127,16 @@ def using_kernel(name: str):
 def local_tensor(x):
     """``x`` as a plain tensor over its own memory: a DTensor (FSDP2, tensor parallel) gives this rank's
     local shard (its statistics are the shard's); an ``AsyncCollectiveTensor`` (a functional
-    collective's result, as RowwiseParallel's output) the result, waited for; other tensors, and None,
-    are returned as they are."""
+    collective's result, as RowwiseParallel's output) the result, waited for, also where it is a
+    DTensor's local tensor (a redistributed DTensor's: ``use_local_output=False``); other tensors, and
+    None, are returned as they are."""
     if x is None or type(x) in _PLAIN:
         return x
     to_local = getattr(x, "to_local", None)
     if to_local is not None:
-        return to_local()
+        x = to_local()
+        if type(x) in _PLAIN:
+            return x
     collectives = sys.modules.get("torch.distributed._functional_collectives")  # not imported: not in use
     acs = getattr(collectives, "AsyncCollectiveTensor", None)
     return x.wait() if acs is not None and isinstance(x, acs) else x

@@ -348,6 +348,18 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
             return
         once.handle.remove()  # a hook that served an earlier backward pass: a new one for this call
     users = [(gc, slot, name)]
+    node = _conversion_node(x) if type(x) not in _PLAIN else None
+    if node is not None:
+        # a DTensor made from a local tensor (tensor parallelism's input layouts: DTensor.from_local, then
+        # redistribute): its gradient can reach it Partial (ColwiseParallel's replicated input: each
+        # rank's matmul gives one addend, whose local tensor is the gradient of nothing). The node that
+        # made it hands the gradient back in the layout it was made from, the addends summed by the
+        # all-reduce autograd runs there anyway: measured there (a Shard gradient is the same local
+        # tensor either way)
+        once = _Once()
+        once.handle = node.register_hook(functools.partial(_conversion_grad_cb, mon._ref, st, users, once))
+        st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing, once)
+        return
     base = x._base
     whole_view = (base is not None and base.grad_fn is not None and base.numel() == x.numel()
                   and not mon._compiled)
@@ -415,6 +427,25 @@ def _node_grad_cb(mon_ref, st: StepState, users: list, once: _Once, grad_outputs
     if not once.fired and grad_outputs and grad_outputs[0] is not None:
         _grad_cb(mon_ref, st, users, once, grad_outputs[0])
     return None
+
+
+def _conversion_grad_cb(mon_ref, st: StepState, users: list, once: _Once, grad_inputs, _grad_outputs):
+    """Post-hook on the node that made a DTensor from a local tensor (see :func:`_hook_grad`):
+    :func:`_grad_cb` with the gradient it hands back."""
+    if grad_inputs and grad_inputs[0] is not None:
+        _grad_cb(mon_ref, st, users, once, grad_inputs[0])
+    return None
+
+
+# autograd nodes that make a DTensor of another tensor without changing its value (DTensor.from_local,
+# DTensor.redistribute): their inputs' gradients are the DTensor's, laid out as those inputs were
+_CONVERSIONS = frozenset({"_FromTorchTensorBackward", "RedistributeBackward"})
+
+
+def _conversion_node(x: torch.Tensor):
+    """The node that made the DTensor ``x`` from a local tensor or another DTensor's layout, or None."""
+    fn = x.grad_fn
+    return fn if fn is not None and getattr(x, "placements", None) is not None and fn.name() in _CONVERSIONS else None
 
 
 @functools.cache
