@@ -322,7 +322,10 @@ class DynamicConfigWatcher:
                 return None
         self._own_hash = None
         if obs.switch:
-            if self._active and self._applied is not None and obs.content_hash == self._applied.content_hash:
+            if self._active and self._applied is not None and obs.raw == self._applied.raw:
+                # the same values (saved again, re-created, re-indented): the collection goes on, its
+                # collect_times count too; the write-back compares against the file as it is now
+                self._applied = obs
                 log.info("trainrec: %s was saved without changes; monitoring goes on", self.path)
                 return None
             first_step = step + 1

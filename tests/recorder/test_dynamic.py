@@ -316,6 +316,26 @@ def test_save_without_change_while_monitoring_goes_on(make):
     assert len(loop.updates) == 1 and w.active
 
 
+def test_resave_with_the_same_values_while_monitoring_goes_on_and_is_written_back(make):
+    # Deleted and recreated, or saved by another tool with its own indentation: the same config, other
+    # bytes. Monitoring goes on (its collect_times count is not restarted), and switch:false is
+    # written back into the file as it is now.
+    w, path, events, loop = make(doc(switch=True, collect_times=5))
+    loop.until_update("the first start")
+    os.remove(path)
+    loop.until(lambda u: len(of(events, ConfigRejected)) == 1, "the deletion to be seen")
+    write(path, json.dumps({"collect_times": 5, "switch": True}))
+    n = len(of(events, ConfigChanged))
+    loop.until(lambda u: len(of(events, ConfigChanged)) > n, "the re-creation to be seen")
+    loop.steps(5)
+    assert len(loop.updates) == 1 and w.active
+    w.collection_finished(loop.step)
+    deadline = time.monotonic() + 10
+    while json.loads(path.read_text())["switch"] and time.monotonic() < deadline:
+        loop.once()
+    assert path.read_text() == json.dumps({"collect_times": 5, "switch": False})
+
+
 def test_write_back_leaves_a_newer_user_edit_alone(make):
     w, path, events, loop = make(doc(switch=True, collect_times=1))
     loop.until_update("the first start")
