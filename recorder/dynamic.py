@@ -23,7 +23,8 @@ documented way to restart) is a change, while a re-read of the same file is not.
 later starts need a change whose content says ``"switch": true``. A change to ``"switch": false``
 while monitoring stops it (the reference ignores it; its own weakness list asks for this). An invalid
 change (bad JSON, a ConfigError, an unreadable or deleted file) has no effect; when monitoring, the
-old config goes on. Each gets one warning naming the problem and one event, per change, never per
+old config goes on, unless the file says ``"switch": false`` (a JSON object with another key wrong):
+that still stops it. Each gets one warning naming the problem and one event, per change, never per
 step.
 
 Several ranks, one file: every rank's loader reads the file at its own moment, so each rank votes
@@ -312,6 +313,12 @@ class DynamicConfigWatcher:
             )
         )
         if obs.kind == INVALID:
+            if self._active and obs.raw is not None and obs.raw.get("switch", False) is False:
+                # the file says switch false: stop, whatever else is wrong in it (said now, checked
+                # again when it is switched on)
+                self._reject(obs, step, f"switch is false: monitoring stops after step {step}")
+                self._last_raw = obs.raw
+                return self._switched_off(obs, changed, step)
             self._reject(obs, step)
             return None
         self._last_raw = obs.raw
@@ -351,18 +358,19 @@ class DynamicConfigWatcher:
             )
             return ConfigUpdate(obs.config, obs.content_hash, changed, obs.raw, True, step)
         if self._active:
-            self._active = False
-            self._applied = None  # stopped by the user: nothing to write back
-            self._say(
-                logging.INFO, "trainrec: %s: switch is false; monitoring stops after step %d", self.path, step
-            )
-            return ConfigUpdate(obs.config, obs.content_hash, changed, obs.raw, False, step)
+            return self._switched_off(obs, changed, step)
         return None
 
-    def _reject(self, obs: FileState, step: int) -> None:
-        if self._active:
+    def _switched_off(self, obs: FileState, changed: tuple, step: int) -> ConfigUpdate:
+        self._active = False
+        self._applied = None  # stopped by the user: nothing to write back
+        self._say(logging.INFO, "trainrec: %s: switch is false; monitoring stops after step %d", self.path, step)
+        return ConfigUpdate(obs.config, obs.content_hash, changed, obs.raw, False, step)
+
+    def _reject(self, obs: FileState, step: int, tail: str | None = None) -> None:
+        if tail is None and self._active:
             tail = f"monitoring goes on with the config in effect since step {self._applied_step + 1}"
-        else:
+        elif tail is None:
             tail = "monitoring stays off"
         reason = f"{obs.message}; {tail}"
         self._say(logging.WARNING, "trainrec: %s", reason)

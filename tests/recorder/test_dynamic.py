@@ -293,6 +293,25 @@ def test_switch_false_while_monitoring_stops(make):
     assert json.loads(path.read_text()) == {"switch": False, "collect_times": 100}
 
 
+def test_switch_false_stops_even_where_another_key_is_wrong(make, caplog):
+    # The user asks to stop; a typo elsewhere in the file (checked again when it is switched on) is said,
+    # and does not keep a collection going that was asked to stop.
+    w, path, events, loop = make(doc(switch=True, collect_times=100))
+    loop.until_update("the first start")
+    write(path, doc(switch=False, colect_times=100))
+    u = loop.until_update("the stop")
+    assert u.switch is False and not w.active
+    (rej,) = of(events, ConfigRejected)
+    assert rej.keys == ("colect_times",) and "switch is false: monitoring stops after step" in rej.reason
+    assert "colect_times" in warnings_in(caplog)[0].getMessage()
+    # idle: such a file changes nothing and is said once
+    write(path, doc(switch=False, colect_times=5))
+    loop.until(lambda u: len(of(events, ConfigRejected)) == 2, "the second rejection")
+    assert of(events, ConfigRejected)[-1].reason.endswith("monitoring stays off")
+    loop.steps(10)
+    assert len(loop.updates) == 2
+
+
 def test_touch_restarts_when_the_file_says_switch_true(make):
     # The non-writing ranks' view: collection finished, nobody wrote switch:false back.
     w, path, events, loop = make(doc(switch=True, collect_times=1), writes_back=False)
