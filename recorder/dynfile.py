@@ -404,6 +404,9 @@ class ConfigFileLoader:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             return FileState(INVALID, ident, chash, message=f"{path}: not UTF-8 text (byte {exc.start})")
+        if not text.lstrip("\ufeff").strip():
+            # truncated by an editor or a script still writing it (or left so): say that, not a JSON position
+            return FileState(INVALID, ident, chash, text, message=f"{path}: the file is empty")
         try:
             raw = json.loads(text[1:] if text.startswith("\ufeff") else text)
         except json.JSONDecodeError as exc:

@@ -230,6 +230,16 @@ def test_half_written_file_is_not_rejected(make):
     assert not of(events, ConfigRejected)
 
 
+def test_a_file_left_empty_says_so(make):
+    # Truncated by an editor that then waits longer than the grace: the rejection says what it saw.
+    w, path, events, loop = make(doc(switch=True), invalid_grace=0.05)
+    loop.until_update("the first start")
+    write(path, "  \n")
+    loop.until(lambda u: of(events, ConfigRejected), "the rejection")
+    (rej,) = of(events, ConfigRejected)
+    assert "is empty" in rej.reason and "invalid JSON" not in rej.reason and "goes on" in rej.reason
+
+
 def test_deleted_file_then_recreated(make, caplog):
     w, path, events, loop = make(doc(switch=True))
     loop.until_update("the first start")
