@@ -533,11 +533,12 @@ class StepCollector:
         cfg = self.config
         if not (cfg.mv_distribution or cfg.ur_distribution) or self._no_optimizer():
             return
-        entries = self._adam.lookup([p.param for p in self._params])
+        eng = self._engine
+        # (counters on the CPU are read there; on the accelerators' path, as those on a device, not read)
+        entries = self._adam.lookup([p.param for p in self._params], host_steps=eng.host_paths)
         if not entries:
             return
         idx = [e[0] for e in entries]
-        eng = self._engine
         rows = fused_adam_rows(entries, eng.ops, eng.eps, cfg.mv_distribution, cfg.ur_distribution) \
             if eng.fused and eng.host_paths else None
         if rows is not None:  # one read of each state pair for all four (CPU, float32 state)
@@ -568,7 +569,7 @@ class StepCollector:
                 log.warning("trainrec: mg_direction compares gradients with Adam's momentum (exp_avg); %s is "
                             "not of Adam's family: nothing is recorded for it", type(self._adam.torch_opt).__name__)
             return
-        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
+        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params], host_steps=False)}
         if not state and self._adam.stepped:
             return
         idx, vals = [], []
