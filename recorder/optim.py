@@ -23,7 +23,8 @@ piece of each parameter there, and :class:`AdamState` gives that piece of the st
 step): each rank records the statistics of its own pieces, as with FSDP2's shards. Megatron's DistributedOptimizer gives each rank fp32
 shards of the parameters in its range (``model_float16_groups`` / ``shard_fp32_from_float16_groups``):
 their state and, at the step, their gradients are that rank's. Parameters without a found state get
-no rows (a warning says so once when none has one).
+no rows; one warning names the optimizers (of a list, those) that keep no Adam state for any of them
+and have none to come (outside Adam's family, or stepped with state of another kind).
 
 ``update`` is the bias-corrected Adam direction ``m̂ / (sqrt(v̂) + eps)`` and ``ratio`` is ``m̂ / sqrt(v̂)``,
 as the reference defines them, except that ``ratio`` is 0 where ``v̂ == 0`` (``m̂`` is 0 there too: an
@@ -231,7 +232,8 @@ class AdamState:
         out = []
         self.refresh()
         state = self.torch_opt.state
-        missing = 0
+        missing: dict[int, torch.optim.Optimizer] = {}  # id -> optimizer with a parameter without Adam state
+        found: set[int] = set()  # ids of optimizers with a parameter with Adam state
         for i, p in enumerate(params):
             sp = self.state_param(p)
             if zero.is_partitioned(sp):
@@ -242,14 +244,17 @@ class AdamState:
                 m = _narrow(st.get("exp_avg"), pc) if st else None
                 v = _narrow(st.get("exp_avg_sq"), pc) if st else None
                 if m is None or v is None:
-                    missing += 1
+                    missing[id(self.torch_opt)] = self.torch_opt
                     continue
+                found.add(id(self.torch_opt))
                 group = self._groups[pc.group] if pc.group is not None else {}
             else:
-                st = self._opt_of.get(id(sp), self.torch_opt).state.get(sp)
+                opt = self._opt_of.get(id(sp), self.torch_opt)
+                st = opt.state.get(sp)
                 if not st or "exp_avg" not in st or "exp_avg_sq" not in st:
-                    missing += 1
+                    missing[id(opt)] = opt
                     continue
+                found.add(id(opt))
                 m, v = st["exp_avg"], st["exp_avg_sq"]
                 group = self._group_of.get(id(sp), {})
             step = st.get("step", 0)
@@ -258,13 +263,25 @@ class AdamState:
             elif host_steps and step.device.type == "cpu":
                 step = float(step)  # plain Adam/AdamW: a CPU scalar, read exactly per parameter
             out.append((i, m, v, step, group))
-        if missing == len(params) and params and not self._warned and state:
-            self._warned = True
-            log.warning("trainrec: no Adam state (exp_avg with exp_avg_sq) found for the monitored parameters in "
-                        "%s (an optimizer outside Adam's family keeps none, or only part: Adafactor's exp_avg_sq "
-                        "alone); mv_distribution, ur_distribution and mg_direction record nothing for them",
-                        type(self.torch_opt).__name__)
+        if missing and not self._warned:
+            self._warn_no_adam_state([o for k, o in missing.items() if k not in found])
         return out
+
+    def _warn_no_adam_state(self, opts: list[torch.optim.Optimizer]) -> None:
+        """One warning (per run) naming those of ``opts`` (optimizers none of whose monitored parameters
+        has Adam state) that have none to give: outside Adam's family (no ``betas``; SGD without
+        momentum keeps no state at all), or stepped with state of another kind. An optimizer of Adam's
+        family that has not stepped yet is not named."""
+        opts = [o for o in opts if o.state or not any("betas" in g for g in o.param_groups)]
+        if not opts:
+            return
+        self._warned = True
+        n = len(self._opts)
+        names = ", ".join(type(o).__name__ + (f" (optimizer {self._opts.index(o) + 1} of {n})" if n > 1 else "")
+                          for o in opts)
+        log.warning("trainrec: no Adam state (exp_avg with exp_avg_sq) found for the monitored parameters in %s "
+                    "(an optimizer outside Adam's family keeps none, or only part: Adafactor's exp_avg_sq alone); "
+                    "mv_distribution, ur_distribution and mg_direction record nothing for them", names)
 
 
 def _narrow(src: torch.Tensor | None, pc: zero.Piece) -> torch.Tensor | None:

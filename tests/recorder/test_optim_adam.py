@@ -379,6 +379,36 @@ def test_a_list_of_optimizers_is_one_training_step_in_any_order(tmp_path, out):
                 assert_close(ea[(step, name, "", 0)], r[2], what=f"step {step} exp_avg {name}")
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("listed", [False, True])
+def test_optimizers_without_adam_state_are_named_once(tmp_path, out, caplog, momentum, listed):
+    """mv_distribution with SGD (state only with momentum, and never Adam's) beside AdamW in a list, or
+    alone: one warning names SGD, not AdamW, whose rows are recorded. The list gave none (AdamW's
+    state was found, so the parameters without any went unsaid), nor SGD alone without momentum (it
+    keeps no state at all, taken for an optimizer that had not stepped yet)."""
+    model, _ = make()
+    names = dict(model.named_parameters())
+    embed = [p for n, p in names.items() if n.startswith("embed")]
+    rest = [p for n, p in names.items() if not n.startswith("embed")]
+    sgd = torch.optim.SGD(embed if listed else model.parameters(), lr=0.1, momentum=momentum)
+    opts = [sgd, torch.optim.AdamW(rest, lr=1e-2)] if listed else [sgd]
+    cfg = {"mv_distribution": True, "ops": ["norm"]}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opts if listed else sgd)
+    with caplog.at_level("WARNING", logger="trainrec"):
+        for step in range(3):
+            loss_of(model, step).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    mon.close()
+    said = [r.getMessage() for r in caplog.records if "no Adam state" in r.getMessage()]
+    assert len(said) == 1 and "SGD" in said[0] and "AdamW" not in said[0]
+    recorded = {k[1] for k in stats_table(events_of(out), "exp_avg")}
+    short = squash_all(list(names))
+    assert recorded == ({short[n] for n in names if not n.startswith("embed")} if listed else set())
+
+
 def test_an_optimizer_over_another_model_is_said(tmp_path, out, caplog):
     """An optimizer made for another model (a copy made before it) steps none of the monitored model's
     parameters: a warning naming it says so at install (it was silent, the model's weights never
