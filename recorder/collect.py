@@ -559,8 +559,9 @@ class StepCollector:
         ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
         the momentum before this update (1.0 where there is no state yet: the first step). A scalar
         row per parameter; its ops are those of a 0-d tensor (min = max = mean = value). Nothing for an
-        optimizer outside Adam's family (no ``betas``: SGD, Adagrad, RMSprop; one warning), nor where
-        it keeps state but no Adam state, instead of the first step's 1.0 at every step."""
+        optimizer outside Adam's family (no ``betas``: SGD, Adagrad, RMSprop; one warning), nor for the
+        parameters of one in a list of optimizers, nor where it keeps state but no Adam state, instead of
+        the first step's 1.0 at every step."""
         if self._no_optimizer():
             return
         if not self._adam.adam_family:
@@ -575,6 +576,8 @@ class StepCollector:
         idx, vals = [], []
         for i, g in zip(*self._own_grad_lists(partitioned_only), strict=True):
             m = state.get(i)
+            if m is None and not self._adam.in_adam_family(self._params[i].param):
+                continue  # a listed optimizer outside Adam's family (SGD beside AdamW): none to come
             if m is not None and m.numel() != g.numel():
                 continue  # state of another shape (sharded): not this parameter's
             idx.append(i)

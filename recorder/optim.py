@@ -218,6 +218,11 @@ class AdamState:
         opts = [self.torch_opt, *{id(o): o for o in self._opt_of.values()}.values()]
         return any("betas" in g for o in opts for g in o.param_groups)
 
+    def in_adam_family(self, p: torch.Tensor) -> bool:
+        """Whether the optimizer that steps ``p`` (of a list, its own) is of Adam's family."""
+        opt = self._opt_of.get(id(self.state_param(p)), self.torch_opt)
+        return any("betas" in g for g in opt.param_groups)
+
     @property
     def stepped(self) -> bool:
         """Whether the optimizer holds any per-parameter state (Adam's or another's: it has stepped)."""

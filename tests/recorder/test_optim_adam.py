@@ -409,6 +409,30 @@ def test_optimizers_without_adam_state_are_named_once(tmp_path, out, caplog, mom
     assert recorded == ({short[n] for n in names if not n.startswith("embed")} if listed else set())
 
 
+def test_mg_direction_records_nothing_for_a_listed_optimizer_outside_adams_family(tmp_path, out):
+    """[SGD, AdamW]: the SGD part's parameters got the first step's 1.0 (no momentum of Adam's found)
+    at every step, a constant that looked like a measurement, as a lone SGD did before; now nothing,
+    as the warning says, while the AdamW part's are recorded from its first step on."""
+    model, _ = make()
+    names = dict(model.named_parameters())
+    short = squash_all(list(names))
+    embed = [p for n, p in names.items() if n.startswith("embed")]
+    rest = [p for n, p in names.items() if not n.startswith("embed")]
+    opts = [torch.optim.SGD(embed, lr=0.1, momentum=0.9), torch.optim.AdamW(rest, lr=1e-2)]
+    mon = TrainerMon(write_config(tmp_path, {"mg_direction": True, "ops": ["mean"]}), params_have_main_grad=False,
+                     live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opts)
+    for step in range(3):
+        loss_of(model, step).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    mon.close()
+    got = stats_table(events_of(out), "mg_direction")
+    want = {short[n] for n in names if not n.startswith("embed")}
+    assert {(k[0], k[1]) for k in got} == {(step, n) for step in range(3) for n in want}
+
+
 def test_an_optimizer_over_another_model_is_said(tmp_path, out, caplog):
     """An optimizer made for another model (a copy made before it) steps none of the monitored model's
     parameters: a warning naming it says so at install (it was silent, the model's weights never
