@@ -203,7 +203,9 @@ class StatsEngine:
         """Statistics of each tensor (None or empty -> a NaN row), on the first tensor's device.
 
         ``scales`` (positive, one per tensor) gives the statistics of ``scale * tensor`` without
-        materialising it: min/max/norm/mean are scaled and zeros uses ``eps / scale``.
+        materialising it: min/max/norm/mean are scaled and zeros uses ``eps / scale``. A scale is a float
+        or a 0-d tensor (Adam's bias corrections computed on the device), which is used as an operand
+        and never read back.
         """
         rows = self.rows(tensors, scales)
         return torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
