@@ -533,11 +533,12 @@ class StepCollector:
         cfg = self.config
         if not (cfg.mv_distribution or cfg.ur_distribution) or self._no_optimizer():
             return
-        entries = self._adam.lookup([p.param for p in self._params])
+        eng = self._engine
+        # (counters on the CPU are read there; on the accelerators' path, as those on a device, not read)
+        entries = self._adam.lookup([p.param for p in self._params], host_steps=eng.host_paths)
         if not entries:
             return
         idx = [e[0] for e in entries]
-        eng = self._engine
         rows = fused_adam_rows(entries, eng.ops, eng.eps, cfg.mv_distribution, cfg.ur_distribution) \
             if eng.fused and eng.host_paths else None
         if rows is not None:  # one read of each state pair for all four (CPU, float32 state)
@@ -558,8 +559,9 @@ class StepCollector:
         ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
         the momentum before this update (1.0 where there is no state yet: the first step). A scalar
         row per parameter; its ops are those of a 0-d tensor (min = max = mean = value). Nothing for an
-        optimizer outside Adam's family (no ``betas``: SGD, Adagrad, RMSprop; one warning), nor where
-        it keeps state but no Adam state, instead of the first step's 1.0 at every step."""
+        optimizer outside Adam's family (no ``betas``: SGD, Adagrad, RMSprop; one warning), nor for the
+        parameters of one in a list of optimizers, nor where it keeps state but no Adam state, instead of
+        the first step's 1.0 at every step."""
         if self._no_optimizer():
             return
         if not self._adam.adam_family:
@@ -568,12 +570,14 @@ class StepCollector:
                 log.warning("trainrec: mg_direction compares gradients with Adam's momentum (exp_avg); %s is "
                             "not of Adam's family: nothing is recorded for it", type(self._adam.torch_opt).__name__)
             return
-        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params])}
+        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params], host_steps=False)}
         if not state and self._adam.stepped:
             return
         idx, vals = [], []
         for i, g in zip(*self._own_grad_lists(partitioned_only), strict=True):
             m = state.get(i)
+            if m is None and not self._adam.in_adam_family(self._params[i].param):
+                continue  # a listed optimizer outside Adam's family (SGD beside AdamW): none to come
             if m is not None and m.numel() != g.numel():
                 continue  # state of another shape (sharded): not this parameter's
             idx.append(i)

@@ -124,10 +124,12 @@ class TrainerMon(StepCollector):
         self.process_group = process_group
         if not isinstance(params_have_main_grad, (bool, int)) or params_have_main_grad not in (0, 1):
             # ("no" would be taken as true: main_grad looked for, where a run has none, .grad used)
-            raise ConfigError(f"expected True or False, got {params_have_main_grad!r}", "params_have_main_grad")
+            raise ConfigError(f"expected True or False, got {params_have_main_grad!r}", "params_have_main_grad",
+                              argument=True)
         self.params_have_main_grad = bool(params_have_main_grad)
         if opt_ty is not None and opt_ty not in KNOWN_OPT_TYPES:
-            raise ConfigError(f"unknown opt_ty {opt_ty!r}; expected one of {', '.join(KNOWN_OPT_TYPES)}", "opt_ty")
+            raise ConfigError(f"unknown optimizer type {opt_ty!r}; expected one of {', '.join(KNOWN_OPT_TYPES)}",
+                              "opt_ty", argument=True)
         self.opt_ty = opt_ty
         dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower()
         if dynamic not in ("true", "false", ""):  # msprobe's test: 'true' turns it on, anything else off
@@ -1544,7 +1546,7 @@ def _checked_arguments(grad_acc_steps, start_iteration) -> int:
         first = None
     if first is None or not 0 <= first < MAX_STEP:
         raise ConfigError(f"expected an integer of 0..{MAX_STEP - 1} (the first step's number), got "
-                          f"{start_iteration!r}", "start_iteration")
+                          f"{start_iteration!r}", "start_iteration", argument=True)
     acc = grad_acc_steps  # an integer; an integral float too (global_batch / dp / micro_batch)
     if isinstance(acc, float) and acc.is_integer():
         acc = int(acc)
@@ -1554,7 +1556,7 @@ def _checked_arguments(grad_acc_steps, start_iteration) -> int:
         acc = None
     if acc is None or acc < 1:
         raise ConfigError(f"expected an integer >= 1 (micro steps per optimizer step), got {grad_acc_steps!r}",
-                          "grad_acc_steps")
+                          "grad_acc_steps", argument=True)
     return acc
 
 

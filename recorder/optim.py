@@ -6,10 +6,11 @@ in the same process is not affected. Wrappers (Megatron's mixed-precision optimi
 ZeRO optimizers, accelerate's ``AcceleratedOptimizer``, HF's ``optimizer.optimizer``) are followed
 through their ``.optimizer`` attribute down to a ``torch.optim.Optimizer``.
 
-Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) is read from that optimizer's ``state``. The step
-count is read per parameter where torch keeps it on the CPU (plain Adam/AdamW); fused/capturable Adam
-keep it on the device, and there it is read once per param group (one sync per group and collected
-step, not per parameter), from the group's first parameter with state. A model
+Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) is read from that optimizer's ``state``. Each
+parameter's step count is read where torch keeps it on the CPU (plain Adam/AdamW: no sync); fused and
+capturable Adam keep it on the device, where reading it would sync: there it is never read, and the
+bias corrections of update and ratio are computed from the counters on the device, as 0-d float32
+tensors that the statistics take as operands (a few kernels per param group and collected step). A model
 parameter is found there directly (plain torch Adam/AdamW, no ``opt_ty`` needed) or, for Megatron's
 ``Float16OptimizerWithFloat16Params`` style wrappers, through the fp32 master copy that sits at the
 same position in ``fp32_from_float16_groups`` as the model parameter in ``float16_groups``.
@@ -22,7 +23,8 @@ piece of each parameter there, and :class:`AdamState` gives that piece of the st
 step): each rank records the statistics of its own pieces, as with FSDP2's shards. Megatron's DistributedOptimizer gives each rank fp32
 shards of the parameters in its range (``model_float16_groups`` / ``shard_fp32_from_float16_groups``):
 their state and, at the step, their gradients are that rank's. Parameters without a found state get
-no rows (a warning says so once when none has one).
+no rows; one warning names the optimizers (of a list, those) that keep no Adam state for any of them
+and have none to come (outside Adam's family, or stepped with state of another kind).
 
 ``update`` is the bias-corrected Adam direction ``m̂ / (sqrt(v̂) + eps)`` and ``ratio`` is ``m̂ / sqrt(v̂)``,
 as the reference defines them, except that ``ratio`` is 0 where ``v̂ == 0`` (``m̂`` is 0 there too: an
@@ -216,18 +218,27 @@ class AdamState:
         opts = [self.torch_opt, *{id(o): o for o in self._opt_of.values()}.values()]
         return any("betas" in g for o in opts for g in o.param_groups)
 
+    def in_adam_family(self, p: torch.Tensor) -> bool:
+        """Whether the optimizer that steps ``p`` (of a list, its own) is of Adam's family."""
+        opt = self._opt_of.get(id(self.state_param(p)), self.torch_opt)
+        return any("betas" in g for g in opt.param_groups)
+
     @property
     def stepped(self) -> bool:
         """Whether the optimizer holds any per-parameter state (Adam's or another's: it has stepped)."""
         return bool(self.torch_opt.state) or any(bool(o.state) for o in self._opt_of.values())
 
-    def lookup(self, params: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, dict]]:
-        """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state."""
+    def lookup(self, params: Sequence[torch.Tensor], host_steps: bool = True
+               ) -> list[tuple[int, torch.Tensor, torch.Tensor, float | torch.Tensor, dict]]:
+        """``(index, exp_avg, exp_avg_sq, step, group)`` for params that have Adam state. ``step`` is a
+        float, or the counter tensor itself where it is on an accelerator (fused/capturable Adam: a read
+        would sync). ``host_steps=False`` leaves counters on the CPU as tensors too (the accelerators'
+        code on CPU, for :attr:`StatsEngine.host_paths` ``= False``, or where the step is not used)."""
         out = []
         self.refresh()
         state = self.torch_opt.state
-        missing = 0
-        device_steps: dict[int, float] = {}  # id(param group) -> step read from a device tensor
+        missing: dict[int, torch.optim.Optimizer] = {}  # id -> optimizer with a parameter without Adam state
+        found: set[int] = set()  # ids of optimizers with a parameter with Adam state
         for i, p in enumerate(params):
             sp = self.state_param(p)
             if zero.is_partitioned(sp):
@@ -238,35 +249,44 @@ class AdamState:
                 m = _narrow(st.get("exp_avg"), pc) if st else None
                 v = _narrow(st.get("exp_avg_sq"), pc) if st else None
                 if m is None or v is None:
-                    missing += 1
+                    missing[id(self.torch_opt)] = self.torch_opt
                     continue
+                found.add(id(self.torch_opt))
                 group = self._groups[pc.group] if pc.group is not None else {}
             else:
-                st = self._opt_of.get(id(sp), self.torch_opt).state.get(sp)
+                opt = self._opt_of.get(id(sp), self.torch_opt)
+                st = opt.state.get(sp)
                 if not st or "exp_avg" not in st or "exp_avg_sq" not in st:
-                    missing += 1
+                    missing[id(opt)] = opt
                     continue
+                found.add(id(opt))
                 m, v = st["exp_avg"], st["exp_avg_sq"]
                 group = self._group_of.get(id(sp), {})
             step = st.get("step", 0)
-            if isinstance(step, torch.Tensor):
-                if step.device.type == "cpu":
-                    step = float(step)  # plain Adam/AdamW: a CPU scalar, read exactly per parameter
-                else:
-                    # fused/capturable Adam keep it on the device: reading it syncs, so read the
-                    # group's first one only (a group's parameters step together in practice)
-                    gid = id(group)
-                    if gid not in device_steps:
-                        device_steps[gid] = _read_device_step(step)
-                    step = device_steps[gid]
-            out.append((i, m, v, float(step), group))
-        if missing == len(params) and params and not self._warned and state:
-            self._warned = True
-            log.warning("trainrec: no Adam state (exp_avg with exp_avg_sq) found for the monitored parameters in "
-                        "%s (an optimizer outside Adam's family keeps none, or only part: Adafactor's exp_avg_sq "
-                        "alone); mv_distribution, ur_distribution and mg_direction record nothing for them",
-                        type(self.torch_opt).__name__)
+            if not isinstance(step, torch.Tensor):
+                step = float(step)
+            elif host_steps and step.device.type == "cpu":
+                step = float(step)  # plain Adam/AdamW: a CPU scalar, read exactly per parameter
+            out.append((i, m, v, step, group))
+        if missing and not self._warned:
+            self._warn_no_adam_state([o for k, o in missing.items() if k not in found])
         return out
+
+    def _warn_no_adam_state(self, opts: list[torch.optim.Optimizer]) -> None:
+        """One warning (per run) naming those of ``opts`` (optimizers none of whose monitored parameters
+        has Adam state) that have none to give: outside Adam's family (no ``betas``; SGD without
+        momentum keeps no state at all), or stepped with state of another kind. An optimizer of Adam's
+        family that has not stepped yet is not named."""
+        opts = [o for o in opts if o.state or not any("betas" in g for g in o.param_groups)]
+        if not opts:
+            return
+        self._warned = True
+        n = len(self._opts)
+        names = ", ".join(type(o).__name__ + (f" (optimizer {self._opts.index(o) + 1} of {n})" if n > 1 else "")
+                          for o in opts)
+        log.warning("trainrec: no Adam state (exp_avg with exp_avg_sq) found for the monitored parameters in %s "
+                    "(an optimizer outside Adam's family keeps none, or only part: Adafactor's exp_avg_sq alone); "
+                    "mv_distribution, ur_distribution and mg_direction record nothing for them", names)
 
 
 def _narrow(src: torch.Tensor | None, pc: zero.Piece) -> torch.Tensor | None:
@@ -274,11 +294,6 @@ def _narrow(src: torch.Tensor | None, pc: zero.Piece) -> torch.Tensor | None:
     if src is None or src.shape != pc.flat.shape:
         return None
     return src.narrow(0, pc.start, pc.count)
-
-
-def _read_device_step(step: torch.Tensor) -> float:
-    """The value of a step counter kept on an accelerator (one device sync)."""
-    return float(step)
 
 
 @torch.no_grad()
@@ -312,7 +327,11 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
         if want_ratio:
             ratio_parts.append(compute(quot, scales[a:b]))
         if want_update:
-            torch._foreach_add_(denom, shifts[a:b])
+            if any(isinstance(s, torch.Tensor) for s in shifts[a:b]):  # computed on the device
+                for d, s in zip(denom, shifts[a:b], strict=True):
+                    d.add_(s)
+            else:
+                torch._foreach_add_(denom, shifts[a:b])
             for m, d, q in zip(ms, denom, quot, strict=True):
                 torch.div(m, d, out=q)
             update_parts.append(compute(quot, scales[a:b]))
@@ -324,17 +343,45 @@ def _real_view(x: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(x) if x.is_complex() else x
 
 
-def bias_corrections(entries) -> tuple[list[float], list[float]]:
+def bias_corrections(entries) -> tuple[list, list]:
     """Per entry: the scale ``c = sqrt(1 - b2^t) / (1 - b1^t)`` of update and ratio, and the shift
-    ``eps * sqrt(1 - b2^t)`` added to ``sqrt(v)`` in the update's denominator."""
-    scales, shifts = [], []
-    for _, _, _, step, group in entries:
+    ``eps * sqrt(1 - b2^t)`` added to ``sqrt(v)`` in the update's denominator. Floats where the step
+    is a float; where it is a counter tensor (see :meth:`AdamState.lookup`), 0-d float32 tensors
+    computed where it is, without reading it: one batch of kernels per param group and device."""
+    scales: list = []
+    shifts: list = []
+    counters: dict[tuple, list[int]] = {}  # (device, id(group)) -> entries whose step is a tensor
+    for k, (_, _, _, step, group) in enumerate(entries):
+        if isinstance(step, torch.Tensor):
+            counters.setdefault((step.device, id(group)), []).append(k)
+            scales.append(None)
+            shifts.append(None)
+            continue
         b1, b2 = group.get("betas", (0.9, 0.999))
         t = max(step, 1.0)
         sqrt_bc2 = math.sqrt(1.0 - b2**t)
         scales.append(sqrt_bc2 / (1.0 - b1**t))
         shifts.append(float(group.get("eps", 1e-8)) * sqrt_bc2)
+    for ks in counters.values():
+        group = entries[ks[0]][4]
+        b1, b2 = group.get("betas", (0.9, 0.999))
+        t = torch.stack([entries[k][3] for k in ks]).to(torch.float32).clamp_(min=1.0)
+        # 1 - b^t as -expm1(t * log(b)), log(b) in float64 on the host: float32's 1 - b^t would lose
+        # about 4 digits to cancellation where b^t is near 1 (b2 = 0.999, t = 1)
+        bc1 = torch.expm1(t * _log(b1, t)).neg_()
+        sqrt_bc2 = torch.expm1(t * _log(b2, t)).neg_().sqrt_()
+        for k, c, s in zip(ks, (sqrt_bc2 / bc1).unbind(), (sqrt_bc2 * float(group.get("eps", 1e-8))).unbind(),
+                           strict=True):
+            scales[k], shifts[k] = c, s
     return scales, shifts
+
+
+def _log(b, like: torch.Tensor):
+    """``log(b)`` for a beta (-inf for 0), a float, or a 0-d float32 tensor on ``like``'s device where
+    the beta is a tensor (torch's Adam takes tensor betas)."""
+    if isinstance(b, torch.Tensor):
+        return torch.log(to_device(b, like.device).to(torch.float32))
+    return math.log(b) if b > 0 else -math.inf
 
 
 def fused_adam_rows(entries, ops: Sequence[str], eps: float, want_mv: bool, want_ur: bool):

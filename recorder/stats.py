@@ -203,7 +203,9 @@ class StatsEngine:
         """Statistics of each tensor (None or empty -> a NaN row), on the first tensor's device.
 
         ``scales`` (positive, one per tensor) gives the statistics of ``scale * tensor`` without
-        materialising it: min/max/norm/mean are scaled and zeros uses ``eps / scale``.
+        materialising it: min/max/norm/mean are scaled and zeros uses ``eps / scale``. A scale is a float
+        or a 0-d tensor (Adam's bias corrections computed on the device), which is used as an operand
+        and never read back.
         """
         rows = self.rows(tensors, scales)
         return torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
@@ -344,6 +346,14 @@ class StatsEngine:
         sq_is_norm = []  # True where the "sq" field holds a norm (not a sum of squares)
         threads = torch.get_num_threads() if cpu else 1
         single = False
+        scale_t = thresholds = None
+        if scales and any(isinstance(s, torch.Tensor) for s in scales):
+            # scales computed on the device (Adam's bias corrections from counters kept there): used as
+            # operands, never read
+            scale_t = torch.stack([to_device(s, device) if isinstance(s, torch.Tensor)
+                                   else torch.full((), s, dtype=torch.float32, device=device)
+                                   for s in scales]).to(torch.float32)
+            thresholds = eps / scale_t
         for k, x in enumerate(xs):
             numel = x.numel()
             want_single = threads > 1 and numel < SMALL_NUMEL
@@ -385,7 +395,7 @@ class StatsEngine:
                 # passes, about 2x faster than abs/compare/count_nonzero. Values within an ulp of eps
                 # itself may round the other way. A NaN poisons that dot product; such rows (their
                 # sum is not finite) are counted exactly afterwards.
-                e = eps / scales[k] if scales else eps
+                e = (eps / scales[k] if thresholds is None else thresholds[k]) if scales else eps
                 # The field holds the count of zeros: the nonzero count subtracted from numel as an integer
                 # (int64 on the device path: exact past 2**24 elements, where two float32 counts differ by
                 # less than their spacing) and rounded once.
@@ -402,10 +412,11 @@ class StatsEngine:
         n = len(xs)
         raw = torch.stack(flat_vals).view(n, -1) if flat_vals else None
         numel_t = torch.tensor(numels, dtype=torch.float32)
-        scale_t = torch.tensor(list(scales), dtype=torch.float32) if scales else None
+        if scales and scale_t is None:
+            scale_t = torch.tensor(list(scales), dtype=torch.float32)
         if device.type != "cpu":
             numel_t = numel_t.pin_memory().to(device, non_blocking=True)
-            if scale_t is not None:
+            if scale_t is not None and scale_t.device != device:
                 scale_t = scale_t.pin_memory().to(device, non_blocking=True)
         cols: dict[str, torch.Tensor] = {}
         j = 0

@@ -8,10 +8,11 @@
      |    +-- UnsupportedVersionError   written by a format version this reader cannot read
      |    +-- CorruptRecordError        a frame passed its CRC but its payload does not decode
      |    +-- NotARunError      a path is not an output directory, rank directory or log file
-     +-- ConfigError            a monitor config is invalid (names the key and what was expected)
+     +-- ConfigError            a monitor config or argument is invalid (names it and what was expected)
      +-- WriterError            the background writer failed (disk full, file removed, ...)
 
-Every message says what is wrong and where: a path and byte offset for logs, a key for configs.
+Every message says what is wrong and where: a path and byte offset for logs, a key for configs, the
+argument for a function's arguments, the option for the tools' command lines.
 """
 
 from __future__ import annotations
@@ -54,13 +55,17 @@ class NotARunError(FormatError):
 
 
 class ConfigError(TrainrecError):
-    """A monitor configuration is invalid."""
+    """A monitor configuration, or an argument of the monitor's API, is invalid. ``key`` names the config
+    key, the command-line option (``-`` first), or with ``argument=True`` the argument."""
 
-    def __init__(self, message: str, key: str | None = None, source: str | None = None) -> None:
+    def __init__(self, message: str, key: str | None = None, source: str | None = None, *,
+                 argument: bool = False) -> None:
         prefix = ""
         if source:
             prefix += f"{source}: "
-        if key and key.startswith("-"):  # a command-line option of the tools
+        if key and argument:
+            prefix += f"argument {key!r}: "
+        elif key and key.startswith("-"):  # a command-line option of the tools
             prefix += f"option {key}: "
         elif key:
             prefix += f"config key {key!r}: "
@@ -68,12 +73,13 @@ class ConfigError(TrainrecError):
         self.message = message
         self.key = key
         self.source = source
+        self.argument = argument
 
     def with_source(self, source: str | None) -> ConfigError:
         """The same error naming ``source`` (the config file), unless it names one already."""
         if self.source or not source:
             return self
-        return ConfigError(self.message, self.key, source)
+        return ConfigError(self.message, self.key, source, argument=self.argument)
 
 
 class WriterError(TrainrecError):

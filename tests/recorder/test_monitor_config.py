@@ -238,6 +238,7 @@ def test_trainermon_arguments_of_the_wrong_kind_are_config_errors(kwargs, key, o
     with pytest.raises(ConfigError) as ei:
         TrainerMon({"wg_distribution": True}, live_export=False, **kwargs)
     assert ei.value.key == key
+    assert str(ei.value).startswith(f"argument {key!r}: ")  # not "config key"
     for ok in (True, False, 1, 0):
         mon = TrainerMon({"wg_distribution": True}, params_have_main_grad=ok, live_export=False)
         assert mon.params_have_main_grad is bool(ok)

@@ -199,6 +199,7 @@ def test_a_start_iteration_no_log_can_hold_is_a_config_error(tmp_path, out, bad)
     with pytest.raises(ConfigError) as err:
         mon.monitor_gnorm_with_ad(model, optimizer=opt, start_iteration=bad)
     assert err.value.key == "start_iteration"
+    assert str(err.value).startswith("argument 'start_iteration': expected an integer of 0..")  # not a config key
     mon.monitor_gnorm_with_ad(model, optimizer=opt, start_iteration=np.int64(7))  # nothing was installed
     loss_of(model, 0).backward()
     opt.step()
@@ -214,6 +215,7 @@ def test_a_grad_acc_steps_that_is_no_count_of_micro_steps_is_a_config_error(tmp_
     with pytest.raises(ConfigError, match="expected an integer >= 1") as err:
         mon.monitor_gnorm_with_ad(model, optimizer=opt, grad_acc_steps=bad)
     assert err.value.key == "grad_acc_steps"
+    assert str(err.value).startswith("argument 'grad_acc_steps': expected an integer >= 1")  # not a config key
     mon.monitor_gnorm_with_ad(model, optimizer=opt, grad_acc_steps=8 / 4)  # nothing was installed; 2.0 is 2
     for m in range(2):
         loss_of(model, m).backward()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from trainmon_util import (
@@ -32,29 +33,43 @@ def stepped_adamw(groups: int = 2, per_group: int = 3):
     return params, opt
 
 
-def test_cpu_step_counters_are_read_per_parameter(monkeypatch):
+def test_cpu_step_counters_are_read_per_parameter():
     params, opt = stepped_adamw()
     opt.state[params[1]]["step"] = torch.tensor(7.0)  # e.g. a parameter that missed steps
-    monkeypatch.setattr(optim, "_read_device_step", lambda t: (_ for _ in ()).throw(AssertionError("synced")))
     entries = AdamState(opt, opt).lookup(params)
     assert [e[3] for e in entries] == [2.0, 7.0, 2.0, 2.0, 2.0, 2.0]
+    assert all(type(e[3]) is float for e in entries)
 
 
-def test_device_step_counters_are_read_once_per_group(monkeypatch):
+def test_device_step_counters_are_not_read():
+    """Fused and capturable Adam keep the step counters on the device: they stay tensors, and the bias
+    corrections are computed there, one per parameter, without a read (a meta tensor has no value to
+    read: any read raises). ``host_steps=False`` treats CPU counters the same way."""
     params, opt = stepped_adamw()
     for k, p in enumerate(params):  # as fused/capturable Adam keep them: on the device
         opt.state[p]["step"] = torch.tensor(float(10 + k), device="meta")
-    reads = []
-
-    def read(t):
-        reads.append(t)
-        return 10.0 + len(reads)
-
-    monkeypatch.setattr(optim, "_read_device_step", read)
     entries = AdamState(opt, opt).lookup(params)
-    assert len(reads) == 2  # one per param group, not one per parameter
-    assert [e[3] for e in entries] == [11.0] * 3 + [12.0] * 3
     assert [e[0] for e in entries] == list(range(6))
+    assert all(isinstance(e[3], torch.Tensor) and e[3].is_meta for e in entries)
+    scales, shifts = optim.bias_corrections(entries)
+    assert len(scales) == len(shifts) == 6
+    assert all(isinstance(x, torch.Tensor) and x.is_meta and x.dim() == 0 for x in scales + shifts)
+
+    params, opt = stepped_adamw()
+    entries = AdamState(opt, opt).lookup(params, host_steps=False)
+    assert all(isinstance(e[3], torch.Tensor) for e in entries)
+
+
+def test_bias_corrections_from_counters_equal_those_from_floats():
+    """The device's computation (float32 tensors) of each parameter's scale and shift equals the host's
+    (Python floats), to float32 rounding, over steps from 1 to 10^6, betas including 0, and two groups."""
+    groups = [{"betas": (0.9, 0.999), "eps": 1e-8}, {"betas": (0.0, 0.95), "eps": 1e-6}, {}]
+    steps = [0.0, 1.0, 2.0, 7.0, 100.0, 4097.0, 1e6]
+    host = [(k, None, None, t, g) for k, (t, g) in enumerate((t, g) for g in groups for t in steps)]
+    dev = [(k, m, v, torch.tensor(t), g) for k, m, v, t, g in host]
+    for want, got in zip(optim.bias_corrections(host), optim.bias_corrections(dev), strict=True):
+        assert all(isinstance(x, float) for x in want) and all(isinstance(x, torch.Tensor) for x in got)
+        torch.testing.assert_close(torch.stack(got), torch.tensor(want), rtol=4e-7, atol=0)
 
 
 def test_chunks_cover_every_tensor_once_and_respect_the_limit():
@@ -121,6 +136,52 @@ def test_unused_embedding_rows_give_ratio_zero_not_nan(tmp_path, monkeypatch):
     assert unused > 0  # the case this test is about did occur
     assert len(seen) == len(rat) == len(upd)
 
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_update_and_ratio_of_fused_adamw_equal_a_float64_computation(tmp_path, monkeypatch, path):
+    """Fused AdamW (its step counters are tensors where the parameters are: on an accelerator there, read
+    back only with a sync) in two param groups of different betas, one parameter's counter ahead of the
+    others: update and ratio as recorded, on the host path and on the accelerators' path (which computes
+    the bias corrections from the counters without reading them), equal a float64 computation of each
+    parameter's own step."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    cfg = {"ur_distribution": True, "ops": ALL_OPS, "format": "csv"}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+
+    def fused_two_groups(params, lr):
+        params = list(params)
+        return torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "betas": (0.8, 0.99), "eps": 1e-6}],
+                                 lr=lr, fused=True)
+
+    model, opt = make(opt_cls=fused_two_groups)
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=1, optimizer=opt)
+    mon._engine.fused = False
+    mon._engine.host_paths = path == "host"
+    pnames = squash_all([n for n, _ in model.named_parameters()])
+    first = next(iter(model.parameters()))
+    seen = {}
+    for step in range(3):
+        loss_of(model, step).backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            st, group = opt.state[p], next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+            seen[(step, pnames[n])] = (st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"]),
+                                       group["betas"], group["eps"])
+        opt.state[first]["step"].add_(5.0)  # this parameter's counter runs ahead of its group's
+        opt.zero_grad()
+    mon.close()
+    events = events_of(out)
+    upd, rat = stats_table(events, "update"), stats_table(events, "ratio")
+    assert len(seen) == len(rat) == len(upd)
+    assert {t for _, _, t, _, _ in seen.values()} == {1.0, 2.0, 3.0, 7.0, 13.0}
+    for (step, name), (m, v, t, (b1, b2), eps) in seen.items():
+        m_hat, v_hat = m.double() / (1 - b1**t), v.double() / (1 - b2**t)
+        ratio = torch.where(v_hat == 0, torch.zeros_like(m_hat), m_hat / v_hat.sqrt())
+        assert_close(rat[(step, name, "", 0)], ref_stats(ratio), rtol=1e-5, what=f"ratio {name} step {step}")
+        assert_close(upd[(step, name, "", 0)], ref_stats(m_hat / (v_hat.sqrt() + eps)), rtol=1e-5,
+                     what=f"update {name} step {step}")
 
 
 def _mv_run(tmp_path, monkeypatch, between):
@@ -316,6 +377,60 @@ def test_a_list_of_optimizers_is_one_training_step_in_any_order(tmp_path, out):
             assert_close(par[(step, name, "", 0)], r[1], what=f"step {step} param {name}")
             if len(r) == 3:
                 assert_close(ea[(step, name, "", 0)], r[2], what=f"step {step} exp_avg {name}")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("listed", [False, True])
+def test_optimizers_without_adam_state_are_named_once(tmp_path, out, caplog, momentum, listed):
+    """mv_distribution with SGD (state only with momentum, and never Adam's) beside AdamW in a list, or
+    alone: one warning names SGD, not AdamW, whose rows are recorded. The list gave none (AdamW's
+    state was found, so the parameters without any went unsaid), nor SGD alone without momentum (it
+    keeps no state at all, taken for an optimizer that had not stepped yet)."""
+    model, _ = make()
+    names = dict(model.named_parameters())
+    embed = [p for n, p in names.items() if n.startswith("embed")]
+    rest = [p for n, p in names.items() if not n.startswith("embed")]
+    sgd = torch.optim.SGD(embed if listed else model.parameters(), lr=0.1, momentum=momentum)
+    opts = [sgd, torch.optim.AdamW(rest, lr=1e-2)] if listed else [sgd]
+    cfg = {"mv_distribution": True, "ops": ["norm"]}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opts if listed else sgd)
+    with caplog.at_level("WARNING", logger="trainrec"):
+        for step in range(3):
+            loss_of(model, step).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    mon.close()
+    said = [r.getMessage() for r in caplog.records if "no Adam state" in r.getMessage()]
+    assert len(said) == 1 and "SGD" in said[0] and "AdamW" not in said[0]
+    recorded = {k[1] for k in stats_table(events_of(out), "exp_avg")}
+    short = squash_all(list(names))
+    assert recorded == ({short[n] for n in names if not n.startswith("embed")} if listed else set())
+
+
+def test_mg_direction_records_nothing_for_a_listed_optimizer_outside_adams_family(tmp_path, out):
+    """[SGD, AdamW]: the SGD part's parameters got the first step's 1.0 (no momentum of Adam's found)
+    at every step, a constant that looked like a measurement, as a lone SGD did before; now nothing,
+    as the warning says, while the AdamW part's are recorded from its first step on."""
+    model, _ = make()
+    names = dict(model.named_parameters())
+    short = squash_all(list(names))
+    embed = [p for n, p in names.items() if n.startswith("embed")]
+    rest = [p for n, p in names.items() if not n.startswith("embed")]
+    opts = [torch.optim.SGD(embed, lr=0.1, momentum=0.9), torch.optim.AdamW(rest, lr=1e-2)]
+    mon = TrainerMon(write_config(tmp_path, {"mg_direction": True, "ops": ["mean"]}), params_have_main_grad=False,
+                     live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opts)
+    for step in range(3):
+        loss_of(model, step).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    mon.close()
+    got = stats_table(events_of(out), "mg_direction")
+    want = {short[n] for n in names if not n.startswith("embed")}
+    assert {(k[0], k[1]) for k in got} == {(step, n) for step in range(3) for n in want}
 
 
 def test_an_optimizer_over_another_model_is_said(tmp_path, out, caplog):
