@@ -211,7 +211,7 @@ class TrainerMon(StepCollector):
         self._wrapped = None
         self._adam: AdamState | None = None
         self._dp_duplicate = False  # this rank is not dp_group's first
-        self._dp_ranks: frozenset = frozenset()  # dp_group's ranks
+        self._dp_ranks: tuple = ()  # dp_group's ranks, in group order
         self._dp_replicas: dict = {}  # StepCollector._dp_copy's, per (DTensor mesh, placements)
         self._plain_params_cache: tuple | None = None  # StepCollector._plain_param_tensors
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
@@ -466,7 +466,7 @@ class TrainerMon(StepCollector):
             import torch.distributed as dist
 
             self._dp_duplicate = dist.get_rank(group=dp_group) != 0
-            self._dp_ranks = frozenset(dist.get_process_group_ranks(dp_group))
+            self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
         if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
             _warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
                        "use_orig_params=True, which accumulates gradients in its flat parameters, outside the "
