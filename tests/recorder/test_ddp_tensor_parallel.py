@@ -77,11 +77,12 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, mode: str
         dp, tp = mesh["dp"], mesh["tp"]
         model = _tp(tp)
         twin = _tp(tp)  # the same weights, tensor-parallel only: this rank's own gradients
-        net = torch.nn.parallel.DistributedDataParallel(model, device_mesh=dp) if mode == "ddp" else model
+        ddp = mode.startswith("ddp")
+        net = torch.nn.parallel.DistributedDataParallel(model, device_mesh=dp) if ddp else model
         params = dict(model.named_parameters())  # what the optimizer and the monitor hold
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
-        dp_group = dist.group.WORLD if mode == "world" else dp.get_group()
+        dp_group = dist.group.WORLD if mode.endswith("world") else dp.get_group()
         mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dp_group, tp_group=tp.get_group())
         want: dict = {"dp": dp.get_local_rank(), "tp": tp.get_local_rank(), "steps": [],
                       "types": {n: type(p).__name__ for n, p in params.items()}}
@@ -95,7 +96,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, mode: str
             twin(x).pow(2).mean().backward()
             cur["unreduced"] = {n: ref_stats(_local(p.grad)) for n, p in twin.named_parameters()}
             net(x).pow(2).mean().backward()
-            if mode != "ddp":  # the training loop's own data-parallel reduction
+            if not ddp:  # the training loop's own data-parallel reduction
                 for p in params.values():
                     dist.all_reduce(_local(p.grad), group=dp.get_group())
                     _local(p.grad).div_(2)
@@ -134,6 +135,19 @@ def ddp_run(tmp_path_factory):
     return _run(tmp_path_factory, "ddp")
 
 
+def _check_reduced_rows(run, want) -> None:
+    """Reduced gradients on the first dp rank only; there, every tp shard on each tp rank, the
+    tp-replicated bias on the first tp rank only; values as torch's."""
+    assert run.ranks == [0, 1, 2, 3]
+    for r in run.ranks:
+        table = stats_table(run.events(r), "grad_reduced")
+        w = want[r]
+        keep = set() if w["dp"] else NAMES - (TP_REPLICATED if w["tp"] else set())
+        for step in range(STEPS):
+            assert {k[1] for k in table if k[0] == step} == keep, (r, step, sorted(k[1] for k in table))
+    _check_values(run, want, "grad_reduced", "reduced")
+
+
 def _check_values(run, want, kind: str, key: str) -> None:
     for r in run.ranks:
         for (step, name, _slot, _micro), row in stats_table(run.events(r), kind).items():
@@ -155,14 +169,7 @@ def test_ddp_over_tp_reduced_gradients_deduplicated(ddp_run):
     rank, the tp-replicated bias on the first tp rank only. (Rank 1 recorded none: the local
     Parameters DDP puts in place of the DTensors were taken for tp duplicates.)"""
     run, want = ddp_run
-    assert run.ranks == [0, 1, 2, 3]
-    for r in run.ranks:
-        table = stats_table(run.events(r), "grad_reduced")
-        w = want[r]
-        keep = set() if w["dp"] else NAMES - (TP_REPLICATED if w["tp"] else set())
-        for step in range(STEPS):
-            assert {k[1] for k in table if k[0] == step} == keep, (r, step, sorted(k[1] for k in table))
-    _check_values(run, want, "grad_reduced", "reduced")
+    _check_reduced_rows(run, want)
     assert want[0]["steps"][0]["reduced"]["fc1.weight"] != want[0]["steps"][0]["unreduced"]["fc1.weight"]
 
 
@@ -176,3 +183,12 @@ def test_ddp_over_tp_unreduced_gradients_and_parameters_on_every_rank(ddp_run):
         _check_values(run, want, "grad_unreduced", "unreduced")
         _check_values(run, want, "param", "param")
 
+
+
+def test_ddp_over_tp_with_dp_group_every_rank(tmp_path_factory):
+    """``dp_group`` every rank, under 2-D DDP + TP: rank 1 holds tp shards of its own (no rank before
+    it in the group holds them), ranks 2 and 3 DDP's copies of ranks 0's and 1's; the same rows as with
+    the dp dimension, and as for the DTensors themselves (test_dp_group_tp_overlap.py). (Ranks 1 to 3
+    recorded none: DDP's local Parameters were taken for whole gradients, alike on every rank.)"""
+    run, want = _run(tmp_path_factory, "ddp_world")
+    _check_reduced_rows(run, want)
