@@ -217,6 +217,7 @@ class TrainerMon(StepCollector):
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
         self._hooks_compiled = False  # what the attached step hooks were made for
         self._tp_group = None
+        self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
         self._last: dict[str, list] = {}
         self._failures: dict[str, int] = {}
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
@@ -454,6 +455,9 @@ class TrainerMon(StepCollector):
             self._discard_empty_output()  # nothing installed: no empty run left beside a fixed one
             raise
         self._chunks = [_uncompiled(m) for m in given]
+        # 2-D DDP + TP's local Parameters, which the module lists no more after its first forward (see
+        # targets._displaced); those alone: the others, held for good, might be a model's replaced weights
+        self._installed = [{n: p for n, p in c.named_parameters() if hasattr(p, "_st_info")} for c in self._chunks]
         self._fullgraph = any(map(_compiled_fullgraph, given))
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
         self._grad_acc = acc
@@ -802,7 +806,7 @@ class TrainerMon(StepCollector):
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
         # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
         targets = build_targets(self._chunks, cfg, self.rank, self._intern,
-                                strict=not (self._distributed and self.world_size > 1))
+                                strict=not (self._distributed and self.world_size > 1), installed=self._installed)
         if self._fullgraph and (targets.modules or cfg.print_struct):
             key = "xy_distribution" if targets.modules else "print_struct"
             raise ConfigError("the model was compiled with torch.compile(fullgraph=True), and the module hooks "
