@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 import weakref
-from itertools import compress, repeat
+from itertools import compress, product, repeat
 from operator import add, attrgetter, gt, is_not, mod
 
 import numpy as np
@@ -366,23 +366,29 @@ class StepCollector:
                 g = getattr(p, "main_grad", None) if main_grad else None
                 if g is None:
                     g = p.grad
-                if g is not None and dp_duplicate and self._dp_copy(g):
+                if g is not None and dp_duplicate and self._dp_copy(g, p):
                     continue
             if g is not None:
                 yield i, g
 
-    def _dp_copy(self, g: torch.Tensor) -> bool:
-        """Whether a rank before this one in ``dp_group`` holds the same ``g`` (this rank is not the
-        group's first): a plain or whole gradient, or a DTensor's shard replicated over a dimension of
-        its mesh that lies within the group, where this rank is not that dimension's first (HSDP's
-        replicas, ``fully_shard`` on a (replicate, shard) mesh)."""
-        if not _is_shard(g):
-            return True
-        mesh = g.device_mesh
-        key = (id(mesh), tuple(g.placements))
+    def _dp_copy(self, g: torch.Tensor, p: torch.Tensor) -> bool:
+        """Whether a rank before this one in ``dp_group`` holds the same ``g``, the gradient of ``p``
+        (this rank is not the group's first): a plain or whole gradient, or a DTensor's shard that a
+        rank before this one in the group holds too (see :func:`_shard_held_before`: HSDP's replicas,
+        ``fully_shard`` on a (replicate, shard) mesh; a tensor-parallel shard whose dp replicas hold it
+        too). Under 2-D DDP + TP ``p`` is the plain Parameter DDP put in a DTensor's place, the
+        DTensor's layout in its ``_st_info``: its gradient is that DTensor's local shard."""
+        if _is_shard(g):
+            mesh, placements = g.device_mesh, g.placements
+        else:
+            spec = getattr(p, "_st_info", None)  # torch's DTensorSpec
+            mesh, placements = getattr(spec, "mesh", None), getattr(spec, "placements", None)
+            if mesh is None or placements is None or all(pl.is_replicate() for pl in placements):
+                return True
+        key = (id(mesh), tuple(placements))
         hit = self._dp_replicas.get(key)
         if hit is None or hit[0] is not mesh:
-            hit = self._dp_replicas[key] = (mesh, _replica_within(g, self._dp_ranks))
+            hit = self._dp_replicas[key] = (mesh, _shard_held_before(mesh, placements, self._dp_ranks))
         return hit[1]
 
     def _own_grad_lists(self, partitioned_only: bool = False) -> tuple[list, list]:
@@ -725,15 +731,37 @@ def _is_shard(g: torch.Tensor) -> bool:
     return local is not g and local.numel() != g.numel()
 
 
-def _replica_within(g, ranks: frozenset) -> bool:
-    """Whether the DTensor ``g`` is replicated over a dimension of its mesh whose ranks all belong to
-    ``ranks``, where this rank is not that dimension's first: the first holds the same local tensor."""
+def _shard_held_before(mesh, placements, ranks: tuple) -> bool:
+    """Whether a rank before this one in ``ranks`` (``dp_group``'s, in group order) holds the same local
+    tensor of a DTensor ``g`` on ``mesh`` with ``placements``: one whose coordinates on the mesh
+    dimensions ``g`` is not replicated over are this rank's (it differs along replicated dimensions only: HSDP's replicas). Where ``g``'s mesh is a
+    named slice of a larger one (``mesh["tp"]``), the group's ranks outside the slice are placed in that
+    root mesh, and one on the same slice coordinates holds the same shard (``dp_group`` names ranks that
+    hold replicas of the model); where it cannot be placed there (a flattened dimension), only ranks of
+    ``g``'s own mesh are compared."""
     import torch.distributed as dist
 
-    mesh = g.device_mesh
-    return any(pl.is_replicate() and mesh.get_local_rank(dim) != 0
-               and ranks.issuperset(dist.get_process_group_ranks(mesh.get_group(dim)))
-               for dim, pl in enumerate(g.placements))
+    dims = [d for d, pl in enumerate(placements) if not pl.is_replicate()]  # _StridedShard is no is_shard()
+    grid = mesh.mesh
+    try:
+        root = mesh._get_root_mesh()  # torch's own (DDP's 2-D path uses it); not public
+    except AttributeError:
+        root = mesh
+    names, root_names = mesh.mesh_dim_names, getattr(root, "mesh_dim_names", None)
+    if root is not mesh and names and root_names and all(names[d] in root_names for d in dims):
+        grid, dims = root.mesh, [root_names.index(names[d]) for d in dims]
+    coords = dict(zip(grid.flatten().tolist(), product(*map(range, grid.shape)), strict=True))
+    me = dist.get_rank()
+    mine = coords.get(me)
+    if mine is None:
+        return False
+    for q in ranks:
+        if q == me:
+            return False
+        c = coords.get(q)
+        if c is not None and all(c[d] == mine[d] for d in dims):
+            return True
+    return False
 
 
 # The largest temporary main_grad + .grad made at once (elements): a larger parameter (an LLM's

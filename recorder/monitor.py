@@ -213,12 +213,13 @@ class TrainerMon(StepCollector):
         self._wrapped = None
         self._adam: AdamState | None = None
         self._dp_duplicate = False  # this rank is not dp_group's first
-        self._dp_ranks: frozenset = frozenset()  # dp_group's ranks
+        self._dp_ranks: tuple = ()  # dp_group's ranks, in group order
         self._dp_replicas: dict = {}  # StepCollector._dp_copy's, per (DTensor mesh, placements)
         self._plain_params_cache: tuple | None = None  # StepCollector._plain_param_tensors
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
         self._hooks_compiled = False  # what the attached step hooks were made for
         self._tp_group = None
+        self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
         self._last: dict[str, list] = {}
         self._failures: dict[str, int] = {}
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
@@ -456,6 +457,9 @@ class TrainerMon(StepCollector):
             self._discard_empty_output()  # nothing installed: no empty run left beside a fixed one
             raise
         self._chunks = [_uncompiled(m) for m in given]
+        # 2-D DDP + TP's local Parameters, which the module lists no more after its first forward (see
+        # targets._displaced); those alone: the others, held for good, might be a model's replaced weights
+        self._installed = [{n: p for n, p in c.named_parameters() if hasattr(p, "_st_info")} for c in self._chunks]
         self._fullgraph = any(map(_compiled_fullgraph, given))
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
         self._grad_acc = acc
@@ -468,7 +472,7 @@ class TrainerMon(StepCollector):
             import torch.distributed as dist
 
             self._dp_duplicate = dist.get_rank(group=dp_group) != 0
-            self._dp_ranks = frozenset(dist.get_process_group_ranks(dp_group))
+            self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
         if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
             _warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
                        "use_orig_params=True, which accumulates gradients in its flat parameters, outside the "
@@ -804,7 +808,7 @@ class TrainerMon(StepCollector):
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
         # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
         targets = build_targets(self._chunks, cfg, self.rank, self._intern,
-                                strict=not (self._distributed and self.world_size > 1))
+                                strict=not (self._distributed and self.world_size > 1), installed=self._installed)
         if self._fullgraph and (targets.modules or cfg.print_struct):
             key = "xy_distribution" if targets.modules else "print_struct"
             raise ConfigError("the model was compiled with torch.compile(fullgraph=True), and the module hooks "
@@ -1562,10 +1566,15 @@ def _checked_arguments(grad_acc_steps, start_iteration) -> int:
 
 def _sharded_over(param, ranks: list[int]) -> bool:
     """Whether ``param`` is a DTensor sharded over the mesh dimension of these ranks (torch's tensor
-    parallelism, ``parallelize_module``): each of them holds a shard of its own, no duplicate."""
+    parallelism, ``parallelize_module``): each of them holds a shard of its own, no duplicate. Also the
+    local tensor DDP puts in a DTensor's place under 2-D DDP + TP (``DistributedDataParallel(...,
+    device_mesh=mesh["dp"])``: a plain Parameter with the DTensor's spec in ``_st_info``)."""
     import torch.distributed as dist
 
     mesh, placements = getattr(param, "device_mesh", None), getattr(param, "placements", None)
+    if mesh is None:
+        spec = getattr(param, "_st_info", None)  # torch's DTensorSpec
+        mesh, placements = getattr(spec, "mesh", None), getattr(spec, "placements", None)
     if mesh is None or placements is None:
         return False
     return any(pl.is_shard() and dist.get_process_group_ranks(mesh.get_group(dim)) == ranks

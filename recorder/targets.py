@@ -172,12 +172,29 @@ def _recorded_module_name(hit: list[str], full: str, short: str, vpp: int, all_x
     return full
 
 
+def _displaced(chunk: torch.nn.Module, name: str, p: torch.Tensor) -> bool:
+    """Whether ``p``, listed as ``name`` when the monitor was installed, is one of the local Parameters
+    torch's 2-D DDP + TP (``DistributedDataParallel(..., device_mesh=mesh["dp"])``) puts in a DTensor's
+    place (its layout in ``_st_info``), which DDP and the optimizer still hold, though the module lists
+    it no more: from the first forward on, DDP's pre-hook leaves a plain DTensor attribute there."""
+    if not hasattr(p, "_st_info"):
+        return False
+    path, _, leaf = name.rpartition(".")
+    try:
+        module = chunk.get_submodule(path)
+    except AttributeError:
+        return False
+    t = module.__dict__.get(leaf)
+    return isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+
+
 def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
-                  intern: Callable[[str], int], strict: bool = True) -> Targets:
+                  intern: Callable[[str], int], strict: bool = True, installed: list | None = None) -> Targets:
     """The modules and parameters ``cfg`` selects in ``chunks``. A target that matches nothing is a
     ConfigError; not ``strict`` (several ranks), a warning: under pipeline parallelism a rank holds its
     stage's modules only (the embedding on the first, the output layer on the last), and a target of
-    another stage matches nothing here (the reference skips such targets silently)."""
+    another stage matches nothing here (the reference skips such targets silently). ``installed``: each
+    chunk's ``{name: parameter}`` of 2-D DDP + TP when the monitor was installed (see :func:`_displaced`)."""
     out = Targets(forward=not cfg.backward_only, backward=not cfg.forward_only)
     targets = {k: v for k, v in cfg.targets.items()}
     everything = cfg.everything
@@ -210,6 +227,9 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
                 out.modules.append((module, ModuleTarget(intern(name), name, vpp, sel, hit[0] if hit else None)))
         # (frozen ones too: a name keeps its squashed form when its parameter is unfrozen)
         params = list(chunk.named_parameters())
+        if installed:
+            listed = {n for n, _ in params}
+            params += [(n, p) for n, p in installed[vpp].items() if n not in listed and _displaced(chunk, n, p)]
         pshort = squash_all([n for n, _ in params], cfg.squash_name)
         all_params.extend(n for n, _ in params)
         # a parameter shared by several modules (an output layer tied to the embedding) is listed once,
