@@ -23,7 +23,7 @@ import socket
 
 import pytest
 import torch
-import torch.nn as nn
+from tp_util import Block, held, parallelize_blocks
 from trainmon_util import (
     ALL_OPS,
     assert_close,
@@ -42,26 +42,9 @@ NAMES = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
 TP_REPLICATED = {"fc2.bias"}
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
 def _tp(mesh) -> Block:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     torch.manual_seed(0)
-    return parallelize_module(Block(D), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.to_local() if hasattr(t, "to_local") else t
+    return parallelize_blocks(Block(D), mesh)
 
 
 def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, mode: str) -> None:
@@ -89,18 +72,18 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, mode: str
         for step in range(STEPS):
             with torch.no_grad():
                 for n, p in twin.named_parameters():
-                    _local(p).copy_(_local(params[n]))
+                    held(p).copy_(held(params[n]))
             x = torch.randn(4, D, generator=torch.Generator().manual_seed(10 * step + dp.get_local_rank()))
-            cur = {"param": {n: ref_stats(_local(p)) for n, p in params.items()}}
+            cur = {"param": {n: ref_stats(held(p)) for n, p in params.items()}}
             twin.zero_grad()
             twin(x).pow(2).mean().backward()
-            cur["unreduced"] = {n: ref_stats(_local(p.grad)) for n, p in twin.named_parameters()}
+            cur["unreduced"] = {n: ref_stats(held(p.grad)) for n, p in twin.named_parameters()}
             net(x).pow(2).mean().backward()
             if not ddp:  # the training loop's own data-parallel reduction
                 for p in params.values():
-                    dist.all_reduce(_local(p.grad), group=dp.get_group())
-                    _local(p.grad).div_(2)
-            cur["reduced"] = {n: ref_stats(_local(p.grad)) for n, p in params.items()}
+                    dist.all_reduce(held(p.grad), group=dp.get_group())
+                    held(p.grad).div_(2)
+            cur["reduced"] = {n: ref_stats(held(p.grad)) for n, p in params.items()}
             cur["named"] = sorted(n for n, _ in model.named_parameters())
             want["steps"].append(cur)
             opt.step()

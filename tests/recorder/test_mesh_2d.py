@@ -20,7 +20,7 @@ import socket
 
 import pytest
 import torch
-import torch.nn as nn
+from tp_util import Net, held, parallelize_blocks
 from trainmon_util import (
     ALL_OPS,
     assert_close,
@@ -38,41 +38,6 @@ STEPS = 2
 D = 8
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(d), Block(d)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def _tp(model: Net, mesh) -> Net:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    for b in model.blocks:
-        parallelize_module(b, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    return model
-
-
-def _held(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: a DTensor's local tensor, an AsyncCollectiveTensor's result."""
-    t = t.detach()
-    return t.to_local() if hasattr(t, "to_local") else t.wait() if hasattr(t, "wait") else t
-
-
 def _worker(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
     os.environ["MONITOR_OUTPUT_DIR"] = out
     os.environ.pop("DYNAMIC_MONITOR", None)
@@ -86,12 +51,12 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp, tp = mesh["dp"], mesh["tp"]
         torch.manual_seed(0)
-        model = _tp(Net(D), tp)
+        model = parallelize_blocks(Net(D), tp)
         for b in model.blocks:
             fully_shard(b, mesh=dp)
         fully_shard(model, mesh=dp)
         torch.manual_seed(0)
-        twin = _tp(Net(D), tp)  # the same weights, tensor-parallel only: this rank's gradients before FSDP's
+        twin = parallelize_blocks(Net(D), tp)  # the same weights, tensor-parallel only: this rank's gradients before FSDP's
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
         mon.monitor_gnorm_with_ad(model, optimizer=opt, dp_group=dp.get_group(), tp_group=tp.get_group())
@@ -105,7 +70,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
         def hook(name):
             def f(_m, args, out):
                 for slot, t in (("input", args[0]), ("output", out)):
-                    actv[f"{name}/{slot}"] = ref_stats(_held(t))
+                    actv[f"{name}/{slot}"] = ref_stats(held(t))
                     t.register_hook(functools.partial(on_grad, f"{name}/{slot}_grad",
                                                       getattr(t, "placements", None)))
             return f
@@ -121,7 +86,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
             for key, g, placements in grads:
                 if placements is not None and g.placements != placements:
                     g = g.redistribute(placements=placements)  # Partial: the sum it stands for
-                actv[key] = ref_stats(_held(g))
+                actv[key] = ref_stats(held(g))
             cur = {"actv": dict(actv),"placements": {n: str(p.placements) for n, p in model.named_parameters()},
                    "grad": {n: ref_stats(p.grad.to_local()) for n, p in model.named_parameters()},
                    "param": {n: ref_stats(p.to_local()) for n, p in model.named_parameters()}}

@@ -10,37 +10,11 @@ import os
 import socket
 
 import torch
-import torch.nn as nn
+from tp_util import Net, held, parallelize_blocks
 from trainmon_util import events_of, init_gloo, rank_dirs, spawn_and_join, stats_table, write_config
 from trainrec.schema.events import HookFailed
 
 TIMEOUT = 120
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(d), Block(d)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.to_local() if hasattr(t, "to_local") else t.wait() if hasattr(t, "wait") else t
 
 
 def _worker(rank: int, world: int, port: int, cfg_path: str, d: int, rows: int) -> None:
@@ -48,14 +22,11 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, d: int, rows: int) 
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         from trainrec.recorder import TrainerMon
 
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)
-        model = Net(d)
-        for b in model.blocks:
-            parallelize_module(b, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        model = parallelize_blocks(Net(d), mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
         mon.monitor_gnorm_with_ad(model, optimizer=opt, tp_group=mesh.get_group())
@@ -63,8 +34,8 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, d: int, rows: int) 
 
         def hook(name):
             def f(_m, args, out):
-                want["actv"][f"{name}/input"] = float(_plain(args[0]).norm())
-                want["actv"][f"{name}/output"] = float(_plain(out).norm())
+                want["actv"][f"{name}/input"] = float(held(args[0]).norm())
+                want["actv"][f"{name}/output"] = float(held(out).norm())
             return f
 
         for n, m in model.named_modules():

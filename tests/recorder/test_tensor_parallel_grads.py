@@ -19,7 +19,7 @@ import socket
 
 import pytest
 import torch
-import torch.nn as nn
+from tp_util import Net, held, parallelize_blocks
 from trainmon_util import (
     ALL_OPS,
     assert_close,
@@ -37,39 +37,6 @@ TIMEOUT = 120
 STEPS = 2
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(d), Block(d)])
-        self.mesh = None  # where set, the blocks take and give DTensors (use_local_output=False)
-
-    def forward(self, x):
-        if self.mesh is not None:
-            from torch.distributed.tensor import DTensor, Replicate
-
-            x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def _held(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: a DTensor's local tensor, an AsyncCollectiveTensor's result."""
-    t = t.detach()
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.wait() if hasattr(t, "wait") else t  # (also a DTensor's local tensor: redistribute's result)
-
-
 def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, rows: int, local: bool) -> None:
     os.environ["MONITOR_OUTPUT_DIR"] = out
     os.environ.pop("DYNAMIC_MONITOR", None)
@@ -77,15 +44,11 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, r
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         from trainrec.recorder import TrainerMon
 
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)
-        model = Net(d)
-        plan = {"fc1": ColwiseParallel(use_local_output=local), "fc2": RowwiseParallel(use_local_output=local)}
-        for b in model.blocks:
-            parallelize_module(b, mesh, plan)
+        model = parallelize_blocks(Net(d), mesh, use_local_output=local)
         model.mesh = None if local else mesh
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         mon = TrainerMon(cfg_path, params_have_main_grad=False, live_export=False)
@@ -102,7 +65,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, r
             def f(_m, args, out):
                 cur = steps[-1]
                 for slot, t in (("input", args[0]), ("output", out)):
-                    cur[f"{name}/{slot}"] = ref_stats(_held(t))
+                    cur[f"{name}/{slot}"] = ref_stats(held(t))
                     if t.requires_grad:
                         t.register_hook(functools.partial(on_grad, f"{name}/{slot}_grad",
                                                           getattr(t, "placements", None)))
@@ -125,7 +88,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, d: int, r
                     cur[f"{key}/placements"] = str(g.placements)
                     if g.placements != placements:
                         g = g.redistribute(placements=placements)  # Partial: the sum it stands for
-                cur[key] = ref_stats(_held(g))
+                cur[key] = ref_stats(held(g))
             for n, p in model.named_parameters():
                 cur[f"{n}/grad"] = ref_stats(p.grad.to_local())
                 cur[f"{n}/grad/placements"] = str(p.grad.placements)
