@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 from trainmon_util import (
     ALL_OPS,
     assert_close,
+    free_port,
     init_gloo,
     loss_of,
     make,
     ref_stats,
     spawn_and_join,
     stats_table,
+    want_of,
 )
 from trainmon_util import write_config as _write_config
 from trainrec.recorder.names import squash_all
@@ -87,16 +88,13 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str, set_to_no
 def test_bucket_view_no_sync_unreduced_per_micro_step_and_reduced_average(tmp_path, set_to_none):
     out = tmp_path / "out"
     cfg = _write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn_and_join(_worker, (2, port, cfg, str(out), set_to_none), 2, TIMEOUT, "2-process DDP bucket-view run")
     run = open_run(str(out))
     assert run.ranks == [0, 1]
     want = {}
     for r in (0, 1):
-        with open(tmp_path / f"want_{r}.json") as f:
-            want[r] = json.load(f)
+        want[r] = want_of(tmp_path, r)
     names = set(want[0]["reduced"]["0"])
     for r in (0, 1):
         un = stats_table(run.events(r), "grad_unreduced")

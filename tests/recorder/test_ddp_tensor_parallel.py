@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -27,10 +26,12 @@ from tp_util import Block, held, parallelize_blocks
 from trainmon_util import (
     ALL_OPS,
     assert_close,
+    free_port,
     init_gloo,
     ref_stats,
     spawn_and_join,
     stats_table,
+    want_of,
     write_config,
 )
 from trainrec.replay import open_run
@@ -104,14 +105,11 @@ def _run(tmp_path_factory, mode: str):
     tmp_path = tmp_path_factory.mktemp(mode)
     out = tmp_path / "out"
     cfg = write_config(tmp_path, {"wg_distribution": True, "param_distribution": True, "ops": ALL_OPS})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn_and_join(_worker, (4, port, cfg, str(out), mode), 4, TIMEOUT, f"4-process {mode} run")
     want = {}
     for r in range(4):
-        with open(tmp_path / f"want_{r}.json") as f:
-            want[r] = json.load(f)
+        want[r] = want_of(tmp_path, r)
     return open_run(str(out)), want
 
 

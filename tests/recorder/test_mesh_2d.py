@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -24,10 +23,12 @@ from tp_util import Net, held, parallelize_blocks
 from trainmon_util import (
     ALL_OPS,
     assert_close,
+    free_port,
     init_gloo,
     ref_stats,
     spawn_and_join,
     stats_table,
+    want_of,
     write_config,
 )
 from trainrec.replay import open_run
@@ -113,14 +114,11 @@ def mesh_run(tmp_path_factory):
     out = tmp_path / "out"
     cfg = write_config(tmp_path, {"wg_distribution": True, "param_distribution": True, "xy_distribution": True,
                                   "all_xy": True, "ops": ALL_OPS})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn_and_join(_worker, (4, port, cfg, str(out)), 4, TIMEOUT, "4-process 2-D (FSDP2 x TP) run")
     want = {}
     for r in range(4):
-        with open(tmp_path / f"want_{r}.json") as f:
-            want[r] = json.load(f)
+        want[r] = want_of(tmp_path, r)
     return open_run(str(out)), want
 
 
@@ -237,15 +235,12 @@ def test_hsdp_replicas_reduced_gradients_are_dp_duplicates(tmp_path):
     whatever its placement over the replicate dimension)."""
     out = tmp_path / "out"
     cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn_and_join(_hsdp_worker, (4, port, cfg, str(out)), 4, TIMEOUT, "4-process HSDP run")
     run = open_run(str(out))
     assert run.ranks == [0, 1, 2, 3]
     for r in run.ranks:
-        with open(tmp_path / f"want_{r}.json") as f:
-            want = json.load(f)
+        want = want_of(tmp_path, r)
         table = stats_table(run.events(r), "grad_reduced")
         assert {k[1] for k in table} == (set(NAMES) if r < 2 else set()), (r, sorted(k[1] for k in table))
         for (_step, name, _slot, _micro), row in table.items():

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import torch
 from tp_util import Net, held, parallelize_blocks
-from trainmon_util import events_of, init_gloo, rank_dirs, spawn_and_join, stats_table, write_config
+from trainmon_util import (
+    events_of,
+    free_port,
+    init_gloo,
+    rank_dirs,
+    spawn_and_join,
+    stats_table,
+    want_of,
+    write_config,
+)
 from trainrec.schema.events import HookFailed
 
 TIMEOUT = 120
@@ -63,15 +71,12 @@ def run(tmp_path, monkeypatch, d: int, rows: int) -> dict:
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     cfg = write_config(tmp_path, {"wg_distribution": True, "xy_distribution": True, "all_xy": True,
                                   "ops": ["norm", "max"]})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn_and_join(_worker, (2, port, cfg, d, rows), 2, TIMEOUT, "2-process tensor-parallel run")
     res = {}
     for dr in rank_dirs(out):
         ev = events_of(dr)
-        with open(tmp_path / f"want_{ev[0].rank}.json") as f:
-            res[ev[0].rank] = (ev, json.load(f))
+        res[ev[0].rank] = (ev, want_of(tmp_path, ev[0].rank))
     assert sorted(res) == [0, 1]
     return res
 

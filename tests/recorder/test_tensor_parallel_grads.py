@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -24,11 +23,13 @@ from trainmon_util import (
     ALL_OPS,
     assert_close,
     events_of,
+    free_port,
     init_gloo,
     rank_dirs,
     ref_stats,
     spawn_and_join,
     stats_table,
+    want_of,
     write_config,
 )
 from trainrec.schema.events import HookFailed
@@ -114,15 +115,12 @@ def res(tmp_path_factory, request) -> dict:
     out = tmp_path / "out"
     cfg = write_config(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True,
                                   "param_distribution": True, "ops": ALL_OPS})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn_and_join(_worker, (2, port, cfg, str(out), 8, 4, request.param), 2, TIMEOUT, "2-process tensor-parallel run")
     res = {}
     for dr in rank_dirs(out):
         ev = events_of(dr)
-        with open(tmp_path / f"want_{ev[0].rank}.json") as f:
-            res[ev[0].rank] = (ev, json.load(f))
+        res[ev[0].rank] = (ev, want_of(tmp_path, ev[0].rank))
     assert sorted(res) == [0, 1]
     return res
 

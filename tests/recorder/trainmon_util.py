@@ -171,6 +171,24 @@ def init_gloo(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a spawned gloo group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def want_of(dir_path, rank: int):
+    """What a spawned worker of ``rank`` saved as ``want_{rank}.json`` in ``dir_path``: the statistics
+    it computed itself, for the test to compare with what the monitor recorded."""
+    import json
+
+    with open(os.path.join(dir_path, f"want_{rank}.json")) as f:
+        return json.load(f)
+
+
 def spawn_and_join(worker, args: tuple, nprocs: int, timeout: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes; fail the test (killing them) when they
     do not all finish within ``timeout`` seconds; a worker's exception fails it too."""
