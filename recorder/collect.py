@@ -29,14 +29,16 @@ parameter is known to hold: its gradient is still the tensor measured then, with
 counter, and a check shows it unchanged (AMP's unscale, apex/Megatron fused scaling, ``.data`` and
 numpy writes leave the version counter as it was). On the torch path (CPU) the check is the norm,
 recomputed exactly as the engine computes it (one dot product, bitwise reproducible). On the one-pass
-kernel's path (CPU float32) a norm would read the whole gradient, as measuring it again does; there,
-with ``TRAINREC_REUSE_UNCHANGED_GRADS=1``, the check reads back the two elements where the kernel found
-the min and max of a gradient of 64K elements or more (:func:`fused.unchanged`): a scaling, clip, shift
-or average changes one of them unless it leaves the tensor as it was, but a write that bypasses the
-version counter and leaves both alone goes unseen (zeroing some rows of an embedding's gradient through
-``.data``, a top-k mask), so it is off by default. It saves the second read of every large gradient:
-on the benchmark model, +2.4% of the step instead of +2.9% for ``wg_distribution`` (benchmarks/RESULTS.md).
-Elsewhere (accelerators: the check would cost a synchronisation) they are measured again.
+kernel's path (CPU float32) a norm would read the whole gradient, as measuring it again does; there the
+check (:func:`fused.unchanged`, for gradients of 64K elements or more) reads back the two elements where
+the kernel found the min and max, which a scaling, clip, shift or average changes unless it leaves the
+tensor as it was, and a sample of one 64-byte line per KiB, which any write to 256 consecutive elements
+or more changes (zeroing rows of an embedding's gradient, a mask, an all-reduce): a read of one line in
+16 instead of all of them (on the benchmark model 0.2-0.3 ms instead of 1.2 ms per step). What it cannot
+see is a write through ``.data`` or numpy (the others move the version counter) to a few scattered
+elements that holds neither extreme nor a sampled line; ``TRAINREC_REUSE_UNCHANGED_GRADS=0`` measures
+every reduced gradient again. Elsewhere (accelerators: the check would cost a synchronisation) they are
+measured again.
 """
 
 from __future__ import annotations
@@ -76,11 +78,9 @@ _NAME_ID = attrgetter("name_id")
 _VPP = attrgetter("vpp")
 _PARAM = attrgetter("param")
 
-# TRAINREC_REUSE_UNCHANGED_GRADS=1: on the one-pass kernel's path, a reduced gradient whose fingerprint
-# shows it unchanged reuses its unreduced row (see the module docstring). Off by default: a write through
-# .data or numpy that leaves both extreme elements alone (zeroing some rows of an embedding's gradient,
-# a top-k mask) would go unseen.
-REUSE_UNCHANGED = config.env_choice("TRAINREC_REUSE_UNCHANGED_GRADS", ("0", "1", ""), "0") == "1"
+# On the one-pass kernel's path, a reduced gradient whose fingerprint shows it unchanged reuses its
+# unreduced row (see the module docstring); TRAINREC_REUSE_UNCHANGED_GRADS=0 measures it again instead.
+REUSE_UNCHANGED = config.env_choice("TRAINREC_REUSE_UNCHANGED_GRADS", ("0", "1", ""), "1") != "0"
 
 # The weight-gradient batch of the Python hooks is measured once its gradients hold this many bytes: it
 # may be their only holder. DDP with gradient_as_bucket_view, after zero_grad() (set_to_none), copies each
@@ -294,7 +294,7 @@ class StepCollector:
         grads = list(grads) if all(g is not None for g in grads) else [
             g if g is not None else self._grad_of(self._params[i].param) for i, g in zip(idxs, grads, strict=True)]
         eng = self._engine
-        extremes = np.empty((len(pend), 4)) if REUSE_UNCHANGED and eng.fused and eng.host_paths else None
+        extremes = np.empty((len(pend), fused.FINGERPRINT_COLUMNS)) if REUSE_UNCHANGED and eng.fused and eng.host_paths else None
         rows = self._rows_of(grads, list(idxs), "gradient", extremes)
         self._add_part(st, KIND_GRAD_UNREDUCED, rows, idxs, micros, calls)
         # (weak references: one held here would keep an incoming gradient, DeepSpeed's or FSDP2's,
@@ -331,7 +331,7 @@ class StepCollector:
     def _reusable(self, g: torch.Tensor) -> bool:
         """Whether a reduced gradient may reuse its unreduced row on the torch path (see the module
         docstring): on CPU, with a norm to check. (The one-pass kernel's rows carry fingerprints instead,
-        with ``TRAINREC_REUSE_UNCHANGED_GRADS=1``.)"""
+        checked by :func:`fused.unchanged`.)"""
         eng = self._engine
         return ("norm" in eng.ops and g.device.type == "cpu" and eng.host_paths and g.layout is torch.strided
                 and not (eng.fused and fused.supports(g)))

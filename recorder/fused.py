@@ -54,8 +54,10 @@ PARALLEL_NUMEL = PARALLEL_NUMEL_PTHREADS  # set below for the runtime in use (_s
 ADAM_PARALLEL_NUMEL = 1 << 18
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _stats_tensors = getattr(_fused, "stats_tensors", None) if AVAILABLE else None
-# fingerprints (stats_f32's extremes, unchanged()): not in an extension built from older sources
-FINGERPRINTS = _stats_tensors is not None and hasattr(_fused, "unchanged")
+# fingerprints (stats_f32's extremes, unchanged()): not in an extension built from older sources, whose
+# rows had no sample sum
+FINGERPRINT_COLUMNS = 5
+FINGERPRINTS = _stats_tensors is not None and getattr(_fused, "FINGERPRINT_COLUMNS", None) == FINGERPRINT_COLUMNS
 FINGERPRINT_MIN_NUMEL = 1 << 16  # _fused.c's: smaller tensors get none
 
 
@@ -200,10 +202,10 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
     the general path.
     ``eps`` is one threshold for all (divided by each scale here). ``numpy``: the rows as the numpy
     array the kernel wrote (no tensor made per call; the step's end makes one of all).
-    ``extremes``: a float64 ``[len(xs), 4]`` array to fill with each tensor's fingerprint for
-    :func:`unchanged` (where its min and max lie, and their values), where the kernel measured the
-    tensor where it lies and it has :data:`FINGERPRINT_MIN_NUMEL` elements or more; rows of -1, -1,
-    NaN, NaN elsewhere."""
+    ``extremes``: a float64 ``[len(xs), FINGERPRINT_COLUMNS]`` array to fill with each tensor's
+    fingerprint for :func:`unchanged` (where its min and max lie, their values, and the sum of a sample
+    of one 64-byte line per KiB), where the kernel measured the tensor where it lies and it has
+    :data:`FINGERPRINT_MIN_NUMEL` elements or more; rows of -1, -1, NaN, NaN, NaN elsewhere."""
     if extremes is not None:
         no_fingerprints(extremes)  # the kernel overwrites the rows it has fingerprints for
     if scales is None and _stats_tensors is not None:
@@ -256,9 +258,12 @@ def no_fingerprints(extremes: np.ndarray) -> None:
 
 def unchanged(xs: Sequence[torch.Tensor | None], extremes: np.ndarray) -> bytes:
     """Per tensor 1 where it still holds the min and max values :func:`stats_f32` found in it, at the
-    elements it found them (``extremes``, one row per tensor), else 0: two element reads per tensor.
-    Any change that scales, shifts, clips or averages a tensor changes at least one of them (unless it
-    leaves the tensor as it was); a write to other elements alone goes unseen."""
+    elements it found them, and its sample (one 64-byte line in every KiB) adds up to what it did
+    (``extremes``, one row per tensor), else 0: two element reads and one line in 16 per tensor.
+    A scaling, shift, clip or average changes an extreme (unless it leaves the tensor as it was); any
+    write to 256 consecutive elements or more changes the sample. What goes unseen: a write through
+    ``.data`` or numpy (autograd's version counter sees the others) to fewer, scattered elements that
+    holds neither extreme nor a sampled line."""
     if not FINGERPRINTS:
         return bytes(len(xs))
     return _fused.unchanged(xs, _PLAIN, torch.float32, extremes)

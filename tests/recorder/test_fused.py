@@ -402,9 +402,9 @@ def test_tensor_entry_equals_the_python_loop(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_fingerprints_are_the_first_min_and_max_elements(monkeypatch, threads):
     """``extremes``: per tensor the memory index of its first min and first max element (torch's argmin
-    and argmax), and their values, across blocks (4096), chunks (262144) and threads; none for None,
-    empty, NaN or infinite tensors, tensors under 64K elements, nor where the general path measured
-    (a scale, a copy)."""
+    and argmax), their values, and the sum of its sample's bit patterns (16 elements from every 256th),
+    across blocks (4096), chunks (262144) and threads; none for None, empty, NaN or infinite tensors,
+    tensors under 64K elements, nor where the general path measured (a scale, a copy)."""
     monkeypatch.setattr(fused, "PARALLEL_NUMEL", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(11)
@@ -417,17 +417,22 @@ def test_fingerprints_are_the_first_min_and_max_elements(monkeypatch, threads):
     nan, inf = torch.randn(70_000, generator=g), torch.randn(70_000, generator=g)
     nan[4500], inf[17] = float("nan"), float("inf")
     cases = xs + [ties, big.t(), None, torch.empty(0), nan, inf, torch.randn(65535, generator=g)]
-    ext = np.empty((len(cases), 4))
+    ext = np.empty((len(cases), fused.FINGERPRINT_COLUMNS))
     fused.stats_f32(cases, 1e-8, fused.op_codes(OPS), numpy=True, extremes=ext)
+
+    def expected(flat):
+        bits = flat.numpy().view(np.uint32).astype(np.uint64)
+        runs = [bits[i:i + 16].sum() for i in range(0, len(bits), 256)]
+        sample = int(sum(int(r) for r in runs)) & ((1 << 52) - 1)
+        return [flat.argmin().item(), flat.argmax().item(), flat.min().item(), flat.max().item(), float(sample)]
+
     for k, x in enumerate(xs + [ties]):
-        flat = x.reshape(-1)
-        assert ext[k].tolist() == [flat.argmin().item(), flat.argmax().item(), flat.min().item(), flat.max().item()]
-    flat = big.reshape(-1)  # the transpose is measured where it lies: indices in memory order
-    assert ext[len(xs) + 1].tolist() == [flat.argmin().item(), flat.argmax().item(), flat.min().item(),
-                                         flat.max().item()]
+        assert ext[k].tolist() == expected(x.reshape(-1))
+    # the transpose is measured where it lies: indices and sample in memory order
+    assert ext[len(xs) + 1].tolist() == expected(big.reshape(-1))
     for k in range(len(xs) + 2, len(cases)):
         assert ext[k, 0] == ext[k, 1] == -1 and np.isnan(ext[k, 2:]).all(), cases[k]
-    scaled = np.zeros((2, 4))
+    scaled = np.zeros((2, fused.FINGERPRINT_COLUMNS))
     fused.stats_f32(xs[:2], 1e-8, fused.op_codes(OPS), [2.0, 2.0], numpy=True, extremes=scaled)
     assert (scaled[:, :2] == -1).all()
 
@@ -439,7 +444,7 @@ def test_unchanged_sees_scaling_and_writes_at_the_extremes():
     tensors without fingerprints and tensors the kernel does not take."""
     g = torch.Generator().manual_seed(12)
     xs = [torch.randn(300, 700, generator=g) for _ in range(6)] + [torch.randn(4, generator=g), None]
-    ext = np.empty((len(xs), 4))
+    ext = np.empty((len(xs), fused.FINGERPRINT_COLUMNS))
     fused.stats_f32(xs, 1e-8, fused.op_codes(OPS), numpy=True, extremes=ext)
     assert fused.unchanged(xs, ext) == b"\x01" * 6 + b"\x00\x00"  # the small one has no fingerprint
     v = xs[0]._version
@@ -451,9 +456,38 @@ def test_unchanged_sees_scaling_and_writes_at_the_extremes():
     xs[3].view(-1)[int(ext[3, 0])] = 0.0  # the min
     got = fused.unchanged(xs[:4] + [xs[4].double(), xs[5]], ext[:6])
     assert got == b"\x00\x00\x00\x00\x00\x01"
-    assert fused.unchanged([xs[4]], np.full((1, 4), -1.0)) == b"\x00"
+    assert fused.unchanged([xs[4]], np.full((1, fused.FINGERPRINT_COLUMNS), -1.0)) == b"\x00"
     with pytest.raises(ValueError, match="extremes"):
         fused.unchanged(xs, ext[:2])
+    with pytest.raises(ValueError, match="extremes"):  # a row layout of an older build
+        fused.unchanged(xs[:2], ext[:2, :4].copy())
+
+
+@pytest.mark.skipif(not fused.FINGERPRINTS, reason="the kernel was built without fingerprints")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_unchanged_sees_dense_writes_away_from_the_extremes(monkeypatch, threads):
+    """The sample (16 elements from every 256th, one cache line per KiB) catches what the extremes
+    miss: a row of 256 zeroed or masked anywhere, a small shift of every element, a single element in a
+    sampled line; a lone element outside the sample and away from the extremes is the documented blind
+    spot (a write through ``.data`` or numpy: the version counter sees the others)."""
+    monkeypatch.setattr(fused, "PARALLEL_NUMEL", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(13)
+    xs = [torch.randn(1024, 256, generator=g) for _ in range(5)]
+    ext = np.empty((len(xs), fused.FINGERPRINT_COLUMNS))
+    fused.stats_f32(xs, 1e-8, fused.op_codes(OPS), numpy=True, extremes=ext)
+    assert fused.unchanged(xs, ext) == b"\x01" * len(xs)
+    away = {int(ext[k, 0]) // 256 for k in range(len(xs))} | {int(ext[k, 1]) // 256 for k in range(len(xs))}
+    row = next(r for r in range(500, 1024) if r not in away)
+    xs[0].numpy()[row] = 0.0  # a token's row of an embedding's gradient, through numpy
+    flat = xs[1].numpy().reshape(-1)
+    flat[1000:1300] = 0.0  # 300 consecutive elements straddling two sampled lines' gaps
+    xs[2].numpy()[...] += np.float32(1e-3)  # dense: every element, the extremes shift too
+    lone = next(i for i in range(256 * 300 + 3, 256 * 400) if i % 256 >= 16 and i not in ext[3, :2])
+    xs[3].numpy().reshape(-1)[lone] = 0.0  # outside the sample
+    sampled = next(i for i in range(256 * 300 + 5, 256 * 400, 256) if i not in ext[4, :2])
+    xs[4].numpy().reshape(-1)[sampled] *= 2  # inside it
+    assert fused.unchanged(xs, ext) == b"\x00\x00\x00\x01\x00"
 
 
 @pytest.mark.parametrize(("var", "value"), [("TRAINREC_THREADS", "pthread"), ("TRAINREC_REUSE_UNCHANGED_GRADS", "yes"),

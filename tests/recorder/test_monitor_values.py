@@ -158,15 +158,16 @@ def test_reduced_gradients_reuse_unchanged_rows_and_see_in_place_changes(tmp_pat
         assert red[(1, short, "", 0)]["norm"] < unred[(1, short, "", 0)]["norm"]
 
 
-def _wide(tmp_path, monkeypatch, reuse: bool, grad_acc: int = 1):
+def _wide(tmp_path, monkeypatch, reuse: bool, grad_acc: int = 1, d: int = 16):
     """A weight-gradient monitor (``TRAINREC_REUSE_UNCHANGED_GRADS`` as ``reuse`` says) on TinyNet with an
-    embedding and a head of 64K elements each, gradients large enough for fingerprints: (mon, model, opt)."""
+    embedding and a head of 4096 x ``d`` (64K elements or more), gradients large enough for fingerprints:
+    (mon, model, opt)."""
     monkeypatch.setattr(collect, "REUSE_UNCHANGED", reuse)
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
                      live_export=False)
     torch.manual_seed(0)
-    model = TinyNet(vocab=4096, d=16)
+    model = TinyNet(vocab=4096, d=d)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt)
     return mon, model, opt
@@ -176,9 +177,8 @@ def _wide(tmp_path, monkeypatch, reuse: bool, grad_acc: int = 1):
 @pytest.mark.parametrize("write", [".data", "numpy", "numpy, at the max alone"])
 def test_reduced_gradients_see_writes_the_version_counter_misses(tmp_path, monkeypatch, kernel, write):
     """Writes through ``.data`` or numpy leave a gradient's version counter as it was: the reused row's
-    check sees them (with TRAINREC_REUSE_UNCHANGED_GRADS the kernel's fingerprint, its min and max
-    elements; the torch path's norm), and the reduced rows are the statistics of the gradients the
-    optimizer got."""
+    check sees them (the kernel's fingerprint: its min and max elements and its sample; the torch
+    path's norm), and the reduced rows are the statistics of the gradients the optimizer got."""
     if kernel == "fused" and not fused.AVAILABLE:
         pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
     monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
@@ -206,10 +206,11 @@ def test_reduced_gradients_see_writes_the_version_counter_misses(tmp_path, monke
 
 @pytest.mark.skipif(not fused.FINGERPRINTS, reason="the one-pass kernel is not built")
 @pytest.mark.parametrize("reuse", [False, True])
-def test_reduced_gradients_unchanged_since_the_backward_are_read_again_unless_asked(tmp_path, monkeypatch, reuse):
-    """By default the kernel reads each gradient twice per step: at the end of the backward pass and at
-    the optimizer step. With TRAINREC_REUSE_UNCHANGED_GRADS the large ones (64K elements or more) are
-    read once: the optimizer step's rows are the backward's, after two elements of each are read back."""
+def test_reduced_gradients_unchanged_since_the_backward_are_not_measured_again(tmp_path, monkeypatch, reuse):
+    """By default the kernel measures the large gradients (64K elements or more) once per step, at the
+    end of the backward pass: at the optimizer step their rows are the backward's, after their
+    fingerprints (two elements and one line per KiB) are read back. TRAINREC_REUSE_UNCHANGED_GRADS=0
+    measures them again."""
     calls = []
     real = fused._stats_tensors
     monkeypatch.setattr(fused, "_stats_tensors", lambda xs, *a: (calls.append(len(xs)), real(xs, *a))[1])
@@ -230,14 +231,13 @@ def test_reduced_gradients_unchanged_since_the_backward_are_read_again_unless_as
 
 @pytest.mark.parametrize("grad_acc", [1, 2])
 @pytest.mark.parametrize("reuse", [False, True])
-def test_rows_zeroed_through_data_show_in_the_reduced_gradient_by_default(tmp_path, monkeypatch, grad_acc, reuse):
+def test_rows_zeroed_through_data_show_in_the_reduced_gradient(tmp_path, monkeypatch, grad_acc, reuse):
     """Zeroing a row of the embedding's gradient through ``.data`` (freezing a token) leaves the version
-    counter, and where the row holds neither extreme the min and max elements, as they were: measured
-    again by default, the reduced row shows it; with TRAINREC_REUSE_UNCHANGED_GRADS it does not (the
-    documented blind spot of the opt-in reuse)."""
+    counter, and where the row holds neither extreme the min and max elements, as they were: a row of
+    256 changes the fingerprint's sample, so the reduced row shows it, reused or measured again."""
     if reuse and not fused.FINGERPRINTS:
         pytest.skip("the one-pass kernel is not built")
-    mon, model, opt = _wide(tmp_path, monkeypatch, reuse, grad_acc)
+    mon, model, opt = _wide(tmp_path, monkeypatch, reuse, grad_acc, d=256)
     for m in range(grad_acc):
         loss_of(model, m).backward()
     g = model.embed.weight.grad
@@ -246,12 +246,33 @@ def test_rows_zeroed_through_data_show_in_the_reduced_gradient_by_default(tmp_pa
     row = next(r for r in used if r not in keep)  # a token's row that holds neither extreme
     g.data[row].zero_()
     written = g.clone()
+    opt.step()
+    mon.close()
+    red = stats_table(events_of(tmp_path / "out"), "grad_reduced")[(0, "embed.weight", "", 0)]
+    assert_close(red, ref_stats(written), what="embed.weight")
+
+
+@pytest.mark.skipif(not fused.FINGERPRINTS, reason="the one-pass kernel is not built")
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_narrow_row_zeroed_through_data_outside_the_sample_is_the_blind_spot_of_reuse(tmp_path, monkeypatch,
+                                                                                        reuse):
+    """The documented limit of the default reuse: a row of 16 (64 bytes) zeroed through ``.data``, outside
+    the fingerprint's sample and away from the extremes, goes unseen (the reduced row is the
+    backward's); TRAINREC_REUSE_UNCHANGED_GRADS=0 measures it again and shows it."""
+    mon, model, opt = _wide(tmp_path, monkeypatch, reuse)
+    loss_of(model, 0).backward()
+    g = model.embed.weight.grad
+    used = sorted(set(torch.nonzero(g.abs().sum(1)).flatten().tolist()))
+    keep = {int(g.reshape(-1).argmin()) // g.shape[1], int(g.reshape(-1).argmax()) // g.shape[1]}
+    row = next(r for r in used if r not in keep and r % 16)  # rows 0, 16, 32, ... start a sampled line
+    g.data[row].zero_()
+    written = g.clone()
     before = written.norm().item()
     opt.step()
     mon.close()
     events = events_of(tmp_path / "out")
     red = stats_table(events, "grad_reduced")[(0, "embed.weight", "", 0)]
-    unred = stats_table(events, "grad_unreduced")[(0, "embed.weight", "", grad_acc - 1)]
+    unred = stats_table(events, "grad_unreduced")[(0, "embed.weight", "", 0)]
     if reuse:
         assert red == unred and red["norm"] > before * (1 + 1e-4)  # unseen
     else:
