@@ -19,10 +19,11 @@ import os
 
 import pytest
 import torch
-from test_monitor_dist import free_port, headers
+from test_monitor_dist import headers
 from trainmon_util import (
     assert_close,
     deepspeed_missing,
+    free_port,
     loss_of,
     make,
     ref_stats,

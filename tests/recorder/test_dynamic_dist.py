@@ -7,12 +7,8 @@ change at different steps; the agreement round must still make them decide at on
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
-import pytest
+from trainmon_util import run_rank_scripts
 
 RANK_SCRIPT = r"""
 import json, logging, os, sys, time
@@ -87,6 +83,7 @@ for step in range(4000):
     if end_step is not None and step == end_step:
         break
 w.close()
+dist.barrier()  # nobody tears the group down while a peer still talks to it
 dist.destroy_process_group()
 out = {
     "updates": updates,
@@ -100,39 +97,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_gloo_ranks_switch_at_the_same_step(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"switch": False, "collect_times": 3}, indent=2))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(path)],
-            env=dict(env, RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=180)
-            if p.returncode != 0:
-                pytest.fail(f"rank failed ({p.returncode}):\n{stdout}\n{stderr[-3000:]}")
-            line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
-            outs.append(json.loads(line[len("RESULT ") :]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    stdouts = run_rank_scripts(RANK_SCRIPT, [str(path)], 2, tmp_path, timeout=180)
+    outs = [json.loads([x for x in o.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :]) for o in stdouts]
     r0, r1 = outs
     assert r0["last_step"] < 3999, "the scenario did not finish"
     # Both ranks decided everything at the same steps: start, (write-back seen), rejection, restart.

@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from test_monitor_dist import free_port, headers
-from trainmon_util import init_gloo, loss_of, make, spawn_and_join, write_config
+from test_monitor_dist import headers
+from trainmon_util import free_port, init_gloo, loss_of, make, spawn_and_join, write_config
 
 TIMEOUT = 120
 GRAD_ACC = 2

@@ -6,13 +6,13 @@ from __future__ import annotations
 import gc
 import glob
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 from trainmon_util import (
     events_of,
+    free_port,
     init_gloo,
     loss_of,
     make,
@@ -24,12 +24,6 @@ from trainmon_util import (
 from trainrec.schema.events import FileOpened
 
 TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:

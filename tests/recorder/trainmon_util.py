@@ -9,6 +9,7 @@ import os
 import numpy as np
 import torch
 import torch.nn as nn
+from ranks import free_port, run_rank_scripts  # noqa: F401 - the recorder tests import them from here
 from trainrec.replay.names import NameResolver
 from trainrec.replay.reader import read_log
 from trainrec.schema.events import SLOTS, TensorStatsRecorded
@@ -169,15 +170,6 @@ def init_gloo(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for a spawned gloo group's rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def want_of(dir_path, rank: int):

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+from ranks import run_rank_scripts
 from trainrec.replay.run import open_run
 from trainrec.tools.anomaly_analyse import main as analyse_main
 from trainrec.tools.cli import main as cli_main
@@ -72,36 +70,17 @@ for step in range(steps):
     opt.step()
     opt.zero_grad()
 mon.close()
+dist.barrier()
 dist.destroy_process_group()
 print("DONE", rank)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("monitor_output"))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, out, str(STEPS), str(INJECT)], env=dict(env, RANK=str(r)),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=240)
-            if p.returncode != 0 or "DONE" not in stdout:
-                pytest.fail(f"rank failed ({p.returncode}):\n{stdout}\n{stderr[-3000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    stdouts = run_rank_scripts(RANK_SCRIPT, [out, str(STEPS), str(INJECT)], 2, tmp_path_factory.mktemp("ranks"), 240)
+    assert all("DONE" in o for o in stdouts)
     return out
 
 
