@@ -15,7 +15,9 @@ whose optimizer step a loss scaler skipped):
    ``params_have_main_grad`` and present, else ``.grad``; unchanged gradients reuse their unreduced
    rows instead of being computed twice) and parameters (before the update). ``optimizer.step(closure)``
    (LBFGS; SGD or Adam given one) runs the closure's forward and backward passes after this hook,
-   inside the step: they are passes of this step (micro steps, never skipped steps).
+   inside the step: they are passes of this step (micro steps, never skipped steps), and the reduced
+   gradients and ``mg_direction`` are taken at the post-step hook instead, of the gradients the
+   closure's last evaluation left (see ``_closure_rows``).
 4. Optimizer post-step hook: Adam ``exp_avg``/``exp_avg_sq`` and ``update``/``ratio`` (after the
    update, so rows exist from the first step), then one concatenation and one host copy of every
    statistic of the step; the writer thread turns it into TensorStatsRecorded records (and runs the
@@ -190,10 +192,15 @@ class TrainerMon(StepCollector):
         self._reduced_check_queued = False  # before then: _check_reduced_grads
         self._reduced_non_finite: bool | None = None  # its finding for the last backward pass
         # step(closure) running (between its pre- and post-step hooks): the closure's forward and backward
-        # passes, which run inside it, are passes of this step; and the forwards of the step before its
-        # first step(closure) began (None: none in this step)
+        # passes, which run inside it, are passes of this step; the rows that need the gradients the step
+        # applies are taken at its post-step hook (_closure_rows). The forwards of the step before its
+        # first step(closure) began (None: none in this step), the step's state then, whether that call
+        # began the step (DeepSpeed: one param group at a time), and mg_direction's momenta before the update.
         self._closure_step = False
         self._closure_forwards: int | None = None
+        self._closure_state: StepState | None = None
+        self._closure_first = True
+        self._closure_momenta: tuple | None = None
         self._state: StepState | None = None
         self._step = 0
         self._step_t0 = time.perf_counter()
@@ -1127,18 +1134,44 @@ class TrainerMon(StepCollector):
             if first:
                 self._settle_grads()
             cfg = self.config
-            if cfg.wg_distribution:
+            if closure:
+                # the gradients the step applies are the closure's: taken at the post-step hook
+                self._closure_state, self._closure_first = st, first
+                self._closure_momenta = self._momenta(snapshot=True) if cfg.mg_direction else None
+            elif cfg.wg_distribution:
                 self._reduced_grads(st, partitioned_only=not first)
             if first and cfg.param_distribution:
                 self._param_rows(st, KIND_PARAM, *self._param_pieces())
-            if cfg.mg_direction:
+            if cfg.mg_direction and not closure:
                 self._mg_direction_rows(st, partitioned_only=not first)
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer pre-step", exc)
 
+    def _closure_rows(self) -> None:
+        """At the post-step hook of ``step(closure)``: the rows the pre-step hook takes from the gradients
+        where there is no closure (reduced gradients, mg_direction), of the gradients the closure's last
+        evaluation left, which the step applied (LBFGS: its last evaluation's; one row set per step,
+        however many evaluations it made). mg_direction compares them with the momentum as it was before
+        the update (the signs kept at the pre-step hook)."""
+        st, momenta = self._closure_state, self._closure_momenta
+        self._closure_state = self._closure_momenta = None
+        if st is None or st is not self._state:
+            return
+        self._settle_grads()
+        cfg = self.config
+        if cfg.wg_distribution:
+            self._reduced_grads(st, partitioned_only=not self._closure_first)
+        if cfg.mg_direction and momenta is not None:
+            self._mg_direction_rows(st, partitioned_only=not self._closure_first, momenta=momenta)
+
     def _post_step(self, opt, args, kwargs) -> None:
         try:
-            self._closure_step = False
+            if self._closure_step:
+                self._closure_step = False
+                try:
+                    self._closure_rows()
+                except Exception as exc:  # noqa: BLE001 - the step still ends
+                    self._hook_failed("optimizer post-step (closure)", exc)
             last = self._part_of_step(opt)[1]
             if self._chain:
                 self._chain_stepped.add(id(opt))
