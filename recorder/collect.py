@@ -560,24 +560,22 @@ class StepCollector:
             self._add_rows(st, KIND_UPDATE, upd, idx)
             self._add_rows(st, KIND_RATIO, ratio, idx)
 
-    def _mg_direction_rows(self, st: StepState, partitioned_only: bool = False) -> None:
+    def _mg_direction_rows(self, st: StepState, partitioned_only: bool = False, momenta: tuple | None = None) -> None:
         """mg_direction at the optimizer pre-step, as the reference computes it: per parameter,
         ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
         the momentum before this update (1.0 where there is no state yet: the first step). A scalar
         row per parameter; its ops are those of a 0-d tensor (min = max = mean = value). Nothing for an
         optimizer outside Adam's family (no ``betas``: SGD, Adagrad, RMSprop; one warning), nor for the
         parameters of one in a list of optimizers, nor where it keeps state but no Adam state, instead of
-        the first step's 1.0 at every step."""
-        if self._no_optimizer():
-            return
-        if not self._adam.adam_family:
-            if not self._warned_mg_direction:
-                self._warned_mg_direction = True
-                log.warning("trainrec: mg_direction compares gradients with Adam's momentum (exp_avg); %s is "
-                            "not of Adam's family: nothing is recorded for it", type(self._adam.torch_opt).__name__)
-            return
-        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params], host_steps=False)}
-        if not state and self._adam.stepped:
+        the first step's 1.0 at every step. ``momenta``: :meth:`_momenta` as the pre-step hook of a
+        ``step(closure)`` kept them (the gradients come after it, from the closure; here, at the post-step
+        hook, the state is the update's)."""
+        if momenta is None:
+            momenta = self._momenta()
+            if momenta is None:
+                return
+        state, stepped = momenta
+        if not state and stepped:
             return
         idx, vals = [], []
         for i, g in zip(*self._own_grad_lists(partitioned_only), strict=True):
@@ -592,6 +590,28 @@ class StepCollector:
             dev = gather_device(v.device for v in vals)  # (a model split over devices)
             self._add_rows(st, KIND_MG_DIRECTION, scalar_rows(torch.stack([to_device(v, dev) for v in vals]),
                                                               self._engine.ops, self._engine.eps), idx)
+
+    def _momenta(self, snapshot: bool = False) -> tuple[dict, bool] | None:
+        """``({parameter index: exp_avg}, whether the optimizer holds any state)`` for mg_direction, before
+        the update; None (warned once) where there is none to compare with: no optimizer known, or one
+        outside Adam's family. ``snapshot``: each ``exp_avg`` as its signs (``torch.sign``, the real and
+        imaginary parts' of a complex one: what :func:`mg_direction` takes of it, NaNs kept), for a
+        ``step(closure)``, whose update comes before its gradients can be read: a tensor the size of
+        each momentum, held from the pre-step hook to the post-step hook."""
+        if self._no_optimizer():
+            return None
+        if not self._adam.adam_family:
+            if not self._warned_mg_direction:
+                self._warned_mg_direction = True
+                log.warning("trainrec: mg_direction compares gradients with Adam's momentum (exp_avg); %s is "
+                            "not of Adam's family: nothing is recorded for it", type(self._adam.torch_opt).__name__)
+            return None
+        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params], host_steps=False)}
+        if snapshot:
+            with torch.no_grad():
+                state = {i: torch.view_as_complex(torch.sign(torch.view_as_real(m))) if m.is_complex()
+                         else torch.sign(m) for i, m in state.items()}
+        return state, self._adam.stepped
 
     def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
         self._write_step(st)

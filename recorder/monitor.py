@@ -13,7 +13,11 @@ whose optimizer step a loss scaler skipped):
    :mod:`.stats`); weight-gradient statistics are batched per micro step.
 3. Optimizer pre-step hook (on the optimizer *instance*): reduced gradients (``main_grad`` when
    ``params_have_main_grad`` and present, else ``.grad``; unchanged gradients reuse their unreduced
-   rows instead of being computed twice) and parameters (before the update).
+   rows instead of being computed twice) and parameters (before the update). ``optimizer.step(closure)``
+   (LBFGS; SGD or Adam given one) runs the closure's forward and backward passes after this hook,
+   inside the step: they are passes of this step (micro steps, never skipped steps), and the reduced
+   gradients and ``mg_direction`` are taken at the post-step hook instead, of the gradients the
+   closure's last evaluation left (see ``_closure_rows``).
 4. Optimizer post-step hook: Adam ``exp_avg``/``exp_avg_sq`` and ``update``/``ratio`` (after the
    update, so rows exist from the first step), then one concatenation and one host copy of every
    statistic of the step; the writer thread turns it into TensorStatsRecorded records (and runs the
@@ -187,6 +191,16 @@ class TrainerMon(StepCollector):
         self._passes: int | None = None
         self._reduced_check_queued = False  # before then: _check_reduced_grads
         self._reduced_non_finite: bool | None = None  # its finding for the last backward pass
+        # step(closure) running (between its pre- and post-step hooks): the closure's forward and backward
+        # passes, which run inside it, are passes of this step; the rows that need the gradients the step
+        # applies are taken at its post-step hook (_closure_rows). The forwards of the step before its
+        # first step(closure) began (None: none in this step), the step's state then, whether that call
+        # began the step (DeepSpeed: one param group at a time), and mg_direction's momenta before the update.
+        self._closure_step = False
+        self._closure_forwards: int | None = None
+        self._closure_state: StepState | None = None
+        self._closure_first = True
+        self._closure_momenta: tuple | None = None
         self._state: StepState | None = None
         self._step = 0
         self._step_t0 = time.perf_counter()
@@ -929,6 +943,7 @@ class TrainerMon(StepCollector):
         self._backward_seen = False
         self._foreign_forwards = 0
         self._pass_split = False
+        self._closure_forwards = None
         if not self._compiled and self._chunks_compiled():
             self._compiled = True
         if self._collects(self._step):
@@ -1103,6 +1118,14 @@ class TrainerMon(StepCollector):
             self._print_struct_and_exit()  # raises, as the reference does, to end the run after one step
         try:
             self._mark_began()
+            # step(closure) (LBFGS always; SGD, Adam... where given one): torch hands the hooks the step's
+            # own arguments, the optimizer first. The closure's passes run after this hook
+            closure = len(args) > 1 or bool(kwargs)
+            if closure:
+                closure = callable(args[1] if len(args) > 1 else kwargs.get("closure"))
+                if closure and self._closure_forwards is None:
+                    self._closure_forwards = self._forwards
+            self._closure_step = closure
             st = self._state
             if st is None:
                 return
@@ -1111,17 +1134,44 @@ class TrainerMon(StepCollector):
             if first:
                 self._settle_grads()
             cfg = self.config
-            if cfg.wg_distribution:
+            if closure:
+                # the gradients the step applies are the closure's: taken at the post-step hook
+                self._closure_state, self._closure_first = st, first
+                self._closure_momenta = self._momenta(snapshot=True) if cfg.mg_direction else None
+            elif cfg.wg_distribution:
                 self._reduced_grads(st, partitioned_only=not first)
             if first and cfg.param_distribution:
                 self._param_rows(st, KIND_PARAM, *self._param_pieces())
-            if cfg.mg_direction:
+            if cfg.mg_direction and not closure:
                 self._mg_direction_rows(st, partitioned_only=not first)
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer pre-step", exc)
 
+    def _closure_rows(self) -> None:
+        """At the post-step hook of ``step(closure)``: the rows the pre-step hook takes from the gradients
+        where there is no closure (reduced gradients, mg_direction), of the gradients the closure's last
+        evaluation left, which the step applied (LBFGS: its last evaluation's; one row set per step,
+        however many evaluations it made). mg_direction compares them with the momentum as it was before
+        the update (the signs kept at the pre-step hook)."""
+        st, momenta = self._closure_state, self._closure_momenta
+        self._closure_state = self._closure_momenta = None
+        if st is None or st is not self._state:
+            return
+        self._settle_grads()
+        cfg = self.config
+        if cfg.wg_distribution:
+            self._reduced_grads(st, partitioned_only=not self._closure_first)
+        if cfg.mg_direction and momenta is not None:
+            self._mg_direction_rows(st, partitioned_only=not self._closure_first, momenta=momenta)
+
     def _post_step(self, opt, args, kwargs) -> None:
         try:
+            if self._closure_step:
+                self._closure_step = False
+                try:
+                    self._closure_rows()
+                except Exception as exc:  # noqa: BLE001 - the step still ends
+                    self._hook_failed("optimizer post-step (closure)", exc)
             last = self._part_of_step(opt)[1]
             if self._chain:
                 self._chain_stepped.add(id(opt))
@@ -1136,7 +1186,8 @@ class TrainerMon(StepCollector):
         # which gradient this backward left, and its version: zeroed in place since means cleared
         self._grad_marks[id(param)] = None if g is None else (weakref.ref(g), g._version)
         self._param_marks[id(param)] = param._version
-        if self._passes is None and not self._manual_steps and not self._reduced_check_queued:
+        if (self._passes is None and not self._manual_steps and not self._reduced_check_queued
+                and not self._closure_step):  # (a closure's pass is no step that could be skipped)
             # before the first optimizer step: the gradients (with several ranks, as the data-parallel
             # reduction leaves them) are looked at once this backward pass ends (queued from a callback:
             # after DDP's own)
@@ -1181,18 +1232,20 @@ class TrainerMon(StepCollector):
         backward pass, with every gradient of chunk 0 cleared since (``zero_grad``), means either that
         the optimizer step never ran (a GradScaler or DeepSpeed found inf/NaN gradients and skipped it)
         or that this run makes several passes per optimizer step (SAM's two, a GAN's discriminator also
-        used in the generator's pass, LBFGS's closure). The step's gradient rows tell them apart where
+        used in the generator's pass). The step's gradient rows tell them apart where
         it has any: inf/NaN in them is a skip; with several ranks, so are finite rows after more passes
         than the last optimizer step took with the weights as the backward pass left them (the skip was
         decided on gradients reduced across ranks). Elsewhere (a step not collected) the number of
         passes the run's last optimizer step took does: more than that is a skip. A skipped step ends
         here, marked so, and this forward begins the next (without it, the next step's rows would land
         in the skipped one). Several forwards before one backward (contrastive and siamese nets) and
-        accumulation beyond ``grad_acc_steps`` (gradients still there, as they were) go on."""
+        accumulation beyond ``grad_acc_steps`` (gradients still there, as they were) go on, and so do the
+        passes of a closure inside ``optimizer.step(closure)`` (LBFGS's evaluations): the optimizer step
+        is running, between its pre- and post-step hooks, so none of them is a step that never ran."""
         if not torch.is_grad_enabled():
             return  # no backward follows: not a micro step
         n = self._forwards + 1
-        if n > self._grad_acc and self._backward_seen and self._grads_cleared():
+        if n > self._grad_acc and not self._closure_step and self._backward_seen and self._grads_cleared():
             if self._manual_steps:
                 _warn_once("manual", "trainrec: a new training step seems to begin (gradients cleared after a "
                            "backward pass) but step() was not called: without an optimizer, call rec.step() once "
@@ -1350,9 +1403,13 @@ class TrainerMon(StepCollector):
         for h in self._check_handles:  # the first step ran: selectors are checked by the hooks from now on
             h.remove()
         self._check_handles.clear()
+        closure_forwards = self._closure_forwards
         if not optimizer_skipped:
             self._skips_in_a_row = 0
-            self._passes = max(1, -(-self._forwards // self._grad_acc))  # passes per optimizer step, lately
+            # passes per optimizer step, lately; of a step(closure), those before it only: its closure's
+            # passes (LBFGS: as many as its evaluations) say nothing of the passes a step takes outside one
+            forwards = self._forwards if closure_forwards is None else closure_forwards
+            self._passes = max(1, -(-forwards // self._grad_acc))
         if self._ds_overflow is not None and (ds := self._ds_overflow()) is not None:
             self._ds_steps = zero.steps_taken(ds)
         finished = self._step
@@ -1367,9 +1424,11 @@ class TrainerMon(StepCollector):
                         self._hook_failed("optimizer state statistics", exc)
                 self._finish_step(st, optimizer_skipped)
             else:
+                # (a step(closure)'s passes counted, as a collected step counts its forwards)
+                micro = self._grad_acc if closure_forwards is None else max(self._grad_acc, self._forwards)
                 self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
                                      duration=time.perf_counter() - self._step_t0, collected=False,
-                                     micro_steps=self._grad_acc, optimizer_skipped=optimizer_skipped))
+                                     micro_steps=micro, optimizer_skipped=optimizer_skipped))
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer post-step", exc)
         self._state = None
