@@ -183,7 +183,7 @@ class StepState:
         self.pending_bytes = 0  # bytes of the pending gradients queued by the Python hooks
         self.pending_lookup = False  # a pending entry's gradient is looked up when the batch is measured
         self.last_unreduced: dict[int, tuple] = {}  # param index -> (rows tensor, row, grad id, version)
-        self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)
+        self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device, is_neg) -> (weakref, version, rows, row)
         self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
         self.open_calls: dict[int, list] = {}  # module id -> GradCall of forwards between pre-hook and hook
         # id(tensor) -> (weakref, version, [(GradCall, slot, name)], hooked in a recomputation,
@@ -243,10 +243,12 @@ def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.nda
     """Stats rows of a hook's tensors (a numpy array on the kernel's path, see ``StatsEngine.rows``).
     A module's output is usually the next module's input (and a gradient is handed on the same way),
     often as another tensor object viewing the same memory: a tensor already measured in this step
-    reuses its row instead of being reduced again when it has the same memory, shape, strides and
-    dtype, the tensor measured then is still alive (so that memory cannot have been reused by another
-    tensor) and the shared version counter shows no in-place change since. About half of the
-    activation elements of a transformer block are such repeats."""
+    reuses its row instead of being reduced again when it has the same memory, shape, strides, dtype
+    and sign (``is_neg()``: ``z.conj().imag`` views ``z.imag``'s memory negated), the tensor measured
+    then is still alive (so that memory cannot have been reused by another tensor) and the shared
+    version counter shows no in-place change since. About half of the activation elements of a
+    transformer block are such repeats. (Conjugate views need no place in the key: they are complex,
+    measured by their magnitudes, which conjugation keeps.)"""
     memo = st.memo
     n = len(xs)
     todo = []
@@ -262,7 +264,7 @@ def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.nda
                 if type(x) not in _PLAIN:
                     todo.append(k)
                     continue
-            key = keys[k] = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+            key = keys[k] = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.is_neg())
             hit = memo.get(key)
             if hit is not None and hit[0]() is not None and hit[1] == x._version:
                 if found is None:

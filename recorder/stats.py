@@ -237,7 +237,8 @@ class StatsEngine:
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:
                 continue
-            groups.setdefault((t.device, t.dtype), []).append(i)
+            # (negative views apart: the one-pass kernel, chosen per group, must not read their memory)
+            groups.setdefault((t.device, t.dtype, t.is_neg()), []).append(i)
         if len(groups) == 1 and sum(len(v) for v in groups.values()) == n:
             (key, idx), = groups.items()
             return self._group(list(tensors), key[0], scales)

@@ -562,3 +562,73 @@ def test_keyword_inputs_and_mapping_outputs_are_recorded_by_default(tmp_path, ou
     # the model's own output: its first field set, the attention's output (the same tensor)
     assert_close(act[(1, "", "output", 0)], ref_stats(seen["attn_out"]), what="model output")
     assert_close(grad[(1, "", "output_grad", 0)], ref_stats(seen["attn_out_grad"]), what="model output_grad")
+
+
+class NegGrad(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on as a negative view of itself negated (the same
+    values, ``is_neg()``): a custom backward may give one, and AccumulateGrad keeps it as ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch._neg_view(-g)
+
+
+class Imag(torch.nn.Module):
+    def forward(self, z):
+        return z.imag
+
+
+class ConjImag(torch.nn.Module):
+    def forward(self, z):
+        return z.conj().imag
+
+
+class NegViews(torch.nn.Module):
+    """``imag`` returns ``z.imag``, ``conj_imag`` ``z.conj().imag``: the same memory, shape, strides and
+    dtype, the second a negative view; and a weight whose gradient is a negative view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 80) + 0.5)
+        self.imag = Imag()
+        self.conj_imag = ConjImag()
+
+    def forward(self, x):
+        w = NegGrad.apply(self.w)
+        z = torch.complex(x @ w, x @ w + 1.0)  # 4096 elements or more: rows of such tensors are reused
+        a = self.imag(z)  # alive while conj_imag runs (a row is reused only then)
+        return (a * self.conj_imag(z)).sum()
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_negative_views_are_recorded_with_their_own_values(tmp_path, out, kernel):
+    """A negative view (``z.conj().imag``, a gradient a custom backward gave as ``torch._neg_view``) was
+    measured by the one-pass kernel as its memory holds it, negated (min, max and mean wrong); and the
+    row of ``z.imag`` was reused for ``z.conj().imag``, which views the same memory with the same shape,
+    strides and dtype."""
+    torch.manual_seed(0)
+    model = NegViews()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": ALL_OPS}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    if kernel == "torch":
+        mon._engine.fused = False
+    seen = {}
+    model.conj_imag.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o.detach().clone()))
+    model(torch.randn(70, 64)).backward()
+    assert model.w.grad.is_neg()
+    seen["grad"] = model.w.grad.detach().clone()
+    opt.step()
+    opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    act = stats_table(ev, "actv")
+    assert_close(act[(0, "conj_imag", "output", 0)], ref_stats(seen["out"]), what="conj_imag output")
+    assert act[(0, "conj_imag", "output", 0)]["max"] == -act[(0, "imag", "output", 0)]["min"]
+    for kind in ("grad_unreduced", "grad_reduced"):
+        assert_close(stats_table(ev, kind)[(0, "w", "", 0)], ref_stats(seen["grad"]), what=kind)
