@@ -411,14 +411,17 @@ def _grad_cb(mon_ref, st: StepState, users: list, once: _Once | None, grad):
                 gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)
             if rows is None:
                 rows = rows_for(mon, st, (grad,))
+                empty = not local_tensor(grad).numel()  # (a NaN row, no values: see StatsPart.placeholder)
             other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
             if other_hooked or not gc.pair:
-                part_rows, slots = rows, (slot,)
+                part_rows, slots, marks = rows, (slot,), (True,) if empty else ()
             else:  # the other slot gets no gradient: a NaN row, as the reference's None
-                part_rows, slots = _with_nan_row(rows, slot == SLOT_INPUT_GRAD), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+                nan_second = slot == SLOT_INPUT_GRAD
+                part_rows, slots = _with_nan_row(rows, nan_second), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+                marks = (empty, True) if nan_second else (True, empty)
             n = len(slots)
             st.stats.add(StatsPart(KIND_ACTV_GRAD, part_rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
-                                   slots, (gc.vpp,) * n))
+                                   slots, (gc.vpp,) * n, marks))
         except Exception as exc:  # noqa: BLE001
             mon._hook_failed(f"backward hook of {name!r}", exc)
     return None

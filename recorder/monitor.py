@@ -1155,8 +1155,9 @@ class TrainerMon(StepCollector):
         self._reduced_check_queued = False
         try:
             # (a DTensor's own shard: no collective here; sparse gradients left out)
+            # (empty ones too: no inf norm of nothing, _foreach_norm raises)
             grads = [g for g in (local_tensor(p.grad) for p in self._chunk0_params)
-                     if g is not None and g.layout is torch.strided]
+                     if g is not None and g.layout is torch.strided and g.numel()]
             if not grads:
                 self._reduced_non_finite = None
                 return
@@ -1320,8 +1321,8 @@ class TrainerMon(StepCollector):
 
     def _gradients_non_finite(self) -> bool | None:
         """Whether the gradient rows this step recorded so far (weight and activation gradients) hold
-        inf or NaN; None where it recorded none. A device's rows are read back here (a sync, only at
-        such a pass boundary)."""
+        inf or NaN, less the rows that stand for no tensor (:attr:`StatsPart.placeholder`); None where
+        it recorded none. A device's rows are read back here (a sync, only at such a pass boundary)."""
         st = self._state
         if st is None:
             return None
@@ -1334,7 +1335,16 @@ class TrainerMon(StepCollector):
         for part in st.stats.parts:
             if part.kind not in (KIND_GRAD_UNREDUCED, KIND_ACTV_GRAD):
                 continue
-            v = torch.as_tensor(part.values)
+            v = part.values
+            if part.placeholder:
+                # NaN rows the recorder wrote for no tensor's values (a parameter without a gradient or of
+                # no elements, the unhooked slot of an activation gradient: the first layer's input_grad):
+                # they would make every step with several passes (SAM's, a GAN's) look skipped
+                keep = [i for i, mark in enumerate(part.placeholder) if not mark]
+                if not keep:
+                    continue
+                v = v[keep]
+            v = torch.as_tensor(v)
             if col is None:
                 flags.append(~torch.isfinite(v).all())
             elif ops[col] == "nans":
