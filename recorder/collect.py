@@ -70,6 +70,7 @@ from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
 from .stats import StatsPart, StepStats, build_stats_events, gather_device, placeholders, to_device
+from .targets import uninitialized
 
 log = logging.getLogger(__name__)
 
@@ -482,6 +483,8 @@ class StepCollector:
         tensors, indices = [], []
         for i, info in enumerate(self._params):
             p = info.param
+            if uninitialized(p):
+                continue  # a lazy module's that no forward has made yet: no values to measure
             if self._z3 is not None:
                 piece = zero.local_param(p)
                 if piece is not None:

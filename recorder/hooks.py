@@ -698,6 +698,13 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
             st.chunk_open = False
             if mon._fsdp2_waiting:
                 mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
+            if mon._lazy_waiting:
+                mon._hook_materialized()  # lazy modules (LazyLinear) make theirs at their first forward
+        if mon._lazy_chunks and vpp in mon._lazy_chunks and module.training and torch.is_grad_enabled():
+            try:
+                mon._materialized(vpp)  # its lazy modules (LazyLinear) have made their parameters
+            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+                mon._hook_failed("lazy modules' parameters made", exc)
         if (st is None or not mon.config.wg_distribution or not module.training or not torch.is_grad_enabled()
                 or in_backward()):
             return
