@@ -168,6 +168,7 @@ class TrainerMon(StepCollector):
         self._fsdp2_waiting: list = []  # (index, FSDPParam) whose unsharded parameter FSDP2 has not made yet
         self._lazy_waiting: list[int] = []  # monitored parameters of lazy modules not made yet (_hook_materialized)
         self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
+        self._no_tensor_warned: set[int] = set()  # modules where the default selection found no tensor (hooks)
         self._opt_handles: list = []
         self._global_handles: list = []
         self._struct_handles: list = []

@@ -82,7 +82,7 @@ class Targets:
             forward = self.forward and not t.wants.isdisjoint(_VALUE_SLOTS)
             # (with the keyword arguments: a module called with them only takes its input from them)
             if backward:
-                handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t),
+                handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t, forward),
                                                                 with_kwargs=True))
             if forward or backward:
                 handles.append(module.register_forward_hook(

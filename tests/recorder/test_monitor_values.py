@@ -632,3 +632,70 @@ def test_negative_views_are_recorded_with_their_own_values(tmp_path, out, kernel
     assert act[(0, "conj_imag", "output", 0)]["max"] == -act[(0, "imag", "output", 0)]["min"]
     for kind in ("grad_unreduced", "grad_reduced"):
         assert_close(stats_table(ev, kind)[(0, "w", "", 0)], ref_stats(seen["grad"]), what=kind)
+
+
+class Logger(torch.nn.Module):
+    """Returns nothing (it would log its input)."""
+
+    def forward(self, h):
+        return None
+
+
+class Meta(torch.nn.Module):
+    """Returns a dict whose first value set is no tensor."""
+
+    def forward(self, h):
+        return {"shape": list(h.shape), "h": h}
+
+
+class Position(torch.nn.Module):
+    """Called with no argument: returns its parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self):
+        return self.p * 1.0
+
+
+class NoTensorNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.log = Logger()
+        self.meta = Meta()
+        self.pos = Position()
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.log(h)
+        return (self.meta(h)["h"] + self.pos()).pow(2).sum()
+
+
+@pytest.mark.parametrize("backward_only", [False, True])
+def test_modules_where_the_default_selection_finds_no_tensor_are_named_once(tmp_path, out, caplog, backward_only):
+    """all_xy on a module whose output is None, or a dict whose first value set is no tensor, or that is
+    called without arguments: its rows there were NaN (or its gradient rows missing), silently. A warning
+    names each such module once, with what it gave."""
+    import logging
+
+    torch.manual_seed(0)
+    model = NoTensorNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = {"xy_distribution": True, "all_xy": True, "ops": ["norm"], "backward_only": backward_only}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    with caplog.at_level(logging.WARNING, logger="trainrec.recorder.hooks"):
+        for _ in range(3):
+            model(torch.randn(4, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+    mon.close()
+    warned = [r.getMessage() for r in caplog.records if "finds no tensor" in r.getMessage()]
+    named = sorted(m.split("'")[1] for m in warned)
+    assert named == ["log", "meta", "pos"]  # once each; none for the modules where it finds one
+    by = {m.split("'")[1]: m for m in warned}
+    assert "its output: None" in by["log"]
+    assert "its output: a dict whose first value set is list" in by["meta"]
+    assert "its input: no argument" in by["pos"]
