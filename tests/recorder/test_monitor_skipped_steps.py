@@ -241,8 +241,9 @@ def _empty_model():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+@pytest.mark.parametrize("path", ["fused", "device"])  # (device: the code accelerators take, rows in tensors)
 @pytest.mark.parametrize("case", ["first_input_grad", "empty_param"])
-def test_placeholder_rows_do_not_make_steps_with_several_passes_look_skipped(tmp_path, out, case):
+def test_placeholder_rows_do_not_make_steps_with_several_passes_look_skipped(tmp_path, out, case, path):
     """The NaN rows the recorder writes for no tensor's values are not inf/NaN gradients: with
     xy_distribution the embedding's input_grad (token ids take no gradient: the pair's other slot, a NaN
     row), and a parameter of no elements. Each made every SAM step (a pass, zero_grad, a second pass)
@@ -259,6 +260,8 @@ def test_placeholder_rows_do_not_make_steps_with_several_passes_look_skipped(tmp
         model, opt = _empty_model()
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    if path == "device":
+        mon._engine.fused = mon._engine.host_paths = False
     for s in range(4):
         sam_passes(model, opt, s)
         opt.step()
