@@ -798,10 +798,12 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
 }
 
 /* The hooks' entry: the tensors themselves, so a hook pays no Python loop over them. Each must be of
- * one of `types` (exact types: torch.Tensor, nn.Parameter), of `dtype` (float32), on the CPU and
- * contiguous or dense (see dense()), or None or empty (a NaN row); otherwise nothing is computed, False
- * is returned, and the caller takes its general path (copies, conversions, refusals with their errors). */
-static PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape, *s_stride;
+ * one of `types` (exact types: torch.Tensor, nn.Parameter), of `dtype` (float32), on the CPU, no
+ * negative view (is_neg(): its memory holds the values negated, which torch's ops resolve and a raw read
+ * does not) and contiguous or dense (see dense()), or None or empty (a NaN row); otherwise nothing is
+ * computed, False is returned, and the caller takes its general path (copies, conversions, refusals
+ * with their errors). */
+static PyObject *s_dtype, *s_is_cpu, *s_is_neg, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape, *s_stride;
 
 /* Whether x's elements fill one block of memory without gaps or overlaps, in some order of its dims
  * (a transpose or permute of a contiguous tensor: batch_first attention outputs, a tied weight's .t()):
@@ -862,6 +864,12 @@ static int tensor_entry(PyObject *x, PyObject *types, PyObject *dtype, uint64_t 
     Py_DECREF(v);
     if (*numel == -1 && PyErr_Occurred()) return -1;
     if (*numel == 0) return 1;
+    /* a negative view (x.conj().imag, torch._neg_view, a gradient some backward gave as one): the values
+     * are minus what memory holds; float32 has no conjugate views (conj() of a real tensor is itself) */
+    if ((v = PyObject_CallMethodNoArgs(x, s_is_neg)) == NULL) return -1;
+    ok = v == Py_False;
+    Py_DECREF(v);
+    if (!ok) return 0;
     if ((v = PyObject_CallMethodNoArgs(x, s_is_contiguous)) == NULL) {
         PyErr_Clear(); /* sparse layouts have no contiguity: the general path measures their values */
         return 0;
@@ -1159,6 +1167,7 @@ PyMODINIT_FUNC PyInit__fused(void) {
     gomp_pid = getpid();
     if ((s_dtype = PyUnicode_InternFromString("dtype")) == NULL ||
         (s_is_cpu = PyUnicode_InternFromString("is_cpu")) == NULL ||
+        (s_is_neg = PyUnicode_InternFromString("is_neg")) == NULL ||
         (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||
         (s_numel = PyUnicode_InternFromString("numel")) == NULL ||
         (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL ||

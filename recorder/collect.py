@@ -69,7 +69,8 @@ from . import config, fused, zero
 from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
-from .stats import StatsPart, StepStats, build_stats_events, gather_device, to_device
+from .stats import StatsPart, StepStats, build_stats_events, gather_device, placeholders, to_device
+from .targets import uninitialized
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +138,10 @@ class StepCollector:
                 g, added, now = _main_grad_now(p, mg)
                 if added is not None:  # Megatron's main_grad, about to get this micro step's .grad added
                     self._flush_grads()
-                    rows = self._rows_of_sum(g, added, index)
+                    failed: list = []
+                    rows = self._rows_of_sum(g, added, index, failed)
                     st.stats.add(StatsPart(KIND_GRAD_UNREDUCED, rows, [info.name_id], [micro], [call], (),
-                                           [info.vpp]))
+                                           [info.vpp], placeholders([g], rows, failed)))
                     return
         pending = st.pending
         if not pending and not drained and in_backward():
@@ -295,8 +297,11 @@ class StepCollector:
             g if g is not None else self._grad_of(self._params[i].param) for i, g in zip(idxs, grads, strict=True)]
         eng = self._engine
         extremes = np.empty((len(pend), fused.FINGERPRINT_COLUMNS)) if REUSE_UNCHANGED and eng.fused and eng.host_paths else None
-        rows = self._rows_of(grads, list(idxs), "gradient", extremes)
-        self._add_part(st, KIND_GRAD_UNREDUCED, rows, idxs, micros, calls)
+        failed: list = []
+        rows = self._rows_of(grads, list(idxs), "gradient", extremes, failed)
+        # (the rows of None and empty gradients, and of those the engine failed on, marked: NaN rows that
+        # are no gradient's values, which the skipped-step check must not take for an inf/NaN gradient)
+        self._add_part(st, KIND_GRAD_UNREDUCED, rows, idxs, micros, calls, placeholders(grads, rows, failed))
         # (weak references: one held here would keep an incoming gradient, DeepSpeed's or FSDP2's,
         # from being taken over as .grad without a copy, and alive to the step's end)
         last = st.last_unreduced
@@ -312,19 +317,20 @@ class StepCollector:
                 last[i] = (rows, r, weakref.ref(g), g._version, None)
 
     @torch.no_grad()
-    def _rows_of_sum(self, a: torch.Tensor, b: torch.Tensor, index: int) -> torch.Tensor:
+    def _rows_of_sum(self, a: torch.Tensor, b: torch.Tensor, index: int, failed: list | None = None) -> torch.Tensor:
         """The row of ``a + b`` (same shape and device), with temporaries of at most
         :data:`SUM_PART_NUMEL` elements: a larger tensor is summed and measured in parts, and their
         rows combined (:meth:`StatsEngine.combine`), so no temporary of a whole large parameter is made
-        while backward holds its activations."""
+        while backward holds its activations. ``failed``: as :meth:`_rows_of`'s."""
         n = a.numel()
         if n <= SUM_PART_NUMEL:
-            return self._rows_of([torch.add(a, b)], [index], "gradient")
+            return self._rows_of([torch.add(a, b)], [index], "gradient", failed=failed)
         fa, fb = a.reshape(-1), b.reshape(-1)
         parts, sizes = [], []
         for lo in range(0, n, SUM_PART_NUMEL):
             hi = min(n, lo + SUM_PART_NUMEL)
-            parts.append(torch.as_tensor(self._rows_of([torch.add(fa[lo:hi], fb[lo:hi])], [index], "gradient")))
+            parts.append(torch.as_tensor(self._rows_of([torch.add(fa[lo:hi], fb[lo:hi])], [index], "gradient",
+                                                       failed=failed)))
             sizes.append(hi - lo)
         return self._engine.combine(torch.cat(parts), sizes)
 
@@ -477,6 +483,8 @@ class StepCollector:
         tensors, indices = [], []
         for i, info in enumerate(self._params):
             p = info.param
+            if uninitialized(p):
+                continue  # a lazy module's that no forward has made yet: no values to measure
             if self._z3 is not None:
                 piece = zero.local_param(p)
                 if piece is not None:
@@ -492,12 +500,13 @@ class StepCollector:
         if tensors:
             self._add_rows(st, kind, self._rows_of(tensors, list(indices), kind), list(indices))
 
-    def _rows_of(self, tensors: list, indices: list, what: str,
-                 extremes: np.ndarray | None = None) -> torch.Tensor | np.ndarray:
+    def _rows_of(self, tensors: list, indices: list, what: str, extremes: np.ndarray | None = None,
+                 failed: list | None = None) -> torch.Tensor | np.ndarray:
         """The engine's rows of a batch (:meth:`StatsEngine.rows`: a numpy array where the one-pass kernel
         measured every tensor, else a tensor; ``extremes`` filled as it fills them); where the batch
         fails, each tensor alone, so that one tensor the engine cannot measure costs its own row (NaN,
-        and a HookFailed naming it), not the batch's."""
+        and a HookFailed naming it), not the batch's. ``failed``: a list given to get the positions of
+        such rows appended."""
         try:
             return self._engine.rows(tensors, extremes=extremes)
         except Exception:  # noqa: BLE001 - monitoring never kills training
@@ -509,6 +518,8 @@ class StepCollector:
                     rows.append(self._engine.compute([t]))
                 except Exception as exc:  # noqa: BLE001
                     self._hook_failed(f"{what} of {self._params[i].name!r}", exc)
+                    if failed is not None:
+                        failed.append(len(rows))
                     rows.append(None)
             dev = gather_device(r.device for r in rows if r is not None)
             return torch.cat([to_device(r, dev) if r is not None else self._engine.nan_rows(1, dev) for r in rows])
@@ -519,10 +530,11 @@ class StepCollector:
         st.call += len(indices)
         self._add_part(st, kind, rows, indices, (), range(c0, c0 + len(indices)))
 
-    def _add_part(self, st: StepState, kind: str, rows, indices, micros, calls) -> None:
+    def _add_part(self, st: StepState, kind: str, rows, indices, micros, calls, placeholder=()) -> None:
         """The step's rows of parameters ``indices``, with their names and pipeline chunks."""
         infos = list(map(self._params.__getitem__, indices))
-        st.stats.add(StatsPart(kind, rows, list(map(_NAME_ID, infos)), micros, calls, (), list(map(_VPP, infos))))
+        st.stats.add(StatsPart(kind, rows, list(map(_NAME_ID, infos)), micros, calls, (), list(map(_VPP, infos)),
+                               placeholder))
 
     def _no_optimizer(self) -> bool:
         """True (with one warning per run) where no torch optimizer is known to read Adam state from."""

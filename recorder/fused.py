@@ -15,6 +15,8 @@ about 1 ns per Adam state element for all four statistics sets against 7.7 ns.
 
 Tensor subclasses without storage of their own (DTensor) never reach the kernel: :func:`local_tensor`
 gives their local shard, the entry points take plain tensors only, and the C side refuses address 0.
+Nor do negative views (``is_neg()``), whose memory holds minus their values: the torch path measures
+them (conjugate views are complex, which the kernel never takes, and their magnitudes are measured).
 """
 
 from __future__ import annotations
@@ -145,9 +147,10 @@ def local_tensor(x):
 
 
 def supports(x: torch.Tensor) -> bool:
-    """Whether :func:`stats` takes ``x`` (a dense CPU tensor of any dtype but float64/complex)."""
+    """Whether :func:`stats` takes ``x`` (a dense CPU tensor of any dtype but float64/complex, and no
+    negative view: see :func:`stats_f32`)."""
     return (type(x) in _PLAIN and x.device.type == "cpu" and x.dtype is not torch.float64
-            and not x.is_complex() and x.layout is torch.strided)
+            and not x.is_complex() and x.layout is torch.strided and not x.is_neg())
 
 
 def _threads(total: int, at_least: int | None = None) -> int:
@@ -199,7 +202,9 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
     empty tensors give NaN rows (as the engine's general path); a non-contiguous tensor is measured where
     it lies if it is a permutation of a contiguous block and no scales are given (a transpose: the ops
     ignore element order), else through a contiguous copy. Anything else gives None: the caller takes
-    the general path.
+    the general path. So does a negative view (``x.is_neg()``: ``x.conj().imag``, ``torch._neg_view``, a
+    gradient some backward gave as one), whose memory holds minus its values: torch's ops resolve that,
+    a read of the memory would not (one ``is_neg()`` call per tensor, about 0.1 us).
     ``eps`` is one threshold for all (divided by each scale here). ``numpy``: the rows as the numpy
     array the kernel wrote (no tensor made per call; the step's end makes one of all).
     ``extremes``: a float64 ``[len(xs), FINGERPRINT_COLUMNS]`` array to fill with each tensor's
@@ -225,7 +230,8 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
         if x is None:
             missing.append(i)
             continue
-        if type(x) not in _PLAIN or x.dtype is not f32 or not x.is_cpu or x.layout is not torch.strided:
+        if (type(x) not in _PLAIN or x.dtype is not f32 or not x.is_cpu or x.layout is not torch.strided
+                or x.is_neg()):
             return None
         k = x.numel()
         if not k:

@@ -39,6 +39,7 @@ keeping the results on the device. An exception inside a hook is caught and repo
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from array import array
 from collections.abc import Callable, Mapping
@@ -64,6 +65,8 @@ from .stats import StatsPart, StepStats, gather_device, to_device
 
 if TYPE_CHECKING:
     from .monitor import TrainerMon
+
+log = logging.getLogger(__name__)
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -183,7 +186,7 @@ class StepState:
         self.pending_bytes = 0  # bytes of the pending gradients queued by the Python hooks
         self.pending_lookup = False  # a pending entry's gradient is looked up when the batch is measured
         self.last_unreduced: dict[int, tuple] = {}  # param index -> (rows tensor, row, grad id, version)
-        self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device) -> (weakref, version, rows, row)
+        self.memo: dict[tuple, tuple] = {}  # (ptr, shape, strides, dtype, device, is_neg) -> (weakref, version, rows, row)
         self.chunk_fwd: dict[int, int] = {}  # vpp stage -> forwards of that model chunk (micro steps begun)
         self.open_calls: dict[int, list] = {}  # module id -> GradCall of forwards between pre-hook and hook
         # id(tensor) -> (weakref, version, [(GradCall, slot, name)], hooked in a recomputation,
@@ -243,10 +246,12 @@ def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.nda
     """Stats rows of a hook's tensors (a numpy array on the kernel's path, see ``StatsEngine.rows``).
     A module's output is usually the next module's input (and a gradient is handed on the same way),
     often as another tensor object viewing the same memory: a tensor already measured in this step
-    reuses its row instead of being reduced again when it has the same memory, shape, strides and
-    dtype, the tensor measured then is still alive (so that memory cannot have been reused by another
-    tensor) and the shared version counter shows no in-place change since. About half of the
-    activation elements of a transformer block are such repeats."""
+    reuses its row instead of being reduced again when it has the same memory, shape, strides, dtype
+    and sign (``is_neg()``: ``z.conj().imag`` views ``z.imag``'s memory negated), the tensor measured
+    then is still alive (so that memory cannot have been reused by another tensor) and the shared
+    version counter shows no in-place change since. About half of the activation elements of a
+    transformer block are such repeats. (Conjugate views need no place in the key: they are complex,
+    measured by their magnitudes, which conjugation keeps.)"""
     memo = st.memo
     n = len(xs)
     todo = []
@@ -262,7 +267,7 @@ def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.nda
                 if type(x) not in _PLAIN:
                     todo.append(k)
                     continue
-            key = keys[k] = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+            key = keys[k] = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.is_neg())
             hit = memo.get(key)
             if hit is not None and hit[0]() is not None and hit[1] == x._version:
                 if found is None:
@@ -409,14 +414,17 @@ def _grad_cb(mon_ref, st: StepState, users: list, once: _Once | None, grad):
                 gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)
             if rows is None:
                 rows = rows_for(mon, st, (grad,))
+                empty = not local_tensor(grad).numel()  # (a NaN row, no values: see StatsPart.placeholder)
             other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
             if other_hooked or not gc.pair:
-                part_rows, slots = rows, (slot,)
+                part_rows, slots, marks = rows, (slot,), (True,) if empty else ()
             else:  # the other slot gets no gradient: a NaN row, as the reference's None
-                part_rows, slots = _with_nan_row(rows, slot == SLOT_INPUT_GRAD), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+                nan_second = slot == SLOT_INPUT_GRAD
+                part_rows, slots = _with_nan_row(rows, nan_second), (SLOT_INPUT_GRAD, SLOT_OUTPUT_GRAD)
+                marks = (empty, True) if nan_second else (True, empty)
             n = len(slots)
             st.stats.add(StatsPart(KIND_ACTV_GRAD, part_rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
-                                   slots, (gc.vpp,) * n))
+                                   slots, (gc.vpp,) * n, marks))
         except Exception as exc:  # noqa: BLE001
             mon._hook_failed(f"backward hook of {name!r}", exc)
     return None
@@ -470,14 +478,54 @@ def _with_nan_row(rows, nan_second: bool):
     return torch.cat((rows, nan) if nan_second else (nan, rows))
 
 
-def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
-    """Forward pre-hook (activation gradients): a gradient hook on the selected input tensor."""
+def _kind(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}[{len(value)}]"
+    return describe(value)
+
+
+def _found(value: Any) -> str:
+    """What the default selection looked at in ``value`` and found, for :func:`warn_no_tensor`."""
+    if isinstance(value, (tuple, list)):
+        return f"{_kind(value)}, whose first element is {_kind(value[0])}" if value else f"an empty {_kind(value)}"
+    if isinstance(value, Mapping):
+        first = next((v for v in value.values() if v is not None), None)
+        return (f"a {type(value).__name__} whose first value set is {_kind(first)}" if first is not None
+                else f"a {type(value).__name__} with no value set")
+    return _kind(value)
+
+
+def warn_no_tensor(mon: TrainerMon, t: ModuleTarget, module, found: dict) -> None:
+    """Once per module: the default selection (no selector) found no tensor in its ``found`` sides
+    (``{"input": value, "output": value}``, what it looked at), so the slots there get NaN rows and no
+    gradient rows (a module returning None, or a dict whose first value set is no tensor)."""
+    warned = mon._no_tensor_warned
+    if t.name_id in warned:
+        return
+    warned.add(t.name_id)
+    what = "; ".join(f"its {side}: {'no argument' if side == 'input' and not value else _found(value)}"
+                     for side, value in found.items())
+    log.warning("trainrec: module %r (%s): the default selection (the tensor, element 0 of a tuple or list, the first "
+                "value set of a dict or ModelOutput; for an input given by keyword only, the first keyword argument "
+                "set) finds no tensor in its %s (%s), so its rows there are NaN and no gradient is recorded there; "
+                "give it a selector in targets (print_struct shows its inputs and outputs), or leave it out",
+                t.name, type(module).__name__, " and ".join(found), what)
+
+
+def make_pre_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True):
+    """Forward pre-hook (activation gradients): a gradient hook on the selected input tensor. Where the
+    module's forward hook does not measure its input (not ``forward``), it says whether the default
+    selection found none (:func:`warn_no_tensor`)."""
     sel_in = t.sel.get("input_grad")
     key_in = f"targets.{t.key}.input_grad"
     mid = t.name_id
     vpp = t.vpp
     want_in = "input_grad" in t.wants
     pair = want_in and "output_grad" in t.wants
+    # (where the forward hook measures the same default input, it says so)
+    check_in = want_in and sel_in is None and not (forward and "input" in t.wants and t.sel.get("input") is None)
 
     def hook(module, args, kwargs=None):  # (registered with_kwargs; see _KWARGS_GONE)
         st = mon._state
@@ -485,6 +533,8 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget):
             return
         try:
             x = select(inputs_of(args, kwargs, sel_in), sel_in, key_in) if want_in else None
+            if check_in and x is None:
+                warn_no_tensor(mon, t, module, {"input": inputs_of(args, kwargs, sel_in)})
             gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x), pair)
             st.open_calls.setdefault(mid, []).append(gc)
             if gc.in_hooked:
@@ -512,6 +562,10 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
     fwd_slots = tuple(s for s, want in ((SLOT_INPUT, want_in), (SLOT_OUTPUT, want_out)) if want)
     n = len(fwd_slots)
     mids, vpps = (mid,) * n, (vpp,) * n
+    # default selections that find no tensor: said once per module (warn_no_tensor), where this hook's
+    # forward part measures the slot, else where its backward part selects it
+    check_in, check_out = want_in and sel_in is None, want_out and sel_out is None
+    check_gout = want_gout and sel_gout is None and not (forward and check_out)
 
     def hook(module, args, *kwargs_output):  # (registered with_kwargs: kwargs, output; see _KWARGS_GONE)
         kwargs, output = kwargs_output if len(kwargs_output) == 2 else (None, kwargs_output[0])
@@ -527,6 +581,8 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
                 gc = opened.pop()
                 try:
                     y = select(output, sel_gout, key_gout) if want_gout else None
+                    if check_gout and y is None:
+                        warn_no_tensor(mon, t, module, {"output": output})
                     if _needs_grad(y):
                         gc.out_hooked = True
                         _hook_grad(mon, st, y, gc, SLOT_OUTPUT_GRAD, t.name)
@@ -542,6 +598,13 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
             else:
                 xs = (select(inputs_of(args, kwargs, sel_in), sel_in, key_in) if want_in
                       else select(output, sel_out, key_out),)
+            if ((check_in and xs[0] is None) or (check_out and xs[-1] is None)) and mid not in mon._no_tensor_warned:
+                found = {}
+                if check_in and xs[0] is None:
+                    found["input"] = inputs_of(args, kwargs, sel_in)
+                if check_out and xs[-1] is None:
+                    found["output"] = output
+                warn_no_tensor(mon, t, module, found)
             rows = rows_for(mon, st, xs)
             st.stats.add(StatsPart(KIND_ACTV, rows, mids, (micro,) * n, (call,) * n, fwd_slots, vpps))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
@@ -693,6 +756,13 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
             st.chunk_open = False
             if mon._fsdp2_waiting:
                 mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
+            if mon._lazy_waiting:
+                mon._hook_materialized()  # lazy modules (LazyLinear) make theirs at their first forward
+        if mon._lazy_chunks and vpp in mon._lazy_chunks and module.training and torch.is_grad_enabled():
+            try:
+                mon._materialized(vpp)  # its lazy modules (LazyLinear) have made their parameters
+            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+                mon._hook_failed("lazy modules' parameters made", exc)
         if (st is None or not mon.config.wg_distribution or not module.training or not torch.is_grad_enabled()
                 or in_backward()):
             return

@@ -91,7 +91,7 @@ from .fused import local_tensor
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, holder_of, torch_optimizer_of
 from .stats import StatsEngine, StepStats
-from .targets import ParamInfo, Targets, build_targets
+from .targets import ParamInfo, Targets, build_targets, uninitialized
 from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
 
 log = logging.getLogger(__name__)
@@ -170,12 +170,17 @@ class TrainerMon(StepCollector):
         self._frozen: list[int] = []  # monitored parameters without a gradient hook: frozen when attached
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
         self._fsdp2_waiting: list = []  # (index, FSDPParam) whose unsharded parameter FSDP2 has not made yet
+        self._lazy_waiting: list[int] = []  # monitored parameters of lazy modules not made yet (_hook_materialized)
+        self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
+        self._no_tensor_warned: set[int] = set()  # modules where the default selection found no tensor (hooks)
         self._opt_handles: list = []
         self._global_handles: list = []
         self._struct_handles: list = []
         self._chunk_handles: list = []
         self._chunk0_params: list = []
         self._marked_params: list = []  # chunk 0's first and last: their backward is noticed (_on_backward)
+        self._lazy_chunks: set[int] = set()  # chunks with lazy modules' parameters not made when installed
+        self._mark_hooked: set[int] = set()  # ids of the parameters with the _on_backward hook
         self._grad_marks: dict[int, tuple | None] = {}  # id(param) -> (weakref to .grad, its version)
         self._param_marks: dict[int, int] = {}  # id(param) -> the parameter's version at its last backward
         self._forwards = 0  # training forwards of chunk 0 in this step
@@ -515,12 +520,8 @@ class TrainerMon(StepCollector):
         self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self, vpp))
                                 for vpp, chunk in enumerate(hooked)]
         self._chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
-        # a backward ran in this step: the first and last parameters of chunk 0 got a gradient
-        self._marked_params = list({id(q): q for q in self._chunk0_params[:1] + self._chunk0_params[-1:]}.values())
-        for p in self._marked_params:
-            # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
-            # the monitor (which holds the model) would keep both alive until exit
-            self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(_weak_call(self._on_backward))))
+        self._mark_params()
+        self._lazy_chunks = {vpp for vpp, c in enumerate(self._chunks) if any(map(uninitialized, c.parameters()))}
         if not self._manual_steps:
             # every optimizer's step, once each: another optimizer's (a GAN's other model's) tells the
             # passes of this model inside that model's step from this model's own (_other_stepped)
@@ -547,6 +548,19 @@ class TrainerMon(StepCollector):
             if not self.dynamic:
                 self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
         self._begin_step()
+
+    def _mark_params(self) -> None:
+        """A backward ran in this step: the first and last parameters of chunk 0 got a gradient (a hook on
+        each, :meth:`_on_backward`). Those of a lazy module not made yet take no hook: the first and last
+        made are marked (chosen again at the end of chunk 0's first training forward, :meth:`_materialized`)."""
+        made = [p for p in self._chunk0_params if not uninitialized(p)]
+        self._marked_params = list({id(q): q for q in made[:1] + made[-1:]}.values())
+        for p in self._marked_params:
+            if id(p) not in self._mark_hooked:
+                self._mark_hooked.add(id(p))
+                # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
+                # the monitor (which holds the model) would keep both alive until exit
+                self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(_weak_call(self._on_backward))))
 
     def _join_process_group(self) -> None:
         """torch.distributed was initialized after this monitor was made (msprobe's documentation makes
@@ -834,6 +848,14 @@ class TrainerMon(StepCollector):
             _warn_once(f"frozen-{key}", f"trainrec: rank {self.rank}: targets.{key} matches only parameters that do "
                        "not require grad (frozen); they are recorded from the first collected step after they "
                        "are unfrozen")
+        for key, names in targets.lazy.items():
+            if key not in self._lazy_warned:
+                self._lazy_warned.add(key)
+                log.warning("trainrec: rank %d: targets.%s names parameters of a lazy module (torch.nn.LazyLinear "
+                            "and the like) that its first forward has not made yet (%s): they have no size and "
+                            "take no hooks until then; they are recorded from that forward on (the module "
+                            "structure record counts them 0)", self.rank, key, ", ".join(names[:6])
+                            + (", ..." if len(names) > 6 else ""))
         self._sync_names()
         if self._tp_group is not None and self._distributed:
             import torch.distributed as dist
@@ -845,9 +867,20 @@ class TrainerMon(StepCollector):
                     and not _sharded_over(p.param, tp_ranks)
         return targets, targets.params
 
-    def _write_structure(self) -> None:
-        for ev in structure.structure_events(self._chunks, None, None, self.rank, self._step):
+    def _write_structure(self, vpp: int | None = None) -> None:
+        for ev in structure.structure_events(self._chunks, None, None, self.rank, self._step, vpp):
             self._emit(ev)
+
+    def _materialized(self, vpp: int) -> None:
+        """The end of model chunk ``vpp``'s first training forward, where it had lazy modules' parameters
+        not made when the monitor was installed (LazyLinear: made by the module's first forward): its
+        structure is recorded again, with their sizes (and the classes the lazy modules became), and on
+        chunk 0 the parameters that notice a backward are chosen again (:meth:`_mark_params`). A lazy
+        module first run later keeps its 0 there."""
+        self._lazy_chunks.discard(vpp)
+        if vpp == 0:
+            self._mark_params()
+        self._write_structure(vpp)
 
     # ------------------------------------------------------------------ optimizer binding
     def _bind_optimizer(self, optimizer) -> None:
@@ -1016,6 +1049,7 @@ class TrainerMon(StepCollector):
         self._step_handles = t.attach(self)
         self._frozen = []
         self._fsdp2_waiting = []
+        self._lazy_waiting = []
         self._list_hooked = {}
         self._list_hook_handles.clear()
         if self.config.wg_distribution:
@@ -1038,23 +1072,44 @@ class TrainerMon(StepCollector):
                     if fp is not None:
                         self._fsdp2_waiting.append((i, fp))
                     continue
-                try:
-                    if zero.is_partitioned(p.param):
-                        # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
-                        # the gradient into its buckets, where it is reduced while backward goes on
-                        h = p.param.register_hook(t.grad_hook(self, i, incoming=True))
-                    elif fast and self._main_grad_of(p.param) is None:
-                        h = p.param.register_post_accumulate_grad_hook(self._fired.append)
-                        self._list_hooked[id(p.param)] = i
-                        self._list_hook_handles.append(h)
-                    else:
-                        h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False))
-                except RuntimeError as exc:  # one parameter's hook never costs the others theirs
-                    self._hook_failed(f"weight-gradient hook of {p.name!r}", exc)
+                if uninitialized(p.param):
+                    # a lazy module's, not made yet (torch refuses a hook on it): hooked at the end of the
+                    # model chunk's forward that makes it, before its backward (_hook_materialized)
+                    self._lazy_waiting.append(i)
                     continue
-                self._step_handles.append(h)
+                self._hook_grad(i, fast)
             if self._fsdp2_waiting:
                 self._hook_fsdp2()
+
+    def _hook_grad(self, i: int, fast: bool) -> None:
+        """The weight-gradient hook of monitored parameter ``i`` (``fast``: the list hooks allowed)."""
+        p, t = self._params[i], self._targets
+        try:
+            if zero.is_partitioned(p.param):
+                # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
+                # the gradient into its buckets, where it is reduced while backward goes on
+                h = p.param.register_hook(t.grad_hook(self, i, incoming=True))
+            elif fast and self._main_grad_of(p.param) is None:
+                h = p.param.register_post_accumulate_grad_hook(self._fired.append)
+                self._list_hooked[id(p.param)] = i
+                self._list_hook_handles.append(h)
+            else:
+                h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False))
+        except RuntimeError as exc:  # one parameter's hook never costs the others theirs
+            self._hook_failed(f"weight-gradient hook of {p.name!r}", exc)
+            return
+        self._step_handles.append(h)
+
+    def _hook_materialized(self) -> None:
+        """Weight-gradient hooks on the lazy modules' parameters made by now (at the end of a model chunk's
+        forward, before its backward: the forward that makes one runs its module)."""
+        waiting, fast = [], self._list_hooks_allowed()
+        for i in self._lazy_waiting:
+            if uninitialized(self._params[i].param):
+                waiting.append(i)
+            else:
+                self._hook_grad(i, fast)
+        self._lazy_waiting = waiting
 
     def _hook_fsdp2(self) -> None:
         """Gradient hooks on the FSDP2 unsharded parameters that exist by now (made at a module's first
@@ -1206,8 +1261,9 @@ class TrainerMon(StepCollector):
         self._reduced_check_queued = False
         try:
             # (a DTensor's own shard: no collective here; sparse gradients left out)
+            # (empty ones too: no inf norm of nothing, _foreach_norm raises)
             grads = [g for g in (local_tensor(p.grad) for p in self._chunk0_params)
-                     if g is not None and g.layout is torch.strided]
+                     if g is not None and g.layout is torch.strided and g.numel()]
             if not grads:
                 self._reduced_non_finite = None
                 return
@@ -1373,8 +1429,8 @@ class TrainerMon(StepCollector):
 
     def _gradients_non_finite(self) -> bool | None:
         """Whether the gradient rows this step recorded so far (weight and activation gradients) hold
-        inf or NaN; None where it recorded none. A device's rows are read back here (a sync, only at
-        such a pass boundary)."""
+        inf or NaN, less the rows that stand for no tensor (:attr:`StatsPart.placeholder`); None where
+        it recorded none. A device's rows are read back here (a sync, only at such a pass boundary)."""
         st = self._state
         if st is None:
             return None
@@ -1387,7 +1443,16 @@ class TrainerMon(StepCollector):
         for part in st.stats.parts:
             if part.kind not in (KIND_GRAD_UNREDUCED, KIND_ACTV_GRAD):
                 continue
-            v = torch.as_tensor(part.values)
+            v = part.values
+            if part.placeholder:
+                # NaN rows the recorder wrote for no tensor's values (a parameter without a gradient or of
+                # no elements, the unhooked slot of an activation gradient: the first layer's input_grad):
+                # they would make every step with several passes (SAM's, a GAN's) look skipped
+                keep = [i for i, mark in enumerate(part.placeholder) if not mark]
+                if not keep:
+                    continue
+                v = v[keep]
+            v = torch.as_tensor(v)
             if col is None:
                 flags.append(~torch.isfinite(v).all())
             elif ops[col] == "nans":

@@ -237,7 +237,8 @@ class StatsEngine:
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:
                 continue
-            groups.setdefault((t.device, t.dtype), []).append(i)
+            # (negative views apart: the one-pass kernel, chosen per group, must not read their memory)
+            groups.setdefault((t.device, t.dtype, t.is_neg()), []).append(i)
         if len(groups) == 1 and sum(len(v) for v in groups.values()) == n:
             (key, idx), = groups.items()
             return self._group(list(tensors), key[0], scales)
@@ -489,7 +490,13 @@ class StatsEngine:
 
 @dataclass
 class StatsPart:
-    """Rows of one kind computed together, with their per-row metadata (monitor-local name ids)."""
+    """Rows of one kind computed together, with their per-row metadata (monitor-local name ids).
+
+    ``placeholder``: per row, True where the row is a NaN row the recorder wrote for a tensor it did not
+    measure (None: a parameter without a gradient, the unhooked slot of an activation gradient pair;
+    empty: a parameter of no elements; or one the engine failed on), so that a reader of the step's
+    rows (the skipped-step check) tells them from a tensor holding NaN; ``()`` where no row is one.
+    Set on the rows that check reads (weight and activation gradients)."""
 
     kind: str
     values: torch.Tensor | np.ndarray  # [rows, ops] float32; numpy from the hooks' kernel path
@@ -498,6 +505,21 @@ class StatsPart:
     call_ids: Sequence[int] = ()
     slots: Sequence[int] = ()
     vpp_stages: Sequence[int] = ()
+    placeholder: Sequence[bool] = ()
+
+
+def placeholders(tensors: Sequence[torch.Tensor | None], rows=None, failed: Sequence[int] = ()) -> tuple:
+    """:attr:`StatsPart.placeholder` of the rows :meth:`StatsEngine.rows` gave ``tensors``: True for None
+    and empty tensors (a DTensor: this rank's shard) and for the positions in ``failed``; ``()`` where
+    none is. ``rows``: those rows, which settle it at once where they are the kernel's numpy array
+    without a NaN (the common case: one check per batch, no Python step per tensor; rows in a tensor,
+    which may be on a device, are not read: a sync there)."""
+    if not failed and isinstance(rows, np.ndarray) and not np.isnan(rows).any():
+        return ()
+    marks = tuple(t is None or not fused.local_tensor(t).numel() for t in tensors)
+    if failed:
+        marks = tuple(m or i in failed for i, m in enumerate(marks))
+    return marks if any(marks) else ()
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The model's module tree: the ModuleStructureRecorded events and ``print_struct``.
 
 At ``monitor_gnorm_with_ad`` one ModuleStructureRecorded per model chunk (full module names, class
-names, parent indices, own parameter counts). With ``print_struct: true`` every module gets a forward
-hook that describes its inputs, outputs and their gradients (derived from the forward's tensors, with
+names, parent indices, own parameter counts: 0 for a lazy module's parameters not made yet, and a
+chunk that had such is recorded again at the end of its first training forward). With
+``print_struct: true`` every module gets a forward hook that describes its inputs, outputs and their gradients (derived from the forward's tensors, with
 no full backward hook) the way the reference's ``module_struct.json`` does (``{"config": "tuple[2]", "0": "size=(8, 32, 256), dtype=torch.float32"}``;
 ``config`` is the selector to put in ``targets``); at the first optimizer step the file is written to
 ``$MONITOR_OUTPUT_DIR/module_struct.json``, the events are repeated with those descriptions as
@@ -21,12 +22,15 @@ from trainrec.schema import layout
 from trainrec.schema.events import ModuleStructureRecorded
 
 from .hooks import make_struct_hook
+from .targets import uninitialized
 
 log = logging.getLogger(__name__)
 
 
 def module_structure(chunk: torch.nn.Module) -> tuple[tuple, tuple, tuple, tuple]:
-    """(full names, class names, parent indices, own parameter counts) of a module tree."""
+    """(full names, class names, parent indices, own parameter counts) of a module tree. A lazy module's
+    parameters not made yet (``UninitializedParameter``: a ``LazyLinear`` before its first forward) count
+    0: their size is not known."""
     names, classes, parents, counts = [], [], [], []
     index: dict[str, int] = {}
     for full, module in chunk.named_modules():
@@ -35,7 +39,7 @@ def module_structure(chunk: torch.nn.Module) -> tuple[tuple, tuple, tuple, tuple
         classes.append(type(module).__name__)
         parent = full.rsplit(".", 1)[0] if "." in full else ("" if full else None)
         parents.append(index.get(parent, -1) if parent is not None else -1)
-        counts.append(sum(p.numel() for p in module.parameters(recurse=False)))
+        counts.append(sum(0 if uninitialized(p) else p.numel() for p in module.parameters(recurse=False)))
     return tuple(names), tuple(classes), tuple(parents), tuple(counts)
 
 
@@ -63,10 +67,13 @@ def write_module_struct(struct: dict, output_dir: str) -> str:
     return path
 
 
-def structure_events(chunks: list, targets, struct: dict | None, rank: int, step: int) -> list:
-    """One ModuleStructureRecorded per chunk (with io_specs when ``struct`` is given)."""
+def structure_events(chunks: list, targets, struct: dict | None, rank: int, step: int,
+                     only: int | None = None) -> list:
+    """One ModuleStructureRecorded per chunk (with io_specs when ``struct`` is given); chunk ``only``'s."""
     out = []
     for vpp, chunk in enumerate(chunks):
+        if only is not None and vpp != only:
+            continue
         names, classes, parents, counts = module_structure(chunk)
         specs = {n: struct.get(_key(targets, vpp, n), {}) for n in names} if struct is not None else {}
         out.append(ModuleStructureRecorded(rank=rank, step=step, wall=time.time(), vpp_stage=vpp, names=names,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 from trainrec.schema.errors import ConfigError
 
 from .config import MonitorConfig
@@ -44,6 +45,13 @@ class ParamInfo:
     tp_duplicate: bool = False
 
 
+def uninitialized(t) -> bool:
+    """Whether ``t`` is a lazy module's parameter (or buffer) not made yet (``UninitializedParameter``: a
+    ``LazyLinear``'s before its first forward): no size, no memory, no hooks until then. Its first
+    forward makes it in place, the same object, a Parameter from then on."""
+    return isinstance(t, UninitializedTensorMixin)
+
+
 _GRAD_SLOTS = frozenset({"input_grad", "output_grad"})
 _VALUE_SLOTS = frozenset({"input", "output"})
 
@@ -61,6 +69,9 @@ class Targets:
     frozen: list = field(default_factory=list, repr=False)
     # targets keys that match only such parameters, where parameter statistics are on (a warning)
     frozen_only: list = field(default_factory=list)
+    # targets key -> the names of the lazy modules' parameters not made yet that it matches, where
+    # parameter statistics are on (a warning: recorded from the module's first forward on)
+    lazy: dict = field(default_factory=dict)
 
     def attach(self, mon) -> list:
         """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working."""
@@ -71,7 +82,7 @@ class Targets:
             forward = self.forward and not t.wants.isdisjoint(_VALUE_SLOTS)
             # (with the keyword arguments: a module called with them only takes its input from them)
             if backward:
-                handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t),
+                handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t, forward),
                                                                 with_kwargs=True))
             if forward or backward:
                 handles.append(module.register_forward_hook(
@@ -251,6 +262,9 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
             matched_params.update(hit)
             if hit or everything:
                 out.params.append(ParamInfo(intern(s), s, vpp, p, full))
+            if param_stats and uninitialized(p):
+                for t in hit:
+                    out.lazy.setdefault(t, []).append(s)
     matched |= matched_frozen
     if param_stats:
         out.frozen_only = [t for t in targets if t and t in matched_frozen and t not in matched_params]

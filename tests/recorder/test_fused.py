@@ -490,6 +490,46 @@ def test_unchanged_sees_dense_writes_away_from_the_extremes(monkeypatch, threads
     assert fused.unchanged(xs, ext) == b"\x00\x00\x00\x01\x00"
 
 
+def _negative_views():
+    """Tensors whose memory holds minus their values (``is_neg()``), as public code makes them
+    (``z.conj().imag``) and as torch's own ``_neg_view`` does (a contiguous one, which the kernel took,
+    and a transpose of one, a permutation of a contiguous block it measured in place)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(300, 70, generator=g) + 0.5  # min, max and mean all change sign when negated
+    z = torch.complex(torch.randn(5000, generator=g), torch.randn(5000, generator=g) + 1.0)
+    views = [torch._neg_view(x), torch._neg_view(x).t(), z.conj().imag, torch._neg_view(x.to(torch.bfloat16)),
+             torch._neg_view(x.half())]
+    assert all(v.is_neg() for v in views)
+    return x, views
+
+
+@pytest.mark.skipif(fused._stats_tensors is None, reason="the kernel was built without stats_tensors")
+def test_negative_views_are_measured_by_the_torch_path():
+    """A negative view (``x.conj().imag``, a gradient a custom backward gave as ``torch._neg_view``) went to
+    the kernel, which read its memory, so its min, max and mean came out negated (min and max swapped).
+    The kernel's entries decline it, one ``is_neg()`` per tensor, and the engine measures it with torch's
+    reductions, also in a batch with tensors of its dtype that are no such view."""
+    x, views = _negative_views()
+    codes = fused.op_codes(OPS)
+    out = np.full((2, len(OPS)), 7.0, dtype=np.float32)
+    assert fused._fused.stats_tensors([x, views[0]], 1e-3, codes, fused._PLAIN, torch.float32, out,
+                                      fused.PARALLEL_NUMEL, 1) is False
+    assert (out == 7.0).all()  # declined: nothing written
+    assert fused.stats_f32([x, views[0]], 1e-3, codes) is None
+    assert fused.stats_f32([views[1]], 1e-3, codes, [2.0]) is None  # the Python loop (scales) declines too
+    assert not any(map(fused.supports, views)) and fused.supports(x)
+    eng = StatsEngine(OPS, 1e-3)
+    batch = [x, *views, -x]
+    assert_rows(torch.as_tensor(eng.rows(batch)), batch, 1e-3, rtol=1e-3)  # (bfloat16 and float16 views)
+    assert_rows(eng.compute(views[:2]), views[:2], 1e-3)  # a batch of float32 negative views alone
+    assert torch.equal(eng.norms(views[:1]), eng.compute(views[:1])[:, OPS.index("norm")])
+    # a fingerprint taken of x is no fingerprint of the negative view of x's memory
+    big = torch.randn(300, 700, generator=torch.Generator().manual_seed(22))
+    ext = np.empty((1, fused.FINGERPRINT_COLUMNS))
+    fused.stats_f32([big], 1e-8, codes, numpy=True, extremes=ext)
+    assert fused.unchanged([big], ext) == b"\x01" and fused.unchanged([torch._neg_view(big)], ext) == b"\x00"
+
+
 @pytest.mark.parametrize(("var", "value"), [("TRAINREC_THREADS", "pthread"), ("TRAINREC_REUSE_UNCHANGED_GRADS", "yes"),
                                             ("TRAINREC_FUSED", "off")])
 def test_an_environment_switch_with_a_value_it_does_not_take_is_a_warning(var, value):

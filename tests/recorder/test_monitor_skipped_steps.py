@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from trainmon_util import ALL_OPS, events_of, loss_of, make, stats_table, write_config
+from trainmon_util import ALL_OPS, TinyNet, events_of, loss_of, make, stats_table, write_config
 from trainrec.recorder import TrainerMon
 from trainrec.replay.names import NameResolver
 from trainrec.schema.events import StepBegan, StepEnded, TensorStatsRecorded
@@ -221,6 +221,74 @@ def test_several_passes_per_optimizer_step_are_one_step(tmp_path, out, interval)
     assert {k[0] for k in red} == set(range(0, 7, interval))
     for s in range(0, 7, interval):
         assert abs(red[(s, "head.weight", "", 0)]["norm"] - reduced[s]) <= 1e-6 * reduced[s]
+
+
+class WithEmpty(TinyNet):
+    """TinyNet with a parameter of no elements in its loss (a zero-size bias, a slot of a config left
+    empty): its gradient, of no elements, gets a NaN row, its statistics being of nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return super().forward(x) + self.empty.sum()
+
+
+def _empty_model():
+    torch.manual_seed(0)
+    model = WithEmpty()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("path", ["fused", "device"])  # (device: the code accelerators take, rows in tensors)
+@pytest.mark.parametrize("case", ["first_input_grad", "empty_param"])
+def test_placeholder_rows_do_not_make_steps_with_several_passes_look_skipped(tmp_path, out, case, path):
+    """The NaN rows the recorder writes for no tensor's values are not inf/NaN gradients: with
+    xy_distribution the embedding's input_grad (token ids take no gradient: the pair's other slot, a NaN
+    row), and a parameter of no elements. Each made every SAM step (a pass, zero_grad, a second pass)
+    look like a skipped step followed by one more, so the log held twice the steps, half "skipped"; the
+    empty gradient also made the check of the reduced gradients before the first step fail (a
+    HookFailed: no inf norm of nothing)."""
+    from trainrec.schema.events import HookFailed
+
+    cfg = {"wg_distribution": True, "ops": ALL_OPS}
+    if case == "first_input_grad":
+        cfg["xy_distribution"] = True
+        model, opt = make()
+    else:
+        model, opt = _empty_model()
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    if path == "device":
+        mon._engine.fused = mon._engine.host_paths = False
+    for s in range(4):
+        sam_passes(model, opt, s)
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    assert ends(ev) == [(s, False) for s in range(4)]
+    assert not [e for e in ev if isinstance(e, HookFailed)]
+    rows = stats_table(ev, "actv_grad" if case == "first_input_grad" else "grad_unreduced")
+    key = ("embed", "input_grad", 0) if case == "first_input_grad" else ("empty", "", 0)
+    assert all(math.isnan(v) for v in rows[(3, *key)].values())  # still recorded, as NaN rows
+
+
+def test_a_skipped_step_is_noticed_beside_placeholder_rows(tmp_path, out):
+    """An inf/NaN gradient still marks its step skipped where placeholder rows are there too."""
+    cfg = {"wg_distribution": True, "xy_distribution": True, "ops": ["norm"]}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = _empty_model()
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for s in range(4):
+        scaler.scale(loss_of(model, s) * (float("inf") if s == 2 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    mon.close()
+    assert ends(events_of(out)) == [(0, False), (1, False), (2, True), (3, False)]
 
 
 def test_a_gan_discriminator_used_in_the_generator_pass_keeps_its_step_count(tmp_path, out):

@@ -562,3 +562,140 @@ def test_keyword_inputs_and_mapping_outputs_are_recorded_by_default(tmp_path, ou
     # the model's own output: its first field set, the attention's output (the same tensor)
     assert_close(act[(1, "", "output", 0)], ref_stats(seen["attn_out"]), what="model output")
     assert_close(grad[(1, "", "output_grad", 0)], ref_stats(seen["attn_out_grad"]), what="model output_grad")
+
+
+class NegGrad(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on as a negative view of itself negated (the same
+    values, ``is_neg()``): a custom backward may give one, and AccumulateGrad keeps it as ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch._neg_view(-g)
+
+
+class Imag(torch.nn.Module):
+    def forward(self, z):
+        return z.imag
+
+
+class ConjImag(torch.nn.Module):
+    def forward(self, z):
+        return z.conj().imag
+
+
+class NegViews(torch.nn.Module):
+    """``imag`` returns ``z.imag``, ``conj_imag`` ``z.conj().imag``: the same memory, shape, strides and
+    dtype, the second a negative view; and a weight whose gradient is a negative view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 80) + 0.5)
+        self.imag = Imag()
+        self.conj_imag = ConjImag()
+
+    def forward(self, x):
+        w = NegGrad.apply(self.w)
+        z = torch.complex(x @ w, x @ w + 1.0)  # 4096 elements or more: rows of such tensors are reused
+        a = self.imag(z)  # alive while conj_imag runs (a row is reused only then)
+        return (a * self.conj_imag(z)).sum()
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_negative_views_are_recorded_with_their_own_values(tmp_path, out, kernel):
+    """A negative view (``z.conj().imag``, a gradient a custom backward gave as ``torch._neg_view``) was
+    measured by the one-pass kernel as its memory holds it, negated (min, max and mean wrong); and the
+    row of ``z.imag`` was reused for ``z.conj().imag``, which views the same memory with the same shape,
+    strides and dtype."""
+    torch.manual_seed(0)
+    model = NegViews()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": ALL_OPS}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    if kernel == "torch":
+        mon._engine.fused = False
+    seen = {}
+    model.conj_imag.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o.detach().clone()))
+    model(torch.randn(70, 64)).backward()
+    assert model.w.grad.is_neg()
+    seen["grad"] = model.w.grad.detach().clone()
+    opt.step()
+    opt.zero_grad()
+    mon.close()
+    ev = events_of(out)
+    act = stats_table(ev, "actv")
+    assert_close(act[(0, "conj_imag", "output", 0)], ref_stats(seen["out"]), what="conj_imag output")
+    assert act[(0, "conj_imag", "output", 0)]["max"] == -act[(0, "imag", "output", 0)]["min"]
+    for kind in ("grad_unreduced", "grad_reduced"):
+        assert_close(stats_table(ev, kind)[(0, "w", "", 0)], ref_stats(seen["grad"]), what=kind)
+
+
+class Logger(torch.nn.Module):
+    """Returns nothing (it would log its input)."""
+
+    def forward(self, h):
+        return None
+
+
+class Meta(torch.nn.Module):
+    """Returns a dict whose first value set is no tensor."""
+
+    def forward(self, h):
+        return {"shape": list(h.shape), "h": h}
+
+
+class Position(torch.nn.Module):
+    """Called with no argument: returns its parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self):
+        return self.p * 1.0
+
+
+class NoTensorNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.log = Logger()
+        self.meta = Meta()
+        self.pos = Position()
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.log(h)
+        return (self.meta(h)["h"] + self.pos()).pow(2).sum()
+
+
+@pytest.mark.parametrize("backward_only", [False, True])
+def test_modules_where_the_default_selection_finds_no_tensor_are_named_once(tmp_path, out, caplog, backward_only):
+    """all_xy on a module whose output is None, or a dict whose first value set is no tensor, or that is
+    called without arguments: its rows there were NaN (or its gradient rows missing), silently. A warning
+    names each such module once, with what it gave."""
+    import logging
+
+    torch.manual_seed(0)
+    model = NoTensorNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = {"xy_distribution": True, "all_xy": True, "ops": ["norm"], "backward_only": backward_only}
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    with caplog.at_level(logging.WARNING, logger="trainrec.recorder.hooks"):
+        for _ in range(3):
+            model(torch.randn(4, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+    mon.close()
+    warned = [r.getMessage() for r in caplog.records if "finds no tensor" in r.getMessage()]
+    named = sorted(m.split("'")[1] for m in warned)
+    assert named == ["log", "meta", "pos"]  # once each; none for the modules where it finds one
+    by = {m.split("'")[1]: m for m in warned}
+    assert "its output: None" in by["log"]
+    assert "its output: a dict whose first value set is list" in by["meta"]
+    assert "its input: no argument" in by["pos"]

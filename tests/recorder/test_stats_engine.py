@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 from trainrec.recorder import fused
-from trainrec.recorder.stats import SMALL_NUMEL, StatsEngine, StatsPart, StepStats, build_stats_events
+from trainrec.recorder.stats import (
+    SMALL_NUMEL,
+    StatsEngine,
+    StatsPart,
+    StepStats,
+    build_stats_events,
+    placeholders,
+)
 from trainrec.schema.events import unpack_array
 
 OPS = ("min", "max", "norm", "mean", "zeros", "nans")
@@ -222,3 +229,27 @@ def test_norm_of_finite_values_past_float32_range_when_squared_is_not_inf(kernel
         want = ref(t, 1e-8)
         assert all(a == b if math.isinf(b) else close(a, b) for a, b in zip(row, want, strict=True)), (row, want)
     assert math.isinf(rows[2, OPS.index("norm")])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_placeholders_mark_the_nan_rows_of_no_tensor(kernel):
+    """The rows of None and empty tensors (and of those the engine failed on, ``failed``) are NaN rows
+    that stand for no values: marked, so that a tensor holding NaN is told from them; a batch whose rows
+    the kernel gave without a NaN is settled by one check, without a look at each tensor (the torch
+    path's rows, which may be on a device, are not read)."""
+    eng = engine(OPS, kernel=kernel)
+    x, nan = torch.randn(50), torch.full((7,), math.nan)
+    batch = [x, None, torch.empty(0, 3), nan]
+    rows = eng.rows(batch)
+    assert np.isnan(np.asarray(rows)[1:]).any(axis=1).all()
+    assert placeholders(batch, rows) == (False, True, True, False)
+    assert placeholders(batch) == (False, True, True, False)  # without rows: from the tensors alone
+    assert placeholders([x, nan], eng.rows([x, nan])) == ()
+    assert placeholders([x, nan], failed=[0]) == (True, False)
+
+    class Untouchable(list):  # the tensors are not looked at where the rows settle it
+        def __iter__(self):
+            raise AssertionError("looked at each tensor")
+
+    if kernel == "fused":
+        assert placeholders(Untouchable([x, x]), eng.rows([x, x])) == ()
