@@ -13,10 +13,10 @@ import os
 
 import pytest
 import torch
+from ranks import free_port
 from trainmon_util import (
     ALL_OPS,
     assert_close,
-    free_port,
     init_gloo,
     loss_of,
     make,

@@ -19,11 +19,11 @@ import os
 
 import pytest
 import torch
+from ranks import free_port
 from test_monitor_dist import headers
 from trainmon_util import (
     assert_close,
     deepspeed_missing,
-    free_port,
     loss_of,
     make,
     ref_stats,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from trainmon_util import run_rank_scripts
+from ranks import run_rank_scripts
 
 RANK_SCRIPT = r"""
 import json, logging, os, sys, time

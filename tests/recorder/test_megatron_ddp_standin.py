@@ -19,8 +19,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import free_port
 from test_monitor_dist import headers
-from trainmon_util import free_port, init_gloo, loss_of, make, spawn_and_join, write_config
+from trainmon_util import init_gloo, loss_of, make, spawn_and_join, write_config
 
 TIMEOUT = 120
 GRAD_ACC = 2

@@ -19,11 +19,11 @@ import os
 
 import pytest
 import torch
+from ranks import free_port
 from tp_util import Net, held, parallelize_blocks
 from trainmon_util import (
     ALL_OPS,
     assert_close,
-    free_port,
     init_gloo,
     ref_stats,
     spawn_and_join,

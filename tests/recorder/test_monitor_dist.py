@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import free_port
 from trainmon_util import (
     events_of,
-    free_port,
     init_gloo,
     loss_of,
     make,

@@ -244,7 +244,7 @@ def test_sigterm_ends_a_rank_hung_in_a_collective(tmp_path):
     SIGTERM, as the default would have."""
     import time
 
-    from trainmon_util import free_port
+    from ranks import free_port
 
     out = tmp_path / "out"
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")

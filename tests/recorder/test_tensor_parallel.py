@@ -9,10 +9,10 @@ import json
 import os
 
 import torch
+from ranks import free_port
 from tp_util import Net, held, parallelize_blocks
 from trainmon_util import (
     events_of,
-    free_port,
     init_gloo,
     rank_dirs,
     spawn_and_join,

@@ -18,12 +18,12 @@ import os
 
 import pytest
 import torch
+from ranks import free_port
 from tp_util import Net, held, parallelize_blocks
 from trainmon_util import (
     ALL_OPS,
     assert_close,
     events_of,
-    free_port,
     init_gloo,
     rank_dirs,
     ref_stats,

@@ -9,7 +9,6 @@ import os
 import numpy as np
 import torch
 import torch.nn as nn
-from ranks import free_port, run_rank_scripts  # noqa: F401 - the recorder tests import them from here
 from trainrec.replay.names import NameResolver
 from trainrec.replay.reader import read_log
 from trainrec.schema.events import SLOTS, TensorStatsRecorded
