@@ -516,10 +516,8 @@ def placeholders(tensors: Sequence[torch.Tensor | None], rows=None, failed: Sequ
     none is. ``rows``: those rows, which settle it at once where they are the kernel's numpy array
     without a NaN (the common case: one check per batch, no Python step per tensor; rows in a tensor,
     which may be on a device, are not read: a sync there)."""
-    if not failed and (isinstance(rows, np.ndarray) and not np.isnan(rows).any()):
+    if not failed and isinstance(rows, np.ndarray) and not np.isnan(rows).any():
         return ()
-    if not failed and isinstance(rows, torch.Tensor) and rows.device.type == "cpu" and not rows.isnan().any():
-        return ()  # (the torch path's rows on the host: one small reduction, no Python step per tensor)
     marks = tuple(t is None or not fused.local_tensor(t).numel() for t in tensors)
     if failed:
         marks = tuple(m or i in failed for i, m in enumerate(marks))
