@@ -156,6 +156,7 @@ class AnomalyScan:
             slots=np.frombuffer(rec.slots, np.uint8) if rec.slots else None,
             vpp_stages=np.frombuffer(rec.vpp_stages, np.uint8) if rec.vpp_stages else None,
             pp_stage=pp_stage, group_mates=mates, wall=rec.wall,
+            placeholders=np.frombuffer(rec.placeholders, np.uint8) if rec.placeholders else None,
         )
         self.detected.extend(found)
         return found

@@ -214,8 +214,11 @@ class AlertEngine:
         slots: np.ndarray | None = None,
         vpp_stages: np.ndarray | None = None,
         wall: float | None = None,
+        placeholders: np.ndarray | None = None,
     ) -> list[AnomalyDetected]:
-        """Judge one stats record; returns the anomalies (to be written to the log)."""
+        """Judge one stats record; returns the anomalies (to be written to the log). ``placeholders``:
+        per row, nonzero where the row is a NaN row standing for no tensor (skipped, see
+        :meth:`Detector.observe`)."""
         if self._closed or not self.detector.rules:
             return []
         if self._step is not None and step != self._step:
@@ -227,6 +230,7 @@ class AlertEngine:
             rank=self.rank, step=step, kind=kind, ops=ops, names=names, values=values,
             micro_steps=micro_steps, call_ids=call_ids, slots=slots, vpp_stages=vpp_stages,
             pp_stage=self.pp_stage, group_mates=self.group_mates, wall=time.time() if wall is None else wall,
+            placeholders=placeholders,
         )
         if not found:
             return found

@@ -435,7 +435,9 @@ class StepCollector:
             return
         last_unreduced = st.last_unreduced
         if not last_unreduced:  # nothing to reuse (on the one-pass kernel's path by default)
-            self._add_rows(st, KIND_GRAD_REDUCED, self._rows_of(grads, idx, "reduced gradient"), idx)
+            failed: list = []
+            rows = self._rows_of(grads, idx, "reduced gradient", failed=failed)
+            self._add_rows(st, KIND_GRAD_REDUCED, rows, idx, _marks(len(grads), failed))
             return
         own = list(zip(idx, grads, strict=True))
         rows: list = [None] * len(own)
@@ -462,10 +464,12 @@ class StepCollector:
                 if ok:
                     rows[k] = row
         todo = [k for k, r in enumerate(rows) if r is None]
+        failed: list = []  # (positions in todo)
         if todo:
-            measured = self._rows_of([own[k][1] for k in todo], [own[k][0] for k in todo], "reduced gradient")
+            measured = self._rows_of([own[k][1] for k in todo], [own[k][0] for k in todo], "reduced gradient",
+                                     failed=failed)
             if len(todo) == len(own):  # nothing reused (on accelerators always): the batch as it is
-                self._add_rows(st, KIND_GRAD_REDUCED, measured, [i for i, _ in own])
+                self._add_rows(st, KIND_GRAD_REDUCED, measured, [i for i, _ in own], _marks(len(own), failed))
                 return
             for j, k in enumerate(todo):
                 rows[k] = measured[j]
@@ -474,7 +478,8 @@ class StepCollector:
         else:
             dev = gather_device(r.device for r in rows if isinstance(r, torch.Tensor))
             out = torch.stack([to_device(torch.from_numpy(r) if isinstance(r, np.ndarray) else r, dev) for r in rows])
-        self._add_rows(st, KIND_GRAD_REDUCED, out, [i for i, _ in own])
+        self._add_rows(st, KIND_GRAD_REDUCED, out, [i for i, _ in own],
+                       _marks(len(own), [todo[j] for j in failed]))
 
     def _param_pieces(self) -> tuple[list, list]:
         """The monitored parameters as this rank holds them, and their indices: under ZeRO 3, the
@@ -498,7 +503,9 @@ class StepCollector:
     def _param_rows(self, st: StepState, kind: str, tensors, indices) -> None:
         tensors = list(tensors)
         if tensors:
-            self._add_rows(st, kind, self._rows_of(tensors, list(indices), kind), list(indices))
+            failed: list = []
+            rows = self._rows_of(tensors, list(indices), kind, failed=failed)
+            self._add_rows(st, kind, rows, list(indices), _marks(len(tensors), failed))
 
     def _rows_of(self, tensors: list, indices: list, what: str, extremes: np.ndarray | None = None,
                  failed: list | None = None) -> torch.Tensor | np.ndarray:
@@ -524,11 +531,12 @@ class StepCollector:
             dev = gather_device(r.device for r in rows if r is not None)
             return torch.cat([to_device(r, dev) if r is not None else self._engine.nan_rows(1, dev) for r in rows])
 
-    def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list) -> None:
-        """Rows of parameters ``indices`` that fire now, one call id each (the optimizer step's)."""
+    def _add_rows(self, st: StepState, kind: str, rows: torch.Tensor, indices: list, placeholder=()) -> None:
+        """Rows of parameters ``indices`` that fire now, one call id each (the optimizer step's);
+        ``placeholder`` as StatsPart's."""
         c0 = st.call
         st.call += len(indices)
-        self._add_part(st, kind, rows, indices, (), range(c0, c0 + len(indices)))
+        self._add_part(st, kind, rows, indices, (), range(c0, c0 + len(indices)), placeholder)
 
     def _add_part(self, st: StepState, kind: str, rows, indices, micros, calls, placeholder=()) -> None:
         """The step's rows of parameters ``indices``, with their names and pipeline chunks."""
@@ -738,6 +746,15 @@ class StepCollector:
         return out
 
 
+def _marks(n: int, failed: list) -> tuple:
+    """:attr:`StatsPart.placeholder` of ``n`` rows of which those at ``failed`` are the engine's failures
+    (NaN rows, no tensor's values); ``()`` where none is."""
+    if not failed:
+        return ()
+    bad = set(failed)
+    return tuple(i in bad for i in range(n))
+
+
 _warned: list = []
 _API_DTYPES = {"norm": torch.float64, "mean": torch.float64, "nans": torch.int64}
 
@@ -893,6 +910,7 @@ def deferred_stats(hs, rank: int, file_ids: np.ndarray, wall: float, alerts, nam
                     step=hs.step, kind=kind, ops=list(hs.ops), names=[names[int(i)] for i in hs.name_ids[a:b]],
                     values=arr[a:b], micro_steps=hs.micro_steps[a:b], call_ids=hs.call_ids[a:b],
                     slots=hs.slots[a:b], vpp_stages=hs.vpp_stages[a:b],
+                    placeholders=None if hs.placeholders is None else hs.placeholders[a:b],
                 ))
             except Exception as exc:  # noqa: BLE001 - anomaly detection never stops recording
                 if not _warned:

@@ -61,7 +61,7 @@ from trainrec.schema.events import (
 
 from .config import Selector
 from .fused import _PLAIN, local_tensor
-from .stats import StatsPart, StepStats, gather_device, to_device
+from .stats import StatsPart, StepStats, gather_device, placeholders, to_device
 
 if TYPE_CHECKING:
     from .monitor import TrainerMon
@@ -606,7 +606,10 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
                     found["output"] = output
                 warn_no_tensor(mon, t, module, found)
             rows = rows_for(mon, st, xs)
-            st.stats.add(StatsPart(KIND_ACTV, rows, mids, (micro,) * n, (call,) * n, fwd_slots, vpps))
+            # (a slot that found no tensor, or an empty one, such as an expert no token was routed to:
+            # its NaN row marked, so that anomaly detection does not take it for a tensor holding NaN)
+            st.stats.add(StatsPart(KIND_ACTV, rows, mids, (micro,) * n, (call,) * n, fwd_slots, vpps,
+                                   placeholders(xs, rows)))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed(f"forward hook of {t.name!r}", exc)
 

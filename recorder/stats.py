@@ -496,7 +496,9 @@ class StatsPart:
     measure (None: a parameter without a gradient, the unhooked slot of an activation gradient pair;
     empty: a parameter of no elements; or one the engine failed on), so that a reader of the step's
     rows (the skipped-step check) tells them from a tensor holding NaN; ``()`` where no row is one.
-    Set on the rows that check reads (weight and activation gradients)."""
+    Written to the log (``TensorStatsRecorded.placeholders``), where anomaly detection skips those
+    rows. Set on weight gradients, activation gradients and activations, and on the rows of parameters
+    and reduced gradients the engine failed on."""
 
     kind: str
     values: torch.Tensor | np.ndarray  # [rows, ops] float32; numpy from the hooks' kernel path
@@ -536,6 +538,7 @@ class HostStats:
     call_ids: np.ndarray = None  # type: ignore[assignment]
     slots: np.ndarray = None  # type: ignore[assignment]
     vpp_stages: np.ndarray = None  # type: ignore[assignment]
+    placeholders: np.ndarray | None = None  # u8 per row (StatsPart.placeholder); None where no row is one
 
     def wait(self) -> np.ndarray:
         if self.event is not None:
@@ -562,6 +565,7 @@ class StepStats:
         kinds = []
         start = 0
         name_ids, micro, calls, slots, vpp = array("I"), array("H"), array("I"), array("B"), array("B")
+        marks = None  # (made at the first part with placeholder rows: most steps have none)
         for p in parts:
             k = len(p.name_ids)
             if kinds and kinds[-1][0] == p.kind:
@@ -574,6 +578,12 @@ class StepStats:
             calls.extend(p.call_ids or (0xFFFFFFFF,) * k)
             slots.extend(p.slots or (0,) * k)
             vpp.extend(p.vpp_stages or (0,) * k)
+            if p.placeholder:
+                if marks is None:
+                    marks = array("B", bytes(len(name_ids) - k))
+                marks.extend(map(bool, p.placeholder))
+            elif marks is not None:
+                marks.extend(bytes(k))
         values = _concat([p.values for p in parts], len(self.ops))
         event = None
         if to_host and values.device.type != "cpu":
@@ -593,6 +603,7 @@ class StepStats:
             name_ids=np.frombuffer(name_ids, dtype=np.uint32), micro_steps=np.frombuffer(micro, dtype=np.uint16),
             call_ids=np.frombuffer(calls, dtype=np.uint32), slots=np.frombuffer(slots, dtype=np.uint8),
             vpp_stages=np.frombuffer(vpp, dtype=np.uint8),
+            placeholders=None if marks is None else np.frombuffer(marks, dtype=np.uint8),
         )
 
 
@@ -639,6 +650,7 @@ def build_stats_events(
     arr = np.ascontiguousarray(hs.wait(), dtype="<f4")
     out = []
     ids = file_ids[hs.name_ids].astype("<u4") if len(hs.name_ids) else hs.name_ids.astype("<u4")
+    marks = hs.placeholders
     for kind, a, b in hs.kinds:
         calls = hs.call_ids[a:b]
         out.append(TensorStatsRecorded(
@@ -648,6 +660,7 @@ def build_stats_events(
             call_ids=b"" if (calls == 0xFFFFFFFF).all() else calls.astype("<u4").tobytes(),
             slots=_or_empty(hs.slots[a:b], "u1"),
             vpp_stages=_or_empty(hs.vpp_stages[a:b], "u1"),
+            placeholders=b"" if marks is None else _or_empty(marks[a:b], "u1"),
         ))
     return out
 

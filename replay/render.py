@@ -6,7 +6,7 @@ Conventions:
   then the event's fields in declaration order;
 * packed columns (``bytes`` fields) become lists of numbers, decoded with their element type
   (``name_ids``/``call_ids``/``module_ids`` u32, ``micro_steps`` u16, ``slots``/``vpp_stages``/
-  ``directions`` u8); an absent optional column is an empty list;
+  ``directions``/``placeholders`` u8); an absent optional column is an empty list;
 * interned ids are resolved: a stats record gets ``names``, a HooksFired record ``modules``;
   a stats record's ``values`` become a list of rows (one list of ``len(ops)`` values per tensor);
 * floats that are not finite are the strings ``"nan"``, ``"inf"`` and ``"-inf"``, everywhere
@@ -14,7 +14,11 @@ Conventions:
 * other bytes (in dict fields or unknown events) become lists of byte values; dict keys become strings.
 
 :func:`stat_rows` expands a stats record to one dict per (tensor, op) instead, with the columns of
-:mod:`trainrec.replay.rows` (``kind, name, slot, micro_step, call_id, vpp_stage, op, value``).
+:mod:`trainrec.replay.rows` (``kind, name, slot, micro_step, call_id, vpp_stage, op, value``), and
+``"placeholder": true`` after ``vpp_stage`` on the rows that stand for no tensor's values
+(``TensorStatsRecorded.placeholders``: a NaN row the recorder wrote for an absent or empty tensor,
+not a tensor holding NaN); other rows have no such key, so the lines of a log without any are as
+they were.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ _COLUMN_TYPES = {
     "slots": "u1",
     "vpp_stages": "u1",
     "directions": "u1",
+    "placeholders": "u1",
 }
 _ENVELOPE = ("rank", "seq", "step", "wall")
 
@@ -110,6 +115,7 @@ def stat_rows(ev: TensorStatsRecorded, names: list[str]) -> Iterator[dict]:
     calls = ev.column("call_ids").tolist()
     slots = ev.column("slots").tolist()
     vpps = ev.column("vpp_stages").tolist()
+    marks = ev.column("placeholders").tolist()
     base = {"type": "TensorStatsRecorded", "tag": ev.TAG, "rank": ev.rank, "seq": ev.seq, "step": ev.step,
             "wall": json_float(ev.wall), "kind": ev.kind}
     for i in range(n):
@@ -122,6 +128,8 @@ def stat_rows(ev: TensorStatsRecorded, names: list[str]) -> Iterator[dict]:
             "call_id": calls[i],
             "vpp_stage": vpps[i],
         }
+        if marks[i]:
+            row["placeholder"] = True
         vals = values[i]
         for j, op in enumerate(ops):
             yield {**row, "op": op, "value": vals[j]}
@@ -155,6 +163,7 @@ def stat_lines(ev: TensorStatsRecorded, names: list[str]) -> list[bytes]:
     calls = ev.column("call_ids").tolist()
     slots = ev.column("slots").tolist()
     vpps = ev.column("vpp_stages").tolist()
+    marks = ev.column("placeholders").tolist()
     out: list[bytes] = []
     for i in range(n):
         s = slots[i]
@@ -164,6 +173,7 @@ def stat_lines(ev: TensorStatsRecorded, names: list[str]) -> list[bytes]:
             + orjson.dumps(names[i])
             + (slot_parts[s] if s < len(slot_parts) else b',"slot":"%d"' % s)
             + b',"micro_step":%d,"call_id":%d,"vpp_stage":%d' % (micro[i], calls[i], vpps[i])
+            + (b',"placeholder":true' if marks[i] else b"")
         )
         row = values[i]
         out.extend([head + op_parts[j] + row[j] + b"}" for j in range(len(ops))])

@@ -66,6 +66,7 @@ _SLOT_BYTES = bytes(range(len(SLOTS)))  # the valid slot bytes (deleted by trans
 DIR_FORWARD = 0
 DIR_BACKWARD = 1
 _DIR_BYTES = bytes((DIR_FORWARD, DIR_BACKWARD))
+_FLAG_BYTES = b"\x00\x01"  # the valid bytes of a per-row flag column (TensorStatsRecorded.placeholders)
 
 # Bounds of values that size a loop or an allocation when a log is replayed: a record beyond them is
 # corrupt (logs are untrusted input), whatever its CRC says.
@@ -282,6 +283,13 @@ class TensorStatsRecorded(Event):
     ``values`` is a row-major ``len(name_ids) x len(ops)`` matrix of ``dtype`` ('f' float32 or 'd'
     float64) values. The per-row arrays ``micro_steps`` (u16), ``call_ids`` (u32), ``slots`` (u8, see
     SLOTS) and ``vpp_stages`` (u8) are empty when every row has 0 (``call_ids``: unknown).
+
+    ``placeholders`` (u8, 0 or 1; appended later, so a record of an older writer has none): 1 where the
+    row stands for no tensor's values, a NaN row the recorder wrote for a tensor it did not measure (a
+    parameter whose ``.grad`` is None that step, a tensor of no elements, the unhooked slot of an
+    activation gradient pair, a tensor the statistics engine failed on), as opposed to a tensor that
+    holds NaN. Empty when no row is one (and in every record of an older writer, which did not mark
+    them). Anomaly detection skips such rows; exports write them as the NaN they are.
     """
 
     TAG: ClassVar[str] = "ts"
@@ -294,6 +302,7 @@ class TensorStatsRecorded(Event):
     call_ids: bytes = b""
     slots: bytes = b""
     vpp_stages: bytes = b""
+    placeholders: bytes = b""
 
     def __len__(self) -> int:
         return len(self.name_ids) // 4
@@ -319,11 +328,14 @@ class TensorStatsRecorded(Event):
             (self.call_ids, 4, "call_ids"),
             (self.slots, 1, "slots"),
             (self.vpp_stages, 1, "vpp_stages"),
+            (self.placeholders, 1, "placeholders"),
         ):
             if arr and len(arr) != n * size:
                 return f"{label} has {len(arr) // size} entries for {n} rows"
         if self.slots and self.slots.translate(None, _SLOT_BYTES):  # (C-level: a Python max took 0.2 ms per 12,000)
             return f"slot {max(self.slots)} is not a known slot (0..{len(SLOTS) - 1})"
+        if self.placeholders and self.placeholders.translate(None, _FLAG_BYTES):
+            return f"placeholder flag {max(self.placeholders)} is neither 0 nor 1"
         return None
 
     def column(self, name: str) -> array.array:
@@ -339,6 +351,8 @@ class TensorStatsRecorded(Event):
             return array.array("B", self.slots) if self.slots else array.array("B", bytes(n))
         if name == "vpp_stages":
             return array.array("B", self.vpp_stages) if self.vpp_stages else array.array("B", bytes(n))
+        if name == "placeholders":
+            return array.array("B", self.placeholders) if self.placeholders else array.array("B", bytes(n))
         raise KeyError(name)
 
     def value_array(self) -> array.array:

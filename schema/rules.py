@@ -37,6 +37,12 @@ Rules (config ``alert.rules``: ``[{"rule_name": NAME, "args": {...}}]``)
           warm-up; the following ones are not, until a finite value was seen again. Non-finite values
           never enter the window, so a NaN does not poison the series. A series that is NaN from its
           first value is not flagged: NaN in every op is how an absent tensor (None) is recorded.
+        * Placeholder rows (``TensorStatsRecorded.placeholders``: NaN rows the recorder wrote for no
+          tensor's values, a parameter whose ``.grad`` is None that step, an empty tensor, the unhooked
+          slot of an activation gradient pair, a tensor the engine failed on) are skipped by every
+          rule: neither flagged nor fed into the series' state. So a routed expert's gradient, present
+          on some steps only, is judged on the steps it has one. Logs of writers that did not mark them
+          leave such rows to the rule above.
         * The ``nans`` op (a count) is flagged when it rises from 0, at any step including the first
           (with ``nan``); it has no relative rule. This is what flags a tensor that has NaN from
           the start.
@@ -610,7 +616,11 @@ class Detector:
         pp_stage: int = 0,
         group_mates: Sequence[int] = (),
         wall: float = 0.0,
+        placeholders: Any = None,
     ) -> list[AnomalyDetected]:
+        """The anomalies of one stats record. ``placeholders``: per row, nonzero where the row stands for
+        no tensor's values (see the module docstring); those rows are skipped by every rule, neither
+        flagged nor fed into their series' state. None or empty: no row is one."""
         n = len(names)
         ops = tuple(ops)
         if not self.rules or n == 0 or not ops:
@@ -620,8 +630,20 @@ class Detector:
         calls = _column(call_ids, n, np.int64, -1)
         slot = _column(slots, n, np.int64, 0)
         vpp = _column(vpp_stages, n, np.int64, 0)
+        # series ids of every row, placeholders included: a name's occurrence count (its series) must
+        # not depend on whether an earlier occurrence in the record had values this step
         sids = self.series.sids(rank, kind, names, slot, micro, vpp)
-        self.observed_rows += n
+        rows_of = None  # row numbers of the rows judged, where placeholders are left out
+        if placeholders is not None and len(placeholders):
+            if isinstance(placeholders, (bytes, bytearray, memoryview)):  # (a record's column as it is)
+                placeholders = np.frombuffer(placeholders, dtype=np.uint8)
+            mask = _column(placeholders, n, np.bool_, 0)
+            if mask.any():
+                rows_of = np.flatnonzero(~mask)
+                if not len(rows_of):
+                    return []
+                sids, x = sids[rows_of], x[rows_of]
+        self.observed_rows += n if rows_of is None else len(rows_of)
         out: list[AnomalyDetected] = []
         mates = tuple(int(m) for m in group_mates)
         for rule in self.rules:
@@ -629,15 +651,16 @@ class Detector:
             if not flags.any():
                 continue
             rows, cols = np.nonzero(flags)
-            for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+            for j, c in zip(rows.tolist(), cols.tolist(), strict=True):
+                r = j if rows_of is None else int(rows_of[j])
                 s = int(slot[r])
                 slot_name = SLOTS[s] if 0 <= s < len(SLOTS) else str(s)
                 tag = reference_tag(kind, names[r], slot_name, int(micro[r]), rank, int(vpp[r]))
                 op = ops[c]
                 out.append(AnomalyDetected(
                     rank=rank, step=step, wall=wall, micro_step=int(micro[r]), pp_stage=pp_stage,
-                    vpp_stage=int(vpp[r]), call_id=int(calls[r]), tag_name=tag, op=op, value=float(x[r, c]),
-                    baseline=float(base[r, c]), message=anomaly_message(rule.name, tag, op, step),
+                    vpp_stage=int(vpp[r]), call_id=int(calls[r]), tag_name=tag, op=op, value=float(x[j, c]),
+                    baseline=float(base[j, c]), message=anomaly_message(rule.name, tag, op, step),
                     group_mates=mates, rule=rule.name, kind=kind, name=names[r], slot=slot_name,
                 ))
         return out

@@ -2,8 +2,11 @@
 
 One JSON object per line (orjson), all ranks merged in execution order (see
 :mod:`trainrec.replay.run`), names resolved. Statistics are expanded to one line per (tensor, op)
-with ``kind, name, slot, micro_step, call_id, vpp_stage, op, value``; ``--per-record`` prints each
-stats record as one line instead, with ``names`` and ``values`` as a list of rows. Packed columns are
+with ``kind, name, slot, micro_step, call_id, vpp_stage, op, value``, and ``"placeholder": true``
+on a row that stands for no tensor's values (a NaN row the recorder wrote for an absent or empty
+tensor, which anomaly detection skips); ``--per-record`` prints each stats record as one line
+instead, with ``names``, ``values`` as a list of rows and ``placeholders`` as 0/1 per row (empty
+where none is). Packed columns are
 lists of numbers; non-finite floats are the strings ``"nan"``, ``"inf"``, ``"-inf"`` (never null).
 See :mod:`trainrec.replay.render` for the exact layout.
 

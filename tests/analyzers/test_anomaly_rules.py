@@ -384,3 +384,48 @@ def test_vectorised_rule_equals_the_documented_math(sudden, sigma):
     assert {(20, 3, "norm"), (15, 5, "nans"), (15, 5, "mean"), (22, 6, "norm")} <= got
     if sigma == 0.1:  # a drop cannot leave a noisy series' spread: at sigma 0.3 the noise floor wins
         assert (25, 4, "norm") in got
+
+
+# ----------------------------------------------------------------------- placeholder rows
+def _expert_steps(det, steps=20, absent=lambda t: t % 2 == 1, mark=True, poison_at=None):
+    """Two parameters' gradient rows per step: ``expert.0`` has a gradient on even steps only (a NaN
+    row on the others, marked as a placeholder where ``mark``), ``dense`` on every step (a real NaN at
+    ``poison_at``). Returns the anomalies per step."""
+    ops = ("norm", "nans")
+    found = {}
+    for t in range(steps):
+        gone = absent(t)
+        vals = np.array([[NAN, NAN] if gone else [1.0 + 0.01 * (t % 3), 0.0],
+                         [NAN, 4.0] if t == poison_at else [2.0 + 0.01 * (t % 2), 0.0]])
+        marks = np.array([1 if gone else 0, 0], np.uint8) if mark else None
+        found[t] = det.observe(rank=0, step=t, kind="grad_unreduced", ops=ops, names=["expert.0", "dense"],
+                               values=vals, placeholders=marks)
+    return found
+
+
+def test_placeholder_rows_are_neither_flagged_nor_fed_into_the_series():
+    unmarked = _expert_steps(Detector([AnomalyTurbulence(0.5)]), mark=False)
+    assert [(t, e.name, e.op) for t, evs in unmarked.items() for e in evs][:1] == [(1, "expert.0", "norm")]
+    for rule in (AnomalyTurbulence(0.5), NaNInf(), ZScore(3)):
+        det = Detector([rule])
+        found = _expert_steps(det, poison_at=13)
+        got = [(t, e.name, e.op) for t, evs in found.items() for e in evs]
+        assert got and all(name == "dense" and t == 13 for t, name, _ in got), (rule, got)
+        assert det.observed_rows == 20 + 10  # the ten placeholder rows were not judged
+
+
+def test_placeholder_rows_keep_the_series_of_a_repeated_name():
+    """A name twice in a record (a module called twice): the occurrences are separate series whether
+    or not the first one is a placeholder this step."""
+    det = Detector([AnomalyTurbulence(0.5, warmup=2)])
+    one = np.array([[1.0], [5.0]])
+    for t in range(6):
+        marks = np.array([t % 2, 0], np.uint8)
+        vals = np.array([[NAN], [5.0]]) if t % 2 else one
+        assert det.observe(rank=0, step=t, kind="actv_grad", ops=("norm",), names=["m", "m"], values=vals,
+                           slots=np.array([3, 3]), placeholders=marks) == []
+    ev = det.observe(rank=0, step=6, kind="actv_grad", ops=("norm",), names=["m", "m"],
+                     values=np.array([[1.0], [50.0]]), slots=np.array([3, 3]), placeholders=b"\x00\x00")
+    assert [(e.value, e.baseline) for e in ev] == [(50.0, 5.0)]
+    assert det.observe(rank=0, step=7, kind="actv_grad", ops=("norm",), names=["m", "m"],
+                       values=np.array([[NAN], [NAN]]), placeholders=np.array([1, 1], np.uint8)) == []

@@ -121,3 +121,37 @@ def test_live_scan_sees_the_same_as_a_finished_one(tmp_path):
     assert sorted(map(key, live.detected)) == sorted(map(key, finished.detected))
     assert sorted(map(key, seen_during)) == sorted(map(key, finished.detected))
     assert live.recorded and len(live.recorded) == len(finished.recorded)
+
+
+def _expert_log(out_dir: str, marked: bool) -> str:
+    """A rank's gradient rows over 20 steps: ``expert.0`` has a gradient on even steps only (a NaN row on
+    odd ones, marked as a placeholder where ``marked``, as the recorder writes it; as an older writer
+    wrote it, unmarked, otherwise), ``dense`` on every step, with a real NaN at step 13."""
+    import numpy as np
+    from trainrec.recorder.writer import LogWriter
+    from trainrec.schema.events import TensorStatsRecorded, pack_array
+
+    rank_dir = os.path.join(out_dir, layout.rank_dir_name(0, suffix="0000abcd"))
+    nan = float("nan")
+    with LogWriter(rank_dir, rank=0, world_size=1, run_id="experts") as w:
+        ids = w.intern(["expert.0.weight", "dense.weight"], step=0)
+        for t in range(20):
+            gone = t % 2 == 1
+            vals = np.array([[nan, nan] if gone else [1.0 + 0.01 * (t % 3), 0.0],
+                             [nan, 3.0] if t == 13 else [2.0, 0.0]], dtype="<f4")
+            w.write(TensorStatsRecorded(
+                rank=0, step=t, kind="grad_unreduced", ops=("norm", "nans"), name_ids=pack_array("I", ids),
+                values=vals.tobytes(), placeholders=bytes([gone, 0]) if marked and gone else b"",
+            ))
+    return out_dir
+
+
+@pytest.mark.parametrize("rule", [AnomalyTurbulence(0.5), NaNInf()], ids=["turbulence", "naninf"])
+def test_redetection_skips_placeholder_rows_and_finds_the_real_nan_first(tmp_path, rule):
+    s = scan(_expert_log(str(tmp_path / "new"), marked=True), [type(rule)(**rule.args)])
+    assert {(e.step, e.name) for e in s.detected} == {(13, "dense.weight")}
+    first = rank_anomalies(s.detected, k=1)[0]
+    assert (first.step, first.name, first.op) == (13, "dense.weight", "norm")
+    # a log of a writer that did not mark them: the absent gradient's NaN rows are taken as NaN values
+    old = scan(_expert_log(str(tmp_path / "old"), marked=False), [type(rule)(**rule.args)])
+    assert rank_anomalies(old.detected, k=1)[0].name == "expert.0.weight"

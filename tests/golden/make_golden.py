@@ -268,6 +268,36 @@ def compat() -> Built:
     return g.b
 
 
+def placeholders() -> Built:
+    """TensorStatsRecorded's appended per-row ``placeholders`` column (u8 flags: NaN rows that stand for
+    no tensor's values): a record with marked rows, one whose column is empty (no row is one), and the
+    same rows as a writer from before the column packed them (nine fields after the envelope), which
+    decode with no row marked."""
+    g = Builder()
+    g.add(header_event())
+    g.add(NamesInterned(**env(1, 0), first_id=0, names=("experts.0.weight", "experts.1.weight", "dense.weight")))
+    nan = float("nan")
+    values = [0.5, 0.0, nan, nan, 2.0, 0.0]
+    marked = TensorStatsRecorded(
+        **env(2, 1, 0.5),
+        kind="grad_unreduced",
+        ops=("norm", "nans"),
+        dtype="f",
+        name_ids=pack_array("I", [0, 1, 2]),
+        values=pack_array("f", values),
+        call_ids=pack_array("I", [4, 5, 6]),
+        placeholders=bytes([0, 1, 0]),
+    )
+    g.add(marked)
+    g.add(dataclasses.replace(marked, seq=3, step=2, values=pack_array("f", [0.5, 0.0, 1.5, 0.0, 2.0, 0.0]),
+                              placeholders=b""))
+    old = dataclasses.replace(marked, seq=4, step=3, placeholders=b"")
+    g.raw(["ts", 4, RANK, 3, T0 + 0.5, "grad_unreduced", ["norm", "nans"], "f", old.name_ids, old.values, b"",
+           old.call_ids, b"", b""], old)
+    g.add(FileClosed(**env(5, 3, 1.0), records=5, reason="close"))
+    return g.b
+
+
 def _body(g: Builder, steps: int = 4) -> None:
     g.add(header_event())
     g.add(NamesInterned(**env(1, 0), first_id=0, names=("a", "b", "c")))
@@ -401,6 +431,7 @@ SCENARIOS: dict[str, Callable[[], Built]] = {
     "future_version": future_version,
     "not_a_log": not_a_log,
     "logwriter": logwriter,
+    "placeholders": placeholders,
 }
 
 

@@ -455,6 +455,17 @@ def test_a_tensor_the_engine_cannot_measure_costs_its_own_row_only(tmp_path, mon
     assert all(math.isnan(v) for v in rows[(0, "scale", "", 0)].values())
     failed = [e for e in ev if type(e).__name__ == "HookFailed"]
     assert failed and "'scale'" in failed[0].where and "NoMinMax" in failed[0].error
+    # its NaN row is marked in the log as standing for no values (anomaly detection skips it)
+    from trainrec.replay.names import NameResolver
+    from trainrec.schema.events import TensorStatsRecorded
+
+    resolver = NameResolver()
+    marks = {}
+    for e in ev:
+        resolver.feed(e)
+        if isinstance(e, TensorStatsRecorded) and e.kind == "param":
+            marks.update(zip(resolver.names(e), e.column("placeholders"), strict=True))
+    assert marks == {"lin.weight": 0, "lin.bias": 0, "scale": 1}
 
 
 def test_a_complex_weight_gradient_is_recorded_at_every_step(tmp_path, out):

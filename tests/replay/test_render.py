@@ -25,6 +25,18 @@ def test_stat_lines_equal_stat_rows():
         assert len(rows) == 12 and rows[3]["value"] == "nan" and rows[4]["value"] == "inf"
         assert rows[5]["value"] == "-inf" and rows[0]["value"] == 1e16
     assert rows[6]["slot"] == "9" and rows[0]["slot"] == "output_grad" and rows[6]["call_id"] == 11
+    assert not any("placeholder" in r for r in rows)
+
+
+def test_placeholder_rows_are_marked_in_stat_lines_and_event_dicts():
+    vals = [1.0] * 6 + [math.nan] * 6
+    ev = _rec(vals, placeholders=bytes([0, 1]))
+    rows = list(stat_rows(ev, ["a", "b"]))
+    assert [orjson.loads(line) for line in stat_lines(ev, ["a", "b"])] == rows
+    assert [r.get("placeholder", False) for r in rows] == [False] * 6 + [True] * 6
+    assert list(rows[6])[-3:] == ["placeholder", "op", "value"]
+    assert event_dict(ev)["placeholders"] == [0, 1]
+    assert event_dict(_rec(vals))["placeholders"] == []
 
 
 def test_event_dict_of_odd_content():

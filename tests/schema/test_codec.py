@@ -40,6 +40,45 @@ def test_stats_record_round_trips():
     assert list(back.column("call_ids")) == [-1, -1]
 
 
+def _two_rows(**kw) -> TensorStatsRecorded:
+    return TensorStatsRecorded(
+        rank=0, step=2, kind="grad_unreduced", ops=("norm", "nans"), name_ids=pack_array("I", [4, 5]),
+        values=pack_array("f", [1.0, 0.0, float("nan"), float("nan")]), **kw,
+    )
+
+
+def test_placeholder_column_round_trips_and_reads_as_zeros_when_absent():
+    ev = _two_rows(placeholders=bytes([0, 1]))
+    back = decode(encode(ev))
+    assert back == ev
+    assert list(back.column("placeholders")) == [0, 1]
+    assert list(_two_rows().column("placeholders")) == [0, 0]
+
+
+def test_placeholder_column_of_the_wrong_length_or_value_is_corrupt():
+    for bad in (bytes([1]), bytes([0, 1, 0])):
+        assert "placeholders has" in _two_rows(placeholders=bad).check()
+        with pytest.raises(CorruptRecordError, match="placeholders has"):
+            decode(encode(_two_rows(placeholders=bad)))
+    assert "placeholder flag 2" in _two_rows(placeholders=bytes([0, 2])).check()
+    with pytest.raises(CorruptRecordError, match="placeholder flag"):
+        decode(encode(_two_rows(placeholders=bytes([0, 2]))))
+
+
+def test_stats_record_of_an_older_writer_without_placeholders_decodes():
+    """A writer from before ``placeholders`` was appended packs nine fields after the envelope: the
+    record decodes with no row marked, and the wire places of the fields before it are unchanged."""
+    ev = _two_rows(slots=bytes([0, 0]), call_ids=pack_array("I", [3, 4]))
+    old = msgpack.packb(["ts", 1, 0, 2, 0.0, "grad_unreduced", ["norm", "nans"], "f", ev.name_ids, ev.values,
+                         b"", ev.call_ids, ev.slots, b""], use_bin_type=True)
+    back = decode(old)
+    assert back == dataclasses.replace(ev, seq=1, wall=0.0)
+    assert back.placeholders == b""
+    assert list(back.column("placeholders")) == [0, 0]
+    wire = msgpack.unpackb(encode(_two_rows(placeholders=bytes([1, 0]))))
+    assert wire[:5] == ["ts", -1, 0, 2, 0.0] and wire[-1] == bytes([1, 0]) and len(wire) == 5 + 10
+
+
 def test_unknown_tag_is_skippable_and_known_tag_with_bad_field_is_corrupt():
     unknown = decode(msgpack.packb(["zz", 1, 0, 5, 0.0, "x"]))
     assert isinstance(unknown, UnknownEvent) and unknown.tag == "zz" and unknown.step == 5
@@ -93,6 +132,7 @@ def _stats_strategy(draw):
         name_ids=pack_array("I", draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n))),
         values=pack_array(dtype, values), micro_steps=column("H", 2, 2**16 - 1),
         call_ids=column("I", 4, 2**32 - 1), slots=column("B", 1, len(SLOTS) - 1), vpp_stages=column("B", 1, 255),
+        placeholders=column("B", 1, 1),
     )
 
 

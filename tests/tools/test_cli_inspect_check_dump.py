@@ -443,3 +443,19 @@ def test_inspect_names_the_other_launches_of_the_output_directory(tmp_path, caps
     assert "  run newer-run  stamps Nov30_12-00-00  ranks 0\n" in capsys.readouterr().out
     assert main(["inspect", os.path.join(out, "Nov30_12-00-00-rank0-0000beef")]) == 0  # a rank directory: no others
     assert "other launches" not in capsys.readouterr().out
+
+
+def test_dump_shows_placeholder_rows(tmp_path, capsys):
+    w = LogWriter(os.path.join(tmp_path, f"{STAMP}-rank0-0000cafe"), rank=0, world_size=1, run_id="ph-run")
+    ids = w.intern(NAMES)
+    w.write(TensorStatsRecorded(rank=0, step=0, kind="grad_unreduced", ops=("norm",), dtype="f",
+                                name_ids=pack_array("I", ids), values=pack_array("f", [1.0, math.nan]),
+                                placeholders=bytes([0, 1])))
+    w.close()
+    assert main(["dump", str(tmp_path), "--type", "ts"]) == 0
+    rows = _lines(capsys)
+    assert [(r["name"], r["value"], r.get("placeholder")) for r in rows] == [
+        ("embed.weight", 1.0, None), ("head.bias", "nan", True)]
+    assert main(["dump", str(tmp_path), "--type", "ts", "--per-record"]) == 0
+    (rec,) = _lines(capsys)
+    assert rec["placeholders"] == [0, 1]
