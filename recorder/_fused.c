@@ -805,6 +805,17 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
  * with their errors). */
 static PyObject *s_dtype, *s_is_cpu, *s_is_neg, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape, *s_stride;
 
+/* ``xs`` as a tuple of its own, which holds every tensor (so its memory) while the GIL is released;
+ * NULL with a TypeError where it is no sequence. */
+static PyObject *tensor_tuple(PyObject *xs) {
+    PyObject *seq = PySequence_Check(xs) ? PySequence_Tuple(xs) : NULL;
+    if (seq == NULL && (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError))) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "xs: expected a sequence of tensors");
+    }
+    return seq;
+}
+
 /* Whether x's elements fill one block of memory without gaps or overlaps, in some order of its dims
  * (a transpose or permute of a contiguous tensor: batch_first attention outputs, a tied weight's .t()):
  * then the statistics of that block are the tensor's, as all six ops ignore the order of elements,
@@ -893,15 +904,8 @@ static PyObject *py_stats_tensors(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OdOO!OOLi|O", &xs, &eps, &ops, &PyTuple_Type, &types, &dtype, &out, &parallel_numel,
                           &threads, &extremes))
         return NULL;
-    /* a tuple of its own: it holds every tensor (so its memory) while the GIL is released */
-    PyObject *seq = PySequence_Check(xs) ? PySequence_Tuple(xs) : NULL;
-    if (seq == NULL) {
-        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_TypeError, "xs: expected a sequence of tensors");
-        }
-        return NULL;
-    }
+    PyObject *seq = tensor_tuple(xs);
+    if (seq == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject **items = &PyTuple_GET_ITEM(seq, 0);
     Py_buffer opb, outb, extb;
@@ -998,15 +1002,8 @@ static PyObject *py_unchanged(PyObject *self, PyObject *args) {
     PyObject *xs, *types, *dtype, *extremes;
     (void)self;
     if (!PyArg_ParseTuple(args, "OO!OO", &xs, &PyTuple_Type, &types, &dtype, &extremes)) return NULL;
-    /* a tuple of its own: it holds every tensor (so its memory) while the GIL is released */
-    PyObject *seq = PySequence_Check(xs) ? PySequence_Tuple(xs) : NULL;
-    if (seq == NULL) {
-        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_TypeError, "xs: expected a sequence of tensors");
-        }
-        return NULL;
-    }
+    PyObject *seq = tensor_tuple(xs);
+    if (seq == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject **items = &PyTuple_GET_ITEM(seq, 0);
     Py_buffer eb;
