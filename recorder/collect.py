@@ -437,7 +437,7 @@ class StepCollector:
         if not last_unreduced:  # nothing to reuse (on the one-pass kernel's path by default)
             failed: list = []
             rows = self._rows_of(grads, idx, "reduced gradient", failed=failed)
-            self._add_rows(st, KIND_GRAD_REDUCED, rows, idx, _marks(len(grads), failed))
+            self._add_rows(st, KIND_GRAD_REDUCED, rows, idx, placeholders(grads, rows, failed))
             return
         own = list(zip(idx, grads, strict=True))
         rows: list = [None] * len(own)
@@ -469,7 +469,7 @@ class StepCollector:
             measured = self._rows_of([own[k][1] for k in todo], [own[k][0] for k in todo], "reduced gradient",
                                      failed=failed)
             if len(todo) == len(own):  # nothing reused (on accelerators always): the batch as it is
-                self._add_rows(st, KIND_GRAD_REDUCED, measured, [i for i, _ in own], _marks(len(own), failed))
+                self._add_rows(st, KIND_GRAD_REDUCED, measured, [i for i, _ in own], placeholders(grads, measured, failed))
                 return
             for j, k in enumerate(todo):
                 rows[k] = measured[j]
@@ -479,7 +479,7 @@ class StepCollector:
             dev = gather_device(r.device for r in rows if isinstance(r, torch.Tensor))
             out = torch.stack([to_device(torch.from_numpy(r) if isinstance(r, np.ndarray) else r, dev) for r in rows])
         self._add_rows(st, KIND_GRAD_REDUCED, out, [i for i, _ in own],
-                       _marks(len(own), [todo[j] for j in failed]))
+                       placeholders(grads, out, [todo[j] for j in failed]))
 
     def _param_pieces(self) -> tuple[list, list]:
         """The monitored parameters as this rank holds them, and their indices: under ZeRO 3, the
@@ -505,7 +505,7 @@ class StepCollector:
         if tensors:
             failed: list = []
             rows = self._rows_of(tensors, list(indices), kind, failed=failed)
-            self._add_rows(st, kind, rows, list(indices), _marks(len(tensors), failed))
+            self._add_rows(st, kind, rows, list(indices), placeholders(tensors, rows, failed))
 
     def _rows_of(self, tensors: list, indices: list, what: str, extremes: np.ndarray | None = None,
                  failed: list | None = None) -> torch.Tensor | np.ndarray:
@@ -744,15 +744,6 @@ class StepCollector:
                 out[tag] = ({op: block[i, j] for j, op in enumerate(last.ops)} if missing[i]
                             else {op: cols[j][i] for j, op in enumerate(last.ops)})
         return out
-
-
-def _marks(n: int, failed: list) -> tuple:
-    """:attr:`StatsPart.placeholder` of ``n`` rows of which those at ``failed`` are the engine's failures
-    (NaN rows, no tensor's values); ``()`` where none is."""
-    if not failed:
-        return ()
-    bad = set(failed)
-    return tuple(i in bad for i in range(n))
 
 
 _warned: list = []

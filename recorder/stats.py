@@ -497,8 +497,8 @@ class StatsPart:
     empty: a parameter of no elements; or one the engine failed on), so that a reader of the step's
     rows (the skipped-step check) tells them from a tensor holding NaN; ``()`` where no row is one.
     Written to the log (``TensorStatsRecorded.placeholders``), where anomaly detection skips those
-    rows. Set on weight gradients, activation gradients and activations, and on the rows of parameters
-    and reduced gradients the engine failed on."""
+    rows. Set on every kind the statistics engine measures (weight gradients, unreduced and reduced,
+    activations and their gradients, parameters) through :func:`placeholders`; not on optimizer state."""
 
     kind: str
     values: torch.Tensor | np.ndarray  # [rows, ops] float32; numpy from the hooks' kernel path
