@@ -68,7 +68,7 @@ from trainrec.schema.naming import reference_tag
 from . import config, fused, zero
 from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
-from .optim import OWN_GRAD, fused_adam_rows, update_and_ratio
+from .optim import OWN_GRAD, device_update_and_ratio, fused_adam_rows, update_and_ratio
 from .stats import StatsPart, StepStats, build_stats_events, gather_device, placeholders, to_device
 from .targets import uninitialized
 
@@ -576,7 +576,8 @@ class StepCollector:
             self._add_rows(st, KIND_EXP_AVG, self._engine.compute([e[1] for e in entries]), idx)
             self._add_rows(st, KIND_EXP_AVG_SQ, self._engine.compute([e[2] for e in entries]), idx)
         if cfg.ur_distribution:
-            upd, ratio = update_and_ratio(entries, self._engine.compute, True, True)
+            pair = device_update_and_ratio(entries, eng) if eng.triton_devices else None
+            upd, ratio = pair if pair is not None else update_and_ratio(entries, eng.compute, True, True)
             self._add_rows(st, KIND_UPDATE, upd, idx)
             self._add_rows(st, KIND_RATIO, ratio, idx)
 

@@ -401,6 +401,19 @@ def fused_adam_rows(entries, ops: Sequence[str], eps: float, want_mv: bool, want
             out[:, 2] if want_ur else None, out[:, 3] if want_ur else None)
 
 
+def device_update_and_ratio(entries, engine):
+    """Rows of update and ratio, as :func:`update_and_ratio` defines them, from the engine's Triton path:
+    measured from each state pair as they are formed, without a temporary; None where it does not
+    take the pairs (then :func:`update_and_ratio` runs)."""
+    ms = [_real_view(fused.local_tensor(e[1])) for e in entries]
+    vs = [_real_view(fused.local_tensor(e[2])) for e in entries]
+    scales, shifts = bias_corrections(entries)
+    ratio = engine.pair_rows(ms, vs, scales, None)
+    if ratio is None:
+        return None
+    return engine.pair_rows(ms, vs, scales, shifts), ratio
+
+
 def _chunks(numels: Sequence[int], limit: int) -> list[tuple[int, int]]:
     """``[a, b)`` ranges of consecutive tensors with at most ``limit`` elements together (or one tensor)."""
     out = []

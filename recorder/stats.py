@@ -44,7 +44,9 @@ landed. The event objects are built later from :class:`HostStats` on the writer 
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,7 +55,9 @@ import numpy as np
 import torch
 from trainrec.schema.events import KINDS, TensorStatsRecorded
 
-from . import fused
+from . import config, fused
+
+log = logging.getLogger(__name__)
 
 # CPU tensors below this many elements get their reductions on the calling thread only: a fork/join of
 # the intra-op pool costs more than the work there, and far more when the cores are oversubscribed
@@ -66,6 +70,14 @@ _LOW = (torch.float16, torch.bfloat16)
 # temporaries (the zero count's quotient, a float32 copy of float16, the NaN mask) are at most a part's
 # size, 9 bytes per element at worst (~300 MB), whatever the tensor (an LLM's embedding gradient).
 PART_NUMEL = 1 << 25
+# TRAINREC_STATS_BACKEND: auto (the C kernel for CPU tensors, Triton for CUDA tensors where it is
+# installed, torch's reductions for the rest), triton (also CPU tensors under TRITON_INTERPRET=1), torch
+# (torch's reductions for every tensor), cpu (the C kernel for CPU tensors, torch's for the others).
+BACKENDS = ("auto", "triton", "torch", "cpu")
+
+
+def stats_backend() -> str:
+    return config.env_choice("TRAINREC_STATS_BACKEND", BACKENDS, "auto")
 
 
 def _as_reducible(x: torch.Tensor, want_zeros: bool) -> torch.Tensor:
@@ -104,7 +116,9 @@ def _parts(x: torch.Tensor, limit: int) -> list[torch.Tensor]:
 class StatsEngine:
     """Computes ``ops`` for lists of tensors; ``compute(tensors)`` -> float32 ``[len(tensors), len(ops)]``."""
 
-    def __init__(self, ops: Sequence[str], eps: float = 1e-8) -> None:
+    def __init__(self, ops: Sequence[str], eps: float = 1e-8, backend: str | None = None) -> None:
+        self.backend = backend or stats_backend()
+        interpreting = os.environ.get("TRITON_INTERPRET") == "1"
         self.ops = tuple(ops)
         self.eps = float(eps)
         self._minmax = "min" in self.ops or "max" in self.ops
@@ -114,9 +128,17 @@ class StatsEngine:
         self._zeros = "zeros" in self.ops
         self._nans = "nans" in self.ops
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.host_paths = True  # CPU tensors use the CPU fast paths; False: the other devices' code
-        self.fused = fused.AVAILABLE  # CPU tensors go through the one-pass kernel (fused.py)
+        # CPU tensors use the CPU fast paths; False: the other devices' code (also under the Triton
+        # interpreter, where CPU tensors stand in for CUDA tensors)
+        self.host_paths = not (self.backend == "triton" and interpreting)
+        # CPU tensors go through the one-pass kernel (fused.py)
+        self.fused = fused.AVAILABLE and self.backend != "torch" and not (self.backend == "triton" and interpreting)
         self._codes = fused.op_codes(self.ops)
+        # device types whose tensors go to the Triton engine (device_stats.py, imported at the first one)
+        self.triton_devices: frozenset = frozenset()
+        if self.backend in ("auto", "triton"):
+            self.triton_devices = frozenset(("cuda", "cpu") if self.backend == "triton" and interpreting else ("cuda",))
+        self._triton = None
 
     # ------------------------------------------------------------------ helpers
     def _buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +155,81 @@ class StatsEngine:
     def release(self) -> None:
         """Free the scratch buffers (at close)."""
         self._scratch.clear()
+        if self._triton is not None:
+            self._triton.release()
+
+    # ------------------------------------------------------------------ the Triton engine
+    def _device_engine(self):
+        """The Triton engine, made at the first tensor for it; None where Triton is not installed."""
+        if self._triton is None:
+            from . import device_stats
+
+            if not device_stats.AVAILABLE:
+                if self.backend == "triton":
+                    log.warning("trainrec: TRAINREC_STATS_BACKEND=triton, but triton is not installed: "
+                                "torch's reductions measure accelerator tensors")
+                self.triton_devices = frozenset()
+                return None
+            self._triton = device_stats.TritonStats(self.ops, self.eps)
+        return self._triton
+
+    def _triton_failed(self, exc: Exception) -> None:
+        """One warning, then torch's reductions for the rest of the run (a GPU Triton cannot compile for)."""
+        cause = f" (caused by {exc.__cause__!r})" if exc.__cause__ is not None else ""
+        log.warning("trainrec: the Triton statistics engine failed (%s: %s%s); torch's reductions measure "
+                    "accelerator tensors from now on", type(exc).__name__, exc, cause)
+        self.triton_devices = frozenset()
+
+    def _device_rows(self, tensors: Sequence[torch.Tensor | None], scales: Sequence | None) -> torch.Tensor | None:
+        """Rows of ``tensors`` from the Triton engine, where all are on one device it takes (None: not
+        taken). Tensors its kernels do not read (integer ids, float64, strided views with gaps) are
+        measured by torch's reductions and their rows put in place."""
+        device = next((t.device for t in tensors if t is not None), None)
+        if device is None or device.type not in self.triton_devices:
+            return None
+        if any(t is not None and t.device != device for t in tensors):
+            return None  # (a model split over devices: each device's group on its own)
+        eng = self._device_engine()
+        if eng is None:
+            return None
+        from .device_stats import supports
+
+        xs = list(tensors)
+        odd = [i for i, t in enumerate(xs) if t is not None and t.numel() and not supports(t)]
+        for i in odd:
+            xs[i] = None
+        try:
+            rows = eng.rows(xs, scales or None)
+        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+            self._triton_failed(exc)
+            return None
+        for i in odd:
+            rows[i:i + 1] = self._group([tensors[i]], device, [scales[i]] if scales else None)
+        return rows
+
+    def pair_rows(self, ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], scales: Sequence,
+                  shifts: Sequence | None) -> torch.Tensor | None:
+        """Adam's ratio (``shifts`` None) or update rows from the state pairs on the Triton engine (see
+        :meth:`device_stats.TritonStats.pair_rows`); None where it does not take them all."""
+        if not ms or not self.triton_devices:
+            return None
+        device = ms[0].device
+        if device.type not in self.triton_devices:
+            return None
+        from .device_stats import supports
+
+        if not all(m.device == device and v.device == device and m.dtype == v.dtype and m.shape == v.shape
+                   and m.stride() == v.stride()
+                   and supports(m) and supports(v) for m, v in zip(ms, vs, strict=True)):
+            return None
+        eng = self._device_engine()
+        if eng is None:
+            return None
+        try:
+            return eng.pair_rows(ms, vs, scales, shifts)
+        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+            self._triton_failed(exc)
+            return None
 
     def nan_rows(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.full((n, len(self.ops)), math.nan, dtype=torch.float32, device=device)
@@ -231,6 +328,10 @@ class StatsEngine:
     def _compute(self, tensors: Sequence[torch.Tensor | None], scales: Sequence[float] | None = None) -> torch.Tensor:
         if any(t is not None and t.layout is not torch.strided for t in tensors):
             return self._with_sparse(tensors, scales)
+        if self.triton_devices:
+            rows = self._device_rows(tensors, scales)
+            if rows is not None:
+                return rows
         n = len(tensors)
         device = gather_device(t.device for t in tensors if t is not None)
         groups: dict[tuple, list[int]] = {}

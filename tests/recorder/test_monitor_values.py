@@ -75,12 +75,16 @@ def run_and_observe(tmp_path, monkeypatch, grad_acc: int, steps: int = 2):
     return events_of(out), seen, pnames, mnames
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("kernel", ["fused", "torch", "triton"])
 @pytest.mark.parametrize("grad_acc", [2, 3])
 def test_recorded_values_equal_independent_statistics(tmp_path, monkeypatch, grad_acc, kernel):
     if kernel == "fused" and not fused.AVAILABLE:
         pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
-    monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
+    if kernel == "triton":  # its kernels on CPU tensors, under the interpreter (tests/conftest.py)
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRAINREC_STATS_BACKEND", "triton")
+    else:
+        monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
     events, seen, pnames, mnames = run_and_observe(tmp_path, monkeypatch, grad_acc)
     unred = stats_table(events, "grad_unreduced")
     red = stats_table(events, "grad_reduced")
@@ -129,13 +133,24 @@ def test_recorded_values_equal_independent_statistics(tmp_path, monkeypatch, gra
     assert math.isnan(actg[(0, "embed", "input_grad", 0)]["norm"])
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
-def test_reduced_gradients_reuse_unchanged_rows_and_see_in_place_changes(tmp_path, monkeypatch, kernel):
-    """Without a reduction between backward and step, reduced == last unreduced (the torch path reuses the
-    row, the one-pass kernel measures again by default, bitwise the same); a clip (in place) is seen."""
+def use_kernel(monkeypatch, kernel: str) -> None:
+    """The statistics path of the monitors made next: the one-pass C kernel, torch's reductions, or the
+    Triton engine (its kernels on CPU tensors under the interpreter: tests/conftest.py)."""
     if kernel == "fused" and not fused.AVAILABLE:
         pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
-    monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRAINREC_STATS_BACKEND", "triton")
+    else:
+        monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch", "triton"])
+def test_reduced_gradients_reuse_unchanged_rows_and_see_in_place_changes(tmp_path, monkeypatch, kernel):
+    """Without a reduction between backward and step, reduced == last unreduced (the torch path reuses the
+    row, the one-pass kernel and the Triton engine measure again, bitwise the same); a clip (in place) is
+    seen."""
+    use_kernel(monkeypatch, kernel)
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
                      live_export=False)
@@ -173,15 +188,14 @@ def _wide(tmp_path, monkeypatch, reuse: bool, grad_acc: int = 1, d: int = 16):
     return mon, model, opt
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("kernel", ["fused", "torch", "triton"])
 @pytest.mark.parametrize("write", [".data", "numpy", "numpy, at the max alone"])
 def test_reduced_gradients_see_writes_the_version_counter_misses(tmp_path, monkeypatch, kernel, write):
     """Writes through ``.data`` or numpy leave a gradient's version counter as it was: the reused row's
     check sees them (the kernel's fingerprint: its min and max elements and its sample; the torch
-    path's norm), and the reduced rows are the statistics of the gradients the optimizer got."""
-    if kernel == "fused" and not fused.AVAILABLE:
-        pytest.skip("the one-pass kernel (recorder/_fused.c) is not built")
-    monkeypatch.setattr(fused, "AVAILABLE", kernel == "fused")
+    path's norm; the Triton engine measures again), and the reduced rows are the statistics of the
+    gradients the optimizer got."""
+    use_kernel(monkeypatch, kernel)
     mon, model, opt = _wide(tmp_path, monkeypatch, reuse=True)
     loss_of(model, 0).backward()
     for p in model.parameters():
