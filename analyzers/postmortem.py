@@ -38,6 +38,7 @@ from trainrec.schema.events import (
 
 __all__ = ["Ending", "RankState", "Report", "analyze", "endings_of", "postmortem"]
 
+CONFIRM_S = 1.0  # seconds the logs must go on after a call for the ranks that did not issue it to be late
 _MAX_CALLS = 100_000  # calls per rank and group kept for the desync comparison (the last ones)
 
 # how a rank ended (RankState.ending)
@@ -81,6 +82,7 @@ class RankState:
     calls: dict = field(default_factory=dict, repr=False)
     group_ranks: dict = field(default_factory=dict, repr=False)
     last_seq: dict = field(default_factory=dict, repr=False)
+    last_call_wall: dict = field(default_factory=dict, repr=False)  # group name -> wall of its last call
 
     def to_json(self) -> dict:
         return {
@@ -162,6 +164,7 @@ def _rank_state(rank: int, events: Iterable[Event]) -> RankState:
                 del calls[next(iter(calls))]
             if ev.group_seq >= st.last_seq.get(ev.group, -1):
                 st.last_seq[ev.group] = ev.group_seq
+                st.last_call_wall[ev.group] = ev.wall
             st.last_collective = {"op": ev.op, "group": ev.group, "group_ranks": list(ev.group_ranks),
                                   "seq": ev.group_seq, "shapes": [list(s) for s in ev.shapes],
                                   "dtypes": list(ev.dtypes), "step": ev.step, "wall": ev.wall,
@@ -225,8 +228,11 @@ def _desyncs(states: list[RankState]) -> list[dict]:
 
 def _waits(states: list[RankState]) -> list[dict]:
     """Per process group whose members' last calls differ: who is ahead (blocked, where their log
-    did not close) and who is behind (waited for)."""
+    did not close) and who is behind (waited for). ``confirmed``: the logs go on for CONFIRM_S after
+    the ahead ranks' call (a rank's last records are at most a flush interval late, so a call issued
+    just before the logs end may have been issued by the others too, its record lost in a kill)."""
     by_rank = {s.rank: s for s in states}
+    end = max((s.last_wall for s in states), default=0.0)
     out = []
     for g in sorted({g for s in states for g in s.last_seq}):
         ranks = next(s.group_ranks[g] for s in states if g in s.group_ranks)
@@ -241,8 +247,10 @@ def _waits(states: list[RankState]) -> list[dict]:
             continue
         blocked = [r for r in ahead if by_rank[r].ending in (KILLED, RUNNING, UNKNOWN, SIGTERM, EXCEPTION)]
         op = by_rank[ahead[0]].calls.get(g, {}).get(top, ("?",))[0]
+        since = min(by_rank[r].last_call_wall.get(g, end) for r in ahead)
         out.append({"group": g, "group_ranks": list(ranks), "seq": top, "op": op, "ahead": ahead,
-                    "blocked": blocked, "behind": behind, "behind_seqs": {str(r): seqs[r] for r in behind}})
+                    "blocked": blocked, "behind": behind, "behind_seqs": {str(r): seqs[r] for r in behind},
+                    "logs_go_on_s": round(end - since, 3), "confirmed": end - since >= CONFIRM_S})
     return out
 
 
@@ -260,7 +268,7 @@ def analyze(events: dict[int, Iterable[Event]], endings: dict[int, Ending] | Cal
     waits = _waits(states)
     waited: list[int] = []
     for w in sorted(waits, key=lambda w: (-len(w["blocked"]), w["group"])):
-        if w["blocked"]:
+        if w["blocked"] and w["confirmed"]:
             low = min(w["behind_seqs"].values())
             waited = sorted(int(r) for r, q in w["behind_seqs"].items() if q == low)
             break
@@ -306,7 +314,7 @@ def verdict(r: Report) -> str:
         calls = "; ".join(f"rank {k} called {v['op']} {v['shapes']}" for k, v in d["calls"].items())
         out.append(f"Collectives are out of step on group {d['group_ranks']} at call #{d['seq']}: {calls}.")
     if r.waited_for:
-        w = next(w for w in r.waits if w["blocked"] and
+        w = next(w for w in r.waits if w["blocked"] and w["confirmed"] and
                  sorted(int(k) for k, q in w["behind_seqs"].items() if q == min(w["behind_seqs"].values()))
                  == r.waited_for)
         culprits = [s_by[x] for x in r.waited_for]
