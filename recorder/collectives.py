@@ -108,7 +108,7 @@ class CollectiveRecorder:
         return min(calls.values(), key=lambda c: c.t0, default=None)
 
     # ------------------------------------------------------------------ per call
-    def issue(self, name: str, fn_params: tuple, args: tuple, kwargs: dict) -> tuple | None:
+    def issue(self, name: str, fn_params: dict, args: tuple, kwargs: dict) -> tuple | None:
         """Record the issue of a call; returns what :meth:`done` needs, or None."""
         group = _arg(args, kwargs, fn_params, "group")
         entry = self._groups.get(id(group))
@@ -136,12 +136,14 @@ class CollectiveRecorder:
         pre = b""
         if stats and self.pre_hook and tensors:
             pre = self._values(tensors)
-        self._emit(CollectiveCalled(
-            rank=self.rank, step=step, wall=time.time(), op=name, group=group_name, group_ranks=ranks, group_seq=seq,
-            shapes=tuple(tuple(t.shape) for t in tensors), dtypes=tuple(str(t.dtype)[6:] for t in tensors),
-            async_op=name in _ALWAYS_ASYNC or bool(_arg(args, kwargs, fn_params, "async_op")),
-            peer=peer if isinstance(peer, int) else -1, reduce_op=reduce_op, codeline=site,
-            ops=self.ops if pre else (), pre_values=pre))
+        fields = {"rank": self.rank, "step": step, "wall": time.time(), "op": name, "group": group_name,
+                  "group_ranks": ranks, "group_seq": seq, "shapes": tuple([tuple(t.shape) for t in tensors]),
+                  "dtypes": tuple([_DTYPES.get(t.dtype) or _dtype_name(t.dtype) for t in tensors]),
+                  "async_op": name in _ALWAYS_ASYNC or bool(_arg(args, kwargs, fn_params, "async_op")),
+                  "peer": peer if isinstance(peer, int) else -1, "reduce_op": reduce_op, "codeline": site}
+        if pre:
+            fields.update(ops=self.ops, pre_values=pre)
+        self._emit(functools.partial(_called, fields))  # (the event is made on the writer's thread)
         call = CallInFlight(name, ranks, seq, time.perf_counter(), threading.get_ident())
         self._in_flight[call.thread] = self.last = call
         post = stats and tensors and not (name in _ALWAYS_ASYNC or _arg(args, kwargs, fn_params, "async_op"))
@@ -177,21 +179,30 @@ class CollectiveRecorder:
         raise RuntimeError(LOG_ONLY_EXIT)
 
 
-def _arg(args: tuple, kwargs: dict, params: tuple, name: str):
-    """The value of parameter ``name`` of a call (None where not given)."""
-    if name in kwargs:
+def _called(fields: dict) -> tuple:
+    return (CollectiveCalled(**fields),)
+
+
+_DTYPES: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _arg(args: tuple, kwargs: dict, params: dict, name: str):
+    """The value of parameter ``name`` of a call (None where not given); ``params``: name -> position."""
+    if kwargs and name in kwargs:
         return kwargs[name]
-    try:
-        i = params.index(name)
-    except ValueError:
-        return None
-    return args[i] if i < len(args) else None
+    i = params.get(name)
+    return args[i] if i is not None and i < len(args) else None
 
 
 def _tensors(args: tuple, kwargs: dict) -> list:
     """The tensor arguments of a call in order, those of a list argument in place."""
     out = []
-    for v in itertools.chain(args, kwargs.values()):
+    for v in (itertools.chain(args, kwargs.values()) if kwargs else args):
         if isinstance(v, torch.Tensor):
             out.append(v)
         elif isinstance(v, (list, tuple)):
@@ -247,7 +258,7 @@ def _modules() -> tuple:
 
 
 def _make_wrapper(name: str, fn: Callable) -> Callable:
-    params = tuple(inspect.signature(fn).parameters)
+    params = {p: i for i, p in enumerate(inspect.signature(fn).parameters)}
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
