@@ -45,8 +45,8 @@ WRAPPED = {
 _REDUCING = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce")
 _ALWAYS_ASYNC = ("isend", "irecv")
 LOG_ONLY_EXIT = "exit after the first monitor step when cc_log_only"
-# frames of these directories are not a call site (torch's own, and ours)
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# frames of these directories are not a call site (torch's own, and the recorder's)
+_SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
 @dataclass
@@ -225,7 +225,7 @@ def _describe_group(group) -> tuple:
 def _call_site(patterns: list) -> str | None:
     """The innermost frame outside torch and trainrec as ``file.py[line]``; with ``patterns``
     (cc_codeline), None where no such frame of the stack, as ``path[line]``, matches one."""
-    f = sys._getframe(2)
+    f = sys._getframe(1)
     site = ""
     matched = not patterns
     while f is not None:
