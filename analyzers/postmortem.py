@@ -15,6 +15,7 @@ left out by ``cc_codeline`` still take their sequence numbers, so they leave gap
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -297,18 +298,35 @@ def _ranks(rs: Iterable[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
 
 
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited|Broken pipe|"
+                        r"NCCL communicator was aborted|peer .{0,40}(closed|gone|exited)", re.IGNORECASE)
+
+
+def peer_lost(error: str) -> bool:
+    """Whether an exception's message says a collective failed because another rank went away."""
+    return _PEER_LOST.search(error) is not None
+
+
 def verdict(r: Report) -> str:
     s_by = {s.rank: s for s in r.ranks}
     if not r.ranks:
         return "No rank has a readable log."
     out = []
     failed = sorted((s for s in r.ranks if s.exception), key=lambda s: s.exception["wall"])
-    if failed:
-        first = failed[0]
+    origins = [s for s in failed if not peer_lost(s.exception["error"])]
+    if origins:
+        first = origins[0]
         out.append(f"Rank {first.rank} failed first, at {_where(first)}: {first.exception['error']}.")
-        if len(failed) > 1:
-            out.append(f"Then {_ranks(s.rank for s in failed[1:])} failed too "
-                       f"({'; '.join(s.exception['error'][:120] for s in failed[1:])}).")
+        rest = [s for s in failed if s is not first]
+        if rest:
+            out.append(f"Then {_ranks(s.rank for s in rest)} failed too "
+                       f"({'; '.join(s.exception['error'][:120] for s in rest)}).")
+    elif failed:  # only collectives that failed because a peer went away: the origin is a rank that died
+        gone = [s.rank for s in r.ranks if not s.exception and s.ending != CLOSED]
+        out.append(f"{_ranks(s.rank for s in failed).capitalize()} failed in a collective because a peer went "
+                   f"away ({failed[0].exception['error'][:120]})"
+                   + (f"; {_ranks(gone)} ended without an exception (see the endings): the origin is there"
+                      if gone else "") + ".")
     if r.desyncs:
         d = r.desyncs[0]
         calls = "; ".join(f"rank {k} called {v['op']} {v['shapes']}" for k, v in d["calls"].items())
@@ -340,9 +358,11 @@ def verdict(r: Report) -> str:
                 + (f" (ranks differ: {steps})" if len(steps) > 1 else "") + ". Nothing to explain.")
     out.append("Endings: " + "; ".join(f"{_ranks(rs)} {e}" for e, rs in endings.items()) + ".")
     if r.behind:
-        out.append("Behind the others: " + ", ".join(
+        out.append("Behind the others in its log: " + ", ".join(
             f"rank {x} (step {s_by[x].current_step}, last completed {s_by[x].last_completed_step})"
-            for x in r.behind) + ".")
+            for x in r.behind) + (" (a rank killed outright loses what it did in its last flush interval, "
+                                  "0.2 s by default)" if any(s_by[x].ending == KILLED for x in r.behind) else "")
+                   + ".")
     if r.missing_ranks:
         out.append(f"No log for {_ranks(r.missing_ranks)}.")
     return " ".join(out)

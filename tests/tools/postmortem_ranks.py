@@ -77,6 +77,7 @@ class Ranks:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
         self.paths = [os.path.join(str(tmp_dir), f"{scenario}-rank{r}.{k}") for r in range(world) for k in ("out", "err")]
         self.procs = []
+        self.killed_first: int | None = None  # (the kill -9 trials: the rank they killed first)
         for r in range(world):
             with open(self.paths[2 * r], "w") as out, open(self.paths[2 * r + 1], "w") as err:
                 self.procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT, scenario, str(out_dir)],
