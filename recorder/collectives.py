@@ -90,6 +90,10 @@ class CollectiveRecorder:
 
     # ------------------------------------------------------------------ lifetime
     def install(self) -> None:
+        if not torch.distributed.is_available():  # (a torch built without it: nothing to record)
+            log.warning("trainrec: cc_distribution is on, but this torch has no torch.distributed: no collective "
+                        "is recorded")
+            return
         _install(self)
 
     def close(self) -> None:
