@@ -338,6 +338,8 @@ def verdict(r: Report) -> str:
         culprits = [s_by[x] for x in r.waited_for]
         where = "; ".join(f"rank {c.rank} at {_where(c)}, its last call #{w['behind_seqs'][str(c.rank)]}"
                           + (f", stalled for {c.last_stall['elapsed']:.0f} s with no collective in flight"
+                             + (f", its main thread at {c.last_stall['innermost_frame']}"
+                                if c.last_stall["innermost_frame"] else "")
                              if c.last_stall and not c.last_stall["collective_op"] else "")
                           for c in culprits)
         out.append(f"{_ranks(w['blocked']).capitalize()} issued {w['op']} #{w['seq']} on group {w['group_ranks']} "
