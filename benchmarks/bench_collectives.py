@@ -116,12 +116,16 @@ def main() -> int:
     writer = LogWriter(out, rank=0, world_size=1, run_id="bench")
     try:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, mode {args.mode}")
-        for name, (b, m) in per_call(writer, args.mode, args.calls).items():
+        calls = per_call(writer, args.mode, args.calls)
+        for name, (b, m) in calls.items():
             print(f"per call  {name:11s} baseline {b * 1e6:7.1f} us  recorded {m * 1e6:7.1f} us  "
                   f"added {(m - b) * 1e6:6.1f} us")
         step_s, diff_s, n = per_step(writer, args.mode, args.steps)
         print(f"per step  ({n} all_reduce calls) baseline {step_s * 1e3:.1f} ms  added {diff_s * 1e3:+.2f} ms "
               f"= {100 * diff_s / step_s:+.2f}% (median of {args.steps} paired differences)")
+        added = n * (calls["all_reduce"][1] - calls["all_reduce"][0])
+        print(f"per step  from the per-call figure: {n} x added = {added * 1e3:.2f} ms = "
+              f"{100 * added / step_s:.2f}% of the median baseline step")
     finally:
         writer.close()
         dist.destroy_process_group()

@@ -3,8 +3,9 @@
 Each trial starts a gloo group of ranks (``tests/tools/postmortem_ranks.py``'s ``run`` scenario:
 training with collectives and the stall watchdog recorded, each rank printing every call it enters
 and every step it finishes), waits a random while (0 to 2 s after the first steps), kills every rank
-with SIGKILL in a random order a few milliseconds apart, and runs ``trainrec postmortem``'s analysis
-on the logs. A contradiction is an ending other than "killed", an exception or a desync where none
+with SIGKILL in a random order, a few milliseconds apart (even trials) or 0.1 to 1.5 s apart (odd
+trials: the survivors' calls fail or hang on the peer gone), and runs ``trainrec postmortem``'s
+analysis on the logs. A contradiction is an ending other than "killed", an exception or a desync where none
 happened, a last completed step past what the rank printed (by more than the step it was in), a rank
 said to be blocked in a call while it printed that call's step done, or a rank said never to have
 issued a call it printed it entered (see ``check_kill9_trial`` in ``tests/tools/test_postmortem.py``).

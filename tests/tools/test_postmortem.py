@@ -163,7 +163,8 @@ def check_kill9_trial(ranks: Ranks, out, world: int) -> list[str]:
 
 def run_kill9_trial(tmp_path, trial: int, world: int = 2, rng: random.Random | None = None) -> list[str]:
     """One trial: a group trains, and after a random while each rank is killed with SIGKILL, in a
-    random order, a few milliseconds apart."""
+    random order, a few milliseconds apart, or in odd trials up to 1.5 s apart (the survivors' calls
+    then fail, or hang, on the peer gone)."""
     rng = rng or random.Random(trial)
     out = os.path.join(str(tmp_path), f"trial{trial}")
     ranks = Ranks("run", world, tmp_path, out)
@@ -176,7 +177,7 @@ def run_kill9_trial(tmp_path, trial: int, world: int = 2, rng: random.Random | N
         ranks.killed_first = order[0]
         for r in order:
             ranks.procs[r].kill()
-            time.sleep(rng.uniform(0.0, 0.05))
+            time.sleep(rng.uniform(0.0, 0.05) if trial % 2 == 0 else rng.uniform(0.1, 1.5))
     finally:
         ranks.kill()
     return check_kill9_trial(ranks, out, world)
