@@ -16,7 +16,7 @@ import time
 
 import pytest
 from postmortem_ranks import BAD_STEP, Ranks
-from trainrec.analyzers.postmortem import EXCEPTION, KILLED, peer_lost, postmortem
+from trainrec.analyzers.postmortem import EXCEPTION, KILLED, RUNNING, peer_lost, postmortem
 from trainrec.replay.run import open_run
 from trainrec.tools.cli import main
 
@@ -52,6 +52,8 @@ def test_a_rank_sleeping_before_all_reduce_is_named_with_its_step_module_and_the
         assert main(["inspect", str(out)]) == 0
         live = capsys.readouterr().out
         assert live.count("STALL: running for") >= world and "in all_reduce #3" in live
+        running, _ = _postmortem_cli(out, capsys)  # on the live run: still running, and who waits for whom
+        assert [r["ending"] for r in running["ranks"]] == [RUNNING] * world and running["waited_for"] == [world - 1]
         time.sleep(1.0)
     finally:
         ranks.kill()  # SIGKILL: the logs end without FileClosed
