@@ -343,7 +343,7 @@ def verdict(r: Report) -> str:
                              if c.last_stall and not c.last_stall["collective_op"] else "")
                           for c in culprits)
         out.append(f"{_ranks(w['blocked']).capitalize()} issued {w['op']} #{w['seq']} on group {w['group_ranks']} "
-                   f"and waited there for {_ranks(r.waited_for)}, which never issued it ({where}).")
+                   f"and waited there for {_ranks(r.waited_for)}, which had not issued it where its log ends ({where}).")
     if not failed and not r.waited_for:
         stalled = [s for s in r.ranks if s.last_stall and s.ending != CLOSED]
         if stalled:

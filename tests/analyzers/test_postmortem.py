@@ -82,7 +82,7 @@ def test_a_rank_that_never_issued_the_call_is_waited_for_once_the_logs_go_on():
     report = analyze({0: ahead, 1: [*behind, stall]}, killed)
     assert report.waited_for == [1] and report.behind == [1]
     assert report.verdict.startswith("Rank 0 issued all_reduce #3 on group [0, 1] and waited there for rank 1, "
-                                     "which never issued it (rank 1 at step 2 in module enc, its last call #2, "
+                                     "which had not issued it where its log ends (rank 1 at step 2 in module enc, its last call #2, "
                                      "stalled for 30 s with no collective in flight).")
 
 
