@@ -34,7 +34,7 @@ class ProbeContext:
     rank: int
     emit: Callable  # event -> None (to the monitor's log)
     step: Callable[[], int]  # the current step
-    progress: Callable[[], tuple | None]  # (step, perf_counter at its start); None once gone
+    progress: Callable[[], tuple | None]  # (step, perf_counter at its start), () before training; None once gone
     collecting: Callable[[], bool]  # the current step is collected
     last_hook: Callable[[], tuple | None]  # (module, direction, micro step, call id) of the last firing
     module_names: Callable[[], dict]  # id(module) -> name, of the monitored model
@@ -115,7 +115,9 @@ def probes_for(mon) -> FlightProbes:
 
     def progress() -> tuple | None:
         m = ref()
-        return None if m is None or m._closed else (m._step, m._step_t0)
+        if m is None or m._closed:
+            return None
+        return (m._step, m._step_t0) if m._chunks else ()  # (no model yet: nothing to time)
 
     def collecting() -> bool:
         m = ref()

@@ -33,7 +33,8 @@ _DURATIONS = 32  # recent step durations the median is taken over
 
 
 class StallWatchdog:
-    """``progress()`` gives ``(step, perf_counter at its start)``, or None once the monitor is gone;
+    """``progress()`` gives ``(step, perf_counter at its start)``, ``()`` before training begins (the model
+    not given yet), or None once the monitor is gone;
     ``report(elapsed, median, threshold, count)`` builds and writes the event."""
 
     def __init__(self, *, rank: int, factor: float, min_seconds: float, progress: Callable[[], tuple | None],
@@ -66,6 +67,8 @@ class StallWatchdog:
                 return
             if now_progress is None:
                 return
+            if not now_progress:  # not training yet
+                continue
             step, t0 = now_progress
             if seen is None or step != seen[0]:
                 if seen is not None and step > seen[0] and t0 > seen[1]:
