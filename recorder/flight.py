@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -90,8 +91,7 @@ class FlightProbes:
 
 
 def exception_event(exc: BaseException, rank: int, step: int, names: dict) -> ExceptionRaised:
-    import time
-
+    """The ExceptionRaised event of ``exc`` (``names``: id(module) -> name of the monitored model's)."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     if len(text) > _TRACEBACK_LIMIT:
         text = "...(cut)\n" + text[-_TRACEBACK_LIMIT:]
