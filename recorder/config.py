@@ -100,6 +100,7 @@ class MonitorConfig:
     alert: dict | None = None
     alert_rules: tuple = ()
     cc_distribution: dict = field(default_factory=dict)
+    stall_watchdog: dict = field(default_factory=dict)  # trainrec's: see _parse_watchdog
     format: str = "tensorboard"
     ops: tuple = ("norm",)
     eps: float = 1e-8
@@ -147,7 +148,7 @@ _BOOL_KEYS = (
 KNOWN_KEYS = frozenset(
     _BOOL_KEYS
     + ("targets", "start_step", "collect_times", "step_interval", "module_ranks", "alert", "cc_distribution",
-       "format", "ops", "eps", "ndigits", "step_count_per_record", "append_output", "mg_distribution")
+       "stall_watchdog", "format", "ops", "eps", "ndigits", "step_count_per_record", "append_output", "mg_distribution")
 )
 
 
@@ -223,13 +224,49 @@ def _validate_alert(raw: Any, source: str | None) -> tuple:
 def _parse_cc(raw: Any, source: str | None) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"expected an object, got {type(raw).__name__}", "cc_distribution", source)
-    kinds = {"enable": bool, "cc_codeline": list, "cc_pre_hook": bool, "cc_log_only": bool}
+    # cc_metadata_only is trainrec's: the calls' metadata alone, no statistics (cheap enough to leave on)
+    kinds = {"enable": bool, "cc_codeline": list, "cc_pre_hook": bool, "cc_log_only": bool, "cc_metadata_only": bool}
     for k, v in raw.items():
         if k not in kinds:
             raise ConfigError(f"unknown key {k!r}; expected one of {', '.join(kinds)}", "cc_distribution", source)
         if not isinstance(v, kinds[k]):
             raise ConfigError(f"expected {kinds[k].__name__}, got {v!r}", f"cc_distribution.{k}", source)
+    for i, pattern in enumerate(raw.get("cc_codeline", [])):
+        if not isinstance(pattern, str):
+            raise ConfigError(f"expected a regular expression string like 'train.py\\\\[23\\\\]', got {pattern!r}",
+                              f"cc_distribution.cc_codeline[{i}]", source)
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"not a valid regular expression: {exc}", f"cc_distribution.cc_codeline[{i}]",
+                              source) from None
     return dict(raw)
+
+
+WATCHDOG_DEFAULTS = {"enable": True, "factor": 5.0, "min_seconds": 60.0}
+
+
+def _parse_watchdog(raw: Any, source: str | None) -> dict:
+    """``stall_watchdog`` (trainrec's key): ``true``, or ``{"enable", "factor", "min_seconds"}``: a step
+    running longer than ``factor`` times the median step, and ``min_seconds`` at least, is a stall."""
+    if isinstance(raw, bool):
+        return dict(WATCHDOG_DEFAULTS, enable=raw)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"expected true, false or an object with {', '.join(WATCHDOG_DEFAULTS)}, got {raw!r}",
+                          "stall_watchdog", source)
+    out = dict(WATCHDOG_DEFAULTS)
+    for k, v in raw.items():
+        if k not in WATCHDOG_DEFAULTS:
+            raise ConfigError(f"unknown key {k!r}; expected one of {', '.join(WATCHDOG_DEFAULTS)}", "stall_watchdog",
+                              source)
+        if k == "enable":
+            if not isinstance(v, bool):
+                raise ConfigError(f"expected true or false, got {v!r}", "stall_watchdog.enable", source)
+        elif not _is_number(v) or not math.isfinite(v) or v <= (1 if k == "factor" else 0):
+            raise ConfigError(f"expected a finite number > {1 if k == 'factor' else 0}, got {v!r}",
+                              f"stall_watchdog.{k}", source)
+        out[k] = v if k == "enable" else float(v)
+    return out
 
 
 # keys of other mindstudio-probe versions: what the 1.2.1 config (this one) says instead
@@ -328,6 +365,8 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
         kw["alert_rules"] = _validate_alert(raw["alert"], source)
     if "cc_distribution" in raw:
         kw["cc_distribution"] = _parse_cc(raw["cc_distribution"], source)
+    if "stall_watchdog" in raw:
+        kw["stall_watchdog"] = _parse_watchdog(raw["stall_watchdog"], source)
     if kw.get("forward_only") and kw.get("backward_only"):
         raise ConfigError("forward_only and backward_only cannot both be true", "backward_only", source)
     # The reference: no targets with xy_distribution means every module (all_xy).

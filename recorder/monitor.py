@@ -46,8 +46,8 @@ Selectors are checked against a module's real inputs and outputs at its first ca
 first step a mismatch is a ConfigError out of that forward (before training time is spent); a module
 first called later is checked by its hooks (a HookFailed naming the key; training goes on). A
 ``tuple[N]`` input selector the forward signature rules out is a ConfigError at
-``monitor_gnorm_with_ad``. Known limit: ``cc_distribution`` is accepted but not recorded (a warning
-says so).
+``monitor_gnorm_with_ad``. Collective calls (``cc_distribution``), the stall watchdog
+(``stall_watchdog``) and the exception that ends a recording are :mod:`.flight`'s.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ from trainrec.schema.events import (
 from . import fsdp, runinfo, structure, zero
 from .collect import StepCollector, _queue_end_of_backward, spill_loop
 from .config import MonitorConfig, load_config, parse_config
+from .flight import probes_for
 from .fused import local_tensor
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, holder_of, torch_optimizer_of
@@ -270,6 +271,7 @@ class TrainerMon(StepCollector):
             self._make_alerts(self.config)  # says that format api detects nothing
         if self.dynamic:
             self._start_watcher()
+        self._probes = self._owned.probes = probes_for(self)  # collectives, stall watchdog (flight.py)
         _open_monitors.add(self)  # closed at exit (_close_open_monitors)
 
     _writer = property(lambda self: self._owned.writer, lambda self, v: setattr(self._owned, "writer", v))
@@ -691,6 +693,7 @@ class TrainerMon(StepCollector):
         self._step_open.set()  # wakes the spill thread, which sees the stop
         self._detach()
         self._write_unfinished_step()
+        self._probes.close(reason)  # (the exception that ended the recording, if any, goes to the log)
         for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles,
                         self._check_handles):
             for h in handles:
@@ -1547,9 +1550,6 @@ def _warn_unrecorded(cfg: MonitorConfig, world_size: int, applied: bool = True) 
     that the config records nothing (no statistics option on, or collect_times 0), and that
     module_ranks names no rank of the world (no rank records activations): the reference is silent
     about these. Not ``applied`` (dynamic mode, before the switch), the config records nothing yet."""
-    if cfg.cc_distribution.get("enable"):
-        _warn_once("cc_distribution", "trainrec: cc_distribution is accepted for compatibility with msprobe's config "
-                   "but communication is not monitored; nothing is written for it")
     options = ("xy_distribution", "wg_distribution", "param_distribution", "mv_distribution", "ur_distribution",
                "mg_direction")
     if applied and not cfg.print_struct and not any(getattr(cfg, k) for k in options):
@@ -1573,7 +1573,7 @@ def _warn_once(key: str, message: str) -> None:
 class _Owned:
     """What a monitor owns that must be closed even when the monitor is dropped without close()."""
 
-    __slots__ = ("spill_stop", "step_open", "writer", "live", "alerts", "watcher")
+    __slots__ = ("spill_stop", "step_open", "writer", "live", "alerts", "watcher", "probes")
 
     def __init__(self) -> None:
         self.spill_stop = threading.Event()
@@ -1582,6 +1582,7 @@ class _Owned:
         self.live: runinfo.LiveExport | None = None
         self.alerts = None
         self.watcher = None
+        self.probes = None
 
 
 def _release(owned: _Owned) -> None:
@@ -1594,7 +1595,7 @@ def _release(owned: _Owned) -> None:
     owned.spill_stop.set()
     owned.step_open.set()
     # as close() does: the writer before the detector, which runs on the writer's thread
-    for what, kwargs in (("watcher", {}), ("writer", {"timeout": 10.0}), ("alerts", {})):
+    for what, kwargs in (("probes", {}), ("watcher", {}), ("writer", {"timeout": 10.0}), ("alerts", {})):
         obj = getattr(owned, what)
         if obj is None:
             continue

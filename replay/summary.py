@@ -27,11 +27,13 @@ from trainrec.schema.events import (
     AnomalyDetected,
     ConfigApplied,
     ConfigRejected,
+    ExceptionRaised,
     FileOpened,
     HookFailed,
     HooksFired,
     MonitoringStopped,
     RecordsDropped,
+    StallDetected,
     StepBegan,
     StepEnded,
     TensorStatsRecorded,
@@ -194,7 +196,7 @@ def _note(rs: RankSummary, text: str) -> None:
     if len(rs.notes) < MAX_NOTES:
         rs.notes.append(text)
     elif len(rs.notes) == MAX_NOTES:
-        rs.notes.append("... (all of them: trainrec dump RUN --type cr,mx,hx)")
+        rs.notes.append("... (all of them: trainrec dump RUN --type cr,mx,hx,sl,xr)")
 
 
 def summarize(run: Run) -> RunSummary:
@@ -236,6 +238,14 @@ def summarize(run: Run) -> RunSummary:
                 _note(rs, f"step {ev.step}: config rejected: {ev.reason}")
             elif t is MonitoringStopped:
                 _note(rs, f"step {ev.step}: monitoring stopped: {ev.reason}")
+            elif t is StallDetected:  # (the stall watchdog: one note per report, as it is written)
+                where = f" in {ev.collective_op} #{ev.collective_seq}" if ev.collective_op else ""
+                mod = f", module {ev.modules[-1]}" if ev.modules else ""
+                _note(rs, f"step {ev.step}: STALL: running for {ev.elapsed:.1f} s (threshold {ev.threshold:.1f} s)"
+                          f"{where}{mod}")
+            elif t is ExceptionRaised:
+                mod = f" in module {ev.modules[-1]}" if ev.modules else ""
+                _note(rs, f"step {ev.step}: ended by an exception{mod}: {ev.error[:300]}")
             elif t is ConfigApplied and ev.reason == "dynamic":
                 _note(rs, f"step {ev.step}: monitoring started (dynamic config); first collected step {ev.start_step}")
         rs.unended = sorted(began - ended)

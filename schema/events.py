@@ -469,6 +469,116 @@ class HookFailed(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveCalled(Event):
+    """A ``torch.distributed`` collective or point-to-point call issued on this rank (``cc_distribution``),
+    written when it is issued (``wall``), before it can block.
+
+    ``group`` is the process group's name and ``group_ranks`` its global ranks in group order;
+    ``group_seq`` numbers this rank's recorded calls on that group from 0 (ranks that agree on the calls
+    agree on the numbers). ``shapes`` and ``dtypes`` describe the tensor arguments in call order (a list
+    argument's tensors in place), ``peer`` is the global rank of ``src``/``dst`` where the call has one
+    (-1 otherwise), ``reduce_op`` the reduction's name where it has one. ``codeline`` is the user's call
+    site (``file.py[23]``) where the config asked for call sites. ``pre_values``: the statistics of the
+    tensors before the call (``cc_pre_hook``), a row-major float32 ``len(shapes) x len(ops)`` matrix,
+    empty where not taken; those after it are in :class:`CollectiveCompleted`."""
+
+    TAG: ClassVar[str] = "co"
+    op: str = ""
+    group: str = ""
+    group_ranks: tuple = ()
+    group_seq: int = 0
+    shapes: tuple = ()
+    dtypes: tuple = ()
+    async_op: bool = False
+    peer: int = -1
+    reduce_op: str = ""
+    codeline: str = ""
+    ops: tuple = ()
+    pre_values: bytes = b""
+
+    def check(self) -> str | None:
+        if self.group_seq < 0:
+            return f"group_seq {self.group_seq} is negative"
+        if not -1 <= self.peer < MAX_WORLD_SIZE:
+            return f"peer {self.peer} is outside -1..{MAX_WORLD_SIZE - 1}"
+        if len(self.dtypes) != len(self.shapes):
+            return f"{len(self.dtypes)} dtypes for {len(self.shapes)} shapes"
+        for shape in self.shapes:
+            if not isinstance(shape, (tuple, list)) or any(type(d) is not int or d < 0 for d in shape):
+                return f"shape {shape!r} is not a list of sizes"
+        if self.pre_values and len(self.pre_values) != 4 * len(self.shapes) * len(self.ops):
+            return f"pre_values holds {len(self.pre_values)} bytes for {len(self.shapes)} tensors x {len(self.ops)} ops"
+        return _check_ranks(self.group_ranks, "group_ranks")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveCompleted(Event):
+    """A synchronous collective call of :class:`CollectiveCalled` (same ``group`` and ``group_seq``)
+    returned after ``duration`` seconds; ``values`` are the statistics of its tensors then (row-major
+    float32 ``tensors x len(ops)``). Written in ``cc_distribution``'s statistics mode only."""
+
+    TAG: ClassVar[str] = "cd"
+    op: str = ""
+    group: str = ""
+    group_seq: int = 0
+    duration: float = 0.0
+    ops: tuple = ()
+    values: bytes = b""
+
+    def check(self) -> str | None:
+        if self.group_seq < 0:
+            return f"group_seq {self.group_seq} is negative"
+        if self.ops and len(self.values) % (4 * len(self.ops)):
+            return f"values holds {len(self.values)} bytes, not whole rows of {len(self.ops)} float32"
+        return None
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StallDetected(Event):
+    """The stall watchdog found the current step running for ``elapsed`` seconds, past ``threshold``
+    (a multiple of ``median_step``, the median of the recent steps, or a floor); ``count`` numbers the
+    reports of this stall (it is reported again while it lasts).
+
+    ``stacks`` is every thread's Python stack as :mod:`faulthandler` prints it; ``modules`` the model's
+    modules whose forward is on the main thread's stack, outermost first. The last hook that fired
+    (``hook_module`` empty where none has in this step; ``hook_direction`` DIR_FORWARD/DIR_BACKWARD) and
+    the collective call in flight (``collective_op`` empty where none is; its ``collective_seq`` on
+    ``collective_group_ranks``, for ``collective_elapsed`` seconds) are what the recorder knew then."""
+
+    TAG: ClassVar[str] = "sl"
+    elapsed: float = 0.0
+    median_step: float = 0.0
+    threshold: float = 0.0
+    count: int = 1
+    stacks: str = ""
+    modules: tuple = ()
+    hook_module: str = ""
+    hook_direction: int = DIR_FORWARD
+    hook_micro_step: int = 0
+    hook_call_id: int = -1
+    collective_op: str = ""
+    collective_group_ranks: tuple = ()
+    collective_seq: int = -1
+    collective_elapsed: float = 0.0
+
+    def check(self) -> str | None:
+        if self.hook_direction not in (DIR_FORWARD, DIR_BACKWARD):
+            return f"direction {self.hook_direction} is neither forward (0) nor backward (1)"
+        return _check_ranks(self.collective_group_ranks, "collective_group_ranks") or _check_counts(self, "count")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExceptionRaised(Event):
+    """An exception ended the recording (uncaught, or out of the monitor's ``with`` block): its type and
+    message (``error``), the model's modules whose forward it came out of (``modules``, outermost
+    first, empty where it came from none) and its traceback as Python prints it (the last lines kept)."""
+
+    TAG: ClassVar[str] = "xr"
+    error: str = ""
+    modules: tuple = ()
+    traceback: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UnknownEvent(Event):
     """A record with a tag this reader does not know (written by a newer trainrec). Skip it."""
 
@@ -494,6 +604,10 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     RunResumed,
     RecordsDropped,
     HookFailed,
+    CollectiveCalled,
+    CollectiveCompleted,
+    StallDetected,
+    ExceptionRaised,
 )
 
 TAGS: dict[str, type[Event]] = {cls.TAG: cls for cls in EVENT_TYPES}

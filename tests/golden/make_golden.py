@@ -45,10 +45,13 @@ from trainrec.schema.events import (
     SLOT_INPUT_GRAD,
     SLOT_OUTPUT,
     AnomalyDetected,
+    CollectiveCalled,
+    CollectiveCompleted,
     ConfigApplied,
     ConfigChanged,
     ConfigRejected,
     Event,
+    ExceptionRaised,
     FileClosed,
     FileOpened,
     HookFailed,
@@ -58,6 +61,7 @@ from trainrec.schema.events import (
     NamesInterned,
     RecordsDropped,
     RunResumed,
+    StallDetected,
     StepBegan,
     StepEnded,
     TensorStatsRecorded,
@@ -298,6 +302,32 @@ def placeholders() -> Built:
     return g.b
 
 
+def flight() -> Built:
+    """The post-mortem's records: collective calls (metadata at issue, with pre-call statistics;
+    statistics after a call), a stall report with every thread's stack, and the exception that ended
+    the recording, before the close at exit."""
+    g = Builder()
+    g.add(header_event())
+    g.add(StepBegan(**env(1, 0)))
+    g.add(CollectiveCalled(**env(2, 0, 0.1), op="all_reduce", group="0", group_ranks=(0, 1), group_seq=0,
+                           shapes=((4, 8),), dtypes=("float32",), reduce_op="SUM", codeline="train.py[23]",
+                           ops=("norm", "max"), pre_values=pack_array("f", [2.0, 1.5])))
+    g.add(CollectiveCompleted(**env(3, 0, 0.2), op="all_reduce", group="0", group_seq=0, duration=0.1,
+                              ops=("norm", "max"), values=pack_array("f", [4.0, float("inf")])))
+    g.add(CollectiveCalled(**env(4, 0, 0.3), op="isend", group="1", group_ranks=(1, 3), group_seq=7,
+                           shapes=((2,), ()), dtypes=("bfloat16", "int64"), async_op=True, peer=3))
+    g.add(StepEnded(**env(5, 0, 0.4), duration=0.4, collected=True))
+    g.add(StallDetected(**env(6, 1, 30.0), elapsed=29.5, median_step=0.4, threshold=20.0, count=2,
+                        stacks='Thread 0x00007f00 (most recent call first):\n  File "train.py", line 23 in forward\n',
+                        modules=("model", "model.layer1"), hook_module="model.layer1", hook_direction=DIR_BACKWARD,
+                        hook_micro_step=1, hook_call_id=5, collective_op="all_gather_into_tensor",
+                        collective_group_ranks=(0, 1), collective_seq=9, collective_elapsed=29.0))
+    g.add(ExceptionRaised(**env(7, 1, 31.0), error="RuntimeError: bad batch", modules=("model", "model.head"),
+                          traceback="Traceback (most recent call last):\nRuntimeError: bad batch\n"))
+    g.add(FileClosed(**env(8, 1, 31.0), records=8, reason="exit after an uncaught RuntimeError"))
+    return g.b
+
+
 def _body(g: Builder, steps: int = 4) -> None:
     g.add(header_event())
     g.add(NamesInterned(**env(1, 0), first_id=0, names=("a", "b", "c")))
@@ -432,6 +462,7 @@ SCENARIOS: dict[str, Callable[[], Built]] = {
     "not_a_log": not_a_log,
     "logwriter": logwriter,
     "placeholders": placeholders,
+    "flight": flight,
 }
 
 
