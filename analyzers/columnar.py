@@ -1,0 +1,215 @@
+"""Re-detection over whole series: :class:`ColumnarScan`, an :class:`AnomalyScan` that collects each
+(rank, kind)'s stats records into numpy blocks and runs the rules over them at :meth:`~ColumnarScan.finish`
+(:mod:`trainrec.analyzers.vector_rules`), instead of one record at a time.
+
+It answers exactly as :class:`AnomalyScan` fed the same events: the same anomalies, in an order whose
+ranking is the same (within a rank, the order of the rank's records, then rule, row and op; ranks are
+never tied in :func:`~trainrec.analyzers.ranking.execution_key`). A (rank, kind) whose records do not all
+carry the same ops goes through the record-time :class:`~trainrec.schema.rules.Detector` instead.
+
+:class:`ScanPart` is what a scan of some ranks hands back across a process (or a cluster) boundary, and
+:func:`merge_parts` puts the parts of a partitioned scan together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from trainrec.schema.events import SLOTS, AnomalyDetected, TensorStatsRecorded
+from trainrec.schema.naming import reference_tag
+from trainrec.schema.rules import Detector, Rule, anomaly_message
+
+from .anomalies import _DTYPES, AnomalyScan
+from .vector_rules import SeriesBlock, block_flags
+
+__all__ = ["ColumnarScan", "ScanPart", "merge_parts"]
+
+
+@dataclass
+class _Record:
+    """What a found anomaly needs of its record (values go into the block)."""
+
+    seq: int  # arrival order in the scan
+    rec: TensorStatsRecorded
+    names: list[str]
+    sids: np.ndarray
+    values: np.ndarray  # rows x ops, float64
+    mask: np.ndarray | None  # placeholder rows
+    pp_stage: int
+    mates: tuple
+
+
+@dataclass
+class ScanPart:
+    """The answer of a scan of some ranks: everything :mod:`trainrec.tools.cmd_anomalies` prints."""
+
+    detected: list[AnomalyDetected] = field(default_factory=list)
+    recorded: list[AnomalyDetected] = field(default_factory=list)
+    first_step: int | None = None
+    last_step: int | None = None
+    ranks: set[int] = field(default_factory=set)
+    stats_records: int = 0
+    bad_records: int = 0
+    skipped_steps: set[int] = field(default_factory=set)
+    values: int = 0  # statistics values read (the benchmark's unit)
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (path, note) of damaged or torn files
+    foreign: bool = False  # a record named a rank other than its file's: partitions are not independent
+
+
+class ColumnarScan(AnomalyScan):
+    """An :class:`AnomalyScan` whose re-detection runs over whole series; call :meth:`finish` after the
+    last event (before that, :attr:`detected` is empty). Memory: the scanned ranks' statistics."""
+
+    def __init__(self, rules: Sequence[Rule] = (), kinds: Iterable[str] | None = None) -> None:
+        super().__init__(rules, kinds)
+        self.values_read = 0
+        self._records: dict[tuple[int, str], list[_Record]] = {}
+        self._seq = 0
+
+    def _detect(self, rec: TensorStatsRecorded, names: list[str] | None = None,
+                info: tuple[int, tuple] | None = None) -> list[AnomalyDetected]:
+        if rec.check() is not None:
+            self.bad_records += 1
+            return []
+        if names is None:
+            key = (rec.rank, self._gen.get(rec.rank, 0), rec.name_ids)
+            names = self._names.get(key)
+            if names is None:
+                if len(self._names) > 4096:
+                    self._names.clear()
+                names = self._names[key] = self._resolver.names(rec)
+        n = len(rec)
+        if n == 0 or not rec.ops:
+            return []
+        pp_stage, mates = info if info is not None else self._rank_info.get(rec.rank, (0, ()))
+        values = np.frombuffer(rec.values, dtype=_DTYPES[rec.dtype]).reshape(n, len(rec.ops)).astype(np.float64)
+        self.values_read += values.size
+        slot = _col(rec.slots, n, np.uint8, 0)
+        micro = _col(rec.micro_steps, n, "<u2", 0)
+        vpp = _col(rec.vpp_stages, n, np.uint8, 0)
+        sids = self.detector.series.sids(rec.rank, rec.kind, names, slot.astype(np.int64),
+                                         micro.astype(np.int64), vpp.astype(np.int64))
+        mask = np.frombuffer(rec.placeholders, np.uint8).astype(bool) if rec.placeholders else None
+        if mask is not None and not mask.any():
+            mask = None
+        self._records.setdefault((rec.rank, rec.kind), []).append(
+            _Record(self._seq, rec, names, sids, values, mask, pp_stage, tuple(int(m) for m in mates)))
+        self._seq += 1
+        return []
+
+    def finish(self) -> ColumnarScan:
+        """Run the rules over every collected (rank, kind) and fill :attr:`detected`."""
+        found: list[tuple[tuple, AnomalyDetected]] = []
+        for (rank, kind), records in self._records.items():
+            found.extend(self._detect_block(rank, kind, records))
+        self._records.clear()
+        found.sort(key=lambda item: item[0])
+        self.detected.extend(ev for _, ev in found)
+        return self
+
+    def part(self) -> ScanPart:
+        """The scan's answer (after :meth:`finish`)."""
+        return ScanPart(
+            detected=list(self.detected), recorded=list(self.recorded), first_step=self.first_step,
+            last_step=self.last_step, ranks=set(self.ranks), stats_records=self.stats_records,
+            bad_records=self.bad_records, skipped_steps=set(self.skipped_steps), values=self.values_read,
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _detect_block(self, rank: int, kind: str, records: list[_Record]) -> list[tuple[tuple, AnomalyDetected]]:
+        ops = tuple(records[0].rec.ops)
+        if any(tuple(r.rec.ops) != ops for r in records):
+            return self._detect_serially(records)
+        first = records[0].sids
+        if all(r.sids is first or np.array_equal(r.sids, first) for r in records):
+            x = np.stack([r.values for r in records])
+            row_of = None  # series s is row s of every record
+            missing = np.zeros(x.shape[:2], dtype=bool)
+            for t, r in enumerate(records):
+                if r.mask is not None:
+                    missing[t] = r.mask
+        else:
+            uniq = np.unique(np.concatenate([r.sids for r in records]))
+            x = np.full((len(records), len(uniq), len(ops)), np.nan)
+            missing = np.ones(x.shape[:2], dtype=bool)
+            row_of = []
+            for t, r in enumerate(records):
+                cols = np.searchsorted(uniq, r.sids)
+                x[t, cols] = r.values
+                missing[t, cols] = False if r.mask is None else r.mask
+                rows = np.full(len(uniq), -1, dtype=np.int64)
+                rows[cols] = np.arange(len(cols))
+                row_of.append(rows)
+        block = SeriesBlock(x, missing, ops)
+        out = []
+        for ri, rule in enumerate(self.detector.rules):
+            flags, base = block_flags(rule, block)
+            ti, si, oi = np.nonzero(flags)
+            for t, s, o in zip(ti.tolist(), si.tolist(), oi.tolist(), strict=True):
+                r = records[t]
+                row = s if row_of is None else int(row_of[t][s])
+                ev = _anomaly(r, rule.name, row, o, float(x[t, s, o]), float(base[t, s, o]))
+                out.append(((r.seq, ri, row, o), ev))
+        return out
+
+    def _detect_serially(self, records: list[_Record]) -> list[tuple[tuple, AnomalyDetected]]:
+        """The record-time Detector over one (rank, kind) (series of other kinds never meet these)."""
+        det = Detector([type(rule)(**rule.args) for rule in self.detector.rules])
+        out = []
+        for r in records:
+            rec = r.rec
+            found = det.observe(
+                rank=rec.rank, step=rec.step, kind=rec.kind, ops=rec.ops, names=r.names, values=r.values,
+                micro_steps=np.frombuffer(rec.micro_steps, "<u2") if rec.micro_steps else None,
+                call_ids=np.frombuffer(rec.call_ids, "<u4") if rec.call_ids else None,
+                slots=np.frombuffer(rec.slots, np.uint8) if rec.slots else None,
+                vpp_stages=np.frombuffer(rec.vpp_stages, np.uint8) if rec.vpp_stages else None,
+                pp_stage=r.pp_stage, group_mates=r.mates, wall=rec.wall,
+                placeholders=np.frombuffer(rec.placeholders, np.uint8) if rec.placeholders else None,
+            )
+            out.extend(((r.seq, i), ev) for i, ev in enumerate(found))
+        return out
+
+
+def _col(raw: bytes, n: int, dtype, fill: int) -> np.ndarray:
+    return np.frombuffer(raw, dtype) if raw else np.full(n, fill, dtype=dtype)
+
+
+def _anomaly(r: _Record, rule: str, row: int, col: int, value: float, baseline: float) -> AnomalyDetected:
+    """The event the Detector makes for one flag (field for field)."""
+    rec = r.rec
+    s = int(rec.slots[row]) if rec.slots else 0
+    slot_name = SLOTS[s] if 0 <= s < len(SLOTS) else str(s)
+    micro = int(np.frombuffer(rec.micro_steps, "<u2")[row]) if rec.micro_steps else 0
+    vpp = int(rec.vpp_stages[row]) if rec.vpp_stages else 0
+    call = int(np.frombuffer(rec.call_ids, "<u4")[row]) if rec.call_ids else -1
+    name = r.names[row]
+    tag = reference_tag(rec.kind, name, slot_name, micro, rec.rank, vpp)
+    op = rec.ops[col]
+    return AnomalyDetected(
+        rank=rec.rank, step=rec.step, wall=rec.wall, micro_step=micro, pp_stage=r.pp_stage, vpp_stage=vpp,
+        call_id=call, tag_name=tag, op=op, value=value, baseline=baseline,
+        message=anomaly_message(rule, tag, op, rec.step), group_mates=r.mates, rule=rule, kind=rec.kind,
+        name=name, slot=slot_name,
+    )
+
+
+def merge_parts(parts: Iterable[ScanPart]) -> ScanPart:
+    """One answer from the parts of a partitioned scan (parts in rank order)."""
+    out = ScanPart()
+    for p in parts:
+        out.detected.extend(p.detected)
+        out.recorded.extend(p.recorded)
+        if p.first_step is not None:
+            out.first_step = p.first_step if out.first_step is None else min(out.first_step, p.first_step)
+            out.last_step = p.last_step if out.last_step is None else max(out.last_step, p.last_step)
+        out.ranks |= p.ranks
+        out.stats_records += p.stats_records
+        out.bad_records += p.bad_records
+        out.skipped_steps |= p.skipped_steps
+        out.values += p.values
+        out.notes.extend(p.notes)
+        out.foreign |= p.foreign
+    return out
