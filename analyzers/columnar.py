@@ -35,10 +35,21 @@ class _Record:
     rec: TensorStatsRecorded
     names: list[str]
     sids: np.ndarray
-    values: np.ndarray  # rows x ops, float64
-    mask: np.ndarray | None  # placeholder rows
     pp_stage: int
     mates: tuple
+
+    @property
+    def mask(self) -> np.ndarray | None:
+        """Placeholder rows (None: none)."""
+        raw = self.rec.placeholders
+        if not raw or not raw.strip(b"\x00"):
+            return None
+        return np.frombuffer(raw, np.uint8).astype(bool)
+
+    @property
+    def values(self) -> np.ndarray:
+        rec = self.rec
+        return np.frombuffer(rec.values, _DTYPES[rec.dtype]).reshape(len(rec), len(rec.ops)).astype(np.float64)
 
 
 @dataclass
@@ -84,18 +95,24 @@ class ColumnarScan(AnomalyScan):
         if n == 0 or not rec.ops:
             return []
         pp_stage, mates = info if info is not None else self._rank_info.get(rec.rank, (0, ()))
-        values = np.frombuffer(rec.values, dtype=_DTYPES[rec.dtype]).reshape(n, len(rec.ops)).astype(np.float64)
-        self.values_read += values.size
-        slot = _col(rec.slots, n, np.uint8, 0)
-        micro = _col(rec.micro_steps, n, "<u2", 0)
-        vpp = _col(rec.vpp_stages, n, np.uint8, 0)
-        sids = self.detector.series.sids(rec.rank, rec.kind, names, slot.astype(np.int64),
-                                         micro.astype(np.int64), vpp.astype(np.int64))
-        mask = np.frombuffer(rec.placeholders, np.uint8).astype(bool) if rec.placeholders else None
-        if mask is not None and not mask.any():
-            mask = None
-        self._records.setdefault((rec.rank, rec.kind), []).append(
-            _Record(self._seq, rec, names, sids, values, mask, pp_stage, tuple(int(m) for m in mates)))
+        self.values_read += n * len(rec.ops)
+        records = self._records.get((rec.rank, rec.kind))
+        if records is None:
+            records = self._records[(rec.rank, rec.kind)] = []
+        prev = records[-1] if records else None
+        if (prev is not None and prev.names is names and prev.rec.name_ids == rec.name_ids
+                and prev.rec.slots == rec.slots and prev.rec.micro_steps == rec.micro_steps
+                and prev.rec.vpp_stages == rec.vpp_stages):
+            sids = prev.sids  # the same layout as the record before: the same series
+        else:
+            sids = self.detector.series.sids(
+                rec.rank, rec.kind, names, _col(rec.slots, n, np.uint8, 0).astype(np.int64),
+                _col(rec.micro_steps, n, "<u2", 0).astype(np.int64), _col(rec.vpp_stages, n, np.uint8, 0).astype(np.int64))
+        if prev is not None and prev.mates == tuple(mates) and prev.pp_stage == pp_stage:
+            mates = prev.mates
+        else:
+            mates = tuple(int(m) for m in mates)
+        records.append(_Record(self._seq, rec, names, sids, pp_stage, mates))
         self._seq += 1
         return []
 
@@ -123,13 +140,20 @@ class ColumnarScan(AnomalyScan):
         if any(tuple(r.rec.ops) != ops for r in records):
             return self._detect_serially(records)
         first = records[0].sids
-        if all(r.sids is first or np.array_equal(r.sids, first) for r in records):
-            x = np.stack([r.values for r in records])
+        x32 = None
+        if all(r.sids is first for r in records):
             row_of = None  # series s is row s of every record
+            if all(r.rec.dtype == "f" for r in records):
+                x32 = np.frombuffer(b"".join(r.rec.values for r in records), "<f4").reshape(
+                    len(records), len(first), len(ops))
+                x = x32.astype(np.float64)
+            else:
+                x = np.stack([r.values for r in records])
             missing = np.zeros(x.shape[:2], dtype=bool)
             for t, r in enumerate(records):
-                if r.mask is not None:
-                    missing[t] = r.mask
+                mask = r.mask
+                if mask is not None:
+                    missing[t] = mask
         else:
             uniq = np.unique(np.concatenate([r.sids for r in records]))
             x = np.full((len(records), len(uniq), len(ops)), np.nan)
@@ -138,11 +162,12 @@ class ColumnarScan(AnomalyScan):
             for t, r in enumerate(records):
                 cols = np.searchsorted(uniq, r.sids)
                 x[t, cols] = r.values
-                missing[t, cols] = False if r.mask is None else r.mask
+                mask = r.mask
+                missing[t, cols] = False if mask is None else mask
                 rows = np.full(len(uniq), -1, dtype=np.int64)
                 rows[cols] = np.arange(len(cols))
                 row_of.append(rows)
-        block = SeriesBlock(x, missing, ops)
+        block = SeriesBlock(x, missing, ops, x32)
         out = []
         for ri, rule in enumerate(self.detector.rules):
             flags, base = block_flags(rule, block)

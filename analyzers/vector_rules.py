@@ -32,11 +32,12 @@ class SeriesBlock:
     size: for observation ``t`` of column ``(s, o)``, ``cf`` finite values came before it; ``G`` holds each
     column's finite values compacted to the front (NaN after), so its window is ``G[cf - W : cf]``."""
 
-    def __init__(self, x: np.ndarray, missing: np.ndarray, ops: Sequence[str]) -> None:
+    def __init__(self, x: np.ndarray, missing: np.ndarray, ops: Sequence[str], x32: np.ndarray | None = None) -> None:
         self.x = x
+        self.x32 = x32  # the same values as float32, where they are exactly that (a cheap first filter)
         self.ops = tuple(ops)
         self.present = ~missing[:, :, None]
-        self.finite = np.isfinite(x) & self.present
+        self.finite = np.isfinite(x if x32 is None else x32) & self.present
         self.dense = bool(self.finite.all())
         t, s, o = x.shape
         if self.dense:
@@ -160,7 +161,51 @@ def _nan_flags(block: SeriesBlock, ops: tuple[str, ...]) -> tuple[np.ndarray, np
     return flags, last
 
 
+def _rolling_dense(x: np.ndarray, window: int, fn, accumulate) -> np.ndarray:
+    """``fn`` over the window before each row of finite ``x`` (row 0: NaN; rows below ``window``: a prefix)."""
+    out = np.empty_like(x)
+    out[0] = np.nan
+    head = min(window, len(x))
+    if head > 1:
+        out[1:head] = accumulate(x[: head - 1], axis=0)
+    if len(x) > window:
+        out[window:] = _rolling(x[:-1], window, fn)
+    return out
+
+
+def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray, np.ndarray]:
+    """Observations (rows, series) that may be flagged: a superset of the Detector's candidates, from a
+    float32 pass over a dense block (window extremes are exact in float32; the arithmetic gets a margin)."""
+    x = block.x32
+    ops = block.ops
+    w = rule.window
+    first = max(rule.warmup, 1)  # dense: n == min(t, w), so n >= warmup from this row
+    if first >= len(x) or (first > w):
+        return np.empty(0, np.intp), np.empty(0, np.intp)
+    hmin = _rolling_dense(x, w, np.minimum, np.minimum.accumulate)[first:]
+    hmax = _rolling_dense(x, w, np.maximum, np.maximum.accumulate)[first:]
+    xs = x[first:]
+    floors = _op_floors(ops, rule.floor).astype(np.float32)
+    low = np.maximum(np.maximum(hmin, -hmax), np.float32(0))
+    bound_scale = np.maximum(low, floors)
+    if rule.range_floor and "min" in ops and "max" in ops:
+        jmin, jmax = ops.index("min"), ops.index("max")
+        low_abs = np.float32(rule.range_floor) * np.maximum(low[:, :, jmin], low[:, :, jmax])
+        for j in (ops.index(op) for op in _VALUE_OPS if op in ops):
+            np.maximum(bound_scale[:, :, j], low_abs, out=bound_scale[:, :, j])
+    bound = np.maximum(xs - hmin, hmax - xs)
+    if rule.sudden:
+        np.minimum(bound, np.abs(xs - x[first - 1 : -1]), out=bound)
+    cand = bound * np.float32(1 + 1e-4) >= bound_scale * np.float32(rule.threshold * (1 - 1e-4))
+    if NANS_OP in ops:
+        cand[:, :, ops.index(NANS_OP)] = False
+    ti, si = np.nonzero(cand.any(axis=2))
+    return ti + first, si
+
+
 def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray, np.ndarray]:
+    if block.dense and block.x32 is not None and rule.window >= 1:
+        return _turbulence_few(rule, block, *_candidates32(rule, block))
     ops = block.ops
     x = block.x
     w = rule.window
@@ -219,6 +264,72 @@ def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray
                 j = ops.index(NANS_OP)
                 base[ti, si, j] = np.where(n[ti, si, j] > 0, nan_last[ti, si, j], np.nan)
         flags |= nan_flags
+    return flags, base
+
+
+def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
+                    si: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The Detector's arithmetic, exactly, on the observations ``(ti, si)`` of a dense block only."""
+    ops = block.ops
+    x = block.x
+    w = rule.window
+    flags = np.zeros(x.shape, dtype=bool)
+    base = np.empty(x.shape)
+    floors = _op_floors(ops, rule.floor)
+    t = rule.threshold
+    jmin = ops.index("min") if rule.range_floor and "min" in ops and "max" in ops else -1
+    jmax = ops.index("max") if jmin >= 0 else -1
+    value_cols = [ops.index(op) for op in _VALUE_OPS if op in ops] if jmin >= 0 else []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for c0 in range(0, len(ti), _CHUNK):
+            tr, sr = ti[c0 : c0 + _CHUNK], si[c0 : c0 + _CHUNK]
+            h = block.windows(w, tr, sr)  # candidates x ops x W
+            nr = np.broadcast_to(np.minimum(tr, w)[:, None], h.shape[:2])
+            xr = x[tr, sr]
+            last = x[tr - 1, sr]
+            hmin = np.fmin.reduce(h, axis=-1)
+            hmax = np.fmax.reduce(h, axis=-1)
+            low = np.where(hmin > 0, hmin, np.where(hmax < 0, -hmax, 0.0))
+            bound_scale = np.maximum(low, floors)
+            if jmin >= 0:
+                low_abs = np.maximum(low[:, jmin], low[:, jmax])
+                for j in value_cols:
+                    bound_scale[:, j] = np.maximum(bound_scale[:, j], rule.range_floor * low_abs)
+            bound = np.maximum(np.abs(xr - hmin), np.abs(xr - hmax))
+            if rule.sudden:
+                bound = np.fmin(bound, np.abs(xr - last))
+            cand = (nr >= max(rule.warmup, 1)) & (bound > t * bound_scale)
+            if NANS_OP in ops:
+                cand[:, ops.index(NANS_OP)] = False
+            h.sort(axis=-1)
+            med = _median_sorted(h, nr)
+            dev_hist = np.abs(h - med[..., None])
+            dev_hist.sort(axis=-1)
+            spread = _median_sorted(dev_hist, nr)
+            scale = np.maximum(np.maximum(np.abs(med), rule.noise * spread), floors)
+            if jmin >= 0:
+                absmax = np.maximum(np.abs(med[:, jmin]), np.abs(med[:, jmax]))
+                for j in value_cols:
+                    scale[:, j] = np.fmax(scale[:, j], rule.range_floor * absmax)
+            diff = np.abs(xr - med)
+            if rule.sudden:
+                diff = np.fmin(diff, np.abs(xr - last))
+            flags[tr, sr] = cand & (diff / scale > t)
+            base[tr, sr] = med
+    if rule.nan and NANS_OP in ops:
+        # every value finite: only a nans count rising from 0 can be flagged; its baseline is the last count
+        j = ops.index(NANS_OP)
+        col = x[:, :, j]
+        rise = np.zeros(col.shape, dtype=bool)
+        rise[1:] = (col[1:] > 0) & (col[:-1] == 0)
+        rise[0] = col[0] > 0
+        tj, sj = np.nonzero(rise)
+        if len(tj):
+            h = block.windows(w, tj, sj)
+            h.sort(axis=-1)
+            base[tj, sj] = _median_sorted(h, block.count(w)[tj, sj])
+            base[tj, sj, j] = np.where(tj > 0, x[np.maximum(tj - 1, 0), sj, j], np.nan)
+            flags[:, :, j] |= rise
     return flags, base
 
 
