@@ -20,12 +20,16 @@ from typing import Any
 
 from trainrec.replay.discover import RunInfo
 from trainrec.replay.run import Run
+from trainrec.replay.summary import summarize, summarize_rank
 from trainrec.schema.errors import ConfigError, TrainrecError
 
 from .export_files import pool_context
 from .progress import Progress
 
-__all__ = ["add_jobs_arguments", "check_engine", "partition_ranks", "rank_bytes", "run_parts", "sub_info"]
+__all__ = [
+    "add_jobs_arguments", "check_engine", "partition_ranks", "rank_bytes", "run_parts", "sub_info", "summarize_ranks",
+    "summarize_run",
+]
 
 ENGINES = ("local", "dask")
 
@@ -149,3 +153,18 @@ def _run_dask(fn, parts, weights, jobs: int, cluster: str | None, bar: Progress)
         client.close()
         if local is not None:
             local.close()
+
+
+# ---------------------------------------------------------------------------------------- inspect, check
+def summarize_ranks(info: RunInfo, ranks: Sequence[int]) -> list:
+    """The :class:`~trainrec.replay.summary.RankSummary` of some ranks (a part's work)."""
+    run = Run(info)
+    return [summarize_rank(run, r) for r in ranks]
+
+
+def summarize_run(run: Run, jobs: int, label: str):
+    """:func:`~trainrec.replay.summary.summarize` of ``run``, its ranks read by ``jobs`` processes."""
+    groups = partition_ranks(run, run.ranks, len(run.ranks) if jobs <= 1 else jobs * 4)
+    weights = [sum(rank_bytes(run, r) for r in g) for g in groups]
+    parts = run_parts(summarize_ranks, [(sub_info(run, g), g) for g in groups], weights, jobs, label)
+    return summarize(run, [rs for part in parts for rs in part])
