@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 ENGINES = ("local", "dask")
+log = logging.getLogger(__name__)
 
 
 def add_jobs_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None:
@@ -132,11 +134,14 @@ def _run_dask(fn, parts, weights, jobs: int, cluster: str | None, bar: Progress)
     from distributed import Client, LocalCluster, as_completed
 
     local = None
+    if not log.isEnabledFor(logging.INFO):  # (-v shows Dask's own log lines)
+        logging.getLogger("distributed").setLevel(logging.ERROR)
     try:
         if cluster:
             client = Client(cluster, timeout=30)
         else:
-            local = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True, dashboard_address=None)
+            local = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                 silence_logs=logging.ERROR)
             client = Client(local)
     except (OSError, TimeoutError) as exc:
         raise TrainrecError(f"cannot reach the Dask scheduler {cluster or '(local cluster)'}: {exc}") from exc

@@ -171,8 +171,8 @@ def test_jobs_give_the_serial_answer(run_dir, tmp_path, capsys, argv):
     record-by-record scan of the merged stream finds."""
     from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
     from trainrec.analyzers.ranking import rank_anomalies
-    from trainrec.tools.cmd_anomalies import build_rules
     from trainrec.tools.cli import build_parser
+    from trainrec.tools.cmd_anomalies import build_rules
 
     outs = []
     for jobs in ("1", "2"):
