@@ -22,7 +22,7 @@ from trainrec.schema.naming import reference_tag
 from trainrec.schema.rules import Detector, Rule, anomaly_message
 
 from .anomalies import _DTYPES, AnomalyScan
-from .vector_rules import SeriesBlock, block_flags
+from .vector_rules import Carry, SeriesBlock, block_flags
 
 __all__ = ["ColumnarScan", "ScanPart", "merge_parts"]
 
@@ -71,12 +71,21 @@ class ScanPart:
 
 class ColumnarScan(AnomalyScan):
     """An :class:`AnomalyScan` whose re-detection runs over whole series; call :meth:`finish` after the
-    last event (before that, :attr:`detected` is empty). Memory: the scanned ranks' statistics."""
+    last event (before that, :attr:`detected` holds only part of the re-detected anomalies).
 
-    def __init__(self, rules: Sequence[Rule] = (), kinds: Iterable[str] | None = None) -> None:
+    Records are judged ``chunk`` at a time per (rank, kind), each chunk carrying its series' state into
+    the next (:class:`~trainrec.analyzers.vector_rules.Carry`): memory is about ``chunk`` records of
+    each kind, whatever the number of steps."""
+
+    def __init__(self, rules: Sequence[Rule] = (), kinds: Iterable[str] | None = None, chunk: int = 256) -> None:
         super().__init__(rules, kinds)
         self.values_read = 0
+        self.chunk = max(1, chunk)
         self._records: dict[tuple[int, str], list[_Record]] = {}
+        self._carry: dict[tuple[int, str], Carry] = {}
+        self._serial: dict[tuple[int, str], Detector] = {}  # (rank, kind)s whose ops changed
+        self._found: list[tuple[tuple, AnomalyDetected]] = []
+        self._depth = max([1, *(getattr(rule, "window", 1) for rule in self.detector.rules)]) if rules else 1
         self._seq = 0
 
     def _detect(self, rec: TensorStatsRecorded, names: list[str] | None = None,
@@ -114,16 +123,19 @@ class ColumnarScan(AnomalyScan):
             mates = tuple(int(m) for m in mates)
         records.append(_Record(self._seq, rec, names, sids, pp_stage, mates))
         self._seq += 1
+        if len(records) >= self.chunk:
+            self._flush((rec.rank, rec.kind))
         return []
 
     def finish(self) -> ColumnarScan:
         """Run the rules over every collected (rank, kind) and fill :attr:`detected`."""
-        found: list[tuple[tuple, AnomalyDetected]] = []
-        for (rank, kind), records in self._records.items():
-            found.extend(self._detect_block(rank, kind, records))
-        self._records.clear()
-        found.sort(key=lambda item: item[0])
-        self.detected.extend(ev for _, ev in found)
+        for key in list(self._records):
+            self._flush(key)
+        self._carry.clear()
+        self._serial.clear()
+        self._found.sort(key=lambda item: item[0])
+        self.detected.extend(ev for _, ev in self._found)
+        self._found.clear()
         return self
 
     def part(self) -> ScanPart:
@@ -135,13 +147,31 @@ class ColumnarScan(AnomalyScan):
         )
 
     # ------------------------------------------------------------------ internals
-    def _detect_block(self, rank: int, kind: str, records: list[_Record]) -> list[tuple[tuple, AnomalyDetected]]:
-        ops = tuple(records[0].rec.ops)
-        if any(tuple(r.rec.ops) != ops for r in records):
-            return self._detect_serially(records)
+    def _flush(self, key: tuple[int, str]) -> None:
+        """Judge the records collected for ``key``."""
+        records = self._records.pop(key, [])
+        if not records:
+            return
+        if key not in self._serial:
+            carry = self._carry.get(key)
+            ops = carry.ops if carry is not None else tuple(records[0].rec.ops)
+            same = next((i for i, r in enumerate(records) if tuple(r.rec.ops) != ops), len(records))
+            if same:
+                if carry is None:
+                    carry = self._carry[key] = Carry(ops, self._depth)
+                self._found.extend(self._detect_block(records[:same], carry))
+            if same == len(records):
+                return
+            records = records[same:]
+            self._serial[key] = self._seeded_detector(self._carry.pop(key, None))
+        self._found.extend(self._detect_serially(self._serial[key], records))
+
+    def _detect_block(self, records: list[_Record], carry: Carry) -> list[tuple[tuple, AnomalyDetected]]:
+        ops = carry.ops
         first = records[0].sids
         x32 = None
         if all(r.sids is first for r in records):
+            series = first
             row_of = None  # series s is row s of every record
             if all(r.rec.dtype == "f" for r in records):
                 x32 = np.frombuffer(b"".join(r.rec.values for r in records), "<f4").reshape(
@@ -155,33 +185,64 @@ class ColumnarScan(AnomalyScan):
                 if mask is not None:
                     missing[t] = mask
         else:
-            uniq = np.unique(np.concatenate([r.sids for r in records]))
-            x = np.full((len(records), len(uniq), len(ops)), np.nan)
+            series = np.unique(np.concatenate([r.sids for r in records]))
+            x = np.full((len(records), len(series), len(ops)), np.nan)
             missing = np.ones(x.shape[:2], dtype=bool)
             row_of = []
             for t, r in enumerate(records):
-                cols = np.searchsorted(uniq, r.sids)
+                cols = np.searchsorted(series, r.sids)
                 x[t, cols] = r.values
                 mask = r.mask
                 missing[t, cols] = False if mask is None else mask
-                rows = np.full(len(uniq), -1, dtype=np.int64)
+                rows = np.full(len(series), -1, dtype=np.int64)
                 rows[cols] = np.arange(len(cols))
                 row_of.append(rows)
-        block = SeriesBlock(x, missing, ops, x32)
+        held = carry.rows(series)
+        block = SeriesBlock(x, missing, ops, x32, (carry.hist[held], carry.count[held], carry.last_ok[held]))
+        skip = block.skip
         out = []
         for ri, rule in enumerate(self.detector.rules):
             flags, base = block_flags(rule, block)
-            ti, si, oi = np.nonzero(flags)
+            ti, si, oi = np.nonzero(flags[skip:])
             for t, s, o in zip(ti.tolist(), si.tolist(), oi.tolist(), strict=True):
                 r = records[t]
                 row = s if row_of is None else int(row_of[t][s])
-                ev = _anomaly(r, rule.name, row, o, float(x[t, s, o]), float(base[t, s, o]))
+                ev = _anomaly(r, rule.name, row, o, float(block.x[t + skip, s, o]), float(base[t + skip, s, o]))
                 out.append(((r.seq, ri, row, o), ev))
+        hist, seen, last_ok, observed = block.carry(carry.depth)
+        carry.hist[held] = hist
+        carry.count[held] += seen
+        carry.last_ok[held] = np.where(observed[:, None], last_ok, carry.last_ok[held])
         return out
 
-    def _detect_serially(self, records: list[_Record]) -> list[tuple[tuple, AnomalyDetected]]:
-        """The record-time Detector over one (rank, kind) (series of other kinds never meet these)."""
+    def _seeded_detector(self, carry: Carry | None) -> Detector:
+        """A record-time Detector holding the state the chunks so far left (same series ids)."""
         det = Detector([type(rule)(**rule.args) for rule in self.detector.rules])
+        det.series = self.detector.series
+        if carry is None or not carry.index:
+            return det
+        sids = np.fromiter(carry.index, np.intp, count=len(carry.index))
+        rows = np.fromiter(carry.index.values(), np.intp, count=len(carry.index))
+        for rule in det.rules:
+            # (the rule's ring state, written as its own update() would have left it)
+            st = rule._state
+            cols = st.columns(carry.ops)
+            st.ensure(int(sids.max()) + 1)
+            w = st.window
+            count = carry.count[rows]
+            held = np.minimum(count, w)
+            for m in range(w):  # the m-th newest value of each column, where it has one
+                si, oi = np.nonzero(held > m)
+                absolute = count[si, oi] - 1 - m
+                st.ring[absolute % w, sids[si], cols[oi]] = carry.hist[rows[si], carry.depth - 1 - m, oi]
+            st.pos[sids[:, None], cols[None, :]] = count % w
+            st.count[sids[:, None], cols[None, :]] = held
+            st.last[sids[:, None], cols[None, :]] = np.where(count > 0, carry.hist[rows, -1], 0.0)
+            st.last_ok[sids[:, None], cols[None, :]] = carry.last_ok[rows]
+        return det
+
+    def _detect_serially(self, det: Detector, records: list[_Record]) -> list[tuple[tuple, AnomalyDetected]]:
+        """The record-time Detector over records of one (rank, kind)."""
         out = []
         for r in records:
             rec = r.rec
