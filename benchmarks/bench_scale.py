@@ -45,8 +45,9 @@ import json, resource, subprocess, sys, time
 t0 = time.perf_counter()
 r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 wall = time.perf_counter() - t0
-rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-print(json.dumps({"rc": r.returncode, "wall": wall, "rss_mb": rss / 1024, "err": r.stderr.decode()[-400:]}))
+use = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"rc": r.returncode, "wall": wall, "cpu": use.ru_utime + use.ru_stime, "rss_mb": use.ru_maxrss / 1024,
+                  "err": r.stderr.decode()[-400:]}))
 """
 
 
@@ -59,8 +60,8 @@ def measure(argv: list[str]) -> dict:
 
 
 def line(label: str, got: dict, values: int) -> None:
-    print(f"  {label:<52} {got['wall']:7.2f} s  {values / got['wall'] / 1e6:7.1f} M values/s  "
-          f"{got['rss_mb']:7.0f} MB peak", flush=True)
+    print(f"  {label:<50} {got['wall']:6.1f} s {values / got['wall'] / 1e6:6.1f} M/s   CPU {got['cpu']:6.1f} s "
+          f"{values / got['cpu'] / 1e6:6.1f} M/CPU-s  {got['rss_mb']:5.0f} MB", flush=True)
 
 
 def synthesise(path: str, ranks: int, steps: int) -> None:
@@ -117,7 +118,9 @@ def main() -> None:
     io_values = min(a.io_ranks, a.ranks) * a.steps * TENSORS * OPS
     try:
         synthesise(run_dir, a.ranks, a.steps)
-        print(f"{values / 1e6:.1f} M values; {os.cpu_count()} CPUs; figures per command:")
+        print(f"{values / 1e6:.1f} M values; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; "
+              "per command: wall, values/s, CPU seconds (all its processes), values per CPU-second, peak RSS "
+              "of its largest process")
         rule = ["--rule", "AnomalyTurbulence", "--threshold", "0.5"]
         for jobs in ("1", "2"):
             line(f"inspect -j {jobs}", measure([*TRAINREC, "inspect", run_dir, "-j", jobs]), values)
@@ -134,8 +137,8 @@ def main() -> None:
                       "AnomalyScan([make_rule('AnomalyTurbulence', {'threshold': 0.5})]).feed_all(open_run(sys.argv[1]).events())")
             line("record-by-record AnomalyScan (before)", measure([sys.executable, "-c", before, run_dir]), values)
         floor = numpy_floor(run_dir, a.sample)
-        print(f"  {'numpy floor: rolling min/max over values in memory':<52} {'':9}  {floor / 1e6:7.1f} M values/s "
-              f"(one process)", flush=True)
+        print(f"  {'numpy floor: rolling min/max, values in memory':<50} {'':8} {floor / 1e6:6.1f} M/s (one process, "
+              "CPU-bound)", flush=True)
         sel = f"0-{min(a.io_ranks, a.ranks) - 1}"
         ranks_args = [x for r in range(min(a.io_ranks, a.ranks)) for x in ("--rank", str(r))]
         for jobs in ("1", "2"):
@@ -156,6 +159,7 @@ def main() -> None:
         total = got["wall"] / 2 * 1000 / 2
         print(f"  projected 1,000 ranks x 10,000 steps (12 G values) with -j 2: {total / 60:.0f} min "
               f"(one process holds one rank: {got['rss_mb']:.0f} MB peak)")
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
     finally:
         if not a.keep:
             shutil.rmtree(a.dir, ignore_errors=True)
