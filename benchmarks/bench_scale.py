@@ -77,29 +77,41 @@ def synthesise(path: str, ranks: int, steps: int) -> None:
           f"{time.perf_counter() - t0:.0f} s")
 
 
-def numpy_floor(path: str, sample: int, window: int = 16) -> float:
-    """Values per second of the plain numpy rolling pass over values held in memory."""
+def numpy_floor(path: str, sample: int, window: int = 16) -> tuple[float, float]:
+    """Values per second of the plain numpy rolling pass, and of the re-detection's rules
+    (``vector_rules`` on the same blocks), over values held in memory."""
     from numpy.lib.stride_tricks import sliding_window_view
+    from trainrec.analyzers.vector_rules import SeriesBlock, block_flags
     from trainrec.replay.run import open_run
     from trainrec.schema.events import TensorStatsRecorded
+    from trainrec.schema.rules import make_rule
 
     run = open_run(path)
-    seconds = 0.0
+    floor = rules = 0.0
     values = 0
     for rank in run.ranks[:sample]:
         blocks: dict[str, list[np.ndarray]] = {}
+        ops: dict[str, tuple] = {}
         for ev in run.events(rank=rank):
             if type(ev) is TensorStatsRecorded:
-                blocks.setdefault(ev.kind, []).append(np.frombuffer(ev.values, "<f4"))
-        arrays = [np.stack(v).astype(np.float64) for v in blocks.values()]
+                blocks.setdefault(ev.kind, []).append(np.frombuffer(ev.values, "<f4").reshape(len(ev), len(ev.ops)))
+                ops[ev.kind] = ev.ops
+        arrays = {k: np.stack(v) for k, v in blocks.items()}
         t0 = time.perf_counter()
-        for x in arrays:
+        for x32 in arrays.values():
+            x = x32.astype(np.float64).reshape(len(x32), -1)
             win = sliding_window_view(x, window, axis=0)
             lo, hi = win.min(axis=-1), win.max(axis=-1)
             _ = np.maximum(x[window - 1 :] - lo, hi - x[window - 1 :]) > 0.5 * np.abs(lo)
-        seconds += time.perf_counter() - t0
-        values += sum(x.size for x in arrays)
-    return values / seconds
+        t1 = time.perf_counter()
+        for kind, x32 in arrays.items():
+            rule = make_rule("AnomalyTurbulence", {"threshold": 0.5})
+            block_flags(rule, SeriesBlock(x32.astype(np.float64), np.zeros(x32.shape[:2], bool), ops[kind], x32))
+        t2 = time.perf_counter()
+        floor += t1 - t0
+        rules += t2 - t1
+        values += sum(x.size for x in arrays.values())
+    return values / floor, values / rules
 
 
 def main() -> None:
@@ -112,6 +124,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the synthesised logs")
     ap.add_argument("--skip-before", action="store_true", help="skip the record-by-record scan (slow)")
     ap.add_argument("--skip-dask", action="store_true")
+    ap.add_argument("--only-floor", action="store_true", help="only the in-memory figures (after synthesising)")
     a = ap.parse_args()
     run_dir = os.path.join(a.dir, "run")
     values = a.ranks * a.steps * TENSORS * OPS
@@ -121,6 +134,13 @@ def main() -> None:
         print(f"{values / 1e6:.1f} M values; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; "
               "per command: wall, values/s, CPU seconds (all its processes), values per CPU-second, peak RSS "
               "of its largest process")
+        floor, rules = numpy_floor(run_dir, a.sample)
+        print(f"  {'numpy floor: rolling min/max, values in memory':<50} {'':8} {floor / 1e6:6.1f} M/s (one process, "
+              "CPU-bound)", flush=True)
+        print(f"  {'the rules of the re-detection, values in memory':<50} {'':8} {rules / 1e6:6.1f} M/s (one process, "
+              "CPU-bound)", flush=True)
+        if a.only_floor:
+            return
         rule = ["--rule", "AnomalyTurbulence", "--threshold", "0.5"]
         for jobs in ("1", "2"):
             line(f"inspect -j {jobs}", measure([*TRAINREC, "inspect", run_dir, "-j", jobs]), values)
@@ -136,9 +156,6 @@ def main() -> None:
                       "from trainrec.schema.rules import make_rule; import sys;"
                       "AnomalyScan([make_rule('AnomalyTurbulence', {'threshold': 0.5})]).feed_all(open_run(sys.argv[1]).events())")
             line("record-by-record AnomalyScan (before)", measure([sys.executable, "-c", before, run_dir]), values)
-        floor = numpy_floor(run_dir, a.sample)
-        print(f"  {'numpy floor: rolling min/max, values in memory':<50} {'':8} {floor / 1e6:6.1f} M/s (one process, "
-              "CPU-bound)", flush=True)
         sel = f"0-{min(a.io_ranks, a.ranks) - 1}"
         ranks_args = [x for r in range(min(a.io_ranks, a.ranks)) for x in ("--rank", str(r))]
         for jobs in ("1", "2"):
