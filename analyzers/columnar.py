@@ -22,7 +22,8 @@ from trainrec.schema.naming import reference_tag
 from trainrec.schema.rules import Detector, Rule, anomaly_message
 
 from .anomalies import _DTYPES, AnomalyScan
-from .vector_rules import Carry, SeriesBlock, block_flags
+from .series_block import Carry, SeriesBlock
+from .vector_rules import block_flags
 
 __all__ = ["ColumnarScan", "ScanPart", "merge_parts"]
 

@@ -81,7 +81,8 @@ def numpy_floor(path: str, sample: int, window: int = 16) -> tuple[float, float]
     """Values per second of the plain numpy rolling pass, and of the re-detection's rules
     (``vector_rules`` on the same blocks), over values held in memory."""
     from numpy.lib.stride_tricks import sliding_window_view
-    from trainrec.analyzers.vector_rules import SeriesBlock, block_flags
+    from trainrec.analyzers.series_block import SeriesBlock
+    from trainrec.analyzers.vector_rules import block_flags
     from trainrec.replay.run import open_run
     from trainrec.schema.events import TensorStatsRecorded
     from trainrec.schema.rules import make_rule

@@ -11,7 +11,8 @@ import pytest
 from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
 from trainrec.analyzers.columnar import ColumnarScan
 from trainrec.analyzers.ranking import rank_anomalies
-from trainrec.analyzers.vector_rules import SeriesBlock, block_flags
+from trainrec.analyzers.series_block import SeriesBlock
+from trainrec.analyzers.vector_rules import block_flags
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay.run import open_run
 from trainrec.schema.rules import Detector, make_rule
