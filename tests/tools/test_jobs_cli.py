@@ -49,3 +49,22 @@ def test_inspect_names_rank_ranges(run_dir, capsys):
     code, out, _ = cli(capsys, "inspect", run_dir, "-j", "2")
     assert code == 0
     assert "ranks 0-2" in out
+
+
+def test_jobs_on_damaged_logs(run_dir, tmp_path, capsys):
+    """A flipped byte in the middle of rank 0's log: the same notes and answers with -j 2 as with -j 1."""
+    import shutil
+
+    out = tmp_path / "damaged"
+    shutil.copytree(run_dir, out)
+    logs = sorted(str(p) for p in out.rglob("*.trl"))
+    with open(logs[0], "r+b") as f:
+        f.seek(os.path.getsize(logs[0]) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for argv in (("inspect",), ("check",), ("dump", "--type", "ts"), ("anomalies", "--rule", "NaNInf", "--all")):
+        serial = cli(capsys, argv[0], out, *argv[1:])
+        assert cli(capsys, argv[0], out, *argv[1:], "-j", "2") == serial
+        if argv[0] in ("dump", "anomalies"):
+            assert "bad frame header" in serial[2] or "CRC" in serial[2], serial[2]
