@@ -199,92 +199,11 @@ def _note(rs: RankSummary, text: str) -> None:
         rs.notes.append("... (all of them: trainrec dump RUN --type cr,mx,hx,sl,xr)")
 
 
-def summarize(run: Run) -> RunSummary:
-    """Read the whole run once and summarise it per rank and per file."""
-    ranks = []
-    for r in run.ranks:
-        rs = RankSummary(rank=r, dirs=run.rank_dirs.get(r, ()), files=[])
-        counts = rs.counts
-        failed: set[str] = set()
-        began: set[int] = set()
-        ended: set[int] = set()
-        foreign: set[int] = set()
-        for ev in run.events(rank=r):
-            t = type(ev)
-            counts[t.__name__] += 1
-            if t in _STEP_TYPES and ev.step >= 0:
-                rs.steps.add(ev.step)
-                if t is TensorStatsRecorded:
-                    rs.stats_steps.add(ev.step)
-                    rs.stat_values += len(ev) * len(ev.ops)
-                elif t is StepEnded:
-                    ended.add(ev.step)
-                    if ev.optimizer_skipped:
-                        rs.skipped_steps.append(ev.step)
-                    if ev.foreign_passes:
-                        foreign.add(ev.step)
-                elif t is StepBegan:
-                    began.add(ev.step)
-            elif t is AnomalyDetected:
-                rs.anomalies += 1
-            elif t is RecordsDropped:
-                rs.dropped_records += ev.count
-            elif t is HookFailed:
-                rs.hook_failures += ev.count
-                if ev.where not in failed:
-                    failed.add(ev.where)
-                    _note(rs, f"step {ev.step}: {ev.where} failed: {ev.error}")
-            elif t is ConfigRejected:
-                _note(rs, f"step {ev.step}: config rejected: {ev.reason}")
-            elif t is MonitoringStopped:
-                _note(rs, f"step {ev.step}: monitoring stopped: {ev.reason}")
-            elif t is StallDetected:  # (the stall watchdog: one note per report, as it is written)
-                where = f" in {ev.collective_op} #{ev.collective_seq}" if ev.collective_op else ""
-                mod = f", module {ev.modules[-1]}" if ev.modules else ""
-                _note(rs, f"step {ev.step}: STALL: running for {ev.elapsed:.1f} s (threshold {ev.threshold:.1f} s)"
-                          f"{where}{mod}")
-            elif t is ExceptionRaised:
-                mod = f" in module {ev.modules[-1]}" if ev.modules else ""
-                _note(rs, f"step {ev.step}: ended by an exception{mod}: {ev.error[:300]}")
-            elif t is ConfigApplied and ev.reason == "dynamic":
-                _note(rs, f"step {ev.step}: monitoring started (dynamic config); first collected step {ev.start_step}")
-        rs.unended = sorted(began - ended)
-        rs.foreign_passes = sorted(foreign)
-        rs.steps -= foreign
-        rs.stats_steps -= foreign
-        readers = run.readers
-        for lf in run.log_files(r):
-            try:
-                size = os.path.getsize(lf.path)
-            except OSError:
-                size = 0
-            fs = FileSummary(
-                path=lf.path,
-                size=size,
-                format_version=lf.version,
-                run_id=lf.run_id,
-                resume_step=lf.resume_step,
-                superseded=run.superseded.get(lf.path, 0),
-            )
-            err = run.file_errors.get(lf.path)
-            reader = readers.get(lf.path)
-            if err is not None or reader is None:
-                fs.error = str(err) if err is not None else "not read"
-            else:
-                fs.events = reader.events_read
-                fs.closed_cleanly = reader.closed_cleanly
-                fs.close_reason = reader.closed_event.reason if reader.closed_event else ""
-                fs.torn_bytes = reader.pending_bytes
-                fs.end_offset = reader.offset
-                fs.problems = list(reader.problems)
-                fs.gaps = list(reader.gaps)
-                fs.first_record_is_header = reader.events_read == 0 or isinstance(reader.header, FileOpened)
-                if isinstance(reader.header, FileOpened):
-                    fs.writer_pid, fs.writer_host = reader.header.pid, reader.header.host
-                    if not fs.closed_cleanly and fs.writer_pid and fs.writer_host == socket.gethostname():
-                        fs.writer_running = pid_alive(fs.writer_pid)
-            rs.files.append(fs)
-        ranks.append(rs)
+def summarize(run: Run, ranks: list[RankSummary] | None = None) -> RunSummary:
+    """Read the whole run once and summarise it per rank and per file. ``ranks``: the summaries of
+    every rank, made already (by :func:`summarize_rank`, in other processes)."""
+    if ranks is None:
+        ranks = [summarize_rank(run, r) for r in run.ranks]
     return RunSummary(
         path=run.where,
         run_id=run.run_id,
@@ -294,6 +213,92 @@ def summarize(run: Run) -> RunSummary:
         missing_ranks=run.missing_ranks,
         unattributed=[(f.path, _unreadable(f)) for f in run.unattributed],
     )
+
+
+def summarize_rank(run: Run, r: int) -> RankSummary:
+    """Read one rank of the run and summarise it per file."""
+    rs = RankSummary(rank=r, dirs=run.rank_dirs.get(r, ()), files=[])
+    counts = rs.counts
+    failed: set[str] = set()
+    began: set[int] = set()
+    ended: set[int] = set()
+    foreign: set[int] = set()
+    for ev in run.events(rank=r):
+        t = type(ev)
+        counts[t.__name__] += 1
+        if t in _STEP_TYPES and ev.step >= 0:
+            rs.steps.add(ev.step)
+            if t is TensorStatsRecorded:
+                rs.stats_steps.add(ev.step)
+                rs.stat_values += len(ev) * len(ev.ops)
+            elif t is StepEnded:
+                ended.add(ev.step)
+                if ev.optimizer_skipped:
+                    rs.skipped_steps.append(ev.step)
+                if ev.foreign_passes:
+                    foreign.add(ev.step)
+            elif t is StepBegan:
+                began.add(ev.step)
+        elif t is AnomalyDetected:
+            rs.anomalies += 1
+        elif t is RecordsDropped:
+            rs.dropped_records += ev.count
+        elif t is HookFailed:
+            rs.hook_failures += ev.count
+            if ev.where not in failed:
+                failed.add(ev.where)
+                _note(rs, f"step {ev.step}: {ev.where} failed: {ev.error}")
+        elif t is ConfigRejected:
+            _note(rs, f"step {ev.step}: config rejected: {ev.reason}")
+        elif t is MonitoringStopped:
+            _note(rs, f"step {ev.step}: monitoring stopped: {ev.reason}")
+        elif t is StallDetected:  # (the stall watchdog: one note per report, as it is written)
+            where = f" in {ev.collective_op} #{ev.collective_seq}" if ev.collective_op else ""
+            mod = f", module {ev.modules[-1]}" if ev.modules else ""
+            _note(rs, f"step {ev.step}: STALL: running for {ev.elapsed:.1f} s (threshold {ev.threshold:.1f} s)"
+                      f"{where}{mod}")
+        elif t is ExceptionRaised:
+            mod = f" in module {ev.modules[-1]}" if ev.modules else ""
+            _note(rs, f"step {ev.step}: ended by an exception{mod}: {ev.error[:300]}")
+        elif t is ConfigApplied and ev.reason == "dynamic":
+            _note(rs, f"step {ev.step}: monitoring started (dynamic config); first collected step {ev.start_step}")
+    rs.unended = sorted(began - ended)
+    rs.foreign_passes = sorted(foreign)
+    rs.steps -= foreign
+    rs.stats_steps -= foreign
+    readers = run.readers_of([r])  # (this rank's only: the others are read in their turn)
+    for lf in run.log_files(r):
+        try:
+            size = os.path.getsize(lf.path)
+        except OSError:
+            size = 0
+        fs = FileSummary(
+            path=lf.path,
+            size=size,
+            format_version=lf.version,
+            run_id=lf.run_id,
+            resume_step=lf.resume_step,
+            superseded=run.superseded.get(lf.path, 0),
+        )
+        err = run.file_errors.get(lf.path)
+        reader = readers.get(lf.path)
+        if err is not None or reader is None:
+            fs.error = str(err) if err is not None else "not read"
+        else:
+            fs.events = reader.events_read
+            fs.closed_cleanly = reader.closed_cleanly
+            fs.close_reason = reader.closed_event.reason if reader.closed_event else ""
+            fs.torn_bytes = reader.pending_bytes
+            fs.end_offset = reader.offset
+            fs.problems = list(reader.problems)
+            fs.gaps = list(reader.gaps)
+            fs.first_record_is_header = reader.events_read == 0 or isinstance(reader.header, FileOpened)
+            if isinstance(reader.header, FileOpened):
+                fs.writer_pid, fs.writer_host = reader.header.pid, reader.header.host
+                if not fs.closed_cleanly and fs.writer_pid and fs.writer_host == socket.gethostname():
+                    fs.writer_running = pid_alive(fs.writer_pid)
+        rs.files.append(fs)
+    return rs
 
 
 @dataclass(frozen=True)

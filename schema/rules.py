@@ -397,7 +397,9 @@ class ZScore(Rule):
         sel = st.index(sids, st.columns(ops))
         x = values
         finite = np.isfinite(x)
-        hist = st.values(sel)  # W x rows x ops
+        # (a window-first copy: numpy sums a view window by window and an index copy pairwise, so the
+        # last bit of the mean would depend on which rows a record holds; this way it does not)
+        hist = np.ascontiguousarray(st.values(sel))  # W x rows x ops
         n = st.count[sel]
         with np.errstate(invalid="ignore", divide="ignore"):
             ok = np.isfinite(hist)

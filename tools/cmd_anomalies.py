@@ -30,12 +30,15 @@ import orjson
 from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
 from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
 from trainrec.analyzers.ranking import PHASE_NAMES, phase_of, rank_anomalies
+from trainrec.replay.discover import format_ranks
 from trainrec.replay.run import Run
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError, TrainrecError
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.rules import RULES, Rule, make_rule, rule_arguments
 
+from .anomaly_parts import scan_parts
+from .partition import add_jobs_arguments, check_engine
 from .runarg import add_run_arguments, check_steps, open_run_from_args, steps_outside
 
 __all__ = ["add_parser", "format_table", "parse_step_list", "positive_k", "run", "steps_outside", "write_json"]
@@ -112,6 +115,7 @@ def add_parser(subparsers) -> None:
                    help="only these steps: '[20,21]', '20,21' or '15-25,30'")
     p.add_argument("-o", "--output", metavar="OUT.json", help="also write the ranked anomalies as JSON records here")
     p.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+    add_jobs_arguments(p, engine=True)
     g = p.add_argument_group("re-detection from the recorded statistics")
     g.add_argument("--rule", action="append", type=_rule_arg, metavar="NAME",
                    help=f"re-detect with this rule ({', '.join(sorted(RULES))}); repeatable")
@@ -200,18 +204,13 @@ def write_json(path: str, obj: Any) -> None:
         raise TrainrecError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
-def _report_damage(run: Run) -> None:
-    for path, err in run.file_errors.items():
-        print(f"note: skipped {path}: {err}", file=sys.stderr)
-    for path, reader in run.readers.items():
-        for problem in reader.problems[:5]:
-            print(f"note: {problem}", file=sys.stderr)
-        if reader.pending_bytes:
-            print(f"note: {path} ends in an incomplete record ({reader.pending_bytes} bytes: still being written, "
-                  "or the run crashed); everything before it is used", file=sys.stderr)
-
-
 # ---------------------------------------------------------------------------------------- command
+def _ranks_text(ranks) -> str:
+    """``ranks 0-255`` (ranges, not one number per rank)."""
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranks(ranks)
+
+
 def scan_run(run: Run, rules: Sequence[Rule], kinds: Sequence[str] | None = None) -> AnomalyScan:
     scan = AnomalyScan(rules, kinds)
     feed = scan.feed
@@ -224,9 +223,11 @@ def run(args) -> int:
     rules = build_rules(args)
     if args.kinds and not rules:
         raise ConfigError("--kinds selects what to re-detect on and needs --rule", key="--kinds")
+    engine = check_engine(args)
     r = open_run_from_args(args)
-    scan = scan_run(r, rules, args.kinds)
-    _report_damage(r)
+    scan = scan_parts(r, rules, args.kinds, args.jobs, engine, args.cluster)
+    for _, note in scan.notes:
+        print(f"note: {note}", file=sys.stderr)
     if scan.skipped_steps:
         shown = sorted(scan.skipped_steps)
         print(f"note: the optimizer step never ran (inf/NaN gradients) at step(s) "
@@ -237,14 +238,14 @@ def run(args) -> int:
         print(f"trainrec anomalies: error: {err}", file=sys.stderr)
         return 2
     what = "re-detected with " + ", ".join(map(repr, rules)) if rules else "recorded"
-    anomalies = scan.anomalies
+    anomalies = scan.detected if rules else scan.recorded
     ranked = rank_anomalies(anomalies, None if args.all else args.topk, args.steps)
     if not ranked:
         span = "no steps" if scan.first_step is None else f"steps {scan.first_step}..{scan.last_step}"
         sel = f" at steps {args.steps.text()}" if args.steps is not None else ""
         hint = "" if rules else "; re-detect from the statistics with e.g. --rule AnomalyTurbulence --threshold 0.5"
         more = f" ({len(anomalies)} at other steps)" if anomalies and args.steps is not None else ""
-        print(f"no anomalies {what}{sel} in {where} ({span}, ranks {sorted(scan.ranks)}, "
+        print(f"no anomalies {what}{sel} in {where} ({span}, {_ranks_text(scan.ranks)}, "
               f"{scan.stats_records} stats records){more}{hint}", file=sys.stderr)
         if args.output:
             write_json(args.output, [])
@@ -258,8 +259,8 @@ def run(args) -> int:
         sys.stdout.write(orjson.dumps(records, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         total = sum(1 for a in anomalies if args.steps is None or a.step in args.steps)
-        print(f"{total} anomalies {what} in {where} (steps {scan.first_step}..{scan.last_step}, ranks "
-              f"{sorted(scan.ranks)}); the first {len(ranked)} in execution order:")
+        print(f"{total} anomalies {what} in {where} (steps {scan.first_step}..{scan.last_step}, "
+              f"{_ranks_text(scan.ranks)}); the first {len(ranked)} in execution order:")
         print(format_table(ranked))
     if args.output:
         print(f"wrote {len(records)} anomalies to {args.output}", file=sys.stderr)

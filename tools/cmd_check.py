@@ -20,8 +20,9 @@ import os
 import sys
 
 import orjson
-from trainrec.replay.summary import findings, summarize
+from trainrec.replay.summary import findings
 
+from .partition import add_jobs_arguments, summarize_run
 from .runarg import add_run_arguments, open_run_from_args
 
 
@@ -34,12 +35,13 @@ def add_parser(subparsers) -> None:
     )
     add_run_arguments(p)
     p.add_argument("--strict", action="store_true", help="also fail on files that were not closed cleanly")
+    add_jobs_arguments(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = summarize(open_run_from_args(args, notes=False))
+    summary = summarize_run(open_run_from_args(args, notes=False), args.jobs, "check")
     found = findings(summary)
     failing = {"damage", "torn", "missing"} | ({"unclosed"} if args.strict else set())
     bad = [f for f in found if f.severity in failing]

@@ -28,15 +28,15 @@ import os
 import sys
 import time
 
-import orjson
 from trainrec.analyzers.projection import parse_kinds
 from trainrec.replay.follow import RunFollower
 from trainrec.replay.names import NameResolver
-from trainrec.replay.render import event_dict, stat_lines
 from trainrec.replay.run import resolve_types
 from trainrec.schema.errors import TrainrecError
-from trainrec.schema.events import KINDS, TensorStatsRecorded
+from trainrec.schema.events import KINDS
 
+from .dump_parts import damage_notes, dump_parts, render
+from .partition import add_jobs_arguments
 from .runarg import add_run_arguments, open_run_from_args
 
 
@@ -57,6 +57,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing events as the run writes them, until it is closed (or its writer is gone)")
     p.add_argument("--poll-interval", type=float, default=0.5, metavar="S", help="with --follow: seconds between looks")
+    add_jobs_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -79,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if args.follow:
         if args.time_start or args.time_end:
             raise TrainrecError("--follow takes the run by --run-id (or the latest), not by --time-start/--time-end")
+        if args.jobs > 1:
+            raise TrainrecError("--follow prints events as they are written, one process; leave out -j")
         if args.poll_interval <= 0:
             raise TrainrecError(f"--poll-interval must be positive, not {args.poll_interval}")
         batches = _followed(args)
@@ -90,58 +93,44 @@ def run(args: argparse.Namespace) -> int:
                 raise TrainrecError(f"rank(s) {missing} not in run {r.run_id!r} (ranks: {r.ranks})")
         batches = iter((r.events(rank=args.rank),))
     ranks = set(args.rank) if args.rank else None
+    if r is not None and args.jobs > 1:
+        notes = dump_parts(r, sorted(ranks) if ranks else r.ranks, args.jobs, _writer(), wanted, ranks, kinds,
+                           args.per_record)
+        sys.stdout.flush()
+        for note in notes:
+            print(f"trainrec dump: note: {note}", file=sys.stderr)
+        return 0
     resolver = NameResolver()
-    write = sys.stdout.buffer.write if hasattr(sys.stdout, "buffer") else None
-    dumps = orjson.dumps
+    write = _writer()
     lines: list[bytes] = []
 
     def flush() -> None:
-        data = b"\n".join(lines) + b"\n"
+        write(b"\n".join(lines) + b"\n")
         lines.clear()
-        if write is not None:
-            write(data)
-        else:  # a text stream without a buffer (e.g. captured in tests)
-            sys.stdout.write(data.decode())
 
     for batch in batches:
         for ev in batch:
             resolver.feed(ev)
-            t = type(ev)
-            if (wanted is not None and t not in wanted) or (ranks is not None and ev.rank not in ranks):
-                continue
-            if t is TensorStatsRecorded:
-                if kinds is not None and ev.kind not in kinds:
-                    continue
-                if not args.per_record:
-                    lines.extend(stat_lines(ev, resolver.names(ev)))
-                else:
-                    lines.append(dumps(event_dict(ev, resolver)))
-            else:
-                lines.append(dumps(event_dict(ev, resolver)))
-            if len(lines) >= 4096:
-                flush()
+            got = render(ev, resolver, wanted, ranks, kinds, args.per_record)
+            if got:
+                lines.extend(got)
+                if len(lines) >= 4096:
+                    flush()
         if lines:
             flush()
         sys.stdout.flush()  # (following: each poll's events as soon as they are read)
     if r is not None:
-        _report_damage(r, args.rank or r.ranks)
+        # (what was skipped, is inconsistent or is incomplete: the JSON lines hold only what was read)
+        for note in damage_notes(r, sorted(ranks) if ranks else r.ranks):
+            print(f"trainrec dump: note: {note}", file=sys.stderr)
     return 0
 
 
-def _report_damage(run, ranks) -> None:
-    """What was skipped, is inconsistent or is incomplete (a torn tail), on stderr (the JSON lines on stdout hold only what was read)."""
-    readers = run.readers_of(ranks)
-    for path, err in run.file_errors.items():
-        print(f"trainrec dump: note: skipped {path}: {err}", file=sys.stderr)
-    for reader in readers.values():
-        for problem in reader.problems[:5]:
-            print(f"trainrec dump: note: {problem}", file=sys.stderr)
-        if len(reader.problems) > 5:
-            print(f"trainrec dump: note: ... {len(reader.problems) - 5} more in {reader.path} (trainrec check)",
-                  file=sys.stderr)
-        if reader.pending_bytes:
-            print(f"trainrec dump: note: {reader.path} ends in an incomplete record ({reader.pending_bytes} bytes: "
-                  "still being written, or the run crashed); everything before it is printed", file=sys.stderr)
+def _writer():
+    """Bytes to stdout (decoded where stdout is a text stream without a buffer, as captured in tests)."""
+    if hasattr(sys.stdout, "buffer"):
+        return sys.stdout.buffer.write
+    return lambda data: sys.stdout.write(data.decode())
 
 
 def _followed(args: argparse.Namespace):

@@ -33,7 +33,7 @@ import threading
 import time
 
 from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
-from trainrec.replay.discover import list_runs, stamp_key_or_none
+from trainrec.replay.discover import format_ranks, list_runs, stamp_key_or_none
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run, open_run
 from trainrec.schema import layout
@@ -41,6 +41,8 @@ from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, ConfigApplied, StepEnded, TensorStatsRecorded
 
 from .export_files import ExportTask, TaskResult, pool_context, run_task
+from .partition import ENGINES, check_engine, run_parts
+from .progress import Progress
 from .runarg import add_run_arguments, check_steps, note_incomplete
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,11 @@ def add_parser(subparsers) -> None:
         q.add_argument("--steps", type=_steps_arg("step"), metavar="RANGES", help="steps to export, e.g. 10-20,30")
         q.add_argument("--ranks", type=_steps_arg("rank"), metavar="RANGES", help="ranks to export, e.g. 0,2-3")
         q.add_argument("-j", "--process-num", type=_positive, default=1, metavar="N", help="processes (default 1)")
+        q.add_argument("--engine", choices=ENGINES, default="local",
+                       help="where the parts run: local processes (-j), or a Dask cluster (the dask extra)")
+        q.add_argument("--cluster", metavar="ADDRESS", default=None,
+                       help="the Dask scheduler to use (e.g. tcp://host:8786; implies --engine dask; the workers must "
+                            "see the run and the output directory at the same paths)")
         q.add_argument("--force", action="store_true", help="replace DIR when it holds a previous trainrec export")
         if fmt == "csv":
             q.add_argument("--ndigits", type=_ndigits, default=FROM_RUN, metavar="N",
@@ -279,41 +286,6 @@ def _prepare_output(out: str, force: bool, record: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------- execution
-class Progress:
-    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int, tasks: int, label: str, enabled: bool | None = None) -> None:
-        self.total = max(total, 1)
-        self.tasks = tasks
-        self.label = label
-        self.done = 0
-        self.tasks_done = 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.t0 = time.monotonic()
-        self._last = 0.0
-        self._lock = threading.Lock()
-
-    def advance(self, nbytes: int = 0, task_done: bool = False) -> None:
-        with self._lock:
-            self.done += nbytes
-            self.tasks_done += int(task_done)
-            now = time.monotonic()
-            if self.enabled and (task_done or now - self._last >= 0.1):
-                self._last = now
-                frac = min(1.0, self.done / self.total)
-                bar = "#" * int(frac * 30)
-                sys.stderr.write(
-                    f"\r{self.label} [{bar:<30}] {frac:4.0%} {self.done / 1e6:7.1f}/{self.total / 1e6:.1f} MB "
-                    f"{self.tasks_done}/{self.tasks} parts {now - self.t0:6.1f} s"
-                )
-                sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 _queue = None
 
 
@@ -327,9 +299,14 @@ def _worker(task: ExportTask) -> TaskResult:
     return run_task(task, (lambda n: q.put(n)) if q is not None else None)
 
 
-def execute(tasks: list[ExportTask], jobs: int, progress: Progress) -> list[TaskResult]:
+def execute(tasks: list[ExportTask], jobs: int, progress: Progress, engine: str = "local",
+            cluster: str | None = None) -> list[TaskResult]:
     tasks = sorted(tasks, key=lambda t: -t.log_bytes)
     results: list[TaskResult] = []
+    if engine == "dask":
+        done = run_parts(run_task, [(t, None) for t in tasks], [t.log_bytes for t in tasks], jobs, progress.label,
+                         engine=engine, cluster=cluster, progress=progress.enabled)
+        return sorted(done, key=lambda r: r.task_id)
     if jobs <= 1 or len(tasks) <= 1:
         for t in tasks:
             results.append(run_task(t, progress.advance))
@@ -378,6 +355,7 @@ def run(args) -> int:
         for group in args.types:
             merged.extend(k for k in group if k not in merged)
         kinds = tuple(merged)
+    engine = check_engine(args)
     runs = select_runs(args.run, args.run_id, args.time_start, args.time_end)
     for r in runs:
         note_incomplete(r, "export")
@@ -404,7 +382,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     progress = Progress(sum(t.log_bytes for t in tasks), len(tasks), f"export {fmt}")
     try:
-        results = execute(tasks, args.process_num, progress)
+        results = execute(tasks, args.process_num, progress, engine, args.cluster)
     except OSError as exc:
         raise TrainrecError(f"export to {out} failed: {exc}") from exc
     finally:
@@ -481,7 +459,7 @@ def report(results: list[TaskResult], runs: list[Run], fmt: str, out: str, elaps
               f"in run {', '.join(r.run_id for r in runs)}", file=sys.stderr)
         return 1
     what = f"{values} values in {files} CSV files" if fmt == "csv" else f"{values} scalars in {files} event files"
-    print(f"exported run {', '.join(r.run_id or '(no id)' for r in runs)}: ranks {', '.join(map(str, ranks))}, "
+    print(f"exported run {', '.join(r.run_id or '(no id)' for r in runs)}: ranks {format_ranks(ranks)}, "
           f"steps {_ranges(steps)}: {what} to {out} in {elapsed:.2f} s")
     if any(r.still_running for r in results):
         print("the run is still being written: export again later for the rest", file=sys.stderr)

@@ -15,9 +15,10 @@ import sys
 
 import orjson
 from trainrec.replay.discover import format_ranks, list_runs
-from trainrec.replay.summary import FileSummary, RankSummary, RunSummary, summarize
+from trainrec.replay.summary import FileSummary, RankSummary, RunSummary
 from trainrec.schema import layout
 
+from .partition import add_jobs_arguments, summarize_run
 from .runarg import add_run_arguments, open_run_from_args
 
 
@@ -29,12 +30,13 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_run_arguments(p)
+    add_jobs_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = summarize(open_run_from_args(args, notes=False))
+    summary = summarize_run(open_run_from_args(args, notes=False), args.jobs, "inspect")
     out = sys.stdout
     if args.json:
         out.write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")

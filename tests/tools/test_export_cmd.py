@@ -60,7 +60,7 @@ def test_parallel_csv_is_byte_equal_to_serial(two_ranks, tmp_path, capsys):
     assert not mismatch and not errors and len(match) == len(files)
     assert {os.path.dirname(f) for f in files} == {os.path.basename(rank_dir(two_ranks, r)) for r in range(2)}
     assert "param_4-5.csv" in os.listdir(tmp_path / "b" / os.path.basename(rank_dir(two_ranks, 0)))
-    assert "exported run run-x: ranks 0, 1, steps 0..4" in capsys.readouterr().out
+    assert "exported run run-x: ranks 0-1, steps 0..4" in capsys.readouterr().out
 
 
 def test_parallel_tb_equals_serial(two_ranks, tmp_path):

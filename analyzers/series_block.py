@@ -1,0 +1,202 @@
+"""Series of one (rank, kind) as numpy blocks, for the rules of :mod:`trainrec.analyzers.vector_rules`.
+
+A :class:`SeriesBlock` holds a block of records ``(records, series, ops)`` and answers, for every
+observation at once, what the record-time Detector keeps in its rings: the window (the last ``window``
+finite values of the series before it), its extremes, the last finite value, whether the previous
+observation was finite. :class:`Carry` is that state in compact form, handed from one block of a
+(rank, kind) to the next, so a rank is read a bounded chunk at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["Carry", "SeriesBlock", "rolling"]
+
+
+class Carry:
+    """What a block's series carry into the next block of the same (rank, kind), the Detector's state in
+    compact form: per series (axis 0, in ``index`` order) and op, the last ``depth`` finite values
+    (right-aligned, NaN before), how many finite values it has seen, and whether its last observation was
+    finite. So a rank's records can be judged a bounded chunk at a time."""
+
+    def __init__(self, ops: Sequence[str], depth: int) -> None:
+        self.ops = tuple(ops)
+        self.depth = depth
+        self.index: dict[int, int] = {}
+        self.hist = np.full((0, depth, len(self.ops)), np.nan)
+        self.count = np.zeros((0, len(self.ops)), np.int64)
+        self.last_ok = np.zeros((0, len(self.ops)), bool)
+
+    def rows(self, sids: np.ndarray) -> np.ndarray:
+        """Rows of ``sids`` (new series get empty state)."""
+        index = self.index
+        new = [int(s) for s in sids.tolist() if s not in index]
+        if new:
+            for s in new:
+                index[s] = len(index)
+            k, o = len(new), len(self.ops)
+            self.hist = np.concatenate([self.hist, np.full((k, self.depth, o), np.nan)])
+            self.count = np.concatenate([self.count, np.zeros((k, o), np.int64)])
+            self.last_ok = np.concatenate([self.last_ok, np.zeros((k, o), bool)])
+        return np.fromiter((index[int(s)] for s in sids.tolist()), np.intp, count=len(sids))
+
+
+class SeriesBlock:
+    """One (rank, kind)'s observations and what every window rule needs of them, computed once per window
+    size: for observation ``t`` of column ``(s, o)``, ``cf`` finite values came before it; ``G`` holds each
+    column's finite values compacted to the front (NaN after), so its window is ``G[cf - W : cf]``.
+
+    ``init`` (a :class:`Carry`'s ``hist``, ``count`` and ``last_ok`` for the block's series, in its
+    order): the state of earlier blocks. Where every series has a full history and the block is dense,
+    the history is put before the block as ``skip`` rows that are not judged; otherwise it starts ``G``.
+    """
+
+    def __init__(self, x: np.ndarray, missing: np.ndarray, ops: Sequence[str], x32: np.ndarray | None = None,
+                 init: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        self.ops = tuple(ops)
+        self.skip = 0  # leading rows of x that are history, not observations
+        self.offset: np.ndarray | int = 0  # absolute index of a finite value minus its index in G
+        k0 = lok0 = None
+        if init is not None and init[1].any():
+            hist, count, lok0 = init
+            depth = hist.shape[1]
+            k0 = np.minimum(count, depth)
+            if not missing.any() and np.isfinite(x).all() and (k0 == depth).all():
+                prefix = np.moveaxis(hist, 1, 0)  # depth x series x ops, all finite
+                x = np.concatenate([prefix, x])
+                missing = np.concatenate([np.zeros(prefix.shape[:2], bool), missing])
+                if x32 is not None:
+                    p32 = prefix.astype(np.float32)
+                    x32 = np.concatenate([p32, x32]) if np.array_equal(p32, prefix) else None
+                self.skip = depth
+                self.offset = count - depth
+                k0 = None
+            else:
+                self.offset = count - k0
+        self.x = x
+        self.x32 = x32  # the same values as float32, where they are exactly that (a cheap first filter)
+        self.present = ~missing[:, :, None]
+        self.finite = np.isfinite(x if x32 is None else x32) & self.present
+        self.dense = k0 is None and bool(self.finite.all())
+        self._lok0 = lok0 if k0 is not None else None
+        t, s, o = x.shape
+        if self.dense:
+            self.cf = None  # cf[t] == t: the compacted series is the series itself
+            self.g = x
+        else:
+            self.cf = np.cumsum(self.finite, axis=0, dtype=np.int64) - self.finite
+            depth = 0 if k0 is None else init[0].shape[1]
+            g = np.full((depth + t, s, o), np.nan)
+            if k0 is not None:  # the history, left-aligned: G[i] = hist[depth - k0 + i] for i < k0
+                self.cf += k0[None]
+                src = depth - k0[None] + np.arange(depth)[:, None, None]
+                held = np.take_along_axis(np.moveaxis(init[0], 1, 0), np.clip(src, 0, depth - 1), 0)
+                g[:depth] = np.where(src < depth, held, np.nan)
+            ti, si, oi = np.nonzero(self.finite)
+            g[self.cf[ti, si, oi], si, oi] = x[ti, si, oi]
+            self.g = g
+        self._rolled: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._last: tuple[np.ndarray, np.ndarray] | None = None
+
+    def carry(self, depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What the block leaves for the next: ``(last depth finite values right-aligned (series x depth x
+        ops), finite values among its observations, finiteness of each series' last present observation,
+        whether the series had one)``."""
+        t, s, o = self.x.shape
+        fin = self.finite[self.skip :]
+        seen = fin.sum(axis=0)
+        if self.cf is None:
+            total = np.full((s, o), t)
+        else:
+            total = self.cf[-1] + self.finite[-1]
+        src = total[None] - depth + np.arange(depth)[:, None, None]
+        g = self.g
+        held = np.take_along_axis(g, np.clip(src, 0, len(g) - 1), 0)
+        hist = np.moveaxis(np.where(src >= 0, held, np.nan), 0, 1)
+        obs = self.present[self.skip :, :, 0]
+        last_row = len(obs) - 1 - np.argmax(obs[::-1], axis=0)  # per series: its last present row
+        return hist, seen, fin[last_row, np.arange(s)], obs.any(axis=0)
+
+    # ------------------------------------------------------------------ per-observation state
+    def count(self, window: int) -> np.ndarray:
+        """Finite values in the window (the Detector's ring count)."""
+        if self.cf is None:
+            return np.minimum(np.arange(self.x.shape[0])[:, None, None], window) + np.zeros(self.x.shape, np.int64)
+        return np.minimum(self.cf, window)
+
+    def last(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(last finite value before, 0 where none; whether the previous present observation was finite)``."""
+        if self._last is None:
+            t = self.x.shape[0]
+            if self.cf is None:
+                last = np.zeros(self.x.shape)
+                last[1:] = self.x[:-1]
+                ok = np.ones(self.x.shape, bool)
+                ok[0] = False
+            else:
+                gp = np.concatenate([np.zeros((1,) + self.g.shape[1:]), self.g])
+                last = np.take_along_axis(gp, self.cf, axis=0)  # gp[cf] == g[cf - 1], 0 when cf == 0
+                obs = self.present[:, :, 0]
+                idx = np.where(obs, np.arange(t)[:, None], -1)
+                prev = np.maximum.accumulate(idx, axis=0)
+                prev = np.concatenate([np.full((1, obs.shape[1]), -1), prev[:-1]])
+                ok = np.take_along_axis(self.finite, np.maximum(prev, 0)[:, :, None].repeat(self.x.shape[2], 2), 0)
+                before = (prev < 0)[:, :, None]
+                ok = np.where(before, False if self._lok0 is None else self._lok0[None], ok)
+            self._last = (last, ok)
+        return self._last
+
+    def extremes(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """``fmin`` and ``fmax`` of each observation's window (NaN for an empty one)."""
+        got = self._rolled.get(window)
+        if got is None:
+            pad = np.full((window,) + self.g.shape[1:], np.nan)
+            gp = np.concatenate([pad, self.g])
+            lo, hi = rolling(gp, window, np.fmin), rolling(gp, window, np.fmax)
+            # lo[k]: the window of compacted index k (values k-W .. k-1)
+            if self.cf is None:
+                got = (lo[:-1], hi[:-1])
+            else:
+                got = (np.take_along_axis(lo, self.cf, 0), np.take_along_axis(hi, self.cf, 0))
+            self._rolled[window] = got
+        return got
+
+    def windows(self, window: int, ti: np.ndarray, si: np.ndarray) -> np.ndarray:
+        """The windows of observations ``(ti, si)``, all ops: ``(len, ops, W)``, NaN-padded (any order)."""
+        o = self.x.shape[2]
+        if self.cf is None:
+            cf = np.broadcast_to(ti[:, None], (len(ti), o))
+        else:
+            cf = self.cf[ti, si]
+        k = cf[:, :, None] - window + np.arange(window)  # compacted indexes k-W .. k-1
+        ok = k >= 0
+        vals = self.g[np.maximum(k, 0), si[:, None, None], np.arange(o)[None, :, None]]
+        return np.where(ok, vals, np.nan)
+
+    def ring(self, window: int, ti: np.ndarray, si: np.ndarray) -> np.ndarray:
+        """The Detector's ring of observations ``(ti, si)`` in its slot order: ``(W, len, ops)`` (value
+        number ``a`` of a series, counted from its first, sits in slot ``a % W``)."""
+        o = self.x.shape[2]
+        cf = np.broadcast_to(ti[:, None], (len(ti), o)) if self.cf is None else self.cf[ti, si]
+        off = self.offset if isinstance(self.offset, int) else self.offset[si]
+        slots = np.arange(window)[:, None, None]
+        k = cf[None] - 1 - np.mod(cf[None] - 1 + off - slots, window)  # the latest value written to each slot
+        ok = k >= 0
+        vals = self.g[np.maximum(k, 0), si[None, :, None], np.arange(o)[None, None, :]]
+        return np.where(ok, vals, np.nan)
+
+
+def rolling(a: np.ndarray, window: int, fn) -> np.ndarray:
+    """``fn``-reduction of every ``window`` consecutive rows of ``a`` (``len(a) - window + 1`` rows), by
+    doubling: a handful of passes instead of ``window``."""
+    span = 1
+    cur = a
+    while span * 2 <= window:
+        cur = fn(cur[:-span], cur[span:])
+        span *= 2
+    if span < window:
+        cur = fn(cur[: len(cur) - (window - span)], cur[window - span :])
+    return cur

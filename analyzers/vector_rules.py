@@ -1,0 +1,286 @@
+"""The anomaly rules of :mod:`trainrec.schema.rules`, run over whole series at once.
+
+The record-time :class:`~trainrec.schema.rules.Detector` judges one record at a time against per-series
+ring buffers. Re-detection has every record of a (rank, kind) at hand, so here the same rules run over a
+block ``X`` of shape ``(records, series, ops)``: the window of each observation (the last ``window``
+finite values of its series before it) is found with rolling reductions over a compacted copy of the
+series (its finite values only), not with a Python loop over records.
+
+The results are the Detector's, value for value: the same candidate filter, the same median, spread and
+floors, the same arithmetic in the same order (``tests/analyzers/test_columnar_scan.py`` compares them).
+``missing`` marks observations that are not there (a placeholder row, or a series absent from a
+record): like the Detector's skipped rows, they are neither judged nor enter the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from trainrec.schema.rules import OP_FLOORS, AnomalyTurbulence, NaNInf, Rule, ZScore
+
+from .series_block import SeriesBlock, rolling
+
+__all__ = ["block_flags"]
+
+NANS_OP = "nans"
+_VALUE_OPS = ("min", "max", "mean")
+# Observations per chunk of the exact (sorting) step and of ZScore's windows: bounds their temporaries.
+_CHUNK = 1 << 16
+
+
+def _op_floors(ops: Sequence[str], floor: float) -> np.ndarray:
+    return np.array([max(floor, OP_FLOORS.get(op, 0.0)) for op in ops])
+
+
+def _median_sorted(s: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """As :func:`trainrec.schema.rules._median_sorted`: the median of sorted, NaN-padded windows."""
+    w = s.shape[-1]
+    if n.size and int(n.min()) == w:
+        return (s[..., (w - 1) // 2] + s[..., w // 2]) * 0.5
+    lo = np.maximum(n - 1, 0) // 2
+    hi = np.minimum(n // 2, w - 1)
+    a = np.take_along_axis(s, lo[..., None], axis=-1)[..., 0]
+    b = np.take_along_axis(s, hi[..., None], axis=-1)[..., 0]
+    med = (a + b) * 0.5
+    med[n == 0] = np.nan
+    return med
+
+
+def _nan_flags(block: SeriesBlock, ops: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A series turning non-finite after a finite value; a nans count rising from 0 (present rows only)."""
+    x = block.x
+    last, last_ok = block.last()
+    finite = np.isfinite(x)
+    flags = ~finite & last_ok & block.present
+    if NANS_OP in ops:
+        j = ops.index(NANS_OP)
+        flags[:, :, j] |= block.finite[:, :, j] & (x[:, :, j] > 0) & (last[:, :, j] == 0)
+    return flags, last
+
+
+def _rolling_dense(x: np.ndarray, window: int, fn, accumulate) -> np.ndarray:
+    """``fn`` over the window before each row of finite ``x`` (row 0: NaN; rows below ``window``: a prefix)."""
+    out = np.empty_like(x)
+    out[0] = np.nan
+    head = min(window, len(x))
+    if head > 1:
+        out[1:head] = accumulate(x[: head - 1], axis=0)
+    if len(x) > window:
+        out[window:] = rolling(x[:-1], window, fn)
+    return out
+
+
+def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray, np.ndarray]:
+    """Observations (rows, series) that may be flagged: a superset of the Detector's candidates, from a
+    float32 pass over a dense block (window extremes are exact in float32; the arithmetic gets a margin)."""
+    x = block.x32
+    ops = block.ops
+    w = rule.window
+    first = max(rule.warmup, 1, block.skip)  # dense: n == min(t, w), so n >= warmup from this row
+    if first >= len(x) or rule.warmup > w:
+        return np.empty(0, np.intp), np.empty(0, np.intp)
+    hmin = _rolling_dense(x, w, np.minimum, np.minimum.accumulate)[first:]
+    hmax = _rolling_dense(x, w, np.maximum, np.maximum.accumulate)[first:]
+    xs = x[first:]
+    floors = _op_floors(ops, rule.floor).astype(np.float32)
+    low = np.maximum(np.maximum(hmin, -hmax), np.float32(0))
+    bound_scale = np.maximum(low, floors)
+    if rule.range_floor and "min" in ops and "max" in ops:
+        jmin, jmax = ops.index("min"), ops.index("max")
+        low_abs = np.float32(rule.range_floor) * np.maximum(low[:, :, jmin], low[:, :, jmax])
+        for j in (ops.index(op) for op in _VALUE_OPS if op in ops):
+            np.maximum(bound_scale[:, :, j], low_abs, out=bound_scale[:, :, j])
+    bound = np.maximum(xs - hmin, hmax - xs)
+    if rule.sudden:
+        np.minimum(bound, np.abs(xs - x[first - 1 : -1]), out=bound)
+    cand = bound * np.float32(1 + 1e-4) >= bound_scale * np.float32(rule.threshold * (1 - 1e-4))
+    if NANS_OP in ops:
+        cand[:, :, ops.index(NANS_OP)] = False
+    ti, si = np.nonzero(cand.any(axis=2))
+    return ti + first, si
+
+
+def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray, np.ndarray]:
+    if block.dense and block.x32 is not None and rule.window >= 1:
+        return _turbulence_few(rule, block, *_candidates32(rule, block))
+    ops = block.ops
+    x = block.x
+    w = rule.window
+    n = block.count(w)
+    last, _ = block.last()
+    hmin, hmax = block.extremes(w)
+    floors = _op_floors(ops, rule.floor)
+    t = rule.threshold
+    jmin = ops.index("min") if rule.range_floor and "min" in ops and "max" in ops else -1
+    jmax = ops.index("max") if jmin >= 0 else -1
+    value_cols = [ops.index(op) for op in _VALUE_OPS if op in ops] if jmin >= 0 else []
+    flags = np.zeros(x.shape, dtype=bool)
+    base = np.full(x.shape, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        low = np.where(hmin > 0, hmin, np.where(hmax < 0, -hmax, 0.0))
+        bound_scale = np.maximum(low, floors)
+        if jmin >= 0:
+            low_abs = np.maximum(low[:, :, jmin], low[:, :, jmax])
+            for j in value_cols:
+                bound_scale[:, :, j] = np.maximum(bound_scale[:, :, j], rule.range_floor * low_abs)
+        bound = np.maximum(np.abs(x - hmin), np.abs(x - hmax))
+        if rule.sudden:
+            bound = np.fmin(bound, np.abs(x - last))
+        cand = block.finite & (n >= max(rule.warmup, 1)) & (bound > t * bound_scale)
+        if NANS_OP in ops:
+            cand[:, :, ops.index(NANS_OP)] = False
+        ti, si = np.nonzero(cand.any(axis=2))
+        for c0 in range(0, len(ti), _CHUNK):
+            tr, sr = ti[c0 : c0 + _CHUNK], si[c0 : c0 + _CHUNK]
+            h = block.windows(w, tr, sr)  # candidates x ops x W
+            nr = n[tr, sr]
+            xr = x[tr, sr]
+            h.sort(axis=-1)
+            med = _median_sorted(h, nr)
+            dev_hist = np.abs(h - med[..., None])
+            dev_hist.sort(axis=-1)
+            spread = _median_sorted(dev_hist, nr)
+            scale = np.maximum(np.maximum(np.abs(med), rule.noise * spread), floors)
+            if jmin >= 0:
+                absmax = np.maximum(np.abs(med[:, jmin]), np.abs(med[:, jmax]))
+                for j in value_cols:
+                    scale[:, j] = np.fmax(scale[:, j], rule.range_floor * absmax)
+            diff = np.abs(xr - med)
+            if rule.sudden:
+                diff = np.fmin(diff, np.abs(xr - last[tr, sr]))
+            flags[tr, sr] = cand[tr, sr] & (diff / scale > t)
+            base[tr, sr] = med
+    if rule.nan:
+        nan_flags, nan_last = _nan_flags(block, ops)
+        ti, si = np.nonzero(nan_flags.any(axis=2))
+        if len(ti):
+            h = block.windows(w, ti, si)
+            h.sort(axis=-1)
+            base[ti, si] = _median_sorted(h, n[ti, si])
+            if NANS_OP in ops:
+                j = ops.index(NANS_OP)
+                base[ti, si, j] = np.where(n[ti, si, j] > 0, nan_last[ti, si, j], np.nan)
+        flags |= nan_flags
+    return flags, base
+
+
+def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
+                    si: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The Detector's arithmetic, exactly, on the observations ``(ti, si)`` of a dense block only."""
+    ops = block.ops
+    x = block.x
+    w = rule.window
+    flags = np.zeros(x.shape, dtype=bool)
+    base = np.empty(x.shape)
+    floors = _op_floors(ops, rule.floor)
+    t = rule.threshold
+    jmin = ops.index("min") if rule.range_floor and "min" in ops and "max" in ops else -1
+    jmax = ops.index("max") if jmin >= 0 else -1
+    value_cols = [ops.index(op) for op in _VALUE_OPS if op in ops] if jmin >= 0 else []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for c0 in range(0, len(ti), _CHUNK):
+            tr, sr = ti[c0 : c0 + _CHUNK], si[c0 : c0 + _CHUNK]
+            h = block.windows(w, tr, sr)  # candidates x ops x W
+            nr = np.broadcast_to(np.minimum(tr, w)[:, None], h.shape[:2])
+            xr = x[tr, sr]
+            last = x[tr - 1, sr]
+            hmin = np.fmin.reduce(h, axis=-1)
+            hmax = np.fmax.reduce(h, axis=-1)
+            low = np.where(hmin > 0, hmin, np.where(hmax < 0, -hmax, 0.0))
+            bound_scale = np.maximum(low, floors)
+            if jmin >= 0:
+                low_abs = np.maximum(low[:, jmin], low[:, jmax])
+                for j in value_cols:
+                    bound_scale[:, j] = np.maximum(bound_scale[:, j], rule.range_floor * low_abs)
+            bound = np.maximum(np.abs(xr - hmin), np.abs(xr - hmax))
+            if rule.sudden:
+                bound = np.fmin(bound, np.abs(xr - last))
+            cand = (nr >= max(rule.warmup, 1)) & (bound > t * bound_scale)
+            if NANS_OP in ops:
+                cand[:, ops.index(NANS_OP)] = False
+            h.sort(axis=-1)
+            med = _median_sorted(h, nr)
+            dev_hist = np.abs(h - med[..., None])
+            dev_hist.sort(axis=-1)
+            spread = _median_sorted(dev_hist, nr)
+            scale = np.maximum(np.maximum(np.abs(med), rule.noise * spread), floors)
+            if jmin >= 0:
+                absmax = np.maximum(np.abs(med[:, jmin]), np.abs(med[:, jmax]))
+                for j in value_cols:
+                    scale[:, j] = np.fmax(scale[:, j], rule.range_floor * absmax)
+            diff = np.abs(xr - med)
+            if rule.sudden:
+                diff = np.fmin(diff, np.abs(xr - last))
+            flags[tr, sr] = cand & (diff / scale > t)
+            base[tr, sr] = med
+    if rule.nan and NANS_OP in ops:
+        # every value finite: only a nans count rising from 0 can be flagged; its baseline is the last count
+        j = ops.index(NANS_OP)
+        col = x[:, :, j]
+        rise = np.zeros(col.shape, dtype=bool)
+        rise[1:] = (col[1:] > 0) & (col[:-1] == 0)
+        rise[0] = col[0] > 0
+        tj, sj = np.nonzero(rise)
+        if len(tj):
+            h = block.windows(w, tj, sj)
+            h.sort(axis=-1)
+            base[tj, sj] = _median_sorted(h, block.count(w)[tj, sj])
+            base[tj, sj, j] = np.where(tj > 0, x[np.maximum(tj - 1, 0), sj, j], np.nan)
+            flags[:, :, j] |= rise
+    return flags, base
+
+
+def _nan_inf(block: SeriesBlock) -> tuple[np.ndarray, np.ndarray]:
+    flags, last = _nan_flags(block, block.ops)
+    return flags, np.where(block.count(1) > 0, last, np.nan)
+
+
+def _window_sum(a: np.ndarray, single: np.ndarray) -> np.ndarray:
+    """``a.sum(axis=0)`` as the Detector's window-first copy sums it: window by window, except for an
+    observation alone in its record (one row, one op), which numpy sums pairwise."""
+    out = a[0].copy()
+    for j in range(1, len(a)):
+        out += a[j]
+    for i in np.flatnonzero(single):
+        out[i] = a[:, i : i + 1].sum(axis=0)[0]
+    return out
+
+
+def _zscore(rule: ZScore, block: SeriesBlock, single: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x = block.x
+    w = rule.window
+    n = block.count(w)
+    floors = _op_floors(block.ops, rule.floor)
+    flags = np.zeros(x.shape, dtype=bool)
+    mean_all = np.full(x.shape, np.nan)
+    ti, si = np.nonzero(block.present[:, :, 0])
+    step = max(1, _CHUNK // max(1, w))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for c0 in range(0, len(ti), step):
+            tr, sr = ti[c0 : c0 + step], si[c0 : c0 + step]
+            hist = block.ring(w, tr, sr)  # W x rows x ops, the Detector's ring
+            alone = single[tr]
+            nr = n[tr, sr]
+            xr = x[tr, sr]
+            ok = np.isfinite(hist)
+            mean = _window_sum(np.where(ok, hist, 0.0), alone) / nr
+            var = _window_sum(np.where(ok, hist - mean, 0.0) ** 2, alone) / nr
+            scale = np.maximum(np.sqrt(var), floors)
+            z = np.abs(xr - mean) / scale
+            flags[tr, sr] = np.isfinite(xr) & (nr >= max(rule.warmup, 2)) & (z > rule.threshold)
+            mean_all[tr, sr] = mean
+    return flags, mean_all
+
+
+def block_flags(rule: Rule, block: SeriesBlock) -> tuple[np.ndarray, np.ndarray]:
+    """``(flags, baselines)`` of one rule over a block, both ``(records, series, ops)``; a baseline is
+    only defined where a flag is set."""
+    if isinstance(rule, ZScore):
+        single = (block.present[:, :, 0].sum(axis=1) * block.x.shape[2]) == 1
+        return _zscore(rule, block, single)
+    if isinstance(rule, AnomalyTurbulence):
+        return _turbulence(rule, block)
+    if isinstance(rule, NaNInf):
+        return _nan_inf(block)
+    raise TypeError(f"no vectorised form of rule {rule.name}")

@@ -1,0 +1,175 @@
+"""Running a command's work by rank partition: in this process, in ``-j N`` local processes, or on a
+Dask cluster (``--engine dask``, ``--cluster ADDRESS``).
+
+Ranks are independent in every replay (series, name tables and resumes are per rank), so a command
+splits its ranks into contiguous parts of about equal log bytes, runs one function per part, and puts
+the parts' answers together in rank order: the same answer whatever ran it. The function and its
+arguments must pickle (module-level functions, plain data); its answer travels back the same way.
+
+Dask (the ``dask`` extra: ``pip install trainrec[dask]``) is the engine past one machine: every worker
+must see the run's files at the same paths (a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trainrec.replay.discover import RunInfo
+from trainrec.replay.run import Run
+from trainrec.replay.summary import summarize, summarize_rank
+from trainrec.schema.errors import ConfigError, TrainrecError
+
+from .export_files import pool_context
+from .progress import Progress
+
+__all__ = [
+    "add_jobs_arguments", "check_engine", "partition_ranks", "rank_bytes", "run_parts", "sub_info", "summarize_ranks",
+    "summarize_run",
+]
+
+ENGINES = ("local", "dask")
+log = logging.getLogger(__name__)
+
+
+def add_jobs_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None:
+    """``-j N`` (and with ``engine``: ``--engine``, ``--cluster``)."""
+    parser.add_argument("-j", "--jobs", type=_positive, default=1, metavar="N",
+                        help="processes, by rank partition (default 1; the answer is the same)")
+    if engine:
+        parser.add_argument("--engine", choices=ENGINES, default="local",
+                            help="where the parts run: local processes (-j), or a Dask cluster (the dask extra)")
+        parser.add_argument("--cluster", metavar="ADDRESS", default=None,
+                            help="the Dask scheduler to use (e.g. tcp://host:8786; implies --engine dask); "
+                                 "without it --engine dask starts a local cluster of -j processes")
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {n}")
+    return n
+
+
+def check_engine(args: argparse.Namespace) -> str:
+    """The engine the arguments ask for; a ConfigError when Dask is asked for and not installed."""
+    engine = "dask" if getattr(args, "cluster", None) else getattr(args, "engine", "local")
+    if engine == "dask":
+        try:
+            import distributed  # noqa: F401
+        except ImportError:
+            raise ConfigError("--engine dask needs Dask: pip install 'trainrec[dask]'", key="--engine") from None
+    return engine
+
+
+def rank_bytes(run: Run, rank: int) -> int:
+    total = 0
+    for path in run.files(rank):
+        try:
+            total += os.path.getsize(path)
+        except OSError:
+            pass
+    return total
+
+
+def partition_ranks(run: Run, ranks: Sequence[int], parts: int) -> list[list[int]]:
+    """Contiguous groups of ``ranks`` (at most ``parts``) of about equal log bytes, in rank order."""
+    ranks = list(ranks)
+    if not ranks:
+        return []
+    parts = max(1, min(parts, len(ranks)))
+    sizes = [max(1, rank_bytes(run, r)) for r in ranks]
+    target = sum(sizes) / parts
+    out: list[list[int]] = [[]]
+    acc = 0.0
+    for i, (r, size) in enumerate(zip(ranks, sizes, strict=True)):
+        left = len(ranks) - i
+        if out[-1] and (acc + size / 2 > target * len(out) or left <= parts - len(out)) and len(out) < parts:
+            out.append([])
+        out[-1].append(r)
+        acc += size
+    return out
+
+
+def sub_info(run: Run, ranks: Sequence[int]) -> RunInfo:
+    """The launch reduced to some ranks (what a part's process opens)."""
+    info = run.info
+    return type(info)(run_id=info.run_id, files={r: list(info.files[r]) for r in ranks})
+
+
+def run_parts(fn: Callable[..., Any], parts: Sequence[tuple], weights: Sequence[int], jobs: int, label: str,
+              engine: str = "local", cluster: str | None = None, progress: bool | None = None) -> list[Any]:
+    """``[fn(*args) for args in parts]``, run by ``engine`` with ``jobs`` processes; answers in part order.
+    ``weights`` (log bytes per part) drive the progress bar."""
+    bar = Progress(sum(weights), len(parts), label, enabled=progress)
+    try:
+        if engine == "dask":
+            return _run_dask(fn, parts, weights, jobs, cluster, bar)
+        if jobs <= 1 or len(parts) <= 1:
+            out = []
+            for args, w in zip(parts, weights, strict=True):
+                out.append(fn(*args))
+                bar.advance(w, task_done=True)
+            return out
+        results: list[Any] = [None] * len(parts)
+        with cf.ProcessPoolExecutor(max_workers=min(jobs, len(parts)), mp_context=pool_context()) as pool:
+            futures = {pool.submit(fn, *args): i for i, args in enumerate(parts)}
+            for fut in cf.as_completed(futures):
+                i = futures[fut]
+                results[i] = fut.result()
+                bar.advance(weights[i], task_done=True)
+        return results
+    finally:
+        bar.close()
+
+
+def _run_dask(fn, parts, weights, jobs: int, cluster: str | None, bar: Progress) -> list[Any]:
+    from distributed import Client, LocalCluster, as_completed
+
+    local = None
+    if not log.isEnabledFor(logging.INFO):  # (-v shows Dask's own log lines)
+        logging.getLogger("distributed").setLevel(logging.ERROR)
+    try:
+        if cluster:
+            client = Client(cluster, timeout=30)
+        else:
+            local = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                 silence_logs=logging.ERROR)
+            client = Client(local)
+    except (OSError, TimeoutError) as exc:
+        raise TrainrecError(f"cannot reach the Dask scheduler {cluster or '(local cluster)'}: {exc}") from exc
+    try:
+        futures = [client.submit(fn, *args, pure=False) for args in parts]
+        index = {f.key: i for i, f in enumerate(futures)}
+        results: list[Any] = [None] * len(parts)
+        for fut in as_completed(futures):
+            i = index[fut.key]
+            results[i] = fut.result()
+            bar.advance(weights[i], task_done=True)
+        return results
+    finally:
+        client.close()
+        if local is not None:
+            local.close()
+
+
+# ---------------------------------------------------------------------------------------- inspect, check
+def summarize_ranks(info: RunInfo, ranks: Sequence[int]) -> list:
+    """The :class:`~trainrec.replay.summary.RankSummary` of some ranks (a part's work)."""
+    run = Run(info)
+    return [summarize_rank(run, r) for r in ranks]
+
+
+def summarize_run(run: Run, jobs: int, label: str):
+    """:func:`~trainrec.replay.summary.summarize` of ``run``, its ranks read by ``jobs`` processes."""
+    groups = partition_ranks(run, run.ranks, len(run.ranks) if jobs <= 1 else jobs * 4)
+    weights = [sum(rank_bytes(run, r) for r in g) for g in groups]
+    parts = run_parts(summarize_ranks, [(sub_info(run, g), g) for g in groups], weights, jobs, label)
+    return summarize(run, [rs for part in parts for rs in part])
