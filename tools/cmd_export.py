@@ -1,4 +1,5 @@
-"""``trainrec export csv|tb RUN -o DIR``: the reference's CSV files or TensorBoard events, from the log.
+"""``trainrec export csv|tb RUN -o DIR``: the reference's CSV files or TensorBoard events, from the log
+(``export parquet``: :mod:`trainrec.tools.export_parquet`).
 
 Output layout (per rank, the run's own rank directory names)::
 
@@ -41,6 +42,7 @@ from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, ConfigApplied, StepEnded, TensorStatsRecorded
 
 from .export_files import ExportTask, TaskResult, pool_context, run_task
+from .progress import Progress
 from .runarg import add_run_arguments, check_steps, note_incomplete
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,9 @@ def add_parser(subparsers) -> None:
             q.add_argument("--step-count-per-record", type=_positive, default=FROM_RUN, metavar="M",
                            help="steps per CSV file (default: the run's config, else 1)")
         q.set_defaults(func=run)
+    from .export_parquet import add_parquet_parser  # (it imports this module's output helpers)
+
+    add_parquet_parser(fsub, _types_arg, _steps_arg)
 
 
 # ---------------------------------------------------------------------------------------- selection
@@ -279,41 +284,6 @@ def _prepare_output(out: str, force: bool, record: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------- execution
-class Progress:
-    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int, tasks: int, label: str, enabled: bool | None = None) -> None:
-        self.total = max(total, 1)
-        self.tasks = tasks
-        self.label = label
-        self.done = 0
-        self.tasks_done = 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.t0 = time.monotonic()
-        self._last = 0.0
-        self._lock = threading.Lock()
-
-    def advance(self, nbytes: int = 0, task_done: bool = False) -> None:
-        with self._lock:
-            self.done += nbytes
-            self.tasks_done += int(task_done)
-            now = time.monotonic()
-            if self.enabled and (task_done or now - self._last >= 0.1):
-                self._last = now
-                frac = min(1.0, self.done / self.total)
-                bar = "#" * int(frac * 30)
-                sys.stderr.write(
-                    f"\r{self.label} [{bar:<30}] {frac:4.0%} {self.done / 1e6:7.1f}/{self.total / 1e6:.1f} MB "
-                    f"{self.tasks_done}/{self.tasks} parts {now - self.t0:6.1f} s"
-                )
-                sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 _queue = None
 
 
