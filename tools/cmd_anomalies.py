@@ -36,6 +36,7 @@ from trainrec.schema.errors import ConfigError, TrainrecError
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.rules import RULES, Rule, make_rule, rule_arguments
 
+from .progress import reading
 from .runarg import add_run_arguments, check_steps, open_run_from_args, steps_outside
 
 __all__ = ["add_parser", "format_table", "parse_step_list", "positive_k", "run", "steps_outside", "write_json"]
@@ -225,7 +226,8 @@ def run(args) -> int:
     if args.kinds and not rules:
         raise ConfigError("--kinds selects what to re-detect on and needs --rule", key="--kinds")
     r = open_run_from_args(args)
-    scan = scan_run(r, rules, args.kinds)
+    with reading(r, "anomalies"):
+        scan = scan_run(r, rules, args.kinds)
     _report_damage(r)
     if scan.skipped_steps:
         shown = sorted(scan.skipped_steps)

@@ -22,6 +22,7 @@ import sys
 import orjson
 from trainrec.replay.summary import findings, summarize
 
+from .progress import reading
 from .runarg import add_run_arguments, open_run_from_args
 
 
@@ -39,7 +40,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = summarize(open_run_from_args(args, notes=False))
+    run_ = open_run_from_args(args, notes=False)
+    with reading(run_, "check"):
+        summary = summarize(run_)
     found = findings(summary)
     failing = {"damage", "torn", "missing"} | ({"unclosed"} if args.strict else set())
     bad = [f for f in found if f.severity in failing]

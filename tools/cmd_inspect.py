@@ -18,6 +18,7 @@ from trainrec.replay.discover import format_ranks, list_runs
 from trainrec.replay.summary import FileSummary, RankSummary, RunSummary, summarize
 from trainrec.schema import layout
 
+from .progress import reading
 from .runarg import add_run_arguments, open_run_from_args
 
 
@@ -34,7 +35,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = summarize(open_run_from_args(args, notes=False))
+    run_ = open_run_from_args(args, notes=False)
+    with reading(run_, "inspect"):
+        summary = summarize(run_)
     out = sys.stdout
     if args.json:
         out.write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")

@@ -26,7 +26,7 @@ import numpy as np
 from trainrec.analyzers.wide_stats import OPS, SLOT_NAMES, WideBatch, WideStats
 from trainrec.schema.errors import TrainrecError
 
-from .progress import Progress
+from .progress import reading
 from .runarg import add_run_arguments, check_steps, open_run_from_args
 
 _STATS_COLUMNS = ("step", "micro_step", "call_id", "vpp_stage", "name")  # Parquet min/max per row group
@@ -121,38 +121,19 @@ class ParquetSink:
 
 
 def export_parquet(run, out: str, *, kinds=None, steps=None, ranks=None, compression: str = "snappy",
-                   float64: bool = False, progress: Progress | None = None) -> tuple[ParquetSink, WideStats]:
+                   float64: bool = False) -> tuple[ParquetSink, WideStats]:
     """Write the run's statistics under ``out`` (which must exist); returns the sink and the gatherer."""
     sink = ParquetSink(out, compression, float64)
     wide = WideStats(kinds, steps, dtype=np.float64 if float64 else np.float32)
     try:
         for rank in run.ranks if ranks is None else [r for r in run.ranks if r in ranks]:
-            for batch in wide.feed(_counted(run.events(rank), progress)):
+            for batch in wide.feed(run.events(rank)):
                 sink.write(batch, wide.names)
             for batch in wide.finish():
                 sink.write(batch, wide.names)
-            if progress is not None:
-                progress.advance(task_done=True)
     finally:
         sink.close()
     return sink, wide
-
-
-def _counted(events, progress: Progress | None):
-    """``events``, advancing ``progress`` by the stats bytes that went by (most of a log's bytes)."""
-    if progress is None or not progress.enabled:
-        yield from events
-        return
-    pending = 0
-    for ev in events:
-        values = getattr(ev, "values", None)
-        if type(values) is bytes:
-            pending += len(values) + len(ev.name_ids)
-            if pending >= 1 << 22:
-                progress.advance(pending)
-                pending = 0
-        yield ev
-    progress.advance(pending)
 
 
 def run(args) -> int:
@@ -176,16 +157,13 @@ def run(args) -> int:
               "ranks": args.ranks.text() if args.ranks else None, "created": time.time()}
     created = not os.path.exists(out)
     prepare_output(out, args.force, record)
-    total = sum(os.path.getsize(p) for r in ranks for p in run_.files(r) if os.path.exists(p))
-    progress = Progress(total, len(ranks), "export parquet")
     t0 = time.perf_counter()
     try:
-        sink, wide = export_parquet(run_, out, kinds=kinds, steps=args.steps, ranks=ranks,
-                                    compression=args.compression, float64=args.float64, progress=progress)
+        with reading(run_, "export parquet"):
+            sink, wide = export_parquet(run_, out, kinds=kinds, steps=args.steps, ranks=ranks,
+                                        compression=args.compression, float64=args.float64)
     except OSError as exc:
         raise TrainrecError(f"export to {out} failed: {exc}") from exc
-    finally:
-        progress.close()
     elapsed = time.perf_counter() - t0
     seen = sorted(wide.steps_seen)
     if args.steps is not None and not seen:
