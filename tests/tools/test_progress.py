@@ -51,6 +51,7 @@ def _on_a_terminal(argv: list[str]) -> tuple[int, str]:
     ["inspect", "{run}"],
     ["check", "{run}"],
     ["anomalies", "{run}"],
+    ["report", "{run}", "-o", "{tmp}/r.html"],
     ["export", "parquet", "{run}", "-o", "{tmp}/pq"],
 ])
 def test_commands_that_read_a_run_draw_the_bar_on_a_terminal(run_dir, tmp_path, argv):
@@ -66,6 +67,6 @@ def test_commands_that_read_a_run_draw_the_bar_on_a_terminal(run_dir, tmp_path, 
     assert final.startswith(f"{label} [{'#' * 30}] 100% ") and " MB " in final and final.endswith(" s")
 
 
-def test_nothing_is_drawn_off_a_terminal(run_dir, capsys):
-    assert main(["inspect", str(run_dir)]) == 0
+def test_nothing_is_drawn_off_a_terminal(run_dir, tmp_path, capsys):
+    assert main(["report", str(run_dir), "-o", str(tmp_path / "r.html")]) == 0
     assert "[" not in capsys.readouterr().err
