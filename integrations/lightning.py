@@ -15,18 +15,35 @@ torch optimizer's ``step`` runs, whose hooks count the steps. The rank directory
 checkpoint (the callback's ``state_dict``), so ``trainer.fit(model, ckpt_path=...)`` appends to the same
 run from the step restored; ``on_train_end`` (and an exception) closes the log.
 
-This module uses ``lightning`` where it is installed, else ``pytorch_lightning``; importing trainrec
-imports neither.
+The callback is one of ``lightning``'s, or of ``pytorch_lightning``'s where the program imported that
+package (and not ``lightning``) before this module; importing trainrec imports neither.
 """
 
 from __future__ import annotations
 
-try:
-    from lightning.pytorch.callbacks import Callback
-except ImportError:  # the older package name
-    from pytorch_lightning.callbacks import Callback
+import importlib
+import sys
 
 from ._resume import append_target, open_recorder, run_note
+
+
+def _callback_base():
+    """Lightning's ``Callback`` of the package the program uses: ``pytorch_lightning`` where it is
+    imported and ``lightning`` is not (its Trainer accepts only its own callbacks), else ``lightning``
+    where installed, else ``pytorch_lightning``."""
+    if "pytorch_lightning" in sys.modules and "lightning" not in sys.modules:
+        order = ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks")
+    else:
+        order = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
+    for name in order:
+        try:
+            return importlib.import_module(name).Callback
+        except ImportError:
+            continue
+    raise ImportError("trainrec.integrations.lightning needs lightning (or pytorch_lightning): pip install lightning")
+
+
+Callback = _callback_base()
 
 __all__ = ["TrainrecCallback"]
 

@@ -138,3 +138,36 @@ def test_fit_from_a_checkpoint_appends_to_the_same_run(tmp_path):
             assert norm == before[(step, name, micro)]
         else:
             assert norm == pytest.approx(resumed.grad_norms[step - 2][name], rel=1e-5)
+
+
+def test_with_pytorch_lightning_imported_first_the_callback_is_its_own(tmp_path):
+    """The older package: its Trainer takes only its own Callback subclasses."""
+    pytest.importorskip("pytorch_lightning")
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import pytorch_lightning as pl, torch\n"
+        "from torch import nn\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from trainrec.integrations.lightning import TrainrecCallback\n"
+        "from trainrec.replay import open_run\n"
+        "assert 'lightning' not in __import__('sys').modules\n"
+        "class Net(pl.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.lin = nn.Linear(4, 1)\n"
+        "    def training_step(self, batch, i):\n"
+        "        return nn.functional.mse_loss(self.lin(batch[0]), batch[1])\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        "x = torch.randn(16, 4)\n"
+        f"cb = TrainrecCallback({{'wg_distribution': True, 'ops': ['norm']}}, output_dir={str(tmp_path / 'out')!r})\n"
+        "pl.Trainer(accelerator='cpu', devices=1, max_steps=3, logger=False, enable_progress_bar=False,\n"
+        "           enable_model_summary=False, enable_checkpointing=False, callbacks=[cb]).fit(\n"
+        "    Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))\n"
+        f"print(sorted({{ev.step for ev, _ in open_run({str(tmp_path / 'out')!r}).stats(['grad_reduced'])}}))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[0, 1, 2]"
