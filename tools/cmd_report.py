@@ -149,7 +149,7 @@ def render(data: dict, blobs: dict[str, str]) -> str:
 <div id="kinds"></div><label>op <select id="op"></select></label> <span id="scale" class="note"></span>
 <div id="selection" class="selection">nothing selected</div><div id="hover" class="note">&nbsp;</div>
 <div class="heat"><div id="labels"></div><div class="canvas-box"><canvas id="heatmap"></canvas></div></div></section>
-<section><h2>Curves</h2><canvas id="curves" width="1000" height="240"></canvas><div id="curves-legend" class="legend"></div></section>
+<section><h2>Curves</h2><label class="note"><input type="checkbox" id="curves-log" checked> log scale (where all values are positive)</label><br><canvas id="curves" width="1000" height="240"></canvas><div id="curves-legend" class="legend"></div></section>
 <section><h2>Anomalies</h2><table><thead><tr><th>step</th><th>rank</th><th>kind</th><th>tensor</th><th>op</th><th>value</th><th>rule</th></tr></thead>
 <tbody id="anomalies"></tbody></table></section>
 <section><h2>Config switches and resumes</h2><ul id="marks"></ul></section>

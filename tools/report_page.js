@@ -166,7 +166,7 @@
 
   // ------------------------------------------------------------------ curves
   function drawCurves() {
-    const cv = $("curves"), ctx = cv.getContext("2d"), w = cv.width, h = cv.height, pad = 60;
+    const cv = $("curves"), ctx = cv.getContext("2d"), w = cv.width, h = cv.height, pad = 50;
     ctx.clearRect(0, 0, w, h);
     const series = state.curves.filter((c) => kindMeta[c.kind]).map((c) => ({ c, meta: kindMeta[c.kind], data: matrix(c.kind, state.op) }));
     const legend = $("curves-legend"); legend.innerHTML = "";
@@ -178,9 +178,13 @@
       for (let b = 0; b < s.meta.bins; b++) { const v = s.data[s.c.row * s.meta.bins + b]; if (isFinite(v)) { y0 = Math.min(y0, v); y1 = Math.max(y1, v); } }
     }
     if (!isFinite(y0)) { y0 = 0; y1 = 1; }
-    if (y1 === y0) y1 = y0 + 1;
-    const X = (s) => pad + ((s - x0) / (x1 - x0 || 1)) * (w - pad - 8), Y = (v) => h - 20 - ((v - y0) / (y1 - y0)) * (h - 28);
+    const log = $("curves-log").checked && y0 > 0;  // a log axis where every value drawn is positive
+    const T = (v) => (log ? Math.log10(v) : v);
+    let t0 = T(y0), t1 = T(y1);
+    if (t1 === t0) t1 = t0 + 1;
+    const X = (s) => pad + ((s - x0) / (x1 - x0 || 1)) * (w - pad - 8), Y = (v) => h - pad - ((T(v) - t0) / (t1 - t0)) * (h - pad - 8);
     axes(ctx, w, h, x0, x1, y0, y1, pad);
+    if (log) ctx.fillText("log", 2, 28);
     series.forEach((s, i) => {
       ctx.strokeStyle = COLORS[i % COLORS.length]; ctx.beginPath(); let on = false;
       if (s.data) for (let b = 0; b < s.meta.bins; b++) {
@@ -223,6 +227,7 @@
     b.addEventListener("click", () => showKind(k.kind, state.op)); kinds.append(b);
   }
   $("op").addEventListener("change", (e) => { state.op = e.target.value; drawHeatmap(); });
+  $("curves-log").addEventListener("change", drawCurves);
   $("heatmap").addEventListener("mousemove", (e) => onHeatmap(e, false));
   $("heatmap").addEventListener("click", (e) => onHeatmap(e, true));
   if (state.kind) {
