@@ -201,7 +201,12 @@
   // ------------------------------------------------------------------ anomalies
   function anomalyList() {
     const body = $("anomalies");
-    if (!M.anomalies.length) { body.append(el("tr", {}, "")).append(el("td", { colspan: 7 }, "no anomalies recorded")); return; }
+    if (!M.anomalies.length) {
+      const tr = el("tr", { class: "none" });
+      tr.append(el("td", { colspan: "7" }, "no anomalies recorded"));
+      body.append(tr);
+      return;
+    }
     for (const a of M.anomalies) {
       const tr = el("tr", { "data-i": String(a.i) });
       const link = el("a", { href: "#heatmap-section", class: "anomaly-link" }, String(a.step));

@@ -137,3 +137,25 @@ def test_the_page_in_headless_chromium(run_dir, tmp_path):
     finally:
         browser.quit()
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_a_page_without_anomalies_or_statistics_loads_cleanly(tmp_path):
+    """The pages of a run with no anomalies, and of one with no statistics at all (steps only)."""
+    write_rank_log(rank_dir(tmp_path / "quiet", 0), rank=0, steps=range(3), anomalies=False)
+    with LogWriter(rank_dir(tmp_path / "bare", 0), rank=0, world_size=1, run_id="bare", flush_interval=0.02) as w:
+        for s in range(3):
+            w.write(StepEnded(rank=0, step=s, wall=1.0 + s, duration=0.1, collected=False))
+    browser = _browser()
+    try:
+        from selenium.webdriver.common.by import By
+
+        for name, has_stats in (("quiet", True), ("bare", False)):
+            out = tmp_path / f"{name}.html"
+            assert main(["report", str(tmp_path / name), "-o", str(out)]) == 0
+            browser.get(out.as_uri())
+            assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1"
+            assert "no anomalies recorded" in browser.find_element(By.ID, "anomalies").text
+            assert bool(browser.find_elements(By.CSS_SELECTOR, "#kinds button")) == has_stats
+            assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    finally:
+        browser.quit()
