@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -42,28 +43,34 @@ def main() -> int:
     out = os.path.join(args.work, "parquet-out")
     trainrec = [sys.executable, "-m", "trainrec.tools.cli"]
     for codec in ("snappy", "none", "zstd"):
-        best = None
+        best = cpu = None
         for _ in range(args.repeat):
             shutil.rmtree(out, ignore_errors=True)
+            c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
             subprocess.run([*trainrec, "export", "parquet", run_dir, "-o", out, "--compression", codec],
                            check=True, stdout=subprocess.DEVNULL)
             wall = time.perf_counter() - t0
+            c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            used = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
             best = wall if best is None else min(best, wall)
-        print(f"trainrec export parquet --compression {codec}: {best:.2f} s wall (process, best of {args.repeat}), "
-              f"{values / best / 1e6:.1f} M values/s, {_size(out) / 1e6:.0f} MB")
+            cpu = used if cpu is None else min(cpu, used)
+        print(f"trainrec export parquet --compression {codec}: {best:.2f} s wall, {cpu:.2f} s CPU (process, best of "
+              f"{args.repeat}), {values / best / 1e6:.1f} M values/s, {_size(out) / 1e6:.0f} MB")
     from trainrec.replay import open_run
     from trainrec.tools.export_parquet import export_parquet
 
-    best = None
+    best = cpu = None
     for _ in range(args.repeat):
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         sink, _ = export_parquet(open_run(run_dir), out)
-        wall = time.perf_counter() - t0
+        wall, used = time.perf_counter() - t0, time.process_time() - c0
         best = wall if best is None else min(best, wall)
-    print(f"export_parquet() in process, snappy: {best:.2f} s, {sink.values / best / 1e6:.1f} M values/s")
+        cpu = used if cpu is None else min(cpu, used)
+    print(f"export_parquet() in process, snappy: {best:.2f} s wall, {cpu:.2f} s CPU, "
+          f"{sink.values / best / 1e6:.1f} M values/s ({sink.values / cpu / 1e6:.1f} M per CPU second)")
     try:
         import duckdb
     except ImportError:
