@@ -29,7 +29,7 @@ from trainrec.schema.errors import TrainrecError
 from trainrec.schema.events import FileOpened
 
 from .progress import reading
-from .runarg import add_run_arguments, open_run_from_args
+from .runarg import add_run_arguments, note_damage, open_run_from_args
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -182,6 +182,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with reading(run_, "report"):
         html, model = build(run_, max_bins=args.max_bins, curves=args.curve)
+    note_damage(run_, "report", used="everything before it is shown")
     out = os.path.abspath(args.output)
     try:
         with open(out, "w", encoding="utf-8") as f:

@@ -27,7 +27,7 @@ from trainrec.analyzers.wide_stats import OPS, SLOT_NAMES, WideBatch, WideStats
 from trainrec.schema.errors import TrainrecError
 
 from .progress import reading
-from .runarg import add_run_arguments, check_steps, open_run_from_args
+from .runarg import add_run_arguments, check_steps, note_damage, open_run_from_args
 
 _STATS_COLUMNS = ("step", "micro_step", "call_id", "vpp_stage", "name")  # Parquet min/max per row group
 COMPRESSIONS = ("none", "snappy", "zstd", "lz4", "gzip")
@@ -165,6 +165,7 @@ def run(args) -> int:
     except OSError as exc:
         raise TrainrecError(f"export to {out} failed: {exc}") from exc
     elapsed = time.perf_counter() - t0
+    note_damage(run_, "export", ranks)
     seen = sorted(wide.steps_seen)
     if args.steps is not None and not seen:
         err = check_steps(args.steps, None, None, f"run {run_.run_id}")
