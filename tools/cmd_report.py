@@ -67,8 +67,8 @@ def endings(run: Run) -> list[dict]:
         if alive:
             out.append({"rank": rank, "state": "running", "text": f"still being written (pid {header.pid})"})
         elif torn:
-            out.append({"rank": rank, "state": "crashed", "text": f"not closed: ends in a torn record ({torn} bytes), "
-                        "the writer died mid-write"})
+            out.append({"rank": rank, "state": "crashed", "text": f"not closed: {os.path.basename(files[-1])} ends in a "
+                        f"torn record at byte {reader.offset} ({torn} bytes): the writer died mid-write"})
         else:
             out.append({"rank": rank, "state": "unclosed", "text": "not closed: the writer was killed or crashed "
                         "after its last flush" if alive is False else "not closed (killed, or still writing elsewhere)"})

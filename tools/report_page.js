@@ -129,6 +129,12 @@
     const off = document.createElement("canvas"); off.width = bins; off.height = rows;
     off.getContext("2d").putImageData(img, 0, 0);
     ctx.imageSmoothingEnabled = false; ctx.drawImage(off, 0, 0, bins * cw, rows * ch);
+    for (const m of M.marks) {  // config switches and resumes: a line before their step's bin
+      const b = Math.floor((m.step - meta.first_step) / meta.width);
+      if (b <= 0 || b >= bins) continue;
+      ctx.fillStyle = m.type === "resume" ? "#e08000" : "#3060d0";
+      ctx.fillRect(b * cw - 1, 0, 2, rows * ch);
+    }
     ctx.fillStyle = "#d00";
     for (const a of M.anomalies) if (a.kind === state.kind && a.row !== null) ctx.fillRect(a.col * cw, a.row * ch, Math.max(2, cw / 3), Math.max(2, ch / 3));
     if (state.sel && state.sel.kind === state.kind) {

@@ -4,6 +4,7 @@ made from its config, nothing downloaded): gradient accumulation, accelerate's o
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -59,9 +60,13 @@ def _stats(run, kind: str) -> dict:
     return out
 
 
-def test_one_line_records_every_step_with_accumulation_and_a_resume_appends(tmp_path):
+@pytest.mark.parametrize("as_file", [False, True], ids=["config dict", "config path"])
+def test_one_line_records_every_step_with_accumulation_and_a_resume_appends(tmp_path, as_file):
     out = tmp_path / "trainrec"
     config = {"wg_distribution": True, "mv_distribution": True, "ops": ["norm", "max"]}
+    if as_file:
+        (tmp_path / "monitor_config.json").write_text(json.dumps(config))
+        config = str(tmp_path / "monitor_config.json")
     first = TrainrecCallback(config, output_dir=str(out))
     trainer = _trainer([first], str(tmp_path / "hf"), steps=4)
     trainer.train()

@@ -159,3 +159,22 @@ def test_a_page_without_anomalies_or_statistics_loads_cleanly(tmp_path):
             assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
     finally:
         browser.quit()
+
+
+def test_how_a_run_ended_a_writer_that_died_mid_write(tmp_path):
+    """A log written by a process now gone, cut inside its last record: crashed, with file and offset."""
+    import glob
+    import subprocess
+
+    from trainrec.tools.cmd_report import endings
+
+    helpers = os.path.join(os.path.dirname(__file__), "..", "analyzers")
+    code = (f"import sys; sys.path.insert(0, {helpers!r})\n"
+            "from export_logs import write_rank_log\n"
+            f"write_rank_log({rank_dir(tmp_path / 'out', 0)!r}, rank=0, steps=range(2), anomalies=False)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    (log,) = glob.glob(str(tmp_path / "out" / "*" / "*.trl"))
+    size = os.path.getsize(log)
+    os.truncate(log, size - 3)  # (the FileClosed record, cut short)
+    (end,) = endings(open_run(str(tmp_path / "out")))
+    assert end["state"] == "crashed" and os.path.basename(log) in end["text"] and "torn record at byte" in end["text"]
