@@ -4,7 +4,8 @@ one HTML page however long the run.
 * per rank: steps and their durations (at most ``max_points`` points, the slowest step of each bin
   kept, so stragglers stay visible);
 * per kind: a ``tensor x step-bin`` matrix per op, the steps folded into at most ``max_bins`` bins
-  (bins double in width as the run grows, so one pass suffices; a bin holds the largest value of its
+  (bins double in width as the run grows, so one pass suffices and ``max_bins / 2`` to ``max_bins``
+  remain; a bin holds the largest value of its
   steps, the smallest for ``min``); rows are ``name`` (``name:slot`` for activations, ``rank R``
   first where there are several ranks);
 * anomalies, each with the heatmap cell (kind, row, bin) it belongs to; config switches and resumes.
@@ -73,7 +74,7 @@ class KindGrid:
         if step < self.first_step:  # (a resume to before the first step seen: shift everything right)
             self._shift(step)
         b = (step - self.first_step) // self.width
-        while b >= 2 * self.max_bins:  # fold: every two bins into one, twice as wide
+        while b >= self.max_bins:  # fold: every two bins into one, twice as wide
             self._fold()
             b = (step - self.first_step) // self.width
         if b >= self.data.shape[1]:
@@ -96,7 +97,7 @@ class KindGrid:
                 fold.at(cell[:, c], rows, col)
 
     def finish(self) -> None:
-        """Fold until at most ``max_bins`` bins remain (while feeding, up to twice as many are kept)."""
+        """Fold until at most ``max_bins`` bins remain (a resume to before the first step can add some)."""
         while self.bins > self.max_bins:
             self._fold()
 

@@ -14,6 +14,7 @@ dictionary-encoded. Pure: feed events of one rank in order, write the batches el
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from trainrec.schema.events import OPS, SLOTS, Event, FileOpened, NamesInterned,
 
 __all__ = ["KEY_COLUMNS", "OPS", "WideBatch", "WideStats"]
 
+# a kind names a directory of the dataset: one from a log (untrusted) must be a plain word
+SAFE_KIND = re.compile(r"[A-Za-z0-9_]{1,64}")
 KEY_COLUMNS = ("step", "micro_step", "call_id", "name", "vpp_stage", "slot", "placeholder")
 BATCH_ROWS = 1 << 19  # rows per batch (a Parquet row group): a few MB per column
 
@@ -74,6 +77,7 @@ class WideStats:
         self._names = _NameCodes(self._resolver, self._codes)
         self._pending: dict[tuple[str, int], _Pending] = {}
         self.dropped_ops: dict[str, int] = {}
+        self.dropped_kinds: dict[str, int] = {}  # kinds that are no plain word: rows left out
         self.records = 0
         self.double_records = 0  # float64 records (rounded where ``dtype`` is float32)
         self.steps_seen: set[int] = set()
@@ -97,6 +101,9 @@ class WideStats:
                 continue
             n = len(ev)
             if n == 0 or not ev.ops:
+                continue
+            if not SAFE_KIND.fullmatch(ev.kind):
+                self.dropped_kinds[ev.kind] = self.dropped_kinds.get(ev.kind, 0) + n
                 continue
             key = (ev.kind, ev.rank)
             pend = self._pending.get(key)

@@ -176,6 +176,9 @@ def run(args) -> int:
         print(f"trainrec export: nothing to export: no statistics in run {run_.run_id}", file=sys.stderr)
         _remove_output(out, created)
         return 1
+    for kind, rows in sorted(wide.dropped_kinds.items()):
+        print(f"trainrec export: kind {kind[:80]!r} is not a plain name (letters, digits, _): its {rows} rows are "
+              "not exported", file=sys.stderr)
     for op, rows in sorted(wide.dropped_ops.items()):
         print(f"trainrec export: op {op!r} is not one of {', '.join(OPS)}: its {rows} values are not exported",
               file=sys.stderr)

@@ -93,7 +93,8 @@
     return stops[i].map((c, k) => Math.round(c + f * (stops[i + 1][k] - c)));
   }
   function geometry(meta) {
-    const ch = Math.max(2, Math.min(14, Math.floor(600 / Math.max(1, meta.labels.length))));
+    // (a canvas taller than 32k pixels is not drawn: 1 pixel a row for very large models)
+    const ch = Math.max(meta.labels.length > 8000 ? 1 : 2, Math.min(14, Math.floor(600 / Math.max(1, meta.labels.length))));
     const cw = Math.max(2, Math.min(24, Math.floor(900 / Math.max(1, meta.bins))));
     return { cw, ch };
   }

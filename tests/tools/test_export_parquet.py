@@ -170,3 +170,18 @@ def test_selection_marker_and_refusals(run_dir, tmp_path, capsys):
     assert "outside the recorded range" in capsys.readouterr().err
     assert not out.exists() or not any(p for p in out.iterdir() if p.name != ".trainrec-export.json")
 
+
+
+def test_a_kind_that_is_no_plain_name_is_left_out_not_a_path(tmp_path, capsys):
+    """A kind names a directory: one from the log like ``../x`` must not write outside DIR."""
+    with LogWriter(rank_dir(tmp_path / "run", 0), rank=0, world_size=1, run_id="r", flush_interval=0.02) as w:
+        ids = w.intern(["a"], step=-1)
+        for kind in ("../../escaped", "param"):
+            w.write(TensorStatsRecorded(rank=0, step=0, wall=1.0, kind=kind, ops=OPS, dtype="f",
+                                        name_ids=pack_array("I", ids), values=np.ones((1, 6), "<f4").tobytes()))
+        w.write(StepEnded(rank=0, step=0, wall=1.0, duration=0.1, collected=True))
+    out = tmp_path / "a" / "b" / "out"
+    assert main(["export", "parquet", str(tmp_path / "run"), "-o", str(out)]) == 0
+    assert "kind '../../escaped' is not a plain name" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == [".trainrec-export.json", "kind=param"]
+    assert not (tmp_path / "a" / "escaped").exists() and not (tmp_path / "escaped").exists()

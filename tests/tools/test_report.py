@@ -40,16 +40,19 @@ def run_dir(tmp_path_factory):
 def test_grid_folds_bins_keeping_the_largest_and_the_smallest_min():
     grid = KindGrid("param", first_step=0, max_bins=2)
     rows = grid.rows_of(["a", "b"])
-    for step in range(8):  # 8 steps into at most 2 * max_bins bins: folded to width 2
+    for step in range(3):
         grid.add(step, rows, OPS, np.array([[step, 10 * step, 1, 1, 0, 0], [-step, 1, 1, 1, 0, 0]], np.float32))
-    assert grid.width == 2 and grid.bins == 4
-    assert grid.matrix("min")[0].tolist() == [0, 2, 4, 6] and grid.matrix("min")[1].tolist() == [-1, -3, -5, -7]
-    assert grid.matrix("max")[0].tolist() == [10, 30, 50, 70]
-    grid.add(3, rows[:1], ("norm",), np.array([[99.0]], np.float32))
-    assert grid.matrix("norm")[0].tolist() == [1, 99, 1, 1]
-    grid.finish()  # at most max_bins
-    assert grid.width == 4 and grid.matrix("max")[0].tolist() == [30, 70] and grid.matrix("min")[1].tolist() == [-3, -7]
-    assert grid.bin_of(5) == 1
+    assert grid.width == 2 and grid.bins == 2  # step 2 needed a third bin: folded to width 2
+    for step in range(3, 8):
+        grid.add(step, rows, OPS, np.array([[step, 10 * step, 1, 1, 0, 0], [-step, 1, 1, 1, 0, 0]], np.float32))
+    assert grid.width == 4 and grid.bins == 2
+    assert grid.matrix("min")[0].tolist() == [0, 4] and grid.matrix("min")[1].tolist() == [-3, -7]
+    assert grid.matrix("max")[0].tolist() == [30, 70]
+    grid.add(5, rows[:1], ("norm",), np.array([[99.0]], np.float32))
+    assert grid.matrix("norm")[0].tolist() == [1, 99] and grid.bin_of(5) == 1
+    grid.add(-4, rows[:1], ("norm",), np.array([[5.0]], np.float32))  # before the first step: shifted right
+    grid.finish()
+    assert grid.bins <= 2 and grid.first_step <= -4 and grid.matrix("norm")[0].tolist()[0] == 5.0
 
 
 def test_model_of_a_run(run_dir):
