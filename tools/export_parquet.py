@@ -6,18 +6,19 @@ Layout, Hive-partitioned by kind and rank, one file per partition::
     DIR/.trainrec-export.json
     DIR/kind=grad_reduced/rank=0/part-0.parquet
 
-Columns, wide by op: ``step, micro_step, call_id, name, vpp_stage, slot, placeholder`` and one float64
-column per op (``min, max, norm, mean, zeros, nans``: float32, as the log holds them, ``--float64`` to
-widen; null where the record did not have that op). Every
-file has the same schema, so pandas (``pd.read_parquet(DIR)``), polars
+Columns, wide by op: ``step, micro_step, call_id, name, vpp_stage, slot, placeholder``, then one
+column per op (``min, max, norm, mean, zeros, nans``), float32 as the log holds them (``--float64``
+widens), null where the record did not have that op.
+
+Every file has the same schema, so pandas (``pd.read_parquet(DIR)``), polars
 (``pl.read_parquet(f"{DIR}/**/*.parquet", hive_partitioning=True)``) and DuckDB
-(``read_parquet('DIR/**/*.parquet', hive_partitioning=true)``) read the whole directory as it is, with
-``kind`` and ``rank`` from the paths. Rows come as :meth:`trainrec.replay.Run.stats` gives them
+(``read_parquet('DIR/**/*.parquet', hive_partitioning=true)``) read the whole directory as it is,
+with ``kind`` and ``rank`` from the paths. Rows come as :meth:`trainrec.replay.Run.stats` gives them
 (resumes applied, names resolved).
 """
-
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -35,7 +36,7 @@ COMPRESSIONS = ("none", "snappy", "zstd", "lz4", "gzip")
 
 def add_parquet_parser(fsub, types_arg, steps_arg) -> None:
     q = fsub.add_parser("parquet", help="export the statistics as a Parquet dataset (pyarrow)",
-                        description=__doc__)
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(q)
     q.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write (must not exist or be empty)")
     q.add_argument("--types", type=types_arg, action="append", metavar="TYPES", help="data types, comma separated (default all)")
