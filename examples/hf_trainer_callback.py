@@ -1,5 +1,9 @@
 """Wire trainrec's TrainerMon into a Hugging Face ``Trainer`` through a ``TrainerCallback``.
 
+The packaged, tested callback is ``trainrec.integrations.transformers.TrainrecCallback`` (a config dict
+or path; resumes from checkpoints append to the same run): use that one. This file shows the wiring
+it does, with the msprobe-compatible ``TrainerMon``, and runs without transformers (``MiniTrainer``).
+
 With transformers installed::
 
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[TrainrecCallback("monitor_config.json")])
@@ -159,11 +163,16 @@ def main() -> int:
     p.add_argument("--hf", action="store_true", help="run transformers' Trainer (needs transformers and accelerate)")
     a = p.parse_args()
     cb = TrainrecCallback(a.config)
-    if a.hf:
+    if a.hf:  # the packaged callback
         import tempfile
 
+        from trainrec.integrations.transformers import TrainrecCallback as PackagedCallback
+
+        packaged = PackagedCallback(a.config)
         with tempfile.TemporaryDirectory() as tmp:
-            hf_trainer(cb, tmp, a.steps)
+            hf_trainer(packaged, tmp, a.steps)
+        print(f"log: {packaged.log_path}")
+        return 0
     else:
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
         MiniTrainer(model, MiniArgs(max_steps=a.steps), [cb]).train()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 from trainrec.schema.errors import FormatError
@@ -102,6 +102,8 @@ class Run:
                 if f.resume_step is not None:
                     cut = f.resume_step if cut is None else min(cut, f.resume_step)
         self._readers: dict[str, LogReader] = {}
+        # Called with the bytes of log read since its last call, as files are read (progress bars).
+        self.on_bytes: Callable[[int], None] | None = None
         # Merging holds one read chunk per rank: keep their sum bounded (4 MiB each up to 64 ranks).
         self._chunk = max(64 << 10, min(4 << 20, (256 << 20) // max(1, len(self.ranks))))
 
@@ -228,8 +230,12 @@ class Run:
             cut = self.cutoffs.get(path)
             reader = LogReader(path, chunk_size=self._chunk)
             dropped = 0
+            report, done = self.on_bytes, 0
             try:
-                for ev in reader:
+                for i, ev in enumerate(reader):
+                    if report is not None and not i & 255:
+                        report(reader.offset - done)
+                        done = reader.offset
                     if cut is not None and ev.step >= cut and not isinstance(ev, _KEEP):
                         dropped += 1
                         continue
@@ -238,6 +244,8 @@ class Run:
                 log.warning("trainrec: skipping %s", exc)
                 self.file_errors[path] = exc
                 continue
+            if report is not None:
+                report(reader.offset - done)
             self._readers[path] = reader
             self.superseded[path] = dropped
 

@@ -5,12 +5,15 @@
     schema  <-  recorder                     (recorder: the only subpackage that imports torch)
     schema  <-  replay  <-  analyzers
     tools on top of everything
+    integrations on top of recorder          (trainer callbacks: may import torch, recorder, schema)
 
 Rules, per module of each subpackage (relative imports resolved):
 
 * ``schema`` imports nothing of trainrec; ``recorder`` and ``replay`` only ``schema``; ``analyzers``
-  only ``schema`` and ``replay``; ``tools`` anything.
-* ``torch`` is imported only in ``recorder``.
+  only ``schema`` and ``replay``; ``tools`` anything; ``integrations`` ``schema`` and ``recorder``.
+* ``torch`` is imported only in ``recorder`` (and ``integrations``, which stands on it).
+* Importing trainrec, any of its subpackages or the CLI never imports a trainer library
+  (transformers, lightning, accelerate): an integration is loaded only when its module is imported.
 * ``tools`` may import ``recorder`` or ``torch`` only *inside functions* (lazily), never at module
   level: the CLI imports every ``tools/cmd_*.py`` at start-up to discover subcommands, so a
   module-level import would cost every command seconds of torch start-up and break replaying logs
@@ -28,16 +31,17 @@ from dataclasses import dataclass
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("schema", "recorder", "replay", "analyzers", "tools")
+PACKAGES = ("schema", "recorder", "replay", "analyzers", "tools", "integrations")
 ALLOWED = {
     "schema": set(),
     "recorder": {"schema"},
     "replay": {"schema"},
     "analyzers": {"schema", "replay"},
     "tools": {"schema", "replay", "analyzers", "recorder"},
+    "integrations": {"schema", "recorder"},
 }
 LAZY_ONLY = {"tools": {"recorder", "torch"}}  # allowed, but only inside a function
-TORCH_OK = {"recorder", "tools"}
+TORCH_OK = {"recorder", "tools", "integrations"}
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,20 @@ def test_replaying_never_loads_torch_at_run_time():
         "from trainrec.tools import cli\n"
         "cli.build_parser()\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'trainrec.recorder'))))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_no_trainer_library_is_imported_unless_an_integration_module_is():
+    code = (
+        "import sys\n"
+        "import trainrec.schema, trainrec.recorder, trainrec.replay, trainrec.analyzers, trainrec.integrations\n"
+        "from trainrec.tools import cli\n"
+        "cli.build_parser()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('transformers', 'lightning', 'pytorch_lightning', 'accelerate')))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

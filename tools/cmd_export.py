@@ -1,4 +1,5 @@
-"""``trainrec export csv|tb RUN -o DIR``: the reference's CSV files or TensorBoard events, from the log.
+"""``trainrec export csv|tb RUN -o DIR``: the reference's CSV files or TensorBoard events, from the log
+(``export parquet``: :mod:`trainrec.tools.export_parquet`).
 
 Output layout (per rank, the run's own rank directory names)::
 
@@ -122,6 +123,9 @@ def add_parser(subparsers) -> None:
             q.add_argument("--step-count-per-record", type=_positive, default=FROM_RUN, metavar="M",
                            help="steps per CSV file (default: the run's config, else 1)")
         q.set_defaults(func=run)
+    from .export_parquet import add_parquet_parser  # (it imports this module's output helpers)
+
+    add_parquet_parser(fsub, _types_arg, _steps_arg)
 
 
 # ---------------------------------------------------------------------------------------- selection

@@ -88,3 +88,20 @@ def check_steps(steps: StepSet | None, first: int | None, last: int | None, wher
     if outside:
         print(f"note: steps {','.join(outside)} are outside the recorded range ({recorded})", file=sys.stderr)
     return None
+
+
+def note_damage(run: Run, command: str, ranks=None, used: str = "everything before it is used") -> None:
+    """On stderr: the files skipped, the first problems of each file read (file and offset) and torn
+    tails, after a command has read ``ranks`` (default all) of ``run``."""
+    readers = run.readers_of(run.ranks if ranks is None else ranks)
+    for path, err in run.file_errors.items():
+        print(f"trainrec {command}: note: skipped {path}: {err}", file=sys.stderr)
+    for reader in readers.values():
+        for problem in reader.problems[:5]:
+            print(f"trainrec {command}: note: {problem}", file=sys.stderr)
+        if len(reader.problems) > 5:
+            print(f"trainrec {command}: note: ... {len(reader.problems) - 5} more in {reader.path} (trainrec check)",
+                  file=sys.stderr)
+        if reader.pending_bytes:
+            print(f"trainrec {command}: note: {reader.path} ends in an incomplete record ({reader.pending_bytes} "
+                  f"bytes: still being written, or the run crashed); {used}", file=sys.stderr)

@@ -41,6 +41,8 @@ _COMMANDS = [
     ["anomalies", "--rule", "AnomalyTurbulence", "--threshold", "0.3"],
     ["export", "csv"],
     ["export", "tb"],
+    ["export", "parquet"],
+    ["report"],
 ]
 
 
@@ -56,6 +58,8 @@ def test_check_reports_the_record_as_damage(hostile, capsys):
 def test_no_command_tracebacks_and_each_says_where(hostile, cmd, capsys, tmp_path):
     out, path, offset, what = hostile
     argv = [*cmd, out] if cmd[0] != "export" else ["export", cmd[1], out, "-o", str(tmp_path / "exported")]
+    if cmd[0] == "report":
+        argv += ["-o", str(tmp_path / "report.html")]
     rc = main(argv)
     captured = capsys.readouterr()
     assert rc in (0, 1)
