@@ -430,7 +430,7 @@ class TrainerMon(StepCollector):
             except WriterError as exc:
                 self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
                 self._writer_failed = True
-                _warn_once(f"writer-{id(w)}", f"trainrec: the log writer failed ({exc}); monitoring records nothing more")
+                log.debug("trainrec: the log writer failed (%s); monitoring records nothing more", exc)  # it said so
 
     @property
     def rank_dir(self) -> str | None:

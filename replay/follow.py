@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from trainrec.schema import layout
+from trainrec.schema import layout, procid
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import Event, FileOpened, NamesInterned
 
@@ -54,25 +54,21 @@ POLL_BYTES = 16 << 20
 
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid runs on this host (a zombie, killed and not yet reaped by its
-    parent, is not running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc: it exists
+    parent, is not running). A pid alone may be another process's by now: see :func:`writer_running`."""
+    return procid.pid_running(pid)
+
+
+def writer_running(header: FileOpened) -> bool:
+    """Whether the process that wrote a log runs, on this host: its pid, and where the header has them
+    (a writer of this version), its start time and boot id; a later process holding the pid is not it."""
+    return procid.process_running(header.pid, header.proc_start, header.boot_id)
 
 
 def writer_gone(header: FileOpened | None) -> bool:
-    """Whether the process that wrote a log (its FileOpened's host and pid) is known to be gone: only
-    knowable on its own host; False where it cannot be told."""
+    """Whether the process that wrote a log (its FileOpened's host, pid and start) is known to be gone:
+    only knowable on its own host; False where it cannot be told."""
     return (header is not None and bool(header.pid) and header.host == socket.gethostname()
-            and not pid_alive(header.pid))
+            and not writer_running(header))
 
 
 class RunFollower:

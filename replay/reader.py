@@ -48,6 +48,7 @@ import logging
 import os
 import struct
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,7 +61,9 @@ from trainrec.schema.events import (
     FileOpened,
     HooksFired,
     NamesInterned,
+    NamesRepeated,
     TensorStatsRecorded,
+    WriterFailed,
     unpack_array,
 )
 
@@ -74,6 +77,9 @@ _MAGIC = framing.FRAME_MAGIC
 _MAGIC_BYTES = framing.FRAME_MAGIC_BYTES
 _crc32 = zlib.crc32
 _AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
+_DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
+              "as by a copy tool that retried it)")
+_REMEMBERED_FRAMES = 1 << 16  # (seq -> payload CRC) of the latest frames, to tell a duplicate
 
 
 @dataclass(frozen=True)
@@ -102,15 +108,26 @@ class SeqGap:
     offset: int
     expected: int
     got: int
+    # 0: the records after it go on from ``expected``, so the number ``got`` of the record at ``offset``
+    # is wrong and no frame was lost (a forged or damaged number); None: a plain gap
+    most: int | None = None
 
     @property
     def lost(self) -> int:
-        return max(0, self.got - self.expected)
+        jump = max(0, self.got - self.expected)
+        return jump if self.most is None else min(jump, self.most)
+
+    def describe(self) -> str:
+        """What the gap is, without where."""
+        if self.got < self.expected:
+            return f"sequence numbers go back from {self.expected - 1} to {self.got}"
+        if self.most is not None:
+            return (f"sequence number {self.got} where {self.expected} was due, and the next record goes on from "
+                    f"{self.expected + 1}: the record's sequence number is wrong, no frame lost")
+        return f"{self.lost} frame(s) lost (seq {self.expected}..{self.got - 1})"
 
     def __str__(self) -> str:
-        if self.got < self.expected:
-            return f"{self.path} at byte {self.offset}: sequence went back from {self.expected - 1} to {self.got}"
-        return f"{self.path} at byte {self.offset}: {self.lost} frame(s) lost (seq {self.expected}..{self.got - 1})"
+        return f"{self.path} at byte {self.offset}: {self.describe()}"
 
 
 class LogReader:
@@ -129,6 +146,8 @@ class LogReader:
         self.flags = 0
         self.header: FileOpened | None = None
         self.closed_event: FileClosed | None = None
+        self.failure: WriterFailed | None = None  # the writer's own word that it failed to write
+        self.duplicates = 0  # frames dropped as duplicates of frames read before
         self.problems: list[Problem] = []
         self.gaps: list[SeqGap] = []
         self.frames = 0  # frames whose header and payload CRCs checked out
@@ -138,6 +157,8 @@ class LogReader:
         self._need = 0  # bytes still missing from the pending frame, when its header is known
         self._scan_abs = 0  # file offset up to which the pending bytes were searched for a later frame
         self._next_seq = 0
+        self._jumped: SeqGap | None = None  # the last gap, a jump forward, until the next record explains it
+        self._crcs: OrderedDict[int, int] = OrderedDict()  # seq -> payload CRC of the latest frames
         self._eof = False  # the last read reached the end of the file as it was then
         self._short_header = 0  # bytes of a file header still being written
         self._names: list[list[int]] = [[0, 0]]  # id ranges [lo, hi) interned so far, sorted, disjoint
@@ -273,6 +294,9 @@ class LogReader:
         self.flags = flags
         self._pos = framing.FILE_HEADER_SIZE
         self._scan_abs = self._pos
+        if flags & ~framing.KNOWN_FLAGS:
+            self._problem(12, f"file header flags 0x{flags:08x} set bits this format does not define (a damaged "
+                          "header?); the records are read as they are", 0, lost=False)
         return True
 
     def _consume(self, out: list[Event]) -> None:
@@ -335,10 +359,9 @@ class LogReader:
                     self._problem(base + pos, _AFTER_CLOSE, stop - pos)
                     pos = stop
                     continue
-                seq = ev.seq
-                if seq != self._next_seq:
-                    self._gap(base + pos, seq)
-                self._next_seq = seq + 1
+                if not self._in_sequence(ev.seq, pcrc, base + pos, stop - pos):
+                    pos = stop
+                    continue
                 h = self.header
                 if h is not None and ev.rank != h.rank and not self._rank_reported:
                     # (kept, as an unknown name id: merged with the others under the rank it names)
@@ -351,6 +374,12 @@ class LogReader:
                         self.header = ev
                 elif t is FileClosed:
                     self.closed_event = ev
+                elif t is WriterFailed:
+                    self.failure = ev
+                elif t is NamesRepeated:
+                    out.extend(self._repeated_names(ev))
+                    pos = stop
+                    continue
                 elif t is NamesInterned or t is TensorStatsRecorded or t is HooksFired:
                     what = self._names_problem(ev)
                     if what is not None:
@@ -363,6 +392,71 @@ class LogReader:
             self._pos = base + pos
             if self._scan_abs < self._pos:
                 self._scan_abs = self._pos
+
+    # ------------------------------------------------------------------ sequence
+    def _in_sequence(self, seq: int, pcrc: int, offset: int, length: int) -> bool:
+        """Check a record's sequence number against the file so far; False: a duplicate, dropped.
+
+        The writer numbers frames 0, 1, 2, ... A number read before with the same payload CRC is a
+        duplicate frame. A jump forward is frames lost, unless the next record goes on from where the
+        jump started: then the number of the record that jumped is wrong, and no frame was lost.
+        """
+        expected = self._next_seq
+        jumped, self._jumped = self._jumped, None
+        if jumped is not None and seq == jumped.expected + 1 and seq != expected:
+            i = self.gaps.index(jumped)
+            self.gaps[i] = SeqGap(jumped.path, jumped.offset, jumped.expected, jumped.got, 0)
+            log.warning("trainrec: %s", self.gaps[i])
+            self._next_seq = seq + 1
+            self._remember(seq, pcrc)
+            return True
+        if jumped is not None:
+            log.warning("trainrec: %s", jumped)
+        if seq == expected:
+            self._remember(seq, pcrc)
+            self._next_seq = seq + 1
+            return True
+        if seq < expected and self._crcs.get(seq) == pcrc:
+            self.duplicates += 1
+            self._problem(offset, _DUPLICATE, length, lost=False)
+            return False
+        gap = self._gap(offset, seq, logged=seq < expected)
+        if seq > expected:
+            self._jumped = gap  # logged once the next record tells lost frames from a wrong number
+        self._next_seq = seq + 1
+        self._remember(seq, pcrc)
+        return True
+
+    def _remember(self, seq: int, pcrc: int) -> None:
+        crcs = self._crcs
+        crcs[seq] = pcrc
+        if len(crcs) > _REMEMBERED_FRAMES:
+            crcs.popitem(last=False)
+
+    def _repeated_names(self, ev: NamesRepeated) -> list[Event]:
+        """A copy of a name table: itself where its ids are known (the original was read), else first
+        the names of the ids not known yet, as the NamesInterned records the original would have given
+        (consumers resolve names from those), then itself."""
+        lo, hi = ev.first_id, ev.first_id + len(ev.names)
+        missing: list[tuple[int, int]] = []
+        at = lo
+        for a, b in self._names:
+            if b <= at or a >= hi:
+                continue
+            if a > at:
+                missing.append((at, a))
+            at = max(at, b)
+        if at < hi:
+            missing.append((at, hi))
+        if not missing:
+            return [ev]
+        out: list[Event] = []
+        for a, b in missing:
+            _add_range(self._names, a, b)
+            out.append(NamesInterned(seq=ev.seq, rank=ev.rank, step=ev.step, wall=ev.wall, first_id=a,
+                                     names=ev.names[a - lo : b - lo]))
+        out.append(ev)
+        return out
 
     # ------------------------------------------------------------------ consistency
     def _names_problem(self, ev: Event) -> str | None:
@@ -456,24 +550,27 @@ class LogReader:
                 return True
         return False
 
-    def _problem(self, offset: int, what: str, skipped: int) -> None:
+    def _problem(self, offset: int, what: str, skipped: int, lost: bool = True) -> None:
+        """Record damage; ``lost``: its skipped bytes held records of the file (not a duplicate's)."""
         last = self.problems[-1] if self.problems else None
         if last is not None and last.what == what and last.offset + last.skipped == offset:
             # One damaged region read over several chunks or polls is one problem.
             self.problems[-1] = Problem(self.path, last.offset, what, last.skipped + skipped)
             return
-        if skipped:
+        if skipped and lost:
             self._lost = True
         p = Problem(self.path, offset, what, skipped)
         self.problems.append(p)
         log.warning("trainrec: %s", p)
 
-    def _gap(self, offset: int, seq: int) -> None:
+    def _gap(self, offset: int, seq: int, logged: bool = True) -> SeqGap:
         g = SeqGap(self.path, offset, self._next_seq, seq)
         if g.lost:
             self._lost = True
         self.gaps.append(g)
-        log.warning("trainrec: %s", g)
+        if logged:
+            log.warning("trainrec: %s", g)
+        return g
 
 
 def _add_range(ranges: list[list[int]], lo: int, hi: int) -> None:

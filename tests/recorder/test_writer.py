@@ -37,11 +37,13 @@ from trainrec.schema.events import (
     ModuleStructureRecorded,
     MonitoringStopped,
     NamesInterned,
+    NamesRepeated,
     RecordsDropped,
     RunResumed,
     StepBegan,
     StepEnded,
     TensorStatsRecorded,
+    WriterFailed,
     pack_array,
 )
 
@@ -74,6 +76,7 @@ def every_event(rank: int = 0) -> list[Event]:
     env = {"rank": rank, "step": 3, "wall": 1234.5}
     return [
         NamesInterned(first_id=0, names=("layer.0", "layer.1"), **env),
+        NamesRepeated(first_id=0, names=("layer.0", "layer.1"), **env),
         ModuleStructureRecorded(
             vpp_stage=1,
             names=("", "layer"),
@@ -110,6 +113,7 @@ def every_event(rank: int = 0) -> list[Event]:
         RunResumed(previous_files=("a/trainrec-00000.trl",), last_step=2, reason="resume", **env),
         RecordsDropped(count=5, **env),
         HookFailed(where="forward hook", error="ValueError('x')", count=2, **env),
+        WriterFailed(error="OSError(28, 'No space left on device')", first_lost_seq=3, discarded=7, last_step=2, **env),
         FileOpened(run_id="r", world_size=2, host="h", pid=9, start_time=1.5, trainrec_version="9",
                    torch_version="8", format_version=1, file_index=3, dir_name="d", pp_stage=1,
                    group_mates=(0, 1), **env),
