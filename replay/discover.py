@@ -45,6 +45,7 @@ from trainrec.schema.events import (
     FileOpened,
     ModuleStructureRecorded,
     NamesInterned,
+    NamesRepeated,
     RunResumed,
 )
 
@@ -54,7 +55,8 @@ log = logging.getLogger(__name__)
 
 # Records that may come before a RunResumed at the start of a file (one ModuleStructureRecorded per
 # virtual-pipeline chunk, so their number is not bounded).
-_PREAMBLE = (FileOpened, NamesInterned, ModuleStructureRecorded, ConfigApplied, ConfigChanged, ConfigRejected)
+_PREAMBLE = (FileOpened, NamesInterned, NamesRepeated, ModuleStructureRecorded, ConfigApplied, ConfigChanged,
+             ConfigRejected)
 
 
 def stamp_key_or_none(stamp: str | None) -> tuple[int, ...] | None:

@@ -1,0 +1,237 @@
+"""Reliability figures: what a kill -9 loses, what hostile logs cost a reader, what per-step durability costs.
+
+Three parts (``--part kill|memory|durability``, default all), each printing a table:
+
+* ``kill``: a real training (``record()``, a small MLP) killed with SIGKILL at random moments (start-up,
+  mid-run, shutdown); per trial the last step training finished (published by the process itself in a
+  shared memory page after each step, before anything else), the last step whose StepEnded is in the
+  log, the steps lost and the training time lost (wall time between the two steps' ends). Both
+  durabilities (``interval``, the default 0.2 s flush interval; ``step``).
+* ``memory``: peak resident memory (VmHWM) of ``trainrec check`` and ``trainrec dump`` on each hostile
+  file (valid-CRC 64 MiB frames built to expand when decoded: tests/replay/test_reliability.py).
+* ``durability``: time per training step with ``TRAINREC_DURABILITY`` interval vs step, alternating
+  blocks of steps in one process each, median and the median of the paired block differences.
+
+Usage: ``.venv/bin/python benchmarks/bench_reliability.py [--trials 40] [--part kill]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "replay"))
+
+TRAIN = textwrap.dedent("""
+    import mmap, os, struct, sys, time
+    import torch
+    from trainrec.recorder import record
+    out, steps, progress = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    fd = os.open(progress, os.O_RDWR)
+    page = mmap.mmap(fd, 16)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 128)
+    with record(model, opt, output_dir=out, config={"wg_distribution": True, "ops": ["norm", "max"]}):
+        for step in range(steps):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            page[:16] = struct.pack("<qd", step, time.time())
+""")
+
+
+def _env(durability: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRAINREC_RUN_ID", "DYNAMIC_MONITOR")}
+    env["TRAINREC_DURABILITY"] = durability
+    return env
+
+
+def _log_end(out: str) -> tuple[int, float, dict]:
+    """Last StepEnded (step, wall) in the run's log, and its step walls."""
+    from trainrec.replay.reader import read_log
+    from trainrec.schema import layout
+    from trainrec.schema.events import StepEnded
+
+    walls: dict[int, float] = {}
+    for d in os.listdir(out) if os.path.isdir(out) else ():
+        for path in layout.list_logs(os.path.join(out, d)):
+            for ev in read_log(path)[1]:
+                if isinstance(ev, StepEnded):
+                    walls[ev.step] = ev.wall
+    if not walls:
+        return -1, 0.0, walls
+    last = max(walls)
+    return last, walls[last], walls
+
+
+def kill_trials(trials: int, steps: int, durability: str, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(trials):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out")
+            progress = os.path.join(tmp, "progress")
+            with open(progress, "wb") as f:
+                f.write(struct.pack("<qd", -1, 0.0))
+            t0 = time.time()
+            proc = subprocess.Popen([sys.executable, "-c", TRAIN, out, str(steps), progress], env=_env(durability),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # start-up (import, first steps), mid-run, shutdown: a spread over the whole life of the process
+            time.sleep(rng.uniform(0.3, 1.15) * _life(durability, steps))
+            done_before = proc.poll() is not None
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed = time.time()
+            with open(progress, "rb") as f:
+                step, wall = struct.unpack("<qd", f.read(16))
+            last, last_wall, _ = _log_end(out)
+            phase = ("exited" if done_before else "start-up" if step < 0 else
+                     "shutdown" if step == steps - 1 else "mid-run")
+            rows.append({"trial": i, "phase": phase, "kill_s": killed - t0, "finished": step, "logged": last,
+                         "steps_lost": max(0, step - last), "time_lost_ms": max(0.0, (wall - last_wall) * 1e3)
+                         if step >= 0 and last >= 0 else (max(0.0, (wall - t0) * 1e3) if step >= 0 else 0.0)})
+    return rows
+
+
+_LIFE: dict[tuple[str, int], float] = {}
+
+
+def _life(durability: str, steps: int) -> float:
+    """Seconds a whole run takes (measured once per durability), the range kill moments are drawn from."""
+    key = (durability, steps)
+    if key not in _LIFE:
+        with tempfile.TemporaryDirectory() as tmp:
+            progress = os.path.join(tmp, "progress")
+            with open(progress, "wb") as f:
+                f.write(bytes(16))
+            t0 = time.time()
+            subprocess.run([sys.executable, "-c", TRAIN, os.path.join(tmp, "out"), str(steps), progress],
+                           env=_env(durability), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _LIFE[key] = time.time() - t0
+    return _LIFE[key]
+
+
+def memory(tmp: str) -> list[dict]:
+    import test_reliability as corpus
+    from hostile_logs import good_log
+    from trainrec.schema import framing
+
+    base_path = good_log(os.path.join(tmp, "good"))
+    with open(base_path, "rb") as f:
+        base = f.read()
+    rows = []
+    probe = textwrap.dedent("""
+        import sys
+        from trainrec.tools.cli import main
+        rc = main(sys.argv[1:])
+        hwm = next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM"))
+        print(rc, hwm, file=sys.stderr)
+    """)
+    for name in corpus.HOSTILE:
+        path = os.path.join(tmp, f"{name}.trl")
+        with open(path, "wb") as f:
+            f.write(base + corpus._frame(corpus.hostile_payload(name, framing.MAX_FRAME)))
+        for cmd in ("check", "dump"):
+            t0 = time.perf_counter()
+            done = subprocess.run([sys.executable, "-c", probe, cmd, path], capture_output=True, text=True)
+            rc, hwm = done.stderr.strip().splitlines()[-1].split()
+            rows.append({"file": name, "command": cmd, "exit": int(rc), "peak_mb": int(hwm) / 1024,
+                         "seconds": time.perf_counter() - t0})
+        os.remove(path)
+    return rows
+
+
+DURABILITY_PROBE = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    from trainrec.recorder import record
+    out, blocks, per_block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 128)
+    times = []
+    with record(model, opt, output_dir=out, config={"wg_distribution": True, "ops": ["norm", "max"]}):
+        for b in range(blocks):
+            t0 = time.perf_counter()
+            for _ in range(per_block):
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            times.append((time.perf_counter() - t0) / per_block)
+    print(json.dumps(times))
+""")
+
+
+def durability_cost(rounds: int, blocks: int, per_block: int) -> dict:
+    import json
+
+    per = {"interval": [], "step": []}
+    diffs = []
+    for _ in range(rounds):
+        got = {}
+        for mode in ("interval", "step"):
+            with tempfile.TemporaryDirectory() as tmp:
+                done = subprocess.run([sys.executable, "-c", DURABILITY_PROBE, os.path.join(tmp, "out"), str(blocks),
+                                       str(per_block)], env=_env(mode), capture_output=True, text=True, check=True)
+            got[mode] = json.loads(done.stdout.strip().splitlines()[-1])[1:]  # (the first block warms up)
+            per[mode] += got[mode]
+        diffs += [s - i for s, i in zip(got["step"], got["interval"], strict=True)]
+    return {"interval_ms": statistics.median(per["interval"]) * 1e3, "step_ms": statistics.median(per["step"]) * 1e3,
+            "paired_diff_ms": statistics.median(diffs) * 1e3, "blocks": len(diffs), "steps_per_block": per_block}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=("kill", "memory", "durability", "all"), default="all")
+    p.add_argument("--trials", type=int, default=40)
+    p.add_argument("--steps", type=int, default=1500, help="steps of each killed training")
+    p.add_argument("--seed", type=int, default=35)
+    args = p.parse_args()
+    if args.part in ("kill", "all"):
+        for durability in ("interval", "step"):
+            rows = kill_trials(args.trials, args.steps, durability, args.seed)
+            print(f"\nkill -9, durability {durability}: {args.trials} trials of {args.steps} steps "
+                  f"(a run takes {_life(durability, args.steps):.1f} s)")
+            print("| trial | phase | killed at s | last step finished | last step in log | steps lost | time lost ms |")
+            print("|---|---|---|---|---|---|---|")
+            for r in rows:
+                print(f"| {r['trial']} | {r['phase']} | {r['kill_s']:.2f} | {r['finished']} | {r['logged']} | "
+                      f"{r['steps_lost']} | {r['time_lost_ms']:.0f} |")
+            lost = [r["steps_lost"] for r in rows if r["finished"] >= 0]
+            ms = [r["time_lost_ms"] for r in rows if r["finished"] >= 0]
+            if lost:
+                print(f"steps lost: median {statistics.median(lost)}, max {max(lost)}; time lost ms: median "
+                      f"{statistics.median(ms):.0f}, max {max(ms):.0f} (trials with a finished step: {len(lost)})")
+    if args.part in ("memory", "all"):
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = memory(tmp)
+        print("\npeak reader memory on the hostile corpus (one valid-CRC 64 MiB frame after a small good log)")
+        print("| file | command | exit | peak MB (VmHWM) | seconds |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['file']} | {r['command']} | {r['exit']} | {r['peak_mb']:.0f} | {r['seconds']:.1f} |")
+    if args.part in ("durability", "all"):
+        r = durability_cost(rounds=3, blocks=6, per_block=200)
+        print(f"\nper-step durability: median step {r['interval_ms']:.3f} ms (interval) vs {r['step_ms']:.3f} ms "
+              f"(step); paired block difference median {r['paired_diff_ms']:+.3f} ms per step "
+              f"({r['blocks']} block pairs of {r['steps_per_block']} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
