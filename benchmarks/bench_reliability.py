@@ -8,7 +8,8 @@ Three parts (``--part kill|memory|durability``, default all), each printing a ta
   log, the steps lost and the training time lost (wall time between the two steps' ends). Both
   durabilities (``interval``, the default 0.2 s flush interval; ``step``).
 * ``memory``: peak resident memory (VmHWM) of ``trainrec check`` and ``trainrec dump`` on each hostile
-  file (valid-CRC 64 MiB frames built to expand when decoded: tests/replay/test_reliability.py).
+  file (valid-CRC 64 MiB frames built to expand when decoded, and 64 MiB of tiny valid frames whose
+  sequence numbers all go back: tests/replay/test_reliability.py).
 * ``durability``: time per training step with ``TRAINREC_DURABILITY`` interval vs step, alternating
   blocks of steps in one process each, median and the median of the paired block differences.
 
@@ -140,13 +141,17 @@ def memory(tmp: str) -> list[dict]:
         hwm = next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM"))
         print(rc, hwm, file=sys.stderr)
     """)
-    for name in corpus.HOSTILE:
+    for name in (*corpus.HOSTILE, "tiny_frames"):
         path = os.path.join(tmp, f"{name}.trl")
         with open(path, "wb") as f:
-            f.write(base + corpus._frame(corpus.hostile_payload(name, framing.MAX_FRAME)))
+            if name == "tiny_frames":  # 64 MiB of valid tiny records, each numbered 5: a gap each
+                f.write(framing.encode_file_header() + corpus.tiny_frames(framing.MAX_FRAME // 36))
+            else:
+                f.write(base + corpus._frame(corpus.hostile_payload(name, framing.MAX_FRAME)))
         for cmd in ("check", "dump"):
             t0 = time.perf_counter()
-            done = subprocess.run([sys.executable, "-c", probe, cmd, path], capture_output=True, text=True)
+            done = subprocess.run([sys.executable, "-c", probe, cmd, path], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
             rc, hwm = done.stderr.strip().splitlines()[-1].split()
             rows.append({"file": name, "command": cmd, "exit": int(rc), "peak_mb": int(hwm) / 1024,
                          "seconds": time.perf_counter() - t0})

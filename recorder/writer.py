@@ -68,6 +68,8 @@ from trainrec.schema.events import (
     WriterFailed,
 )
 
+from . import failnote
+
 log = logging.getLogger(__name__)
 
 
@@ -88,7 +90,6 @@ _MAX_ERROR_LOGS = 5  # per writer: encode/callable failures logged at error leve
 _FAILURE_RETRY_S = 2.0  # after a write failure: how often the worker tries again to leave its note
 DURABILITY_ENV = "TRAINREC_DURABILITY"
 DURABILITIES = ("interval", "step")
-FAILED_SUFFIX = ".failed.json"  # the sidecar of a log whose writer failed and could not say so in it
 
 Item = Event | Callable[[], Iterable[Event]]
 
@@ -592,14 +593,9 @@ class LogWriter:
         except Exception:  # noqa: BLE001 - the disk still refuses: the sidecar, at close
             if closing is None:
                 return
-        try:
-            import json
-
-            with open(self.path + FAILED_SUFFIX, "x", encoding="utf-8", opener=layout.private_opener) as f:
-                json.dump({"log": os.path.basename(self.path), "error": note.error, "first_lost_seq": note.first_lost_seq,
-                           "discarded": note.discarded, "last_step": note.last_step, "wall": note.wall}, f)
-        except Exception as exc:  # noqa: BLE001 - nothing more can be done
-            log.debug("trainrec: %s: no note of the failure could be written: %r", self.path, exc)
+        doc = {"log": os.path.basename(self.path), "error": note.error, "first_lost_seq": note.first_lost_seq,
+               "discarded": note.discarded, "last_step": note.last_step, "wall": note.wall}
+        failnote.leave(self.path, doc)
 
     def _finish(self, buf: list[bytes], reason: str) -> None:
         if self._error is not None:
@@ -649,6 +645,7 @@ def _close_all(reason: str = "exit") -> None:
             log.error("trainrec: closing %s at %s failed: %r", w.path, reason, exc)
 
 
+atexit.register(failnote.write_pending)  # (runs after _close_all: registered first)
 atexit.register(_close_all, "exit")
 
 _SIGTERM_FLUSH_TIMEOUT = 2.0  # seconds a SIGTERM with a previous handler waits for each writer to write out

@@ -80,6 +80,9 @@ _AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its
 _DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
               "as by a copy tool that retried it)")
 _REMEMBERED_FRAMES = 1 << 16  # (seq -> payload CRC) of the latest frames, to tell a duplicate
+# Problems and gaps listed one by one per file; past that they are only counted (a hostile file of
+# millions of tiny damaged frames would otherwise fill memory with their descriptions).
+MAX_LISTED = 1000
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,11 @@ class LogReader:
         self.duplicates = 0  # frames dropped as duplicates of frames read before
         self.problems: list[Problem] = []
         self.gaps: list[SeqGap] = []
+        # past MAX_LISTED each: how many more problems (and their bytes skipped), gaps (and frames lost)
+        self.unlisted_problems = 0
+        self.unlisted_skipped = 0
+        self.unlisted_gaps = 0
+        self.unlisted_lost = 0
         self.frames = 0  # frames whose header and payload CRCs checked out
         self.events_read = 0
         self._pos = 0  # file offset of self._buf[0]
@@ -184,7 +192,7 @@ class LogReader:
     @property
     def lost_frames(self) -> int:
         """Frames missing according to the sequence numbers (damaged or cut out)."""
-        return sum(g.lost for g in self.gaps)
+        return sum(g.lost for g in self.gaps) + self.unlisted_lost
 
     @property
     def at_eof(self) -> bool:
@@ -404,9 +412,12 @@ class LogReader:
         expected = self._next_seq
         jumped, self._jumped = self._jumped, None
         if jumped is not None and seq == jumped.expected + 1 and seq != expected:
-            i = self.gaps.index(jumped)
-            self.gaps[i] = SeqGap(jumped.path, jumped.offset, jumped.expected, jumped.got, 0)
-            log.warning("trainrec: %s", self.gaps[i])
+            fixed = SeqGap(jumped.path, jumped.offset, jumped.expected, jumped.got, 0)
+            if self.gaps and self.gaps[-1] is jumped:
+                self.gaps[-1] = fixed
+                log.warning("trainrec: %s", fixed)
+            else:  # (counted only)
+                self.unlisted_lost -= jumped.lost
             self._next_seq = seq + 1
             self._remember(seq, pcrc)
             return True
@@ -559,6 +570,10 @@ class LogReader:
             return
         if skipped and lost:
             self._lost = True
+        if len(self.problems) >= MAX_LISTED:
+            self.unlisted_problems += 1
+            self.unlisted_skipped += skipped
+            return
         p = Problem(self.path, offset, what, skipped)
         self.problems.append(p)
         log.warning("trainrec: %s", p)
@@ -567,6 +582,10 @@ class LogReader:
         g = SeqGap(self.path, offset, self._next_seq, seq)
         if g.lost:
             self._lost = True
+        if len(self.gaps) >= MAX_LISTED:
+            self.unlisted_gaps += 1
+            self.unlisted_lost += g.lost
+            return g
         self.gaps.append(g)
         if logged:
             log.warning("trainrec: %s", g)

@@ -73,11 +73,13 @@ class FileSummary:
     writer_host: str = ""
     writer_running: bool | None = None  # for a file not closed: whether its writer runs (None: another host)
     failure: str = ""  # what the writer said of its failure to write (WriterFailed, or the sidecar)
+    # problems and gaps past the reader's MAX_LISTED: (problems, bytes skipped, gaps, frames lost)
+    unlisted: tuple[int, int, int, int] = (0, 0, 0, 0)
     duplicates: int = 0  # frames dropped as duplicates
 
     @property
     def lost_frames(self) -> int:
-        return sum(g.lost for g in self.gaps)
+        return sum(g.lost for g in self.gaps) + self.unlisted[3]
 
     def to_json(self) -> dict:
         return {
@@ -283,6 +285,8 @@ def summarize(run: Run) -> RunSummary:
                 fs.gaps = list(reader.gaps)
                 fs.first_record_is_header = reader.events_read == 0 or isinstance(reader.header, FileOpened)
                 fs.duplicates = reader.duplicates
+                fs.unlisted = (reader.unlisted_problems, reader.unlisted_skipped, reader.unlisted_gaps,
+                               reader.unlisted_lost)
                 fs.failure = _failure_text_of(reader.failure) if reader.failure is not None else _sidecar(lf.path)
                 if isinstance(reader.header, FileOpened):
                     fs.writer_pid, fs.writer_host = reader.header.pid, reader.header.host
@@ -400,6 +404,10 @@ def findings(summary: RunSummary) -> list[Finding]:
                 found.append(Finding("unclosed", fs.path, fs.end_offset,
                                      f"not closed cleanly ({why}); the file ends on a frame boundary, but what its "
                                      "writer had not written out yet (up to one flush interval) cannot be known"))
+            if any(fs.unlisted):
+                n, skipped, gaps, lost = fs.unlisted
+                found.append(Finding("damage", fs.path, None, f"{n} more damaged region(s) and {gaps} more sequence "
+                                     "gap(s), not listed one by one", bytes_skipped=skipped, frames_lost=lost))
             if fs.duplicates:
                 found.append(Finding("damage", fs.path, None, f"{fs.duplicates} duplicate frame(s) dropped from replay"))
             if fs.failure:

@@ -289,3 +289,22 @@ def test_reader_on_a_duplicate_needs_no_reread(tmp_path):
     ref, events = read_log(whole)
     assert got == events and [(p.offset, p.skipped) for p in r.problems] == [
         (p.offset, p.skipped) for p in ref.problems]
+
+
+def tiny_frames(count: int) -> bytes:
+    """``count`` valid frames of StepBegan records all numbered 5, each a sequence going back."""
+    return b"".join(_frame(msgpack.packb(["sb", 5, 0, k, 0.0])) for k in range(count))
+
+
+def test_countless_damaged_frames_are_counted_not_listed(tmp_path):
+    from trainrec.replay.reader import MAX_LISTED
+    from trainrec.replay.summary import findings, summarize
+
+    path = str(tmp_path / "trainrec-00000.trl")
+    n = 3 * MAX_LISTED
+    _put(path, framing.encode_file_header() + tiny_frames(n))
+    reader, events = read_log(path)
+    assert len(reader.gaps) == MAX_LISTED and reader.unlisted_gaps == n - MAX_LISTED
+    assert len(events) == n  # (the records themselves decode: they are kept)
+    found = findings(summarize(open_run(path)))
+    assert any("more sequence gap(s), not listed one by one" in f.what for f in found)

@@ -167,6 +167,60 @@ def test_a_write_failure_mid_run_is_said_once_and_check_does_not_claim_completen
     assert "no bytes lost" not in text
 
 
+FILLING = textwrap.dedent("""
+    import os, resource, signal, sys, time
+    from trainrec.recorder.writer import LogWriter
+    from trainrec.schema.events import StepBegan, StepEnded
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 10, resource.RLIM_INFINITY))  # the disk fills at 8 KiB
+    w = LogWriter(sys.argv[1], flush_interval=0.01)
+    step = 0
+    while w.error is None:
+        w.write(StepBegan(step=step))
+        w.write(StepEnded(step=step))
+        step += 1
+        time.sleep(0.001)
+    if sys.argv[2] == "sidecar-later":  # not a byte more anywhere, until after the close
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+    else:  # space returned before the close
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    try:
+        w.close()
+    except Exception as exc:
+        print("close:", type(exc).__name__, file=sys.stderr)
+    print(w.path, flush=True)
+    if sys.argv[2] == "sidecar-later":
+        print(os.path.exists(w.path + ".failed.json"), flush=True)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        time.sleep(5)  # the retry (every 2 s) writes it
+        print(os.path.exists(w.path + ".failed.json"), flush=True)
+""")
+
+
+@pytest.mark.parametrize("when", ["in-log", "sidecar-later"])
+def test_the_writer_leaves_its_failure_where_space_allows(tmp_path, capsys, when):
+    """Disk full (a file size limit) mid-run: where space returns before the close, the WriterFailed
+    record and the FileClosed go into the log itself; where not even a sidecar can be written at the
+    close, the sidecar is written once space returns. check fails on what was never written."""
+    out = str(tmp_path / "out")
+    rdir = os.path.join(out, "Nov30_11-13-33-rank0-0000beef")
+    done = subprocess.run([sys.executable, "-c", FILLING, rdir, when], env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    log = lines[0]
+    assert done.stderr.count("log writer for") == 1, done.stderr
+    reader, _ = read_log(log)
+    if when == "in-log":
+        assert not os.path.exists(log + ".failed.json")
+        assert reader.failure is not None and reader.failure.discarded > 0 and reader.closed_cleanly
+    else:
+        assert lines[1:] == ["False", "True"] and reader.failure is None
+    assert main(["check", out]) == 1
+    text = capsys.readouterr().out
+    assert "the writer failed to write" in text and "were never written" in text
+
+
 def _last_step_ended(out: str) -> int:
     (rank_dir,) = os.listdir(out)
     _, events = read_log(layout.list_logs(os.path.join(out, rank_dir))[0])
