@@ -44,11 +44,11 @@ the frame cap plus one read chunk in memory.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import struct
 import zlib
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -79,7 +79,8 @@ _crc32 = zlib.crc32
 _AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
 _DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
               "as by a copy tool that retried it)")
-_REMEMBERED_FRAMES = 1 << 16  # (seq -> payload CRC) of the latest frames, to tell a duplicate
+# (seq, payload CRC) of the latest frames, to tell a duplicate: 12 bytes each, kept until the file's close
+_REMEMBERED_FRAMES = 4096
 # Problems and gaps listed one by one per file; past that they are only counted (a hostile file of
 # millions of tiny damaged frames would otherwise fill memory with their descriptions).
 MAX_LISTED = 1000
@@ -166,7 +167,8 @@ class LogReader:
         self._scan_abs = 0  # file offset up to which the pending bytes were searched for a later frame
         self._next_seq = 0
         self._jumped: SeqGap | None = None  # the last gap, a jump forward, until the next record explains it
-        self._crcs: OrderedDict[int, int] = OrderedDict()  # seq -> payload CRC of the latest frames
+        self._ring_seq = array.array("q")  # at seq % _REMEMBERED_FRAMES: that seq, and its payload CRC
+        self._ring_crc = array.array("I")
         self._eof = False  # the last read reached the end of the file as it was then
         self._short_header = 0  # bytes of a file header still being written
         self._names: list[list[int]] = [[0, 0]]  # id ranges [lo, hi) interned so far, sorted, disjoint
@@ -382,6 +384,7 @@ class LogReader:
                         self.header = ev
                 elif t is FileClosed:
                     self.closed_event = ev
+                    self._ring_seq, self._ring_crc = array.array("q"), array.array("I")  # (nothing follows)
                 elif t is WriterFailed:
                     self.failure = ev
                 elif t is NamesRepeated:
@@ -427,7 +430,7 @@ class LogReader:
             self._remember(seq, pcrc)
             self._next_seq = seq + 1
             return True
-        if seq < expected and self._crcs.get(seq) == pcrc:
+        if seq < expected and self._remembered(seq, pcrc):
             self.duplicates += 1
             self._problem(offset, _DUPLICATE, length, lost=False)
             return False
@@ -439,10 +442,17 @@ class LogReader:
         return True
 
     def _remember(self, seq: int, pcrc: int) -> None:
-        crcs = self._crcs
-        crcs[seq] = pcrc
-        if len(crcs) > _REMEMBERED_FRAMES:
-            crcs.popitem(last=False)
+        seqs, crcs = self._ring_seq, self._ring_crc
+        i = seq % _REMEMBERED_FRAMES
+        if i >= len(seqs):  # (grown as frames come, up to the ring's size)
+            seqs.extend([-1] * (i + 1 - len(seqs)))
+            crcs.extend([0] * (i + 1 - len(crcs)))
+        seqs[i] = seq
+        crcs[i] = pcrc
+
+    def _remembered(self, seq: int, pcrc: int) -> bool:
+        i = seq % _REMEMBERED_FRAMES
+        return i < len(self._ring_seq) and self._ring_seq[i] == seq and self._ring_crc[i] == pcrc
 
     def _repeated_names(self, ev: NamesRepeated) -> list[Event]:
         """A copy of a name table: itself where its ids are known (the original was read), else first

@@ -191,9 +191,15 @@ def test_a_pid_reused_by_another_process_is_not_the_writer(tmp_path, stand_in):
     moved = read_log(path)[0].header
     assert moved.pid == stand_in.pid and moved.proc_start == header.proc_start
     assert procid.pid_running(stand_in.pid) and not writer_running(moved) and writer_gone(moved)
+    from trainrec.replay.summary import findings, summarize
+
+    (unclosed,) = findings(summarize(open_run(path)))
+    assert f"its writer, pid {stand_in.pid}, is gone" in unclosed.what
     # the control: a header naming the stand-in's own start time is taken as running
     rewrite(path, "fo", lambda w: w.__setitem__(-2, procid.start_ticks(stand_in.pid)))
     assert writer_running(read_log(path)[0].header)
+    (unclosed,) = findings(summarize(open_run(path)))
+    assert f"still being written, pid {stand_in.pid}" in unclosed.what
 
 
 def test_dump_follow_ends_where_the_pid_was_reused(tmp_path, stand_in):
