@@ -19,6 +19,7 @@ Usage: ``.venv/bin/python benchmarks/bench_reliability.py [--trials 40] [--part 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import random
 import signal
@@ -39,19 +40,21 @@ TRAIN = textwrap.dedent("""
     from trainrec.recorder import record
     out, steps, progress = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     fd = os.open(progress, os.O_RDWR)
-    page = mmap.mmap(fd, 16)
+    page = mmap.mmap(fd, 24)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(32, 128)
     with record(model, opt, output_dir=out, config={"wg_distribution": True, "ops": ["norm", "max"]}):
+        page[16:24] = struct.pack("<d", time.time())
         for step in range(steps):
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
             page[:16] = struct.pack("<qd", step, time.time())
 """)
+PAGE = struct.Struct("<qdd")  # last step finished, when; when training began
 
 
 def _env(durability: str) -> dict:
@@ -60,69 +63,66 @@ def _env(durability: str) -> dict:
     return env
 
 
-def _log_end(out: str) -> tuple[int, float, dict]:
-    """Last StepEnded (step, wall) in the run's log, and its step walls."""
+def _log_end(out: str) -> tuple[int, float]:
+    """The last StepEnded (step, wall) in the run's log; (-1, 0.0) when there is none."""
     from trainrec.replay.reader import read_log
     from trainrec.schema import layout
     from trainrec.schema.events import StepEnded
 
-    walls: dict[int, float] = {}
+    last = (-1, 0.0)
     for d in os.listdir(out) if os.path.isdir(out) else ():
         for path in layout.list_logs(os.path.join(out, d)):
             for ev in read_log(path)[1]:
-                if isinstance(ev, StepEnded):
-                    walls[ev.step] = ev.wall
-    if not walls:
-        return -1, 0.0, walls
-    last = max(walls)
-    return last, walls[last], walls
+                if isinstance(ev, StepEnded) and ev.step > last[0]:
+                    last = (ev.step, ev.wall)
+    return last
+
+
+def _phases(trials: int) -> list[str]:
+    """A fifth at start-up (before the first step ends), a fifth at shutdown (after the last), the rest mid-run."""
+    edge = max(1, trials // 5)
+    return ["start-up"] * edge + ["shutdown"] * edge + ["mid-run"] * (trials - 2 * edge)
 
 
 def kill_trials(trials: int, steps: int, durability: str, seed: int) -> list[dict]:
+    """Kill moments are chosen by the training's own progress (robust to a loaded machine): start-up, a
+    random time after the process starts, before its first step ends; mid-run, a random step, then a
+    random fraction of a millisecond; shutdown, a random time up to 0.3 s after the last step ends."""
     rng = random.Random(seed)
     rows = []
-    for i in range(trials):
+    for i, phase in enumerate(_phases(trials)):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out")
             progress = os.path.join(tmp, "progress")
             with open(progress, "wb") as f:
-                f.write(struct.pack("<qd", -1, 0.0))
+                f.write(PAGE.pack(-1, 0.0, 0.0))
+            fd = os.open(progress, os.O_RDONLY)
+            page = mmap.mmap(fd, PAGE.size, prot=mmap.PROT_READ)
             t0 = time.time()
             proc = subprocess.Popen([sys.executable, "-c", TRAIN, out, str(steps), progress], env=_env(durability),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            # start-up (import, first steps), mid-run, shutdown: a spread over the whole life of the process
-            time.sleep(rng.uniform(0.3, 1.15) * _life(durability, steps))
-            done_before = proc.poll() is not None
+            if phase == "start-up":
+                time.sleep(rng.uniform(0.2, 2.5))
+            else:
+                target = steps - 1 if phase == "shutdown" else rng.randrange(steps - 1)
+                while PAGE.unpack(page[:])[0] < target and proc.poll() is None:
+                    time.sleep(0.0005)
+                time.sleep(rng.uniform(0, 0.3) if phase == "shutdown" else rng.uniform(0, 0.001))
+            exited = proc.poll() is not None
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             killed = time.time()
-            with open(progress, "rb") as f:
-                step, wall = struct.unpack("<qd", f.read(16))
-            last, last_wall, _ = _log_end(out)
-            phase = ("exited" if done_before else "start-up" if step < 0 else
-                     "shutdown" if step == steps - 1 else "mid-run")
-            rows.append({"trial": i, "phase": phase, "kill_s": killed - t0, "finished": step, "logged": last,
-                         "steps_lost": max(0, step - last), "time_lost_ms": max(0.0, (wall - last_wall) * 1e3)
-                         if step >= 0 and last >= 0 else (max(0.0, (wall - t0) * 1e3) if step >= 0 else 0.0)})
+            step, wall, began = PAGE.unpack(page[:])
+            page.close()
+            os.close(fd)
+            if step < 0 and phase != "start-up":
+                phase += " (before step 0 ended)"
+            last, last_wall = _log_end(out)
+            lost_ms = 0.0 if step < 0 else (wall - max(last_wall, began)) * 1e3
+            rows.append({"trial": i, "phase": phase + (" (exited)" if exited else ""), "kill_s": killed - t0,
+                         "finished": step, "logged": last, "steps_lost": max(0, step - last),
+                         "time_lost_ms": max(0.0, lost_ms)})
     return rows
-
-
-_LIFE: dict[tuple[str, int], float] = {}
-
-
-def _life(durability: str, steps: int) -> float:
-    """Seconds a whole run takes (measured once per durability), the range kill moments are drawn from."""
-    key = (durability, steps)
-    if key not in _LIFE:
-        with tempfile.TemporaryDirectory() as tmp:
-            progress = os.path.join(tmp, "progress")
-            with open(progress, "wb") as f:
-                f.write(bytes(16))
-            t0 = time.time()
-            subprocess.run([sys.executable, "-c", TRAIN, os.path.join(tmp, "out"), str(steps), progress],
-                           env=_env(durability), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            _LIFE[key] = time.time() - t0
-    return _LIFE[key]
 
 
 def memory(tmp: str) -> list[dict]:
@@ -211,7 +211,7 @@ def main() -> int:
         for durability in ("interval", "step"):
             rows = kill_trials(args.trials, args.steps, durability, args.seed)
             print(f"\nkill -9, durability {durability}: {args.trials} trials of {args.steps} steps "
-                  f"(a run takes {_life(durability, args.steps):.1f} s)")
+                  "(killed by the training's own progress)")
             print("| trial | phase | killed at s | last step finished | last step in log | steps lost | time lost ms |")
             print("|---|---|---|---|---|---|---|")
             for r in rows:
