@@ -29,6 +29,7 @@ from trainrec.replay.discover import list_runs
 from trainrec.replay.run import Run, open_run
 from trainrec.replay.summary import RunSummary, findings, summarize
 from trainrec.schema import layout
+from trainrec.schema.errors import ConfigError
 
 from .runarg import add_run_arguments, open_run_from_args
 
@@ -55,6 +56,8 @@ def _launches(path: str) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.all and (args.run_id or args.time_start or args.time_end):
+        raise ConfigError("--all checks every launch: it takes no --run-id, --time-start or --time-end", "--all")
     launches = _launches(args.run)
     if args.all and launches:
         runs = [open_run(args.run, run_id=info.run_id) if info.run_id else Run(info, where=args.run)
