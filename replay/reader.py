@@ -35,7 +35,11 @@ Three outcomes are kept apart (see :mod:`trainrec.schema.framing` for the byte l
   the very end whose last bytes could begin a frame header is kept pending, like a torn tail.
 
 Frames that could not be read show up as gaps in the writer's per-file sequence numbers
-(:attr:`LogReader.gaps`, :class:`SeqGap`), which is how ``trainrec check`` counts lost frames.
+(:attr:`LogReader.gaps`, :class:`SeqGap`), which is how ``trainrec check`` counts lost frames; a
+frame that repeats one read before (a block written twice) is dropped and reported once, a wrong
+number is told from lost frames (:mod:`trainrec.replay.sequence`). File header flag bits the format
+does not define are reported. A NamesRepeated (the writer's copy of a name table) gives the names of
+a table whose frame was lost, as NamesInterned records.
 
 The reader never raises on arbitrary bytes after the 16-byte file header (a bad magic raises
 :class:`NotALogError`, an unknown version :class:`UnsupportedVersionError`) and never holds more than
@@ -44,7 +48,6 @@ the frame cap plus one read chunk in memory.
 
 from __future__ import annotations
 
-import array
 import logging
 import os
 import struct
@@ -67,6 +70,8 @@ from trainrec.schema.events import (
     unpack_array,
 )
 
+from .sequence import DUPLICATE, SeqGap, Sequence
+
 log = logging.getLogger(__name__)
 
 _CHUNK = 4 << 20
@@ -79,8 +84,6 @@ _crc32 = zlib.crc32
 _AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
 _DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
               "as by a copy tool that retried it)")
-# (seq, payload CRC) of the latest frames, to tell a duplicate: 12 bytes each, kept until the file's close
-_REMEMBERED_FRAMES = 4096
 # Problems and gaps listed one by one per file; past that they are only counted (a hostile file of
 # millions of tiny damaged frames would otherwise fill memory with their descriptions).
 MAX_LISTED = 1000
@@ -100,40 +103,6 @@ class Problem:
         return f"{self.path} at byte {self.offset}: {self.what} ({skipped})"
 
 
-@dataclass(frozen=True)
-class SeqGap:
-    """A jump in the writer's sequence numbers: frames ``expected .. got-1`` were not read.
-
-    ``offset`` is where the first frame after the gap starts. ``got < expected`` means the sequence
-    went backwards (frames out of order or duplicated), which the writer never does.
-    """
-
-    path: str
-    offset: int
-    expected: int
-    got: int
-    # 0: the records after it go on from ``expected``, so the number ``got`` of the record at ``offset``
-    # is wrong and no frame was lost (a forged or damaged number); None: a plain gap
-    most: int | None = None
-
-    @property
-    def lost(self) -> int:
-        jump = max(0, self.got - self.expected)
-        return jump if self.most is None else min(jump, self.most)
-
-    def describe(self) -> str:
-        """What the gap is, without where."""
-        if self.got < self.expected:
-            return f"sequence numbers go back from {self.expected - 1} to {self.got}"
-        if self.most is not None:
-            return (f"sequence number {self.got} where {self.expected} was due, and the next record goes on from "
-                    f"{self.expected + 1}: the record's sequence number is wrong, no frame lost")
-        return f"{self.lost} frame(s) lost (seq {self.expected}..{self.got - 1})"
-
-    def __str__(self) -> str:
-        return f"{self.path} at byte {self.offset}: {self.describe()}"
-
-
 class LogReader:
     """Incremental reader of one log file.
 
@@ -151,24 +120,17 @@ class LogReader:
         self.header: FileOpened | None = None
         self.closed_event: FileClosed | None = None
         self.failure: WriterFailed | None = None  # the writer's own word that it failed to write
-        self.duplicates = 0  # frames dropped as duplicates of frames read before
         self.problems: list[Problem] = []
-        self.gaps: list[SeqGap] = []
-        # past MAX_LISTED each: how many more problems (and their bytes skipped), gaps (and frames lost)
+        # past MAX_LISTED: how many more problems, and their bytes skipped (gaps: see Sequence)
         self.unlisted_problems = 0
         self.unlisted_skipped = 0
-        self.unlisted_gaps = 0
-        self.unlisted_lost = 0
         self.frames = 0  # frames whose header and payload CRCs checked out
         self.events_read = 0
         self._pos = 0  # file offset of self._buf[0]
         self._buf = b""  # bytes read but not consumed yet (an incomplete frame)
         self._need = 0  # bytes still missing from the pending frame, when its header is known
         self._scan_abs = 0  # file offset up to which the pending bytes were searched for a later frame
-        self._next_seq = 0
-        self._jumped: SeqGap | None = None  # the last gap, a jump forward, until the next record explains it
-        self._ring_seq = array.array("q")  # at seq % _REMEMBERED_FRAMES: that seq, and its payload CRC
-        self._ring_crc = array.array("I")
+        self._sequence = Sequence(path, MAX_LISTED)
         self._eof = False  # the last read reached the end of the file as it was then
         self._short_header = 0  # bytes of a file header still being written
         self._names: list[list[int]] = [[0, 0]]  # id ranges [lo, hi) interned so far, sorted, disjoint
@@ -194,7 +156,25 @@ class LogReader:
     @property
     def lost_frames(self) -> int:
         """Frames missing according to the sequence numbers (damaged or cut out)."""
-        return sum(g.lost for g in self.gaps) + self.unlisted_lost
+        return self._sequence.lost
+
+    @property
+    def gaps(self) -> list[SeqGap]:
+        """Jumps in the sequence numbers (the first MAX_LISTED of them)."""
+        return self._sequence.gaps
+
+    @property
+    def unlisted_gaps(self) -> int:
+        return self._sequence.unlisted_gaps
+
+    @property
+    def unlisted_lost(self) -> int:
+        return self._sequence.unlisted_lost
+
+    @property
+    def duplicates(self) -> int:
+        """Frames dropped as duplicates of frames read before."""
+        return self._sequence.duplicates
 
     @property
     def at_eof(self) -> bool:
@@ -369,9 +349,13 @@ class LogReader:
                     self._problem(base + pos, _AFTER_CLOSE, stop - pos)
                     pos = stop
                     continue
-                if not self._in_sequence(ev.seq, pcrc, base + pos, stop - pos):
+                verdict = self._sequence.check(ev.seq, pcrc, base + pos)
+                if verdict is DUPLICATE:
+                    self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
                     pos = stop
                     continue
+                if verdict is not None and verdict.lost:
+                    self._lost = True
                 h = self.header
                 if h is not None and ev.rank != h.rank and not self._rank_reported:
                     # (kept, as an unknown name id: merged with the others under the rank it names)
@@ -384,7 +368,7 @@ class LogReader:
                         self.header = ev
                 elif t is FileClosed:
                     self.closed_event = ev
-                    self._ring_seq, self._ring_crc = array.array("q"), array.array("I")  # (nothing follows)
+                    self._sequence.forget()  # (nothing follows)
                 elif t is WriterFailed:
                     self.failure = ev
                 elif t is NamesRepeated:
@@ -404,56 +388,7 @@ class LogReader:
             if self._scan_abs < self._pos:
                 self._scan_abs = self._pos
 
-    # ------------------------------------------------------------------ sequence
-    def _in_sequence(self, seq: int, pcrc: int, offset: int, length: int) -> bool:
-        """Check a record's sequence number against the file so far; False: a duplicate, dropped.
-
-        The writer numbers frames 0, 1, 2, ... A number read before with the same payload CRC is a
-        duplicate frame. A jump forward is frames lost, unless the next record goes on from where the
-        jump started: then the number of the record that jumped is wrong, and no frame was lost.
-        """
-        expected = self._next_seq
-        jumped, self._jumped = self._jumped, None
-        if jumped is not None and seq == jumped.expected + 1 and seq != expected:
-            fixed = SeqGap(jumped.path, jumped.offset, jumped.expected, jumped.got, 0)
-            if self.gaps and self.gaps[-1] is jumped:
-                self.gaps[-1] = fixed
-                log.warning("trainrec: %s", fixed)
-            else:  # (counted only)
-                self.unlisted_lost -= jumped.lost
-            self._next_seq = seq + 1
-            self._remember(seq, pcrc)
-            return True
-        if jumped is not None:
-            log.warning("trainrec: %s", jumped)
-        if seq == expected:
-            self._remember(seq, pcrc)
-            self._next_seq = seq + 1
-            return True
-        if seq < expected and self._remembered(seq, pcrc):
-            self.duplicates += 1
-            self._problem(offset, _DUPLICATE, length, lost=False)
-            return False
-        gap = self._gap(offset, seq, logged=seq < expected)
-        if seq > expected:
-            self._jumped = gap  # logged once the next record tells lost frames from a wrong number
-        self._next_seq = seq + 1
-        self._remember(seq, pcrc)
-        return True
-
-    def _remember(self, seq: int, pcrc: int) -> None:
-        seqs, crcs = self._ring_seq, self._ring_crc
-        i = seq % _REMEMBERED_FRAMES
-        if i >= len(seqs):  # (grown as frames come, up to the ring's size)
-            seqs.extend([-1] * (i + 1 - len(seqs)))
-            crcs.extend([0] * (i + 1 - len(crcs)))
-        seqs[i] = seq
-        crcs[i] = pcrc
-
-    def _remembered(self, seq: int, pcrc: int) -> bool:
-        i = seq % _REMEMBERED_FRAMES
-        return i < len(self._ring_seq) and self._ring_seq[i] == seq and self._ring_crc[i] == pcrc
-
+    # ------------------------------------------------------------------ names
     def _repeated_names(self, ev: NamesRepeated) -> list[Event]:
         """A copy of a name table: itself where its ids are known (the original was read), else first
         the names of the ids not known yet, as the NamesInterned records the original would have given
@@ -587,19 +522,6 @@ class LogReader:
         p = Problem(self.path, offset, what, skipped)
         self.problems.append(p)
         log.warning("trainrec: %s", p)
-
-    def _gap(self, offset: int, seq: int, logged: bool = True) -> SeqGap:
-        g = SeqGap(self.path, offset, self._next_seq, seq)
-        if g.lost:
-            self._lost = True
-        if len(self.gaps) >= MAX_LISTED:
-            self.unlisted_gaps += 1
-            self.unlisted_lost += g.lost
-            return g
-        self.gaps.append(g)
-        if logged:
-            log.warning("trainrec: %s", g)
-        return g
 
 
 def _add_range(ranges: list[list[int]], lo: int, hi: int) -> None:
