@@ -711,7 +711,8 @@ class TrainerMon(StepCollector):
                 self._writer.close(reason)
             except Exception as exc:  # noqa: BLE001
                 # (a writer failure already said once, when it happened: not again here)
-                (log.debug if self._writer_failed else log.warning)("trainrec: closing the log failed: %r", exc)
+                said = self._writer_failed or self._writer.error is not None  # (the writer logs its failure)
+                (log.debug if said else log.warning)("trainrec: closing the log failed: %r", exc)
         if self._alerts is not None:
             try:
                 self._alerts.close()

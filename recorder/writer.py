@@ -598,8 +598,6 @@ class LogWriter:
         failnote.leave(self.path, doc)
 
     def _finish(self, buf: list[bytes], reason: str) -> None:
-        if self._error is not None:
-            self._leave_note(closing=f"{reason}; the writer failed before")
         if self._error is None:
             self._append_drops(buf)
             closing = FileClosed(
@@ -612,6 +610,8 @@ class LogWriter:
             )
             self._frame(closing, buf)
             self._write_out(buf)  # fsyncs too when asked to (fsync=True)
+        if self._error is not None:  # (failed before, or in this last write-out)
+            self._leave_note(closing=f"{reason}; the writer failed before")
         buf.clear()
         _close_quietly(self._file)
 

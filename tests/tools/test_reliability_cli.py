@@ -37,6 +37,7 @@ TRAIN = textwrap.dedent("""
             opt.step()
             opt.zero_grad()
             print(step, flush=True)
+            time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
             if os.environ.get("PAUSE_AT") == str(step):
                 time.sleep(600)
 """)
@@ -153,8 +154,8 @@ def test_a_write_failure_mid_run_is_said_once_and_check_does_not_claim_completen
     out = str(tmp_path / "out")
     limited = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
                "resource.setrlimit(resource.RLIMIT_FSIZE, (48 << 10, 48 << 10))\n")
-    proc = subprocess.Popen([sys.executable, "-c", limited + TRAIN, "1", out, "300"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", limited + TRAIN, "1", out, "300"], env=_env(STEP_SLEEP="0.003"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # (a run of ~1 s)
     (stdout, stderr), = _finish(proc)
     assert stdout.split()[-1] == "299"  # training survived
     assert stderr.count("failed") == 1, stderr
@@ -165,6 +166,9 @@ def test_a_write_failure_mid_run_is_said_once_and_check_does_not_claim_completen
     text = capsys.readouterr().out
     assert "the writer failed to write" in text and "were never written" in text
     assert "no bytes lost" not in text
+    with open(log + ".failed.json", encoding="utf-8") as f:
+        note = json.load(f)
+    assert 0 < note["last_step"] < 299 and note["discarded"] > 0  # mid-run: the steps after it never written
 
 
 FILLING = textwrap.dedent("""
