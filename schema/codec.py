@@ -79,7 +79,7 @@ def _depth_ok(value: tuple | dict, depth: int = 0) -> bool:
 # one per name (a model of a million modules is far beyond any trained today).
 MAX_VALUES_DEFAULT = 1 << 20
 MAX_VALUES: dict[str, int] = {
-    tag: 4096 for tag in ("ts", "hf", "sb", "se", "fc", "rd", "hx", "wf", "mx", "an", "rr", "cr", "cc")
+    tag: 4096 for tag in ("ts", "hf", "sb", "se", "fc", "rd", "hx", "wf", "mx")  # (no list of ranks or names)
 }
 # Lengths of one string, array or map (msgpack's own limits, checked before anything is built).
 MAX_STR = 1 << 20
@@ -167,6 +167,11 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
         wire = _unpack(payload, budget)
     except _TooManyValues:
         raise CorruptRecordError(f"record {peeked!r} holds more than {budget} values (the most one of its type may)") from None
+    except ValueError as exc:
+        if "exceeds max_" not in str(exc):
+            raise CorruptRecordError(f"payload is not msgpack (ValueError: {exc!r})") from None
+        # (msgpack's length limit, found at the length before anything is built)
+        raise CorruptRecordError(f"record {peeked or '?'!r}: a length beyond what it may hold ({exc})") from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CorruptRecordError(f"payload is not msgpack ({exc.__class__.__name__}: {exc!r})") from None
     if not isinstance(wire, tuple) or len(wire) < 1 + _N_ENV or not isinstance(wire[0], str):
