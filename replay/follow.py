@@ -12,7 +12,9 @@ What is followed:
 * RUN is an output directory: one launch, chosen at the first poll that finds one (the latest, or
   the one whose run id starts with ``run_id``); the follower waits for the directory and the first
   launch to appear. Later, rank directories and files whose FileOpened names that run id join,
-  as do files that begin with RunResumed in a directory already followed.
+  as do files that begin with RunResumed in a directory already followed; but not a file of another
+  writer of the same run id for a rank already followed (another launch under the same id, kept
+  apart as in :mod:`trainrec.replay.discover`).
 * RUN is a rank directory: every log file in it, including ones created later.
 * RUN is one log file: that file.
 
@@ -95,6 +97,8 @@ class RunFollower:
         self._next_log: dict[str, int] = {}  # the index the next log file of each directory will have
         self.file_errors: dict[str, FormatError] = {}
         self._frozen = False
+        self._chosen: set[str] = set()  # the chosen launch's files at the first look, and its ranks
+        self._chosen_ranks: set[int] = set()
 
     # ------------------------------------------------------------------ state
     @property
@@ -232,7 +236,10 @@ class RunFollower:
         if self.run_id is not None and not any(r.run_id.startswith(self.run_id) for r in runs):
             return False  # the run asked for has not started yet
         info = select_run(runs, self.path, self.run_id)
-        self.run_id = info.run_id
+        # (the id its headers carry: a launch kept apart from another of the same id is RUNID#k)
+        self.run_id = next((f.header.run_id for f in info.all_files if f.header is not None), info.run_id)
+        self._chosen = {f.path for f in info.all_files}
+        self._chosen_ranks = set(info.files)
         self._resolved = True
         for fs in info.files.values():
             for f in fs:
@@ -287,6 +294,12 @@ class RunFollower:
             resumed = lf.resume_step is not None and d in self._dirs
             known_dir = not self.run_id and d in self._dirs
             if not (ours or resumed or known_dir):
+                return
+            if (ours and not resumed and path not in self._chosen
+                    and (lf.rank in self._chosen_ranks or lf.rank in self._ranks.values())):
+                # another writer of this run id at a rank followed already: another launch, kept apart
+                log.warning("trainrec: not following %s: another launch writes run id %s at rank %d (trainrec "
+                            "check)", path, self.run_id, lf.rank)
                 return
             self._dirs.add(d)
         self._add(path, lf.rank)

@@ -71,6 +71,10 @@ def test_two_trainings_sharing_a_run_id_are_kept_apart(tmp_path, capsys):
         rows = open_run(out, run_id=rid).to_rows()
         keys = list(zip(rows["step"], rows["kind"], rows["name"], rows["op"], strict=True))
         assert keys and len(keys) == len(set(keys)), rid  # one value per (step, tensor, op)
+    from trainrec.replay.follow import follow
+
+    tail = [ev.step for ev in follow(out, until_closed=True, idle_timeout=30, types="se")]
+    assert tail and len(tail) == len(set(tail))  # the latest launch only, as replay keeps it
     writers = {open_run(out, run_id=rid).log_files(0)[0].header.writer_id for rid in ("shared", "shared#2")}
     assert len(writers) == 2 and "" not in writers
     assert main(["check", out]) == 1
