@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import json
 import logging
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -375,6 +377,26 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     return MonitorConfig(raw=dict(raw), **kw)
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def read_regular_file(path) -> bytes:
+    """The bytes of ``path``, refusing anything but a regular file: a FIFO or a device as the config would
+    block the reader for good (opened without blocking, then checked). Raises OSError saying what it is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb", closefd=True) as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):  # (as open() says it)
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(mode):
+            what = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise OSError(errno.EINVAL, f"it is {what}, not a regular file (a config is read from a regular file "
+                                        "only: reading this one could block for good)")
+        os.set_blocking(fd, True)
+        return f.read()
+
+
 def load_config(path: str) -> MonitorConfig:
     """Read and validate a config file; errors name the path (and line/column for invalid JSON)."""
     if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
@@ -382,8 +404,7 @@ def load_config(path: str) -> MonitorConfig:
         raise ConfigError(f"expected the path of a config JSON file (TrainerMon and record also take a config "
                           f"dict), got {path!r}")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = read_regular_file(path).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError("config file not found", None, str(path)) from None
     except UnicodeDecodeError as exc:

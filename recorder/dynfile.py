@@ -33,6 +33,7 @@ from typing import Any
 
 from trainrec.schema.errors import ConfigError
 
+from .config import read_regular_file
 from .jsonedit import atomic_write
 
 log = logging.getLogger(__name__)
@@ -373,8 +374,7 @@ class ConfigFileLoader:
         for _ in range(5):
             try:
                 st1 = os.stat(path)
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = read_regular_file(path)  # a FIFO or device would block this thread for good
                 st2 = os.stat(path)
             except FileNotFoundError:
                 self._last_sig = None

@@ -432,7 +432,7 @@ class TrainerMon(StepCollector):
             except WriterError as exc:
                 self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
                 self._writer_failed = True
-                _warn_once(f"writer-{id(w)}", f"trainrec: the log writer failed ({exc}); monitoring records nothing more")
+                log.debug("trainrec: the log writer failed (%s); monitoring records nothing more", exc)  # it said so
 
     @property
     def rank_dir(self) -> str | None:
@@ -714,7 +714,8 @@ class TrainerMon(StepCollector):
                 self._writer.close(reason)
             except Exception as exc:  # noqa: BLE001
                 # (a writer failure already said once, when it happened: not again here)
-                (log.debug if self._writer_failed else log.warning)("trainrec: closing the log failed: %r", exc)
+                said = self._writer_failed or self._writer.error is not None  # (the writer logs its failure)
+                (log.debug if said else log.warning)("trainrec: closing the log failed: %r", exc)
         if self._alerts is not None:
             try:
                 self._alerts.close()

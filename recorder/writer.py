@@ -14,6 +14,8 @@ Guarantees:
   waits until everything handed over before it is written. That is what a crash of the process
   needs; ``fsync=True`` adds an fsync after every write-out (close included) for a crash of the
   machine, at a cost of milliseconds each (the default, like TensorBoard's writer, leaves it to the OS).
+  ``durability="step"`` (or ``TRAINREC_DURABILITY=step``) flushes at every StepEnded handed over: each
+  step's records are on the OS before the next step begins (see docs/reliability.md for the cost).
 * :meth:`LogWriter.close` writes a :class:`FileClosed` record, drains and closes the file. It
   is idempotent, runs at interpreter exit for every writer still open, and on SIGTERM once
   :func:`install_sigterm_handler` was called.
@@ -21,7 +23,10 @@ Guarantees:
   :class:`WriterError` on the caller's next call (``write``, ``intern``, ``flush``, ``close``); the
   worker keeps draining the queue and discards what it takes, so no producer is ever left blocked.
   A deferred callable that raises, or an event that cannot be encoded, does not stop the writer: it
-  is logged and recorded in the file as a :class:`HookFailed` event.
+  is logged and recorded in the file as a :class:`HookFailed` event. A failure is logged once, and
+  the writer leaves what it can of it: a :class:`WriterFailed` record in the file (at the failure,
+  retried while the process runs, and at close with the final count of what was never written),
+  else a sidecar ``<log>.failed.json`` beside it.
 * The queue is bounded (``queue_size`` items). When it is full, ``on_full="block"`` (default, no loss)
   waits for room; ``on_full="drop"`` drops the record, and the worker writes a
   :class:`RecordsDropped` event with the count; :attr:`FileClosed.dropped` has the total. Name tables
@@ -49,7 +54,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
-from trainrec.schema import codec, framing, layout
+from trainrec.schema import codec, framing, layout, procid
 from trainrec.schema.errors import WriterError
 from trainrec.schema.events import (
     Event,
@@ -57,8 +62,13 @@ from trainrec.schema.events import (
     FileOpened,
     HookFailed,
     NamesInterned,
+    NamesRepeated,
     RecordsDropped,
+    StepEnded,
+    WriterFailed,
 )
+
+from . import failnote
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +87,9 @@ __version__ = _package_version()
 _BUFFER_BYTES = 1 << 20  # write out at once when this much is buffered
 _CLOSE_TIMEOUT = 10.0  # seconds a close at exit or on SIGTERM waits for the worker
 _MAX_ERROR_LOGS = 5  # per writer: encode/callable failures logged at error level
+_FAILURE_RETRY_S = 2.0  # after a write failure: how often the worker tries again to leave its note
+DURABILITY_ENV = "TRAINREC_DURABILITY"
+DURABILITIES = ("interval", "step")
 
 Item = Event | Callable[[], Iterable[Event]]
 
@@ -183,7 +196,20 @@ class LogWriter:
         queue_size: int = 4096,
         on_full: str = "block",
         fsync: bool = False,
+        durability: str | None = None,
+        repeat_names: bool = True,
     ) -> None:
+        if durability is None:
+            durability = os.environ.get(DURABILITY_ENV, "").strip().lower() or "interval"
+            if durability not in DURABILITIES:
+                log.warning("trainrec: ignoring %s=%r (expected one of %s)", DURABILITY_ENV,
+                            os.environ.get(DURABILITY_ENV), ", ".join(DURABILITIES))
+                durability = "interval"
+        if durability not in DURABILITIES:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITIES)}, not {durability!r}")
+        self.durability = durability
+        self._repeat_names = repeat_names
+        self._per_step = durability == "step"
         if on_full not in ("block", "drop"):
             raise ValueError(f"on_full must be 'block' or 'drop', not {on_full!r}")
         if not flush_interval > 0:
@@ -232,6 +258,9 @@ class LogWriter:
             dir_name=os.path.basename(os.path.abspath(rank_dir)),
             pp_stage=pp_stage,
             group_mates=tuple(group_mates),
+            writer_id=procid.new_writer_id(),
+            proc_start=procid.start_ticks(self._pid),
+            boot_id=procid.boot_id(),
         )
         try:
             _write_all(self._file, framing.encode_file_header() + framing.encode_frame(codec.encode(self.header)))
@@ -245,6 +274,10 @@ class LogWriter:
         self._reported_drops = 0
         self._error_logs = 0
         self._buffered = 0
+        self._written_seq = 1  # records before this one are on the OS (as far as the writer knows)
+        self._discarded = 0  # records (or deferred batches) handed over and never written, after a failure
+        self._note_seq = 0  # sequence number of the next failure record (0: none written yet)
+        self._note_tried = 0.0
         self._thread = threading.Thread(target=self._run, name=f"trainrec-writer-rank{rank}", daemon=True)
         self._thread.start()
         _live_writers.add(self)
@@ -265,6 +298,8 @@ class LogWriter:
                     return
                 self._wait_for_room()
         q.put(item)
+        if self._per_step and type(item) is StepEnded:
+            self.flush()
 
     def _wait_for_room(self) -> None:
         delay = 5e-5
@@ -303,9 +338,11 @@ class LogWriter:
                         i = new[n] = first + len(new)
                 out.append(i)
             if new:
-                self._queue.put(
-                    NamesInterned(rank=self.rank, step=step, wall=time.time(), first_id=first, names=tuple(new))
-                )
+                wall = time.time()
+                self._queue.put(NamesInterned(rank=self.rank, step=step, wall=wall, first_id=first, names=tuple(new)))
+                if self._repeat_names:  # a copy in a frame of its own: one damaged frame costs no name
+                    self._queue.put(NamesRepeated(rank=self.rank, step=step, wall=wall, first_id=first,
+                                                  names=tuple(new)))
                 # Published only after the announcement is queued, so that another thread's fast
                 # path never hands out an id whose NamesInterned would come after its use.
                 table.update(new)
@@ -438,7 +475,12 @@ class LogWriter:
                     else:
                         self._finish(buf, str(item.arg))
                         return
-                elif self._error is None:  # failed: keep draining so that no producer stays blocked
+                elif self._error is not None:  # failed: keep draining so that no producer stays blocked
+                    self._discarded += 1
+                    if isinstance(item, Event) and item.step > self._last_step:
+                        self._last_step = item.step
+                    self._leave_note(retry=True)
+                else:
                     if self._dropped_total != self._reported_drops:
                         self._append_drops(buf)
                     if isinstance(item, Event):
@@ -510,8 +552,11 @@ class LogWriter:
                 _writev_all(self._file.fileno(), buf)
                 if self._fsync:
                     os.fsync(self._file.fileno())
+                self._written_seq = self._seq
             except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
+                self._discarded += self._seq - self._written_seq
                 self._fail(exc)
+                self._leave_note()
         buf.clear()
         self._buffered = 0
 
@@ -523,6 +568,34 @@ class LogWriter:
             raise WriterError(f"{self.path}: the log file was removed while being written") from None
         if _identity(st) != self._identity:
             raise WriterError(f"{self.path}: the log file was replaced by another file while being written")
+
+    def _leave_note(self, closing: str | None = None, retry: bool = False) -> None:
+        """After a write failure: append a WriterFailed record (and with ``closing``, the FileClosed) if
+        the disk allows; at close, where it does not, the sidecar. ``retry``: only every few seconds."""
+        now = time.monotonic()
+        if retry and (self._note_seq or now - self._note_tried < _FAILURE_RETRY_S):
+            return
+        self._note_tried = now
+        seq = self._note_seq or self._written_seq
+        note = WriterFailed(rank=self.rank, step=self._last_step, wall=time.time(), error=repr(self._error)[:1000],
+                            first_lost_seq=self._written_seq, discarded=self._discarded, last_step=self._last_step)
+        events: list[Event] = [note]
+        if closing is not None:
+            events.append(FileClosed(rank=self.rank, step=self._last_step, wall=time.time(), records=seq + 1,
+                                     dropped=self._dropped_total, reason=closing))
+        try:
+            data = b"".join(framing.encode_frame(codec.encode(ev, seq=seq + i)) for i, ev in enumerate(events))
+            if isinstance(self._error, WriterError):  # the file was removed or replaced: not ours to write
+                raise OSError("the log file is not there")
+            _write_all(self._file, data)
+            self._note_seq = seq + 1
+            return
+        except Exception:  # noqa: BLE001 - the disk still refuses: the sidecar, at close
+            if closing is None:
+                return
+        doc = {"log": os.path.basename(self.path), "error": note.error, "first_lost_seq": note.first_lost_seq,
+               "discarded": note.discarded, "last_step": note.last_step, "wall": note.wall}
+        failnote.leave(self.path, doc)
 
     def _finish(self, buf: list[bytes], reason: str) -> None:
         if self._error is None:
@@ -537,13 +610,16 @@ class LogWriter:
             )
             self._frame(closing, buf)
             self._write_out(buf)  # fsyncs too when asked to (fsync=True)
+        if self._error is not None:  # (failed before, or in this last write-out)
+            self._leave_note(closing=f"{reason}; the writer failed before")
         buf.clear()
         _close_quietly(self._file)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
-            log.error("trainrec: log writer for %s failed: %r; training goes on without it", self.path, exc)
+            log.error("trainrec: log writer for %s failed: %r; training goes on, and nothing more is recorded "
+                      "in this log", self.path, exc)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
@@ -569,6 +645,7 @@ def _close_all(reason: str = "exit") -> None:
             log.error("trainrec: closing %s at %s failed: %r", w.path, reason, exc)
 
 
+atexit.register(failnote.write_pending)  # (runs after _close_all: registered first)
 atexit.register(_close_all, "exit")
 
 _SIGTERM_FLUSH_TIMEOUT = 2.0  # seconds a SIGTERM with a previous handler waits for each writer to write out

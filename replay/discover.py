@@ -12,7 +12,14 @@ Grouping into runs (launches):
   directory, whatever run id it carries (a resumed process appending to an existing directory);
 * a file whose header cannot be read (empty, torn at creation, not a log) follows the previous file
   of its directory, or, as the first file, is grouped by its directory;
-* files with an empty run id are grouped by their directory's time stamp.
+* files with an empty run id are grouped by their directory's time stamp;
+* writers kept apart: a rank's files form *chains*, each a file not beginning with RunResumed followed
+  by the files that resume it (a file that records nothing, such as a launch that failed at start-up,
+  follows the chain before it). Where a rank of a run has several chains (two trainings that set one
+  ``TRAINREC_RUN_ID``, a rank restarted in place by an elastic launcher without ``append_output``),
+  they are different writers of one run id: the run is split into launches, the k-th chain of each rank
+  (in start-time order) making launch k, named ``RUNID``, ``RUNID#2``, ... and each one carries a
+  :attr:`RunInfo.conflict` that ``check`` reports.
 
 Runs are ordered oldest first by ``(newest rank directory stamp, newest start time)``: the default,
 "latest" run is the one most recently started or resumed. Stamps carry no year, so a run started in
@@ -25,6 +32,7 @@ import itertools
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 from trainrec.schema import layout
@@ -33,9 +41,11 @@ from trainrec.schema.events import (
     ConfigApplied,
     ConfigChanged,
     ConfigRejected,
+    FileClosed,
     FileOpened,
     ModuleStructureRecorded,
     NamesInterned,
+    NamesRepeated,
     RunResumed,
 )
 
@@ -45,7 +55,8 @@ log = logging.getLogger(__name__)
 
 # Records that may come before a RunResumed at the start of a file (one ModuleStructureRecorded per
 # virtual-pipeline chunk, so their number is not bounded).
-_PREAMBLE = (FileOpened, NamesInterned, ModuleStructureRecorded, ConfigApplied, ConfigChanged, ConfigRejected)
+_PREAMBLE = (FileOpened, NamesInterned, NamesRepeated, ModuleStructureRecorded, ConfigApplied, ConfigChanged,
+             ConfigRejected)
 
 
 def stamp_key_or_none(stamp: str | None) -> tuple[int, ...] | None:
@@ -70,6 +81,16 @@ class LogFile:
     version: int | None = None
     resume_step: int | None = None  # step a RunResumed at the start of the file continues from
     error: FormatError | None = None
+    empty: bool = False  # nothing but its preamble (and maybe its FileClosed) is recorded in it
+
+    def writer(self) -> str:
+        """Who wrote the file, in words (its header's host, pid, start and writer nonce)."""
+        h = self.header
+        if h is None:
+            return "an unknown writer"
+        nonce = f", writer {h.writer_id[:8]}" if h.writer_id else ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.start_time)) if h.start_time else "?"
+        return f"pid {h.pid} on {h.host or '?'} started {when}{nonce}"
 
     @property
     def rank(self) -> int:
@@ -107,6 +128,7 @@ def scan_file(path: str, dir_stamp: str | None = None, dir_rank: int | None = No
         lf.error = exc
         return lf
     lf.version = reader.version
+    lf.empty = bool(head) and (isinstance(head[-1], _PREAMBLE) or isinstance(head[-1], FileClosed))
     for ev in head:
         if isinstance(ev, FileOpened):
             if lf.header is None:
@@ -114,6 +136,7 @@ def scan_file(path: str, dir_stamp: str | None = None, dir_rank: int | None = No
             continue
         if isinstance(ev, RunResumed):
             lf.resume_step = resume_step(ev)
+            lf.empty = False
             break
         if not isinstance(ev, _PREAMBLE):
             break
@@ -137,6 +160,9 @@ class RunInfo:
     # launch cannot be told (left out of every run, reported beside the one chosen).
     whole: bool = False
     unattributed: list[LogFile] = field(default_factory=list)
+    # Its run id is shared with other launches that are not resumes of it (see the module docstring):
+    # what to say about it, else "".
+    conflict: str = ""
 
     @property
     def missing_ranks(self) -> list[int]:
@@ -218,10 +244,52 @@ def group_runs(scanned: list[list[LogFile]]) -> list[RunInfo]:
             if info is None:
                 info = runs[key] = RunInfo(run_id=key if not key.startswith("@") else "")
             info.files.setdefault(lf.rank, []).append(lf)
+    out: list[RunInfo] = []
     for info in runs.values():
         for r, fs in info.files.items():
             info.files[r] = _order_rank_files(fs)
-    return sorted(runs.values(), key=RunInfo.sort_key)
+        out.extend(_split_writers(info))
+    return sorted(out, key=RunInfo.sort_key)
+
+
+def _chains(files: list[LogFile]) -> list[list[LogFile]]:
+    """A rank's files (in writing order) cut where a file neither resumes the one before nor is empty."""
+    chains: list[list[LogFile]] = []
+    for f in files:
+        if chains and (f.resume_step is not None or f.empty or f.header is None):
+            chains[-1].append(f)
+        else:
+            chains.append([f])
+    return chains
+
+
+def _chain_start(chain: list[LogFile]) -> float:
+    times = [f.header.start_time for f in chain if f.header is not None]
+    return min(times) if times else float("inf")
+
+
+def _split_writers(info: RunInfo) -> list[RunInfo]:
+    """One run per writer chain ordinal where a rank has several (see the module docstring)."""
+    chains = {r: sorted(_chains(fs), key=_chain_start) for r, fs in info.files.items()}
+    n = max((len(c) for c in chains.values()), default=1)
+    if n <= 1:
+        return [info]
+    rid = info.run_id
+    ids = [rid if k == 0 else f"{rid}#{k + 1}" for k in range(n)]
+    writers = []
+    for r in sorted(chains):
+        if len(chains[r]) > 1:
+            writers = [c[0].writer() for c in chains[r]]
+            break
+    said = (f"run id {rid or '(none)'} is shared by {n} launches that do not resume one another: "
+            f"{', '.join(writers)} wrote the same rank without a RunResumed (TRAINREC_RUN_ID set alike in two "
+            f"jobs, or a rank restarted in place without append_output); replay keeps them apart as runs "
+            f"{', '.join(ids)}")
+    out = []
+    for k in range(n):
+        files = {r: c[k] for r, c in chains.items() if k < len(c)}
+        out.append(RunInfo(run_id=ids[k], files=files, conflict=said))
+    return out
 
 
 def _order_rank_files(files: list[LogFile]) -> list[LogFile]:
@@ -282,7 +350,8 @@ def select_run(
         raise NotARunError(f"time range {time_start}..{time_end} is empty (start after end)", where)
     cands = runs
     if run_id is not None:
-        cands = [r for r in cands if r.run_id.startswith(run_id)]
+        exact = [r for r in cands if r.run_id == run_id]
+        cands = exact or [r for r in cands if r.run_id.startswith(run_id)]
     if lo is not None or hi is not None:
 
         def in_range(r: RunInfo) -> bool:

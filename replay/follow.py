@@ -12,7 +12,9 @@ What is followed:
 * RUN is an output directory: one launch, chosen at the first poll that finds one (the latest, or
   the one whose run id starts with ``run_id``); the follower waits for the directory and the first
   launch to appear. Later, rank directories and files whose FileOpened names that run id join,
-  as do files that begin with RunResumed in a directory already followed.
+  as do files that begin with RunResumed in a directory already followed; but not a file of another
+  writer of the same run id for a rank already followed (another launch under the same id, kept
+  apart as in :mod:`trainrec.replay.discover`).
 * RUN is a rank directory: every log file in it, including ones created later.
 * RUN is one log file: that file.
 
@@ -34,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from trainrec.schema import layout
+from trainrec.schema import layout, procid
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import Event, FileOpened, NamesInterned
 
@@ -54,25 +56,21 @@ POLL_BYTES = 16 << 20
 
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid runs on this host (a zombie, killed and not yet reaped by its
-    parent, is not running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc: it exists
+    parent, is not running). A pid alone may be another process's by now: see :func:`writer_running`."""
+    return procid.pid_running(pid)
+
+
+def writer_running(header: FileOpened) -> bool:
+    """Whether the process that wrote a log runs, on this host: its pid, and where the header has them
+    (a writer of this version), its start time and boot id; a later process holding the pid is not it."""
+    return procid.process_running(header.pid, header.proc_start, header.boot_id)
 
 
 def writer_gone(header: FileOpened | None) -> bool:
-    """Whether the process that wrote a log (its FileOpened's host and pid) is known to be gone: only
-    knowable on its own host; False where it cannot be told."""
+    """Whether the process that wrote a log (its FileOpened's host, pid and start) is known to be gone:
+    only knowable on its own host; False where it cannot be told."""
     return (header is not None and bool(header.pid) and header.host == socket.gethostname()
-            and not pid_alive(header.pid))
+            and not writer_running(header))
 
 
 class RunFollower:
@@ -99,6 +97,8 @@ class RunFollower:
         self._next_log: dict[str, int] = {}  # the index the next log file of each directory will have
         self.file_errors: dict[str, FormatError] = {}
         self._frozen = False
+        self._chosen: set[str] = set()  # the chosen launch's files at the first look, and its ranks
+        self._chosen_ranks: set[int] = set()
 
     # ------------------------------------------------------------------ state
     @property
@@ -236,7 +236,10 @@ class RunFollower:
         if self.run_id is not None and not any(r.run_id.startswith(self.run_id) for r in runs):
             return False  # the run asked for has not started yet
         info = select_run(runs, self.path, self.run_id)
-        self.run_id = info.run_id
+        # (the id its headers carry: a launch kept apart from another of the same id is RUNID#k)
+        self.run_id = next((f.header.run_id for f in info.all_files if f.header is not None), info.run_id)
+        self._chosen = {f.path for f in info.all_files}
+        self._chosen_ranks = set(info.files)
         self._resolved = True
         for fs in info.files.values():
             for f in fs:
@@ -291,6 +294,12 @@ class RunFollower:
             resumed = lf.resume_step is not None and d in self._dirs
             known_dir = not self.run_id and d in self._dirs
             if not (ours or resumed or known_dir):
+                return
+            if (ours and not resumed and path not in self._chosen
+                    and (lf.rank in self._chosen_ranks or lf.rank in self._ranks.values())):
+                # another writer of this run id at a rank followed already: another launch, kept apart
+                log.warning("trainrec: not following %s: another launch writes run id %s at rank %d (trainrec "
+                            "check)", path, self.run_id, lf.rank)
                 return
             self._dirs.add(d)
         self._add(path, lf.rank)

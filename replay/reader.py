@@ -35,7 +35,11 @@ Three outcomes are kept apart (see :mod:`trainrec.schema.framing` for the byte l
   the very end whose last bytes could begin a frame header is kept pending, like a torn tail.
 
 Frames that could not be read show up as gaps in the writer's per-file sequence numbers
-(:attr:`LogReader.gaps`, :class:`SeqGap`), which is how ``trainrec check`` counts lost frames.
+(:attr:`LogReader.gaps`, :class:`SeqGap`), which is how ``trainrec check`` counts lost frames; a
+frame that repeats one read before (a block written twice) is dropped and reported once, a wrong
+number is told from lost frames (:mod:`trainrec.replay.sequence`). File header flag bits the format
+does not define are reported. A NamesRepeated (the writer's copy of a name table) gives the names of
+a table whose frame was lost, as NamesInterned records.
 
 The reader never raises on arbitrary bytes after the 16-byte file header (a bad magic raises
 :class:`NotALogError`, an unknown version :class:`UnsupportedVersionError`) and never holds more than
@@ -60,9 +64,13 @@ from trainrec.schema.events import (
     FileOpened,
     HooksFired,
     NamesInterned,
+    NamesRepeated,
     TensorStatsRecorded,
+    WriterFailed,
     unpack_array,
 )
+
+from .sequence import DUPLICATE, SeqGap, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +82,11 @@ _MAGIC = framing.FRAME_MAGIC
 _MAGIC_BYTES = framing.FRAME_MAGIC_BYTES
 _crc32 = zlib.crc32
 _AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
+_DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
+              "as by a copy tool that retried it)")
+# Problems and gaps listed one by one per file; past that they are only counted (a hostile file of
+# millions of tiny damaged frames would otherwise fill memory with their descriptions).
+MAX_LISTED = 1000
 
 
 @dataclass(frozen=True)
@@ -88,29 +101,6 @@ class Problem:
     def __str__(self) -> str:
         skipped = f"{self.skipped} bytes skipped" if self.skipped else "record kept"
         return f"{self.path} at byte {self.offset}: {self.what} ({skipped})"
-
-
-@dataclass(frozen=True)
-class SeqGap:
-    """A jump in the writer's sequence numbers: frames ``expected .. got-1`` were not read.
-
-    ``offset`` is where the first frame after the gap starts. ``got < expected`` means the sequence
-    went backwards (frames out of order or duplicated), which the writer never does.
-    """
-
-    path: str
-    offset: int
-    expected: int
-    got: int
-
-    @property
-    def lost(self) -> int:
-        return max(0, self.got - self.expected)
-
-    def __str__(self) -> str:
-        if self.got < self.expected:
-            return f"{self.path} at byte {self.offset}: sequence went back from {self.expected - 1} to {self.got}"
-        return f"{self.path} at byte {self.offset}: {self.lost} frame(s) lost (seq {self.expected}..{self.got - 1})"
 
 
 class LogReader:
@@ -129,15 +119,18 @@ class LogReader:
         self.flags = 0
         self.header: FileOpened | None = None
         self.closed_event: FileClosed | None = None
+        self.failure: WriterFailed | None = None  # the writer's own word that it failed to write
         self.problems: list[Problem] = []
-        self.gaps: list[SeqGap] = []
+        # past MAX_LISTED: how many more problems, and their bytes skipped (gaps: see Sequence)
+        self.unlisted_problems = 0
+        self.unlisted_skipped = 0
         self.frames = 0  # frames whose header and payload CRCs checked out
         self.events_read = 0
         self._pos = 0  # file offset of self._buf[0]
         self._buf = b""  # bytes read but not consumed yet (an incomplete frame)
         self._need = 0  # bytes still missing from the pending frame, when its header is known
         self._scan_abs = 0  # file offset up to which the pending bytes were searched for a later frame
-        self._next_seq = 0
+        self._sequence = Sequence(path, MAX_LISTED)
         self._eof = False  # the last read reached the end of the file as it was then
         self._short_header = 0  # bytes of a file header still being written
         self._names: list[list[int]] = [[0, 0]]  # id ranges [lo, hi) interned so far, sorted, disjoint
@@ -163,7 +156,25 @@ class LogReader:
     @property
     def lost_frames(self) -> int:
         """Frames missing according to the sequence numbers (damaged or cut out)."""
-        return sum(g.lost for g in self.gaps)
+        return self._sequence.lost
+
+    @property
+    def gaps(self) -> list[SeqGap]:
+        """Jumps in the sequence numbers (the first MAX_LISTED of them)."""
+        return self._sequence.gaps
+
+    @property
+    def unlisted_gaps(self) -> int:
+        return self._sequence.unlisted_gaps
+
+    @property
+    def unlisted_lost(self) -> int:
+        return self._sequence.unlisted_lost
+
+    @property
+    def duplicates(self) -> int:
+        """Frames dropped as duplicates of frames read before."""
+        return self._sequence.duplicates
 
     @property
     def at_eof(self) -> bool:
@@ -273,6 +284,9 @@ class LogReader:
         self.flags = flags
         self._pos = framing.FILE_HEADER_SIZE
         self._scan_abs = self._pos
+        if flags & ~framing.KNOWN_FLAGS:
+            self._problem(12, f"file header flags 0x{flags:08x} set bits this format does not define (a damaged "
+                          "header?); the records are read as they are", 0, lost=False)
         return True
 
     def _consume(self, out: list[Event]) -> None:
@@ -335,10 +349,13 @@ class LogReader:
                     self._problem(base + pos, _AFTER_CLOSE, stop - pos)
                     pos = stop
                     continue
-                seq = ev.seq
-                if seq != self._next_seq:
-                    self._gap(base + pos, seq)
-                self._next_seq = seq + 1
+                verdict = self._sequence.check(ev.seq, pcrc, base + pos)
+                if verdict is DUPLICATE:
+                    self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
+                    pos = stop
+                    continue
+                if verdict is not None and verdict.lost:
+                    self._lost = True
                 h = self.header
                 if h is not None and ev.rank != h.rank and not self._rank_reported:
                     # (kept, as an unknown name id: merged with the others under the rank it names)
@@ -351,6 +368,13 @@ class LogReader:
                         self.header = ev
                 elif t is FileClosed:
                     self.closed_event = ev
+                    self._sequence.forget()  # (nothing follows)
+                elif t is WriterFailed:
+                    self.failure = ev
+                elif t is NamesRepeated:
+                    out.extend(self._repeated_names(ev))
+                    pos = stop
+                    continue
                 elif t is NamesInterned or t is TensorStatsRecorded or t is HooksFired:
                     what = self._names_problem(ev)
                     if what is not None:
@@ -363,6 +387,32 @@ class LogReader:
             self._pos = base + pos
             if self._scan_abs < self._pos:
                 self._scan_abs = self._pos
+
+    # ------------------------------------------------------------------ names
+    def _repeated_names(self, ev: NamesRepeated) -> list[Event]:
+        """A copy of a name table: itself where its ids are known (the original was read), else first
+        the names of the ids not known yet, as the NamesInterned records the original would have given
+        (consumers resolve names from those), then itself."""
+        lo, hi = ev.first_id, ev.first_id + len(ev.names)
+        missing: list[tuple[int, int]] = []
+        at = lo
+        for a, b in self._names:
+            if b <= at or a >= hi:
+                continue
+            if a > at:
+                missing.append((at, a))
+            at = max(at, b)
+        if at < hi:
+            missing.append((at, hi))
+        if not missing:
+            return [ev]
+        out: list[Event] = []
+        for a, b in missing:
+            _add_range(self._names, a, b)
+            out.append(NamesInterned(seq=ev.seq, rank=ev.rank, step=ev.step, wall=ev.wall, first_id=a,
+                                     names=ev.names[a - lo : b - lo]))
+        out.append(ev)
+        return out
 
     # ------------------------------------------------------------------ consistency
     def _names_problem(self, ev: Event) -> str | None:
@@ -456,24 +506,22 @@ class LogReader:
                 return True
         return False
 
-    def _problem(self, offset: int, what: str, skipped: int) -> None:
+    def _problem(self, offset: int, what: str, skipped: int, lost: bool = True) -> None:
+        """Record damage; ``lost``: its skipped bytes held records of the file (not a duplicate's)."""
         last = self.problems[-1] if self.problems else None
         if last is not None and last.what == what and last.offset + last.skipped == offset:
             # One damaged region read over several chunks or polls is one problem.
             self.problems[-1] = Problem(self.path, last.offset, what, last.skipped + skipped)
             return
-        if skipped:
+        if skipped and lost:
             self._lost = True
+        if len(self.problems) >= MAX_LISTED:
+            self.unlisted_problems += 1
+            self.unlisted_skipped += skipped
+            return
         p = Problem(self.path, offset, what, skipped)
         self.problems.append(p)
         log.warning("trainrec: %s", p)
-
-    def _gap(self, offset: int, seq: int) -> None:
-        g = SeqGap(self.path, offset, self._next_seq, seq)
-        if g.lost:
-            self._lost = True
-        self.gaps.append(g)
-        log.warning("trainrec: %s", g)
 
 
 def _add_range(ranges: list[list[int]], lo: int, hi: int) -> None:

@@ -13,11 +13,18 @@ Finding severities:
 * ``torn``: a file that was not closed cleanly and ends in an incomplete frame (the writer died
   mid-write, or is still writing);
 * ``unclosed``: a file without FileClosed but ending on a frame boundary (killed after a flush, or
-  still being written); only a failure for ``check --strict``.
+  still being written); only a failure for ``check --strict``;
+* ``lost``: the writer said it failed to write (a WriterFailed record, or its sidecar
+  ``<log>.failed.json`` where the disk refused even that): what it had been handed from then on is
+  not in the file;
+* ``conflict``: the run id is shared by launches that do not resume one another (two trainings, or
+  a rank restarted in place): replay keeps them apart as separate runs (see
+  :mod:`trainrec.replay.discover`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections import Counter
@@ -40,7 +47,7 @@ from trainrec.schema.events import (
 )
 
 from .discover import LogFile
-from .follow import pid_alive
+from .follow import writer_running
 from .reader import Problem, SeqGap
 from .run import Run
 
@@ -67,10 +74,14 @@ class FileSummary:
     writer_pid: int = 0  # the writer's, from the file's header
     writer_host: str = ""
     writer_running: bool | None = None  # for a file not closed: whether its writer runs (None: another host)
+    failure: str = ""  # what the writer said of its failure to write (WriterFailed, or the sidecar)
+    # problems and gaps past the reader's MAX_LISTED: (problems, bytes skipped, gaps, frames lost)
+    unlisted: tuple[int, int, int, int] = (0, 0, 0, 0)
+    duplicates: int = 0  # frames dropped as duplicates
 
     @property
     def lost_frames(self) -> int:
-        return sum(g.lost for g in self.gaps)
+        return sum(g.lost for g in self.gaps) + self.unlisted[3]
 
     def to_json(self) -> dict:
         return {
@@ -92,6 +103,8 @@ class FileSummary:
             "writer_pid": self.writer_pid,
             "writer_host": self.writer_host,
             "writer_running": self.writer_running,
+            "writer_failure": self.failure,
+            "duplicate_frames": self.duplicates,
         }
 
 
@@ -162,6 +175,7 @@ class RunSummary:
     ranks: list[RankSummary]
     missing_ranks: list[int] = field(default_factory=list)  # of the world size, no log found (output dir)
     unattributed: list[tuple[str, str]] = field(default_factory=list)  # (path, why) of headerless files beside
+    conflict: str = ""  # its run id is shared by launches that do not resume one another (discover)
 
     @property
     def anomalies(self) -> int:
@@ -178,6 +192,7 @@ class RunSummary:
             "per_rank": [r.to_json() for r in self.ranks],
             "missing_ranks": self.missing_ranks,
             "unattributed_files": [{"path": p, "what": w} for p, w in self.unattributed],
+            "conflict": self.conflict,
         }
 
 
@@ -212,6 +227,7 @@ def summarize(run: Run, ranks: list[RankSummary] | None = None) -> RunSummary:
         ranks=ranks,
         missing_ranks=run.missing_ranks,
         unattributed=[(f.path, _unreadable(f)) for f in run.unattributed],
+        conflict=run.info.conflict,
     )
 
 
@@ -293,12 +309,42 @@ def summarize_rank(run: Run, r: int) -> RankSummary:
             fs.problems = list(reader.problems)
             fs.gaps = list(reader.gaps)
             fs.first_record_is_header = reader.events_read == 0 or isinstance(reader.header, FileOpened)
+            fs.duplicates = reader.duplicates
+            fs.unlisted = (reader.unlisted_problems, reader.unlisted_skipped, reader.unlisted_gaps,
+                           reader.unlisted_lost)
+            fs.failure = _failure_text_of(reader.failure) if reader.failure is not None else _sidecar(lf.path)
             if isinstance(reader.header, FileOpened):
                 fs.writer_pid, fs.writer_host = reader.header.pid, reader.header.host
                 if not fs.closed_cleanly and fs.writer_pid and fs.writer_host == socket.gethostname():
-                    fs.writer_running = pid_alive(fs.writer_pid)
+                    fs.writer_running = writer_running(reader.header)
         rs.files.append(fs)
     return rs
+
+
+SIDECAR_SUFFIX = ".failed.json"  # (the writer's FAILED_SUFFIX)
+
+
+def _failure_text(first_lost_seq: int, discarded: int, last_step: int, error: str) -> str:
+    upto = f", up to step {last_step}" if last_step >= 0 else ""
+    return (f"the writer failed to write ({error[:300]}): from record {first_lost_seq} on, {discarded} record(s) "
+            f"or batches handed over{upto} were never written")
+
+
+def _failure_text_of(ev) -> str:
+    return _failure_text(ev.first_lost_seq, ev.discarded, ev.last_step, ev.error)
+
+
+def _sidecar(path: str) -> str:
+    """What the sidecar of a log whose writer failed says (bounded and checked: untrusted), or ""."""
+    try:
+        with open(path + SIDECAR_SUFFIX, "rb") as f:
+            doc = json.loads(f.read(1 << 16))
+        return "(from its sidecar) " + _failure_text(int(doc.get("first_lost_seq", 0)), int(doc.get("discarded", 0)),
+                                                     int(doc.get("last_step", -1)), str(doc.get("error", "")))
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError, TypeError, AttributeError):
+        return f"its writer left a sidecar {path + SIDECAR_SUFFIX} that cannot be read: it failed to write"
 
 
 @dataclass(frozen=True)
@@ -338,11 +384,8 @@ def findings(summary: RunSummary) -> list[Finding]:
             for p in fs.problems:
                 found.append(Finding("damage", fs.path, p.offset, p.what, bytes_skipped=p.skipped))
             for g in fs.gaps:
-                what = (
-                    f"sequence numbers jump from {g.expected - 1} to {g.got}"
-                    if g.lost
-                    else f"sequence numbers go back from {g.expected - 1} to {g.got}"
-                )
+                what = g.describe() if g.most is not None or g.got < g.expected else (
+                    f"sequence numbers jump from {g.expected - 1} to {g.got}")
                 found.append(Finding("damage", fs.path, g.offset, what, frames_lost=g.lost))
             if fs.torn_bytes:
                 if fs.closed_cleanly:
@@ -369,13 +412,25 @@ def findings(summary: RunSummary) -> list[Finding]:
                             "empty file: no file header and nothing recorded (its writer died before writing, "
                             "or is starting)")
                 )
-            elif not fs.closed_cleanly:
+            elif not fs.closed_cleanly and not fs.failure:
                 why = {True: f"still being written, pid {fs.writer_pid}",
-                       False: f"its writer, pid {fs.writer_pid}, is gone: killed or crashed after a flush",
-                       None: "writer killed after a flush, or still writing"}[fs.writer_running]
-                found.append(Finding("unclosed", fs.path, fs.end_offset, f"not closed cleanly ({why}); no bytes lost"))
+                       False: f"its writer, pid {fs.writer_pid}, is gone: killed or crashed",
+                       None: "writer killed, or still writing"}[fs.writer_running]
+                found.append(Finding("unclosed", fs.path, fs.end_offset,
+                                     f"not closed cleanly ({why}); the file ends on a frame boundary, but what its "
+                                     "writer had not written out yet (up to one flush interval) cannot be known"))
+            if any(fs.unlisted):
+                n, skipped, gaps, lost = fs.unlisted
+                found.append(Finding("damage", fs.path, None, f"{n} more damaged region(s) and {gaps} more sequence "
+                                     "gap(s), not listed one by one", bytes_skipped=skipped, frames_lost=lost))
+            if fs.duplicates:
+                found.append(Finding("damage", fs.path, None, f"{fs.duplicates} duplicate frame(s) dropped from replay"))
+            if fs.failure:
+                found.append(Finding("lost", fs.path, fs.end_offset, fs.failure))
             found.sort(key=lambda f: (f.offset is not None, f.offset or 0))
             out.extend(found)
+    if summary.conflict:
+        out.append(Finding("conflict", summary.path, None, summary.conflict))
     for path, why in summary.unattributed:
         out.append(Finding("damage", path, None, f"{why}; no run can be told for it, so it is in none"))
     if summary.missing_ranks:

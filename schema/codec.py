@@ -3,7 +3,9 @@
 Wire form of an event: ``[tag, seq, rank, step, wall, *fields]``, fields in declaration order.
 
 Decoding is defensive, because logs are untrusted input: payloads are size-capped, every field's type
-is checked against its declaration, an unknown tag becomes :class:`UnknownEvent` (skipped by
+is checked against its declaration, the values one record may hold are capped per record type (a
+valid-CRC frame of 64 MiB of one-byte integers would otherwise become a gigabyte of Python objects:
+see :data:`MAX_VALUES`), an unknown tag becomes :class:`UnknownEvent` (skipped by
 consumers), and a known tag that does not decode raises :class:`CorruptRecordError`. Records written
 by older format versions go through :data:`UPGRADES` before they are built.
 """
@@ -71,6 +73,70 @@ def _depth_ok(value: tuple | dict, depth: int = 0) -> bool:
     return all(_depth_ok(v, depth + 1) for v in items if type(v) is tuple or type(v) is dict)
 
 
+# Values (msgpack objects: array elements, map keys and values) one record may hold, by tag: what
+# bounds a reader's memory to a small multiple of the frame cap on any input. Statistics and hook
+# firings travel as bytes, so their records hold a few dozen values; name tables and module trees
+# one per name (a model of a million modules is far beyond any trained today).
+MAX_VALUES_DEFAULT = 1 << 20
+MAX_VALUES: dict[str, int] = {
+    tag: 4096 for tag in ("ts", "hf", "sb", "se", "fc", "rd", "hx", "wf", "mx")  # (no list of ranks or names)
+}
+# Lengths of one string, array or map (msgpack's own limits, checked before anything is built).
+MAX_STR = 1 << 20
+MAX_CONTAINER = 1 << 20
+
+
+class _TooManyValues(Exception):
+    pass
+
+
+def _peek_tag(payload) -> str:
+    """The tag of a wire list (``[tag, ...]``: an array header, then a short string), or ""."""
+    b = bytes(payload[:16])
+    if not b:
+        return ""
+    h = b[0]
+    i = 1 if 0x90 <= h <= 0x9F else 3 if h == 0xDC else 5 if h == 0xDD else -1
+    if i < 0 or i >= len(b) or not 0xA0 <= b[i] <= 0xBF:
+        return ""
+    n = b[i] - 0xA0
+    try:
+        return b[i + 1 : i + 1 + n].decode("ascii")
+    except UnicodeDecodeError:
+        return ""
+
+
+def _unpack(payload, budget: int):
+    """msgpack.unpackb with every limit set; raises _TooManyValues past ``budget`` values."""
+    left = [budget]
+
+    def counted_list(items):
+        left[0] -= len(items)
+        if left[0] < 0:
+            raise _TooManyValues
+        return items
+
+    def counted_map(items):
+        left[0] -= 2 * len(items)
+        if left[0] < 0:
+            raise _TooManyValues
+        return items
+
+    return msgpack.unpackb(
+        payload,
+        raw=False,
+        use_list=False,
+        strict_map_key=False,
+        list_hook=counted_list,
+        object_hook=counted_map,
+        max_bin_len=MAX_FRAME,
+        max_str_len=MAX_STR,
+        max_array_len=min(MAX_CONTAINER, budget),
+        max_map_len=min(MAX_CONTAINER, budget),
+        max_ext_len=1024,
+    )
+
+
 # (format_version, tag) -> function rewriting an old wire list into the current one.
 UPGRADES: dict[tuple[int, str], Callable[[list], list]] = {}
 
@@ -95,17 +161,17 @@ def encode(event: Event, seq: int | None = None) -> bytes:
 
 def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
     """Decode one payload. Raises CorruptRecordError (without path/offset; the reader adds them)."""
+    peeked = _peek_tag(payload)
+    budget = MAX_VALUES.get(peeked, MAX_VALUES_DEFAULT)
     try:
-        wire = msgpack.unpackb(
-            payload,
-            raw=False,
-            use_list=False,
-            strict_map_key=False,
-            max_bin_len=MAX_FRAME,
-            max_str_len=MAX_FRAME,
-            max_array_len=MAX_FRAME,
-            max_map_len=MAX_FRAME,
-        )
+        wire = _unpack(payload, budget)
+    except _TooManyValues:
+        raise CorruptRecordError(f"record {peeked!r} holds more than {budget} values (the most one of its type may)") from None
+    except ValueError as exc:
+        if "exceeds max_" not in str(exc):
+            raise CorruptRecordError(f"payload is not msgpack (ValueError: {exc!r})") from None
+        # (msgpack's length limit, found at the length before anything is built)
+        raise CorruptRecordError(f"record {peeked or '?'!r}: a length beyond what it may hold ({exc})") from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CorruptRecordError(f"payload is not msgpack ({exc.__class__.__name__}: {exc!r})") from None
     if not isinstance(wire, tuple) or len(wire) < 1 + _N_ENV or not isinstance(wire[0], str):

@@ -126,6 +126,12 @@ class FileOpened(Event):
     dir_name: str = ""
     pp_stage: int = 0
     group_mates: tuple = ()
+    # The writer's identity (appended later; "" and 0 in an older writer's file): a random nonce no
+    # other writer shares, and the process's start time (clock ticks since boot) and boot id, which
+    # tell the writer from a later process that got its pid (see trainrec.schema.procid).
+    writer_id: str = ""
+    proc_start: int = 0
+    boot_id: str = ""
 
     def check(self) -> str | None:
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
@@ -184,6 +190,20 @@ class NamesInterned(Event):
             if type(n) is not str:
                 return f"a name is {type(n).__name__} {n!r}, not a string"
         return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NamesRepeated(Event):
+    """A copy of an earlier NamesInterned of the same file (same ``first_id`` and ``names``), in a frame
+    of its own: where the original's frame was damaged, its names are still known. A reader takes from
+    it only ids it has not been given yet."""
+
+    TAG: ClassVar[str] = "nr"
+    first_id: int = 0
+    names: tuple = ()
+
+    def check(self) -> str | None:
+        return NamesInterned.check(self)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -456,6 +476,23 @@ class RecordsDropped(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WriterFailed(Event):
+    """The writer could not write to this file (disk full, file too large, removed): everything handed
+    over from the frame with sequence number ``first_lost_seq`` on was never written, ``discarded``
+    records (and deferred batches) in all, up to step ``last_step``. Written when the disk allows, at
+    the failure or at close; its own ``seq`` is the one it would have had, had nothing been lost."""
+
+    TAG: ClassVar[str] = "wf"
+    error: str = ""
+    first_lost_seq: int = 0
+    discarded: int = 0
+    last_step: int = -1
+
+    def check(self) -> str | None:
+        return _check_counts(self, "first_lost_seq", "discarded")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HookFailed(Event):
     """An exception inside a monitoring hook, caught so that training goes on."""
 
@@ -608,6 +645,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     CollectiveCompleted,
     StallDetected,
     ExceptionRaised,
+    NamesRepeated,
+    WriterFailed,
 )
 
 TAGS: dict[str, type[Event]] = {cls.TAG: cls for cls in EVENT_TYPES}

@@ -30,6 +30,9 @@ FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 FILE_HEADER = struct.Struct("<8sII")
 FILE_HEADER_SIZE = FILE_HEADER.size  # 16
+# Bits of the file header's flags field that this format defines (none yet): any other bit set is
+# damage, reported by the reader, which reads on.
+KNOWN_FLAGS = 0
 
 FRAME_MAGIC = 0x7A4C_52D7
 FRAME_MAGIC_BYTES = struct.pack("<I", FRAME_MAGIC)

@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         out.write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     out.write(render(summary))
+    if summary.conflict:
+        out.write(f"WRITERS KEPT APART: {summary.conflict}\n")
     others = _other_launches(args.run, summary.run_id)
     if others:
         out.write("other launches here (choose one with --run-id PREFIX):\n"

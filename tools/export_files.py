@@ -32,7 +32,7 @@ from trainrec.analyzers.export_tb import TbProjector
 from trainrec.analyzers.projection import StepSet
 from trainrec.analyzers.tb_encode import FILE_VERSION, event_bytes
 from trainrec.replay.discover import RunInfo
-from trainrec.replay.follow import pid_alive
+from trainrec.replay.follow import writer_running
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run
 from trainrec.schema import layout
@@ -362,9 +362,10 @@ class TaskResult:
     cpu_seconds: float = 0.0
 
 
-def _pid_alive(host: str, pid: int) -> bool:
-    """Whether the process that wrote a log is still running (only knowable on its own host)."""
-    return bool(pid) and host == socket.gethostname() and pid_alive(pid)
+def _writer_alive(header) -> bool:
+    """Whether the process that wrote a log is still running (only knowable on its own host; its start
+    time tells it from a later process that got its pid)."""
+    return bool(header.pid) and header.host == socket.gethostname() and writer_running(header)
 
 
 class RankStream:
@@ -431,7 +432,7 @@ class RankStream:
             )
         if not clean:
             h = reader.header
-            if h is not None and _pid_alive(h.host, h.pid):
+            if h is not None and _writer_alive(h):
                 result.still_running = True
                 result.messages.append(f"{reader.path} is still being written (pid {h.pid}); exported what is complete")
             else:

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from trainrec.analyzers.export_csv import CsvProjector
 from trainrec.analyzers.export_tb import TbProjector
 from trainrec.analyzers.projection import StepAssembler
-from trainrec.replay.follow import RunFollower
+from trainrec.replay.follow import RunFollower, pid_alive
 from trainrec.schema import layout
 
-from .export_files import CsvDirSink, TbEventFile, pid_alive, tb_file_name
+from .export_files import CsvDirSink, TbEventFile, tb_file_name
 
 log = logging.getLogger(__name__)
 

@@ -55,13 +55,16 @@ def open_run_from_args(args: argparse.Namespace, notes: bool = True) -> Run:
 
 
 def note_incomplete(run: Run, command: str) -> None:
-    """One line on stderr per rank of the world size with no log in the output directory, and per log
-    there that belongs to no run (its header unreadable): a ranking or export of the ranks that are
-    there says nothing of those that are not (inspect and check list them themselves)."""
+    """One line on stderr per rank of the world size with no log in the output directory, per log there
+    that belongs to no run (its header unreadable), and where the run id is shared with another launch
+    (kept apart): a ranking or export of the ranks that are there says nothing of those that are not
+    (inspect and check list them themselves)."""
     if run.missing_ranks:
         ranks = ", ".join(map(str, run.missing_ranks))
         print(f"trainrec {command}: note: rank(s) {ranks} of world size {run.world_size} have no log here; "
               "what follows is of the others", file=sys.stderr)
+    if run.info.conflict:
+        print(f"trainrec {command}: note: {run.info.conflict}; this is {run.run_id} (trainrec check)", file=sys.stderr)
     for lf in run.unattributed:
         print(f"trainrec {command}: note: {lf.path} is in no run (its header cannot be read; trainrec check)",
               file=sys.stderr)

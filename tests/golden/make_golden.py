@@ -59,6 +59,7 @@ from trainrec.schema.events import (
     ModuleStructureRecorded,
     MonitoringStopped,
     NamesInterned,
+    NamesRepeated,
     RecordsDropped,
     RunResumed,
     StallDetected,
@@ -66,6 +67,7 @@ from trainrec.schema.events import (
     StepEnded,
     TensorStatsRecorded,
     UnknownEvent,
+    WriterFailed,
     pack_array,
 )
 
@@ -394,6 +396,32 @@ def flipped_header_bit() -> Built:
     return g.b
 
 
+def reliability() -> Built:
+    """A writer of this version: its identity in the header, a damaged name table restored from its copy, a
+    duplicated block of frames dropped, and the writer's own note of a failure to write before its close."""
+    g = Builder()
+    g.add(dataclasses.replace(header_event(), writer_id="0123456789abcdef0123456789abcdef", proc_start=123456,
+                              boot_id="6b0c5e4e-0d1f-4a3b-9c2d-1e2f3a4b5c6d"))
+    names = ("model.layer1", "model.layer2", "model.head")
+    g.add(NamesInterned(**env(1, 0), first_id=0, names=names))
+    g.add(NamesRepeated(**env(2, 0), first_id=0, names=names))
+    g.add(stats_actv(3, 0))
+    g.add(StepEnded(**env(4, 0, 1.0), duration=0.5, collected=True))
+    dup_start = len(g.b.data)
+    dup = g.b.data[g.b.frames[3][0] :]  # the last two frames again (a copy tool that retried a block)
+    g.b.data += dup
+    g.add(WriterFailed(**env(5, 0, 2.0), error="OSError(28, 'No space left on device')", first_lost_seq=5,
+                       discarded=12, last_step=3))
+    g.add(FileClosed(**env(6, 0, 3.0), records=6, reason="close; the writer failed before"))
+    start, length = g.b.frames[1]
+    _flip(g, 1, framing.FRAME_HEADER_SIZE + 6, 2)  # inside a name: the table's frame is lost, not its copy
+    lost = g.b.events.pop(1)
+    g.b.events.insert(1, dataclasses.replace(lost, seq=2))  # restored from the copy, under the copy's number
+    g.b.problems += [{"offset": start, "skipped": length}, {"offset": dup_start, "skipped": len(dup)}]
+    g.b.gaps.append({"offset": start + length, "expected": 1, "got": 2})
+    return g.b
+
+
 def header_only() -> Built:
     """A file whose writer died right after creating it: the file header, no record."""
     return Builder().b
@@ -463,6 +491,7 @@ SCENARIOS: dict[str, Callable[[], Built]] = {
     "logwriter": logwriter,
     "placeholders": placeholders,
     "flight": flight,
+    "reliability": reliability,
 }
 
 

@@ -40,12 +40,14 @@ from trainrec.schema.events import (
     ModuleStructureRecorded,
     MonitoringStopped,
     NamesInterned,
+    NamesRepeated,
     RecordsDropped,
     RunResumed,
     StallDetected,
     StepBegan,
     StepEnded,
     TensorStatsRecorded,
+    WriterFailed,
     pack_array,
 )
 
@@ -78,6 +80,7 @@ def every_event(rank: int = 0) -> list[Event]:
     env = {"rank": rank, "step": 3, "wall": 1234.5}
     return [
         NamesInterned(first_id=0, names=("layer.0", "layer.1"), **env),
+        NamesRepeated(first_id=0, names=("layer.0", "layer.1"), **env),
         ModuleStructureRecorded(
             vpp_stage=1,
             names=("", "layer"),
@@ -123,6 +126,7 @@ def every_event(rank: int = 0) -> list[Event]:
                       hook_module="m", hook_direction=1, hook_micro_step=2, hook_call_id=3, collective_op="barrier",
                       collective_group_ranks=(0, 1), collective_seq=7, collective_elapsed=8.5, **env),
         ExceptionRaised(error="KeyError: 'x'", modules=("m",), traceback="Traceback...", **env),
+        WriterFailed(error="OSError(28, 'No space left on device')", first_lost_seq=3, discarded=7, last_step=2, **env),
         FileOpened(run_id="r", world_size=2, host="h", pid=9, start_time=1.5, trainrec_version="9",
                    torch_version="8", format_version=1, file_index=3, dir_name="d", pp_stage=1,
                    group_mates=(0, 1), **env),

@@ -30,7 +30,7 @@ F = 5  # index of the first field in a wire list
 def good_log(out: str, rank: int = 0, steps: int = 3, config: dict | None = None) -> str:
     """An output directory holding one closed log of ``steps`` steps; returns the log's path."""
     w = LogWriter(os.path.join(out, f"{STAMP}-rank{rank}-0000beef"), rank=rank, world_size=1, run_id="hostile",
-                  flush_interval=0.01)
+                  flush_interval=0.01, repeat_names=False)  # (one name table: a damaged one is not restored)
     ids = w.intern(NAMES)
     w.write(ConfigApplied(rank=rank, step=0, config=config or {"ops": list(OPS)}, start_step=0))
     for s in range(steps):

@@ -12,6 +12,7 @@ from trainrec.schema.events import (
     OPS,
     Event,
     NamesInterned,
+    NamesRepeated,
     RunResumed,
     StepBegan,
     StepEnded,
@@ -59,10 +60,13 @@ def write_rank(
     names: list[str] | None = None,
     resume_step: int | None = None,
     close: bool = True,
+    repeat_names: bool = True,
 ) -> tuple[str, list[Event]]:
-    """Write one log file; returns its path and the events handed over (before FileClosed)."""
+    """Write one log file; returns its path and the events written (before FileClosed); ``repeat_names``:
+    the writer's copy of each name table (NamesRepeated), as it makes by default."""
     names = names or [f"layer{i}.weight" for i in range(4)]
-    w = LogWriter(rdir, rank=rank, world_size=world_size, run_id=run_id, flush_interval=0.05)
+    w = LogWriter(rdir, rank=rank, world_size=world_size, run_id=run_id, flush_interval=0.05,
+                  repeat_names=repeat_names)
     written: list[Event] = [w.header]
     if resume_step is not None:
         ev = RunResumed(rank=rank, step=resume_step, wall=2.0, last_step=resume_step - 1, reason="test")
@@ -70,6 +74,8 @@ def write_rank(
         written.append(ev)
     ids = w.intern(names, step=-1)
     written.append(NamesInterned(rank=rank, step=-1, first_id=0, names=tuple(names)))
+    if repeat_names:
+        written.append(NamesRepeated(rank=rank, step=-1, first_id=0, names=tuple(names)))
     for s in steps:
         for ev in (
             StepBegan(rank=rank, step=s, wall=1.0 + s),

@@ -226,3 +226,21 @@ def test_read_time_upgrade_of_an_older_format_version(monkeypatch):
     old = msgpack.packb(["se", 1, 0, 5, 0.0, 1500])
     assert decode(old, version=0).duration == 1.5
     assert decode(old, version=1).duration == 1500.0  # current version: no upgrade
+
+
+def test_values_per_record_are_capped_by_type():
+    """A record may hold only so many values for its type (issue 35: a valid-CRC frame built to expand
+    into gigabytes of objects); real records of every size in use stay within."""
+    import msgpack
+    from trainrec.schema.events import AnomalyDetected, NamesInterned
+
+    mates = tuple(range(10_000))  # a 10k-rank job's group
+    assert decode(encode(AnomalyDetected(group_mates=mates))).group_mates == mates
+    names = tuple(f"layer{i}" for i in range(300_000))
+    assert decode(encode(NamesInterned(names=names))).names == names
+    too_many_ops = msgpack.packb(["ts", 1, 0, 0, 0.0, "actv", [f"op{i}" for i in range(5000)]])
+    with pytest.raises(CorruptRecordError, match=r"'ts': a length beyond what it may hold \(5000 exceeds .*4096"):
+        decode(too_many_ops)
+    nested = msgpack.packb(["nm", 1, 0, 0, 0.0, 0, [[0] * 600_000, [0] * 600_000]])
+    with pytest.raises(CorruptRecordError, match="'nm' holds more than"):
+        decode(nested)

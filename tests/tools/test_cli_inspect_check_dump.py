@@ -422,7 +422,10 @@ def test_check_says_of_an_unclosed_log_whether_its_writer_still_runs(tmp_path, c
     live = str(tmp_path / "live")
     _unclosed_in_step_1(live)
     assert main(["check", live]) == 0
-    assert f"not closed cleanly (still being written, pid {os.getpid()}); no bytes lost" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # (the file ends on a frame boundary, but what the writer still holds is not known: no "no bytes lost")
+    assert f"not closed cleanly (still being written, pid {os.getpid()}); the file ends on a frame boundary" in out
+    assert "no bytes lost" not in out
 
 
 def test_inspect_names_the_other_launches_of_the_output_directory(tmp_path, capsys):
