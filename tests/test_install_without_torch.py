@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "v1")
-SUBPACKAGES = ("schema", "recorder", "replay", "analyzers", "tools", "integrations")
+with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as _f:  # the folders package-dir maps
+    SUBPACKAGES = tuple(re.findall(r'^"trainrec\.\w+" = "(\w+)"$', _f.read(), flags=re.M))
 DEV_TRAINREC = os.path.join(os.path.dirname(sys.executable), "trainrec")  # the dev install's command
 
 
@@ -29,6 +31,7 @@ DEV_TRAINREC = os.path.join(os.path.dirname(sys.executable), "trainrec")  # the 
 def bare_venv(tmp_path_factory):
     """A venv with trainrec installed from a copy of the source tree (so no build files land in the
     checkout), and no torch."""
+    assert "recorder" in SUBPACKAGES and "tools" in SUBPACKAGES, SUBPACKAGES
     base = tmp_path_factory.mktemp("no_torch")
     src = base / "src"
     src.mkdir()
