@@ -17,10 +17,22 @@ $(VENV)/.installed: pyproject.toml recorder/_fused.c
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+TRAINREC := $(VENV)/bin/trainrec
+
+DEMO_THRESHOLD ?= 1
+
 demo: setup
 	rm -rf $(DEMO_DIR)
 	MONITOR_OUTPUT_DIR=$(DEMO_DIR) $(PY) examples/plain_loop.py --steps 30
-	$(VENV)/bin/trainrec inspect $(DEMO_DIR)
+	$(TRAINREC) inspect $(DEMO_DIR)
+	@echo
+	@echo "The run is in $(DEMO_DIR)/ (its log and the reference's CSV files). Next, replay it:"
+	@echo "  $(TRAINREC) check $(DEMO_DIR)                     # every frame verified"
+	@echo "  $(TRAINREC) dump $(DEMO_DIR) --type se | head -3  # events as JSON lines"
+	@echo "  $(TRAINREC) anomalies $(DEMO_DIR) --rule AnomalyTurbulence --threshold $(DEMO_THRESHOLD)   # re-detect"
+	@echo "  $(TRAINREC) export tb $(DEMO_DIR) -o tb_out       # TensorBoard files"
+	@echo "  $(TRAINREC) report $(DEMO_DIR) -o report.html     # one HTML page of the run"
+	@echo "More: README.md (CLI at a glance) and docs/."
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

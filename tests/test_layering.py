@@ -4,20 +4,23 @@
 
     schema  <-  recorder                     (recorder: the only subpackage that imports torch)
     schema  <-  replay  <-  analyzers
-    tools on top of everything
+    tools on top of schema, replay, analyzers
     integrations on top of recorder          (trainer callbacks: may import torch, recorder, schema)
+    recorder  ->  tools.live_export          (a runtime edge: a process started by module name)
 
 Rules, per module of each subpackage (relative imports resolved):
 
 * ``schema`` imports nothing of trainrec; ``recorder`` and ``replay`` only ``schema``; ``analyzers``
-  only ``schema`` and ``replay``; ``tools`` anything; ``integrations`` ``schema`` and ``recorder``.
-* ``torch`` is imported only in ``recorder`` (and ``integrations``, which stands on it).
+  only ``schema`` and ``replay``; ``tools`` ``schema``, ``replay`` and ``analyzers``; ``integrations``
+  ``schema`` and ``recorder``.
+* ``torch`` is imported only in ``recorder`` (and ``integrations``, which stands on it): the CLI and the
+  replay side run where torch is not installed (torch is no dependency of the package).
+* Runtime edges: the recorder starts ``python -m trainrec.tools.live_export`` for csv/tensorboard
+  configs. Every ``-m trainrec...`` a subpackage starts must be declared in ``RUNTIME_EDGES``, and the
+  subpackage graph, imports and runtime edges together, has no cycle: that is why ``tools`` may not
+  import ``recorder`` (lazily or not), and the live export never loads torch.
 * Importing trainrec, any of its subpackages or the CLI never imports a trainer library
   (transformers, lightning, accelerate): an integration is loaded only when its module is imported.
-* ``tools`` may import ``recorder`` or ``torch`` only *inside functions* (lazily), never at module
-  level: the CLI imports every ``tools/cmd_*.py`` at start-up to discover subcommands, so a
-  module-level import would cost every command seconds of torch start-up and break replaying logs
-  where torch is not installed.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ ALLOWED = {
     "recorder": {"schema"},
     "replay": {"schema"},
     "analyzers": {"schema", "replay"},
-    "tools": {"schema", "replay", "analyzers", "recorder"},
+    "tools": {"schema", "replay", "analyzers"},
     "integrations": {"schema", "recorder"},
 }
-LAZY_ONLY = {"tools": {"recorder", "torch"}}  # allowed, but only inside a function
-TORCH_OK = {"recorder", "tools", "integrations"}
+TORCH_OK = {"recorder", "integrations"}
+# (module that starts it, module started with `python -m`): a dependency without an import statement
+RUNTIME_EDGES = {("trainrec.recorder.runinfo", "trainrec.tools.live_export")}
 
 
 @dataclass(frozen=True)
@@ -90,26 +94,58 @@ def violations(package: str, edges: list[Edge]) -> list[str]:
     bad = []
     for e in edges:
         top = e.target.split(".")
-        if top[0] == "torch":
-            layer = "torch"
-            if package not in TORCH_OK:
-                bad.append(f"{e.module}:{e.line} imports torch (only recorder may)")
-                continue
-        elif top[0] == "trainrec" and len(top) > 1:
-            layer = top[1]
-            if layer != package and layer not in ALLOWED[package]:
-                bad.append(f"{e.module}:{e.line} imports {e.target} ({package} may import {sorted(ALLOWED[package])})")
-                continue
-        else:
-            continue
-        if layer in LAZY_ONLY.get(package, ()) and not e.lazy:
-            bad.append(f"{e.module}:{e.line} imports {e.target} at module level (only inside functions)")
+        where = " (inside a function)" if e.lazy else ""
+        if top[0] == "torch" and package not in TORCH_OK:
+            bad.append(f"{e.module}:{e.line} imports torch{where} (only recorder may)")
+        elif top[0] == "trainrec" and len(top) > 1 and top[1] != package and top[1] not in ALLOWED[package]:
+            bad.append(f"{e.module}:{e.line} imports {e.target}{where} "
+                       f"({package} may import {sorted(ALLOWED[package])})")
     return bad
 
 
-def _scan(package: str) -> list[Edge]:
+def runtime_edges_of(source: str, module: str) -> set[tuple[str, str]]:
+    """``(module, started)`` for every ``"-m", "trainrec..."`` pair in a list or tuple of ``source``:
+    a process started by module name (``[sys.executable, "-m", "trainrec.tools.live_export", ...]``)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = [n.value if isinstance(n, ast.Constant) else None for n in node.elts]
+            for flag, target in zip(items, items[1:], strict=False):
+                if flag == "-m" and isinstance(target, str) and target.startswith("trainrec."):
+                    found.add((module, target))
+    return found
+
+
+def subpackage_cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """Cycles of the graph whose nodes are subpackages (``trainrec.X``) of the module-level ``edges``
+    (imports and runtime edges alike); each cycle once, as the path that closes it."""
+    graph: dict[str, set[str]] = {}
+    for source, target in edges:
+        a, b = source.split(".")[:2], target.split(".")[:2]
+        if a[0] == b[0] == "trainrec" and len(a) == len(b) == 2 and a[1] != b[1]:
+            graph.setdefault(a[1], set()).add(b[1])
+    cycles: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                ring = path[path.index(nxt):]
+                first = ring.index(min(ring))  # each cycle told from its least subpackage, whatever the start
+                if frozenset(ring) not in seen:
+                    seen.add(frozenset(ring))
+                    cycles.append(ring[first:] + ring[:first] + [ring[first]])
+            else:
+                walk(nxt, path + [nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return cycles
+
+
+def _sources(package: str):
+    """``(module name, source)`` of every module of a subpackage."""
     folder = os.path.join(ROOT, package)
-    edges: list[Edge] = []
     for dirpath, _dirs, files in os.walk(folder):
         for name in sorted(files):
             if not name.endswith(".py"):
@@ -118,8 +154,13 @@ def _scan(package: str) -> list[Edge]:
             sub = os.path.dirname(rel).replace(os.sep, ".")
             pkg = f"{package}.{sub}" if sub else package
             with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                source = f.read()
-            edges.extend(imports_of(source, _module_name(pkg, name), name == "__init__.py"))
+                yield _module_name(pkg, name), name == "__init__.py", f.read()
+
+
+def _scan(package: str) -> list[Edge]:
+    edges: list[Edge] = []
+    for module, is_package, source in _sources(package):
+        edges.extend(imports_of(source, module, is_package))
     return edges
 
 
@@ -143,11 +184,42 @@ def test_the_checker_catches_wrong_way_edges():
     bad = violations("schema", imports_of(src, "trainrec.schema.x", False))
     assert len(bad) == 4 and "torch" in bad[0] and "imports trainrec.replay " in bad[1]
     assert "trainrec.analyzers" in bad[2] and "trainrec.tools.cli" in bad[3]
-    tools_src = "import torch\nfrom trainrec.recorder import writer\ndef f():\n    import torch\n"
+    tools_src = "import torch\nfrom trainrec.recorder import writer\ndef f():\n    import trainrec.recorder\n"
     bad = violations("tools", imports_of(tools_src, "trainrec.tools.x", False))
-    assert [b.split(":")[1].split()[0] for b in bad] == ["1", "2"]
+    assert [b.split(":")[1].split()[0] for b in bad] == ["1", "2", "4"] and "inside a function" in bad[2]
     ok = "from .reader import LogReader\nfrom trainrec.schema import codec\n"
     assert violations("replay", imports_of(ok, "trainrec.replay", True)) == []
+
+
+def test_runtime_edges_are_declared_and_started_modules_exist():
+    """Every ``python -m trainrec...`` a subpackage starts is in RUNTIME_EDGES, and nothing else is."""
+    found = set()
+    for package in PACKAGES:
+        for module, _is_package, source in _sources(package):
+            found |= runtime_edges_of(source, module)
+    assert found == RUNTIME_EDGES
+    for _source, started in RUNTIME_EDGES:
+        assert os.path.isfile(os.path.join(ROOT, *started.split(".")[1:]) + ".py"), started
+
+
+def test_no_cycle_between_subpackages_counting_runtime_edges():
+    edges = {(e.module, e.target) for package in PACKAGES for e in _scan(package)}
+    assert subpackage_cycles(edges | RUNTIME_EDGES) == []
+    allowed = {(f"trainrec.{a}", f"trainrec.{b}") for a, targets in ALLOWED.items() for b in targets}
+    assert subpackage_cycles(allowed | RUNTIME_EDGES) == []  # the rules themselves leave no way to make one
+
+
+def test_the_cycle_and_runtime_edge_finders_catch_what_they_look_for():
+    src = 'import subprocess, sys\nsubprocess.Popen([sys.executable, "-u", "-m", "trainrec.tools.live_export"])\n' \
+          'cmd = ("python", "-m", "json.tool")\n'
+    assert runtime_edges_of(src, "trainrec.recorder.x") == {("trainrec.recorder.x", "trainrec.tools.live_export")}
+    edges = {("trainrec.tools.cli", "trainrec.replay.run"), ("trainrec.replay.run", "trainrec.schema.codec"),
+             ("trainrec.recorder.x", "trainrec.tools.live_export"), ("trainrec.recorder.x", "trainrec.recorder.y")}
+    assert subpackage_cycles(edges) == []
+    assert subpackage_cycles(edges | {("trainrec.tools.cmd_x", "trainrec.recorder.config")}) == [
+        ["recorder", "tools", "recorder"]]
+    three = edges | {("trainrec.schema.codec", "trainrec.tools.cli")}
+    assert subpackage_cycles(three) == [["replay", "schema", "tools", "replay"]]
 
 
 def test_replaying_never_loads_torch_at_run_time():
@@ -155,6 +227,7 @@ def test_replaying_never_loads_torch_at_run_time():
     code = (
         "import sys\n"
         "import trainrec.schema, trainrec.replay, trainrec.analyzers, trainrec.tools\n"
+        "import trainrec.tools.live_export  # what the recorder starts: it must not load torch again\n"
         "from trainrec.tools import cli\n"
         "cli.build_parser()\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'trainrec.recorder'))))\n"

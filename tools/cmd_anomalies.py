@@ -6,7 +6,7 @@ rerunning training::
 
     trainrec anomalies RUN                                   # recorded anomalies, first 8
     trainrec anomalies RUN -k 20 -s 15-25 -o first.json      # steps 15..25, JSON records to a file
-    trainrec anomalies RUN --rule AnomalyTurbulence --threshold 0.3
+    trainrec anomalies RUN --rule AnomalyTurbulence --threshold 1
     trainrec anomalies RUN --rule NaNInf --rule ZScore --threshold 5 --kinds actv,actv_grad
 
 Order: step; micro step; forward pass (pipeline stages ascending) before backward (descending), by
@@ -243,7 +243,7 @@ def run(args) -> int:
     if not ranked:
         span = "no steps" if scan.first_step is None else f"steps {scan.first_step}..{scan.last_step}"
         sel = f" at steps {args.steps.text()}" if args.steps is not None else ""
-        hint = "" if rules else "; re-detect from the statistics with e.g. --rule AnomalyTurbulence --threshold 0.5"
+        hint = "" if rules else "; re-detect from the statistics with e.g. --rule AnomalyTurbulence --threshold 1"
         more = f" ({len(anomalies)} at other steps)" if anomalies and args.steps is not None else ""
         print(f"no anomalies {what}{sel} in {where} ({span}, {_ranks_text(scan.ranks)}, "
               f"{scan.stats_records} stats records){more}{hint}", file=sys.stderr)
