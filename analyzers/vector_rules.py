@@ -14,10 +14,8 @@ record): like the Detector's skipped rows, they are neither judged nor enter the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
-from trainrec.schema.rules import OP_FLOORS, AnomalyTurbulence, NaNInf, Rule, ZScore
+from trainrec.schema.rules import AnomalyTurbulence, NaNInf, Rule, ZScore, median_sorted, op_floors
 
 from .series_block import SeriesBlock, rolling
 
@@ -27,24 +25,6 @@ NANS_OP = "nans"
 _VALUE_OPS = ("min", "max", "mean")
 # Observations per chunk of the exact (sorting) step and of ZScore's windows: bounds their temporaries.
 _CHUNK = 1 << 16
-
-
-def _op_floors(ops: Sequence[str], floor: float) -> np.ndarray:
-    return np.array([max(floor, OP_FLOORS.get(op, 0.0)) for op in ops])
-
-
-def _median_sorted(s: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """As :func:`trainrec.schema.rules._median_sorted`: the median of sorted, NaN-padded windows."""
-    w = s.shape[-1]
-    if n.size and int(n.min()) == w:
-        return (s[..., (w - 1) // 2] + s[..., w // 2]) * 0.5
-    lo = np.maximum(n - 1, 0) // 2
-    hi = np.minimum(n // 2, w - 1)
-    a = np.take_along_axis(s, lo[..., None], axis=-1)[..., 0]
-    b = np.take_along_axis(s, hi[..., None], axis=-1)[..., 0]
-    med = (a + b) * 0.5
-    med[n == 0] = np.nan
-    return med
 
 
 def _nan_flags(block: SeriesBlock, ops: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +63,7 @@ def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarr
     hmin = _rolling_dense(x, w, np.minimum, np.minimum.accumulate)[first:]
     hmax = _rolling_dense(x, w, np.maximum, np.maximum.accumulate)[first:]
     xs = x[first:]
-    floors = _op_floors(ops, rule.floor).astype(np.float32)
+    floors = op_floors(ops, rule.floor).astype(np.float32)
     low = np.maximum(np.maximum(hmin, -hmax), np.float32(0))
     bound_scale = np.maximum(low, floors)
     if rule.range_floor and "min" in ops and "max" in ops:
@@ -110,7 +90,7 @@ def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray
     n = block.count(w)
     last, _ = block.last()
     hmin, hmax = block.extremes(w)
-    floors = _op_floors(ops, rule.floor)
+    floors = op_floors(ops, rule.floor)
     t = rule.threshold
     jmin = ops.index("min") if rule.range_floor and "min" in ops and "max" in ops else -1
     jmax = ops.index("max") if jmin >= 0 else -1
@@ -137,10 +117,10 @@ def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray
             nr = n[tr, sr]
             xr = x[tr, sr]
             h.sort(axis=-1)
-            med = _median_sorted(h, nr)
+            med = median_sorted(h, nr)
             dev_hist = np.abs(h - med[..., None])
             dev_hist.sort(axis=-1)
-            spread = _median_sorted(dev_hist, nr)
+            spread = median_sorted(dev_hist, nr)
             scale = np.maximum(np.maximum(np.abs(med), rule.noise * spread), floors)
             if jmin >= 0:
                 absmax = np.maximum(np.abs(med[:, jmin]), np.abs(med[:, jmax]))
@@ -157,7 +137,7 @@ def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray
         if len(ti):
             h = block.windows(w, ti, si)
             h.sort(axis=-1)
-            base[ti, si] = _median_sorted(h, n[ti, si])
+            base[ti, si] = median_sorted(h, n[ti, si])
             if NANS_OP in ops:
                 j = ops.index(NANS_OP)
                 base[ti, si, j] = np.where(n[ti, si, j] > 0, nan_last[ti, si, j], np.nan)
@@ -173,7 +153,7 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
     w = rule.window
     flags = np.zeros(x.shape, dtype=bool)
     base = np.empty(x.shape)
-    floors = _op_floors(ops, rule.floor)
+    floors = op_floors(ops, rule.floor)
     t = rule.threshold
     jmin = ops.index("min") if rule.range_floor and "min" in ops and "max" in ops else -1
     jmax = ops.index("max") if jmin >= 0 else -1
@@ -200,10 +180,10 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
             if NANS_OP in ops:
                 cand[:, ops.index(NANS_OP)] = False
             h.sort(axis=-1)
-            med = _median_sorted(h, nr)
+            med = median_sorted(h, nr)
             dev_hist = np.abs(h - med[..., None])
             dev_hist.sort(axis=-1)
-            spread = _median_sorted(dev_hist, nr)
+            spread = median_sorted(dev_hist, nr)
             scale = np.maximum(np.maximum(np.abs(med), rule.noise * spread), floors)
             if jmin >= 0:
                 absmax = np.maximum(np.abs(med[:, jmin]), np.abs(med[:, jmax]))
@@ -225,7 +205,7 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
         if len(tj):
             h = block.windows(w, tj, sj)
             h.sort(axis=-1)
-            base[tj, sj] = _median_sorted(h, block.count(w)[tj, sj])
+            base[tj, sj] = median_sorted(h, block.count(w)[tj, sj])
             base[tj, sj, j] = np.where(tj > 0, x[np.maximum(tj - 1, 0), sj, j], np.nan)
             flags[:, :, j] |= rise
     return flags, base
@@ -251,7 +231,7 @@ def _zscore(rule: ZScore, block: SeriesBlock, single: np.ndarray) -> tuple[np.nd
     x = block.x
     w = rule.window
     n = block.count(w)
-    floors = _op_floors(block.ops, rule.floor)
+    floors = op_floors(block.ops, rule.floor)
     flags = np.zeros(x.shape, dtype=bool)
     mean_all = np.full(x.shape, np.nan)
     ti, si = np.nonzero(block.present[:, :, 0])

@@ -82,6 +82,8 @@ __all__ = [
     "ZScore",
     "anomaly_message",
     "make_rule",
+    "median_sorted",
+    "op_floors",
     "reference_entry",
     "reference_key",
     "rule_arguments",
@@ -192,7 +194,7 @@ class _SeriesState:
         return self.ring[(slice(None), *sel)]
 
 
-def _median_sorted(s: np.ndarray, n: np.ndarray) -> np.ndarray:
+def median_sorted(s: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Median along the last axis of sorted windows holding ``n`` finite values (NaN padding last)."""
     w = s.shape[-1]
     if n.size and int(n.min()) == w:
@@ -208,10 +210,10 @@ def _median_sorted(s: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 def _window_median(values: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Median along the last axis of the first ``n`` finite values (NaN padding sorts last)."""
-    return _median_sorted(np.sort(values, axis=-1), n)
+    return median_sorted(np.sort(values, axis=-1), n)
 
 
-def _op_floors(ops: Sequence[str], floor: float) -> np.ndarray:
+def op_floors(ops: Sequence[str], floor: float) -> np.ndarray:
     return np.array([max(floor, OP_FLOORS.get(op, 0.0)) for op in ops])
 
 
@@ -317,7 +319,7 @@ class AnomalyTurbulence(Rule):
         hist = st.values(sel)  # W x rows x ops (a view in the usual case)
         n = st.count[sel]
         last = st.last[sel]
-        floors = _op_floors(ops, self.floor)
+        floors = op_floors(ops, self.floor)
         t = self.threshold
         jmin = ops.index("min") if self.range_floor and "min" in ops and "max" in ops else -1
         jmax = ops.index("max") if jmin >= 0 else -1
@@ -351,7 +353,7 @@ class AnomalyTurbulence(Rule):
                 med = _window_median(h, nr)
                 dev_hist = np.abs(h - med[..., None])
                 dev_hist.sort(axis=-1)
-                spread = _median_sorted(dev_hist, nr)
+                spread = median_sorted(dev_hist, nr)
                 scale = np.maximum(np.maximum(np.abs(med), self.noise * spread), floors)
                 if jmin >= 0:
                     absmax = np.maximum(np.abs(med[:, jmin]), np.abs(med[:, jmax]))
@@ -405,7 +407,7 @@ class ZScore(Rule):
             ok = np.isfinite(hist)
             mean = np.where(ok, hist, 0.0).sum(axis=0) / n
             var = (np.where(ok, hist - mean, 0.0) ** 2).sum(axis=0) / n
-            scale = np.maximum(np.sqrt(var), _op_floors(ops, self.floor))
+            scale = np.maximum(np.sqrt(var), op_floors(ops, self.floor))
             z = np.abs(x - mean) / scale
             flags = finite & (n >= max(self.warmup, 2)) & (z > self.threshold)
         st.update(sel, x, finite)
