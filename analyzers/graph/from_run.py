@@ -1,0 +1,165 @@
+"""A :class:`~.model.Graph` from a trainrec run: one rank's module tree and xy statistics.
+
+Nodes are named the reference's way, ``Module.{path}.{Class}.forward.{n}`` / ``.backward.{n}`` (``n``:
+the module's n-th call in the step, by micro step and call id) and ``Module.{path}.{Class}.parameters_grad``.
+A forward call's parent is the call of the parent module that completed next (forward call ids are
+given at completion); a backward call's parent is the parent module's latest backward call begun
+before it. Parameters (``param``) are ports of the module's first forward call; reduced gradients
+(``grad_reduced``, else ``grad_unreduced``) are ports of its ``parameters_grad`` node, under its last
+backward call. Only the recorder's first input and output tensor of a call are recorded (``input.0``,
+``output.0``), without shapes or dtypes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+from trainrec.replay.rows import value_matrix
+from trainrec.replay.run import Run
+from trainrec.schema.events import SLOTS, ModuleStructureRecorded
+
+from .model import MODULE, OPS, ROOT_NAME, Graph, GraphInputError, Port
+
+KINDS = ("actv", "actv_grad", "param", "grad_reduced", "grad_unreduced")
+_OP_OF = {"max": "Max", "min": "Min", "mean": "Mean", "norm": "Norm"}
+_RECORD_HINT = ('record with xy_distribution: true and all_xy: true (every module\'s inputs and outputs), '
+                'wg_distribution: true and param_distribution: true, and ops including min, max, mean and norm')
+
+
+def build_from_run(run: Run, rank: int | None = None) -> Graph:
+    """The graph of ``rank`` (default: the run's first rank). Raises GraphInputError where the run
+    recorded no xy statistics or none of the four ops."""
+    rank = run.ranks[0] if rank is None else rank
+    if rank not in run.ranks:
+        raise GraphInputError(f"{run.where}: rank {rank} is not in the run (ranks: {run.ranks})")
+    classes: dict[str, str] = {}
+    parents: dict[str, str | None] = {}
+    for ev in run.events(rank, types=[ModuleStructureRecorded]):
+        for name, cls, par in zip(ev.names, ev.classes or ("",) * len(ev.names),
+                                  ev.parents or (-1,) * len(ev.names), strict=True):
+            classes.setdefault(name, cls or "Module")
+            parents.setdefault(name, ev.names[par] if par >= 0 else None)
+    by_step: dict[int, list[tuple]] = defaultdict(list)
+    seen_kinds: set[str] = set()
+    for ev, names in run.stats(KINDS, rank=rank):
+        cols = [i for i, op in enumerate(ev.ops) if op in _OP_OF]
+        if not cols:
+            continue
+        order = [OPS.index(_OP_OF[ev.ops[i]]) for i in cols]
+        vals = value_matrix(ev)[:, cols]
+        slots, micros, calls = ev.column("slots"), ev.column("micro_steps"), ev.column("call_ids")
+        seen_kinds.add(ev.kind)
+        rows = by_step[ev.step]
+        for i, name in enumerate(names):
+            v = [float("nan")] * 4
+            for j, o in enumerate(order):
+                v[o] = float(vals[i, j])
+            rows.append((ev.kind, name, SLOTS[slots[i]], int(micros[i]), int(calls[i]), len(rows), v))
+    if not seen_kinds & {"actv", "actv_grad"}:
+        raise GraphInputError(f"{run.where} (rank {rank}): no module input/output statistics (xy) with the ops "
+                              f"min/max/mean/norm were recorded, so there is no graph to build; {_RECORD_HINT}")
+    graph = Graph(run.where, "run")
+    return _Builder(graph, classes, parents).build(by_step)
+
+
+class _Builder:
+    def __init__(self, graph: Graph, classes: dict[str, str], parents: dict[str, str | None]) -> None:
+        self.graph, self.classes, self.parents = graph, classes, parents
+        self.first_order: dict[str, tuple] = {}
+        self.rows: list[tuple[int, int, list[float]]] = []
+
+    def label(self, path: str) -> str:
+        cls = self.classes.get(path, "Module")
+        return f"Module.{path}.{cls}" if path else f"Module.{cls}"
+
+    def module_of_param(self, pname: str) -> tuple[str, str]:
+        parts = pname.split(".")
+        for k in range(len(parts) - 1, 0, -1):
+            mod = ".".join(parts[:k])
+            if mod in self.classes:
+                return mod, ".".join(parts[k:])
+        return "", pname
+
+    def build(self, by_step: dict[int, list[tuple]]) -> Graph:
+        for step in sorted(by_step):
+            self.step(step, by_step[step])
+        ranked = sorted(self.first_order, key=self.first_order.__getitem__)
+        for i, name in enumerate(ranked):
+            self.graph.nodes[name].order = i
+        self.graph.set_values(list(by_step), self.rows)
+        return self.graph
+
+    def node(self, name: str, parent: str | None, key: tuple, node_type: int = MODULE):
+        node = self.graph.add_node(name, parent, node_type)
+        self.first_order.setdefault(name, key)
+        return node
+
+    def port(self, step: int, node, port: str, values: list[float]) -> None:
+        self.rows.append((step, self.graph.add_port(node, Port(port)), values))
+
+    def step(self, step: int, rows: list[tuple]) -> None:
+        calls: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)  # (dir, module) -> calls
+        for kind, name, _slot, micro, call, _seq, _v in rows:
+            if kind in ("actv", "actv_grad"):
+                calls[(kind, name)].append((micro, call))
+        for key in calls:
+            calls[key] = sorted(set(calls[key]))
+        names: dict[tuple, str] = {}
+        for (kind, mod), lst in calls.items():
+            direction = "forward" if kind == "actv" else "backward"
+            for n, c in enumerate(lst):
+                names[(kind, mod, c)] = f"{self.label(mod)}.{direction}.{n}"
+        # parents first: a module's calls are placed after its parent module's calls (depth order)
+        for (kind, mod), lst in sorted(calls.items(), key=lambda kv: kv[0][1].count(".") + bool(kv[0][1])):
+            for c in lst:
+                parent = self.parent_call(kind, mod, c, calls, names)
+                self.node(names[(kind, mod, c)], parent, (step > -1, kind != "actv", c))
+        grad_kind = "grad_reduced" if any(r[0] == "grad_reduced" for r in rows) else "grad_unreduced"
+        for kind, name, slot, micro, call, seq, v in rows:
+            if kind in ("actv", "actv_grad"):
+                node = self.graph.nodes[names[(kind, name, (micro, call))]]
+                if kind == "actv":
+                    port = f"{slot}.0"
+                else:  # a backward call takes the output's gradient in and gives the input's out
+                    port = "input.0" if slot == "output_grad" else "output.0"
+                self.port(step, node, port, v)
+            elif kind == "param":
+                mod, local = self.module_of_param(name)
+                fwd = f"{self.label(mod)}.forward.0"
+                node = self.node(fwd, self.up_forward(mod), (True, False, (micro, call)))
+                self.port(step, node, f"parameters.{local}", v)
+            elif kind == grad_kind:
+                mod, local = self.module_of_param(name)
+                back = calls.get(("actv_grad", mod))
+                parent = names[("actv_grad", mod, back[-1])] if back else ROOT_NAME
+                node = self.node(f"{self.label(mod)}.parameters_grad", parent, (True, True, (micro, 1 << 40, seq)))
+                self.port(step, node, f"parameters_grad.{local}", v)
+
+    def parent_call(self, kind: str, mod: str, c: tuple[int, int], calls, names) -> str:
+        """The enclosing call of the nearest recorded ancestor module (the root where none is)."""
+        up = self.parents.get(mod)
+        while up is not None:
+            lst = calls.get((kind, up))
+            if lst:
+                if kind == "actv":  # completed after the child
+                    i = bisect.bisect_left(lst, c)
+                    pick = lst[min(i, len(lst) - 1)]
+                else:  # begun before the child
+                    i = bisect.bisect_right(lst, c) - 1
+                    pick = lst[max(i, 0)]
+                return names[(kind, up, pick)]
+            up = self.parents.get(up)
+        return ROOT_NAME
+
+    def up_forward(self, mod: str) -> str:
+        up = self.parents.get(mod)
+        while up is not None:
+            name = f"{self.label(up)}.forward.0"
+            if name in self.graph.nodes:
+                return name
+            up = self.parents.get(up)
+        return ROOT_NAME
+
+
+__all__ = ["build_from_run"]
