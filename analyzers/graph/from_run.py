@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
+import numpy as np
 from trainrec.replay.rows import value_matrix
 from trainrec.replay.run import Run
 from trainrec.schema.events import SLOTS, ModuleStructureRecorded
@@ -40,22 +41,16 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
                                   ev.parents or (-1,) * len(ev.names), strict=True):
             classes.setdefault(name, cls or "Module")
             parents.setdefault(name, ev.names[par] if par >= 0 else None)
-    by_step: dict[int, list[tuple]] = defaultdict(list)
+    by_step: dict[int, list[tuple]] = defaultdict(list)  # step -> [(kind, names, record, values n x 4)]
     seen_kinds: set[str] = set()
     for ev, names in run.stats(KINDS, rank=rank):
         cols = [i for i, op in enumerate(ev.ops) if op in _OP_OF]
         if not cols:
             continue
-        order = [OPS.index(_OP_OF[ev.ops[i]]) for i in cols]
-        vals = value_matrix(ev)[:, cols]
-        slots, micros, calls = ev.column("slots"), ev.column("micro_steps"), ev.column("call_ids")
+        vals = np.full((len(names), len(OPS)), np.nan)
+        vals[:, [OPS.index(_OP_OF[ev.ops[i]]) for i in cols]] = value_matrix(ev)[:, cols]
         seen_kinds.add(ev.kind)
-        rows = by_step[ev.step]
-        for i, name in enumerate(names):
-            v = [float("nan")] * 4
-            for j, o in enumerate(order):
-                v[o] = float(vals[i, j])
-            rows.append((ev.kind, name, SLOTS[slots[i]], int(micros[i]), int(calls[i]), len(rows), v))
+        by_step[ev.step].append((ev.kind, names, ev, vals))
     if not seen_kinds & {"actv", "actv_grad"}:
         raise GraphInputError(f"{run.where} (rank {rank}): no module input/output statistics (xy) with the ops "
                               f"min/max/mean/norm were recorded, so there is no graph to build; {_RECORD_HINT}")
@@ -63,11 +58,26 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
     return _Builder(graph, classes, parents).build(by_step)
 
 
+def _layout(records: list[tuple]) -> tuple:
+    """What decides a step's nodes and ports: its rows' kinds, names, slots, micro steps and call ids.
+    Steps usually repeat it, and then reuse the previous step's port indices."""
+    return tuple((kind, tuple(names), ev.slots, ev.micro_steps, ev.call_ids) for kind, names, ev, _ in records)
+
+
+def _rows(records: list[tuple]) -> list[tuple]:
+    """``(kind, name, slot, micro step, call id, position)`` of every row of a step's records."""
+    out = []
+    for kind, names, ev, _ in records:
+        slots, micros, calls = ev.column("slots"), ev.column("micro_steps"), ev.column("call_ids")
+        for i, name in enumerate(names):
+            out.append((kind, name, SLOTS[slots[i]], int(micros[i]), int(calls[i]), len(out)))
+    return out
+
+
 class _Builder:
     def __init__(self, graph: Graph, classes: dict[str, str], parents: dict[str, str | None]) -> None:
         self.graph, self.classes, self.parents = graph, classes, parents
         self.first_order: dict[str, tuple] = {}
-        self.rows: list[tuple[int, int, list[float]]] = []
 
     def label(self, path: str) -> str:
         cls = self.classes.get(path, "Module")
@@ -82,12 +92,21 @@ class _Builder:
         return "", pname
 
     def build(self, by_step: dict[int, list[tuple]]) -> Graph:
+        layouts: dict[tuple, np.ndarray] = {}
+        filled = []
         for step in sorted(by_step):
-            self.step(step, by_step[step])
+            records = by_step[step]
+            key = _layout(records)
+            ports = layouts.get(key)
+            if ports is None:
+                ports = layouts[key] = np.asarray(self.step(_rows(records)), dtype=np.int64)
+            vals = np.concatenate([r[3] for r in records])
+            keep = ports >= 0
+            filled.append((step, ports[keep], vals[keep]))
         ranked = sorted(self.first_order, key=self.first_order.__getitem__)
         for i, name in enumerate(ranked):
             self.graph.nodes[name].order = i
-        self.graph.set_values(list(by_step), self.rows)
+        self.graph.fill(filled)
         return self.graph
 
     def node(self, name: str, parent: str | None, key: tuple, node_type: int = MODULE):
@@ -95,12 +114,11 @@ class _Builder:
         self.first_order.setdefault(name, key)
         return node
 
-    def port(self, step: int, node, port: str, values: list[float]) -> None:
-        self.rows.append((step, self.graph.add_port(node, Port(port)), values))
-
-    def step(self, step: int, rows: list[tuple]) -> None:
+    def step(self, rows: list[tuple]) -> list[int]:
+        """Make the nodes and ports of one step's rows; their port indices (-1: a row not shown)."""
+        ports = [-1] * len(rows)
         calls: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)  # (dir, module) -> calls
-        for kind, name, _slot, micro, call, _seq, _v in rows:
+        for kind, name, _slot, micro, call, _seq in rows:
             if kind in ("actv", "actv_grad"):
                 calls[(kind, name)].append((micro, call))
         for key in calls:
@@ -114,27 +132,29 @@ class _Builder:
         for (kind, mod), lst in sorted(calls.items(), key=lambda kv: kv[0][1].count(".") + bool(kv[0][1])):
             for c in lst:
                 parent = self.parent_call(kind, mod, c, calls, names)
-                self.node(names[(kind, mod, c)], parent, (step > -1, kind != "actv", c))
+                self.node(names[(kind, mod, c)], parent, (kind != "actv", c))
         grad_kind = "grad_reduced" if any(r[0] == "grad_reduced" for r in rows) else "grad_unreduced"
-        for kind, name, slot, micro, call, seq, v in rows:
+        add = self.graph.add_port
+        for kind, name, slot, micro, call, seq in rows:
             if kind in ("actv", "actv_grad"):
                 node = self.graph.nodes[names[(kind, name, (micro, call))]]
                 if kind == "actv":
                     port = f"{slot}.0"
                 else:  # a backward call takes the output's gradient in and gives the input's out
                     port = "input.0" if slot == "output_grad" else "output.0"
-                self.port(step, node, port, v)
+                ports[seq] = add(node, Port(port))
             elif kind == "param":
                 mod, local = self.module_of_param(name)
                 fwd = f"{self.label(mod)}.forward.0"
-                node = self.node(fwd, self.up_forward(mod), (True, False, (micro, call)))
-                self.port(step, node, f"parameters.{local}", v)
+                node = self.node(fwd, self.up_forward(mod), (False, (micro, call)))
+                ports[seq] = add(node, Port(f"parameters.{local}"))
             elif kind == grad_kind:
                 mod, local = self.module_of_param(name)
                 back = calls.get(("actv_grad", mod))
                 parent = names[("actv_grad", mod, back[-1])] if back else ROOT_NAME
-                node = self.node(f"{self.label(mod)}.parameters_grad", parent, (True, True, (micro, 1 << 40, seq)))
-                self.port(step, node, f"parameters_grad.{local}", v)
+                node = self.node(f"{self.label(mod)}.parameters_grad", parent, (True, (micro, 1 << 40, seq)))
+                ports[seq] = add(node, Port(f"parameters_grad.{local}"))
+        return ports
 
     def parent_call(self, kind: str, mod: str, c: tuple[int, int], calls, names) -> str:
         """The enclosing call of the nearest recorded ancestor module (the root where none is)."""

@@ -100,6 +100,14 @@ class Graph:
             pi = np.fromiter((r[1] for r in rows), np.int64, len(rows))
             self.values[si, pi] = np.asarray([r[2] for r in rows], dtype=np.float64)
 
+    def fill(self, steps: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Fill :attr:`values` from ``(step, port indices, values n x 4)`` per step (arrays)."""
+        self.steps = sorted({s for s, _, _ in steps})
+        where = {s: i for i, s in enumerate(self.steps)}
+        self.values = np.full((len(self.steps), len(self.port_keys), len(OPS)), np.nan)
+        for s, ports, vals in steps:
+            self.values[where[s], ports] = vals
+
     def ancestors(self, name: str) -> list[str]:
         """Names from the root's child down to ``name``'s parent."""
         out = []
