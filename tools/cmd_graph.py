@@ -21,11 +21,12 @@ import sys
 
 import orjson
 from trainrec.analyzers.graph import build_from_run, compare
+from trainrec.analyzers.graph.layer_mapping import check_layer_mapping
 from trainrec.analyzers.graph.ranks import SCOPES, compare_ranks
 from trainrec.replay.run import open_run
 
 from .graph_html import write_build_html, write_compare_html
-from .graph_sides import load_side
+from .graph_sides import load_mapping_file, load_side
 
 
 def add_parser(subparsers) -> None:
@@ -58,6 +59,10 @@ def add_parser(subparsers) -> None:
 def add_compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--fuzzy_match", "--fuzzy", dest="fuzzy", action="store_true",
                    help="fuzzy matching: modules by name alone, API calls by order within their module")
+    p.add_argument("-lm", "--layer_mapping", default=None, metavar="mapping.yaml",
+                   help="the reference's layer mapping: {ClassName: {debug attribute: bench attribute}}")
+    p.add_argument("--mapping", default=None, metavar="FILE",
+                   help="a node mapping, YAML or JSON: {debug node name: bench node name}")
     p.add_argument("-oc", "--overflow_check", dest="overflow", action="store_true", help="show overflow levels")
     p.add_argument("-cs", "--complete_stack", dest="complete_stack", action="store_true",
                    help="keep whole call stacks in the viewer (default: the last 3 frames)")
@@ -81,8 +86,14 @@ def run_compare(args: argparse.Namespace) -> int:
     return finish_compare(debug, bench, args)
 
 
-def finish_compare(debug, bench, args, mapping: dict | None = None) -> int:
-    cmp = compare(debug, bench, fuzzy=args.fuzzy, threshold=args.threshold, mapping=mapping)
+def finish_compare(debug, bench, args) -> int:
+    layer_mapping = mapping = None
+    if args.layer_mapping:
+        layer_mapping = check_layer_mapping(load_mapping_file(args.layer_mapping, "-lm"), f"-lm {args.layer_mapping}")
+    if args.mapping:
+        mapping = load_mapping_file(args.mapping, "--mapping")
+    cmp = compare(debug, bench, fuzzy=args.fuzzy, threshold=args.threshold, layer_mapping=layer_mapping,
+                  mapping=mapping, where_mapping=(args.layer_mapping, args.mapping))
     os.makedirs(args.output, exist_ok=True)
     verdict = cmp.verdict()
     with open(os.path.join(args.output, "verdict.json"), "wb") as f:

@@ -2,8 +2,7 @@
 
 ``compare.json`` is msprobe's: ``{"npu_path": DUMP, "bench_path": DUMP, "is_print_compare_log": true}``;
 with ``npu_path`` only, the graph is built instead. Either path may also be a trainrec run. Writes
-OUT/compare.html and OUT/verdict.json (OUT/graph.html when building). ``-lm`` is accepted and reported
-as not supported yet.
+OUT/compare.html and OUT/verdict.json (OUT/graph.html when building).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainrec.tools.graph", description=__doc__.split("\n\n", 1)[1])
     p.add_argument("-i", "--input_path", required=True, metavar="compare.json")
     p.add_argument("-o", "--output_path", required=True, metavar="OUT")
-    p.add_argument("-lm", "--layer_mapping", default=None, metavar="mapping.yaml")
     add_compare_options(p)
     args = p.parse_args(argv)
     args.output = args.output_path
@@ -48,8 +46,6 @@ def _run(args: argparse.Namespace) -> int:
     if not isinstance(spec, dict) or not isinstance(spec.get("npu_path"), str):
         raise GraphInputError(f"{args.input_path}: expected {{\"npu_path\": DUMP_DIR, \"bench_path\": DUMP_DIR}}; "
                               f"npu_path is missing")
-    if args.layer_mapping:
-        raise GraphInputError(f"-lm {args.layer_mapping}: layer mapping is not supported yet; use -f (fuzzy matching)")
     debug = load_side(spec["npu_path"])
     bench_path = spec.get("bench_path")
     if not bench_path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -33,3 +34,29 @@ def load_side(path: str, rank: int | None = None) -> Graph:
     except NotARunError as exc:
         raise GraphInputError(f"{exc}; nor is it a dump directory ({', '.join(FILES)})") from None
     return build_from_run(run, rank)
+
+
+def load_mapping_file(path: str, option: str):
+    """A mapping file's content (YAML, or JSON when it ends with .json). Raises GraphInputError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise GraphInputError(f"{option} {path}: cannot be read ({exc.strerror or exc})") from None
+    if path.endswith(".json"):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise GraphInputError(f"{option} {path}: not JSON ({exc})") from None
+    try:
+        import yaml
+    except ImportError:
+        raise GraphInputError(f"{option} {path}: reading YAML needs PyYAML (pip install pyyaml); "
+                              f"or give the mapping as a .json file") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise GraphInputError(f"{option} {path}: not YAML ({exc})".replace("\n", " ")) from None
+    if data is None:
+        raise GraphInputError(f"{option} {path}: the file is empty; it names nothing to map")
+    return data

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .layer_mapping import pair_by_layer_mapping, pair_by_node_mapping
 from .matching import match_exact, match_fuzzy
 from .model import OPS, ROOT_NAME, Graph, GraphInputError
 
@@ -94,13 +95,16 @@ class Comparison:
 
 
 def compare(debug: Graph, bench: Graph, *, fuzzy: bool = False, threshold: float = 0.01,
-            mapping: dict[str, str] | None = None, input_roles=INPUT_ROLES, output_roles=OUTPUT_ROLES) -> Comparison:
-    """Compare ``debug`` against ``bench``. ``mapping``: extra ``{debug name: bench name}`` pairs that win.
+            layer_mapping: dict | None = None, mapping: dict | None = None,
+            input_roles=INPUT_ROLES, output_roles=OUTPUT_ROLES, where_mapping: tuple = (None, None)) -> Comparison:
+    """Compare ``debug`` against ``bench``. ``layer_mapping``: the reference's ``-lm`` mapping (see
+    :mod:`.layer_mapping`); ``mapping``: ``{debug name: bench name}`` pairs that win over matching.
     Raises GraphInputError where no node pairs (two different models) or no step is shared."""
     pairs = match_fuzzy(debug, bench) if fuzzy else match_exact(debug, bench)
-    for d, b in (mapping or {}).items():
-        if d in debug.nodes and b in bench.nodes:
-            pairs[d] = b
+    if layer_mapping is not None:
+        pairs = pair_by_layer_mapping(debug, bench, layer_mapping, pairs, f"-lm {where_mapping[0] or 'mapping'}")
+    if mapping is not None:
+        pairs = pair_by_node_mapping(debug, bench, mapping, pairs, f"--mapping {where_mapping[1] or 'mapping'}")
     if len(pairs) <= 1:
         raise GraphInputError(f"no node of {debug.source} pairs with one of {bench.source} (first names: "
                               f"{_first(debug)} vs {_first(bench)}): two different models? Compare runs of the "

@@ -55,6 +55,11 @@ def match_fuzzy(debug: Graph, bench: Graph) -> dict[str, str]:
         node = debug.nodes[name]
         if name != ROOT_NAME and node.node_type != API and name in bench.nodes:
             pairs[name] = name
+    return pair_apis(debug, bench, pairs)
+
+
+def pair_apis(debug: Graph, bench: Graph, pairs: dict[str, str]) -> dict[str, str]:
+    """Add to ``pairs`` the API calls of paired parents, by (name without counter, order within the parent)."""
     bench_keys: dict[tuple, str] = {}
     for parent in bench.preorder():
         counts: dict[str, int] = defaultdict(int)
@@ -63,6 +68,7 @@ def match_fuzzy(debug: Graph, bench: Graph) -> dict[str, str]:
                 key = api_key(child)
                 bench_keys[(parent, key, counts[key])] = child
                 counts[key] += 1
+    taken = set(pairs.values())
     for parent in debug.preorder():
         counts = defaultdict(int)
         other = pairs.get(parent)
@@ -72,9 +78,11 @@ def match_fuzzy(debug: Graph, bench: Graph) -> dict[str, str]:
             key = api_key(child)
             hit = bench_keys.get((other, key, counts[key])) if other is not None else None
             counts[key] += 1
-            if hit is not None and same_signature(debug.nodes[child], bench.nodes[hit]):
+            if (child not in pairs and hit is not None and hit not in taken
+                    and same_signature(debug.nodes[child], bench.nodes[hit])):
                 pairs[child] = hit
+                taken.add(hit)
     return pairs
 
 
-__all__ = ["api_key", "io_signature", "match_exact", "match_fuzzy", "same_signature"]
+__all__ = ["api_key", "io_signature", "match_exact", "match_fuzzy", "pair_apis", "same_signature"]

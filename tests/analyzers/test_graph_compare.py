@@ -153,3 +153,40 @@ def test_the_departing_rank_step_and_node_are_named(tmp_path, monkeypatch):
     assert dp["departs"]["node"].endswith(".parameters_grad")
     same = compare_ranks({0: graphs[0], 1: build_from_run(run, 0)})
     assert same["departs"] is None
+
+
+def _rename(d: str, old: str, new: str) -> None:
+    for step in (0, 1):
+        for name in ("dump.json", "construct.json", "stack.json"):
+            path = os.path.join(d, f"step{step}", "rank", name)
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.replace(old, new))
+
+
+def test_layer_mapping_pairs_renamed_modules_and_their_api_calls(tmp_path):
+    bench_dir = copy_dump(tmp_path)
+    _rename(bench_dir, "Module.fc1.", "Module.proj.")
+    debug, bench = build_from_dump(DUMP_DIR), build_from_dump(bench_dir)
+    exact = compare(debug, bench)
+    assert sorted(exact.unmatched_debug) == ["Functional.linear.0.forward", "Module.fc1.Linear.backward.0",
+                                             "Module.fc1.Linear.forward.0", "Module.fc1.Linear.parameters_grad"]
+    mapped = compare(debug, bench, layer_mapping={"TopLayer": {"fc1": "proj"}})
+    assert mapped.unmatched_debug == [] and mapped.unmatched_bench == []
+    assert mapped.pairs["Module.fc1.Linear.forward.0"] == "Module.proj.Linear.forward.0"
+    assert mapped.pairs["Module.fc1.Linear.parameters_grad"] == "Module.proj.Linear.parameters_grad"
+    assert mapped.pairs["Functional.linear.0.forward"] == "Functional.linear.0.forward"
+    with pytest.raises(GraphInputError, match="names no class of .*nothing would be mapped"):
+        compare(debug, bench, layer_mapping={"GPTModel": {"fc1": "proj"}})
+
+
+def test_a_node_mapping_pairs_what_it_names(tmp_path):
+    bench_dir = copy_dump(tmp_path)
+    _rename(bench_dir, '"Functional.relu.0.forward"', '"Functional.gelu.0.forward"')
+    debug, bench = build_from_dump(DUMP_DIR), build_from_dump(bench_dir)
+    assert compare(debug, bench).unmatched_debug == ["Functional.relu.0.forward"]
+    cmp = compare(debug, bench, mapping={"Functional.relu.0.forward": "Functional.gelu.0.forward"})
+    assert cmp.unmatched_debug == [] and cmp.pairs["Functional.relu.0.forward"] == "Functional.gelu.0.forward"
+    with pytest.raises(GraphInputError, match="none of its 1 entries names a node of both sides"):
+        compare(debug, bench, mapping={"Functional.nothing.0.forward": "Functional.gelu.0.forward"})

@@ -48,6 +48,13 @@ def test_the_reference_command_line_with_compare_json(tmp_path, capsys):
     assert reference_main(["-i", str(spec), "-o", str(out), "-f", "-oc", "-cs"]) == 0
     assert "no divergence" in capsys.readouterr().out
     assert json.loads((out / "verdict.json").read_text())["matched"] == 12
+    mapping = tmp_path / "mapping.yaml"
+    mapping.write_text("TopLayer:\n  fc1: fc1\n")
+    assert reference_main(["-i", str(spec), "-o", str(out), "-lm", str(mapping)]) == 0
+    capsys.readouterr()
+    mapping.write_text("GPTModel:\n  language_model: module\n")
+    assert reference_main(["-i", str(spec), "-o", str(out), "-lm", str(mapping)]) == 2
+    assert "names no class of" in capsys.readouterr().err
     spec.write_text(json.dumps({"npu_path": DUMP_DIR}))
     assert reference_main(["-i", str(spec), "-o", str(out)]) == 0 and (out / "graph.html").exists()
 
@@ -86,6 +93,10 @@ def test_bad_input_is_one_clear_line(runs, tmp_path):
         assert res.returncode == 2, res.stderr
         assert expected in res.stderr and "Traceback" not in res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    res = _cli("graph", "compare", DUMP_DIR, DUMP_DIR, "-o", str(tmp_path / "x"), "--mapping", str(empty))
+    assert res.returncode == 2 and "it names nothing to map" in res.stderr and "Traceback" not in res.stderr
     spec = tmp_path / "c.json"
     spec.write_text("{}")
     res = subprocess.run([sys.executable, "-m", "trainrec.tools.graph", "-i", str(spec), "-o", str(tmp_path / "y")],
