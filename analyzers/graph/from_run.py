@@ -12,7 +12,6 @@ backward call. Only the recorder's first input and output tensor of a call are r
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 
 import numpy as np
@@ -56,6 +55,36 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
                               f"min/max/mean/norm were recorded, so there is no graph to build; {_RECORD_HINT}")
     graph = Graph(run.where, "run")
     return _Builder(graph, classes, parents).build(by_step)
+
+
+def _inside(child: str, parent: str) -> bool:
+    """Whether module path ``child`` lies inside module path ``parent`` ("" is the model)."""
+    return child != parent and (parent == "" or child.startswith(parent + "."))
+
+
+def _forward_parents(order: list[tuple]) -> list[tuple | None]:
+    """Per forward call ``((micro, call id), module)`` in completion order, the call enclosing it: a
+    call completing claims the unclaimed calls completed just before it in its micro step that lie
+    inside its module (a call outside the model's forward stays at the top)."""
+    parent: list[tuple | None] = [None] * len(order)
+    pending: list[int] = []
+    for i, (c, mod) in enumerate(order):
+        while pending and order[pending[-1]][0][0] == c[0] and _inside(order[pending[-1]][1], mod):
+            parent[pending.pop()] = order[i]
+        pending.append(i)
+    return parent
+
+
+def _backward_parents(order: list[tuple]) -> list[tuple | None]:
+    """Per backward call in start order, the latest open call of an enclosing module in its micro step."""
+    parent: list[tuple | None] = [None] * len(order)
+    stack: list[int] = []
+    for i, (c, mod) in enumerate(order):
+        while stack and not (order[stack[-1]][0][0] == c[0] and _inside(mod, order[stack[-1]][1])):
+            stack.pop()
+        parent[i] = order[stack[-1]] if stack else None
+        stack.append(i)
+    return parent
 
 
 def _layout(records: list[tuple]) -> tuple:
@@ -128,11 +157,21 @@ class _Builder:
             direction = "forward" if kind == "actv" else "backward"
             for n, c in enumerate(lst):
                 names[(kind, mod, c)] = f"{self.label(mod)}.{direction}.{n}"
-        # parents first: a module's calls are placed after its parent module's calls (depth order)
-        for (kind, mod), lst in sorted(calls.items(), key=lambda kv: kv[0][1].count(".") + bool(kv[0][1])):
-            for c in lst:
-                parent = self.parent_call(kind, mod, c, calls, names)
-                self.node(names[(kind, mod, c)], parent, (kind != "actv", c))
+        for kind in ("actv", "actv_grad"):
+            order = sorted((c, mod) for (k, mod), lst in calls.items() if k == kind for c in lst)
+            parents = _forward_parents(order) if kind == "actv" else _backward_parents(order)
+            up = dict(zip(order, parents, strict=True))
+            depth: dict[tuple, int] = {}
+            for item in order:  # (a parent's depth is known once its own parent's is: walk up)
+                chain = [item]
+                while up[chain[-1]] is not None and up[chain[-1]] not in depth:
+                    chain.append(up[chain[-1]])
+                for x in reversed(chain):
+                    depth[x] = 0 if up[x] is None else depth[up[x]] + 1
+            for item in sorted(order, key=depth.__getitem__):  # parents first, else execution order
+                (c, mod), parent = item, up[item]
+                pname = names[(kind, parent[1], parent[0])] if parent is not None else ROOT_NAME
+                self.node(names[(kind, mod, c)], pname, (kind != "actv", c))
         grad_kind = "grad_reduced" if any(r[0] == "grad_reduced" for r in rows) else "grad_unreduced"
         add = self.graph.add_port
         for kind, name, slot, micro, call, seq in rows:
@@ -155,22 +194,6 @@ class _Builder:
                 node = self.node(f"{self.label(mod)}.parameters_grad", parent, (True, (micro, 1 << 40, seq)))
                 ports[seq] = add(node, Port(f"parameters_grad.{local}"))
         return ports
-
-    def parent_call(self, kind: str, mod: str, c: tuple[int, int], calls, names) -> str:
-        """The enclosing call of the nearest recorded ancestor module (the root where none is)."""
-        up = self.parents.get(mod)
-        while up is not None:
-            lst = calls.get((kind, up))
-            if lst:
-                if kind == "actv":  # completed after the child
-                    i = bisect.bisect_left(lst, c)
-                    pick = lst[min(i, len(lst) - 1)]
-                else:  # begun before the child
-                    i = bisect.bisect_right(lst, c) - 1
-                    pick = lst[max(i, 0)]
-                return names[(kind, up, pick)]
-            up = self.parents.get(up)
-        return ROOT_NAME
 
     def up_forward(self, mod: str) -> str:
         up = self.parents.get(mod)

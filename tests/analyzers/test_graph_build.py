@@ -110,3 +110,29 @@ def test_a_damaged_dump_json_is_named(tmp_path):
         f.write('{"data": ')
     with pytest.raises(GraphInputError, match="dump.json: cannot be read as JSON"):
         build_from_dump(d)
+
+
+def test_micro_steps_and_a_call_outside_the_model_forward(tmp_path):
+    """Two micro steps per step: each module's calls are numbered through the step, each nests under
+    the model call of its own micro step; a call of fc1 made after the model's forward stays on top."""
+    import torch
+    from graph_runs import GRAPH_CONFIG, Net
+    from trainrec.recorder import record
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, opt, GRAPH_CONFIG, output_dir=str(tmp_path / "acc")):
+        for _ in range(2):
+            for _ in range(2):
+                model(torch.randn(4, 6)).sum().backward()
+            model.fc1(torch.randn(2, 6))  # e.g. an evaluation probe outside the model's forward
+            opt.step()
+            opt.zero_grad()
+    g = build_from_run(open_run(str(tmp_path / "acc")))
+    assert g.root.children == ["Module.Net.forward.0", "Module.Net.forward.1", "Module.fc1.Linear.forward.2",
+                               "Module.Net.backward.0", "Module.Net.backward.1"]
+    assert "Module.fc1.Linear.forward.0" in g.nodes["Module.Net.forward.0"].children
+    assert "Module.fc1.Linear.forward.1" in g.nodes["Module.Net.forward.1"].children
+    assert g.nodes["Module.fc1.Linear.forward.2"].parent == ROOT_NAME
+    assert g.nodes["Module.blk.lin.Linear.backward.1"].parent == "Module.blk.Scaled.backward.1"
