@@ -17,6 +17,12 @@ SCOPES = {"dp": ((), ("parameters", "parameters_grad")), "all": (INPUT_ROLES, OU
 
 def compare_ranks(graphs: dict[int, Graph], *, scope: str = "dp", threshold: float = 0.01) -> dict:
     """The verdict over ranks: per rank its first divergence from the first rank, and who departs."""
+    return compare_ranks_full(graphs, scope=scope, threshold=threshold)[0]
+
+
+def compare_ranks_full(graphs: dict[int, Graph], *, scope: str = "dp",
+                       threshold: float = 0.01) -> tuple[dict, dict[int, Comparison]]:
+    """:func:`compare_ranks`'s verdict and each rank's Comparison with the first rank."""
     if scope not in SCOPES:
         raise GraphInputError(f"scope {scope!r}: expected one of {sorted(SCOPES)}")
     if len(graphs) < 2:
@@ -45,7 +51,7 @@ def compare_ranks(graphs: dict[int, Graph], *, scope: str = "dp", threshold: flo
         "scope": scope, "threshold": threshold, "ranks": ranks, "base_rank": base, "departs": departs,
         "per_rank": {str(r): {"first_divergence": c.first, "matched": len(c.pairs) - 1,
                               "unmatched": len(c.unmatched_debug)} for r, c in per_rank.items()},
-    }
+    }, per_rank
 
 
-__all__ = ["SCOPES", "compare_ranks"]
+__all__ = ["SCOPES", "compare_ranks", "compare_ranks_full"]
