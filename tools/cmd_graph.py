@@ -21,6 +21,7 @@ import sys
 
 import orjson
 from trainrec.analyzers.graph import build_from_run, compare
+from trainrec.analyzers.graph.explorer import explorer_graph, explorer_node_data
 from trainrec.analyzers.graph.layer_mapping import check_layer_mapping
 from trainrec.analyzers.graph.ranks import SCOPES, compare_ranks_full
 from trainrec.replay.run import open_run
@@ -69,6 +70,9 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
                    help="keep whole call stacks in the viewer (default: the last 3 frames)")
     p.add_argument("--threshold", type=float, default=0.01,
                    help="relative error of a norm that counts as divergent (default 0.01)")
+    p.add_argument("--model-explorer", action="store_true",
+                   help="also write Model Explorer's graph JSON and node data (OUT/explorer_graph.json, "
+                        "OUT/explorer_node_data.json) at the first divergent step (else the last)")
     p.add_argument("--max-steps", type=int, default=20, metavar="N",
                    help="steps whose statistics the viewer holds (default 20: first, last, divergent, spread)")
 
@@ -101,9 +105,21 @@ def finish_compare(debug, bench, args) -> int:
         f.write(orjson.dumps(verdict, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     html = write_compare_html(cmp, os.path.join(args.output, "compare.html"), max_steps=args.max_steps,
                               overflow=args.overflow, complete_stack=args.complete_stack)
+    if getattr(args, "model_explorer", False):
+        write_explorer(cmp, args.output)
     print_verdict(verdict, sys.stdout)
     print(f"wrote {html} and {os.path.join(args.output, 'verdict.json')}")
     return 0
+
+
+def write_explorer(cmp, out: str) -> None:
+    """Model Explorer's files for the debug side at the first divergent step (else the last)."""
+    s = next((i for i, (d, _) in enumerate(cmp.steps) if cmp.first and d == cmp.first["step"]), len(cmp.steps) - 1)
+    debug_index = cmp.debug.steps.index(cmp.steps[s][0])
+    for name, data in (("explorer_graph.json", explorer_graph(cmp.debug, debug_index)),
+                       ("explorer_node_data.json", explorer_node_data(cmp, s))):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2))
 
 
 def print_verdict(v: dict, out) -> None:
