@@ -1,6 +1,4 @@
-"""``trainrec graph build|compare|ranks``: hierarchical comparison graphs, and where two runs part.
-
-::
+"""``trainrec graph build|compare|ranks``: hierarchical comparison graphs, and where two runs part::
 
     trainrec graph build RUN -o OUT                 one side's hierarchy as a viewer (OUT/graph.html)
     trainrec graph compare DEBUG BENCH -o OUT       two sides compared node by node over every step
@@ -32,7 +30,7 @@ from .graph_sides import load_mapping_file, load_side
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("graph", help="build and compare hierarchical graphs; find the first divergent node",
-                              description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="graph_command", metavar="ACTION")
     sub.required = True
     b = sub.add_parser("build", help="one run's or dump's hierarchy as an HTML viewer")
