@@ -100,6 +100,12 @@
     const base = (step * s.g.nPorts + s.g.portIdx[i][k]) * 4;
     return OPS.map((_, o) => s.vals[base + o]);
   }
+  function meta(side, i, port) {
+    const g = S[side].g, k = i >= 0 ? g.ports[i].indexOf(port) : -1;
+    if (k < 0) return "";
+    const [dtype, shape] = g.meta[i][k];
+    return [dtype.replace("torch.", ""), shape ? "[" + shape.join(", ") + "]" : ""].filter(Boolean).join(" ");
+  }
   function select(side, i) {
     selected = { side, i };
     repaint();
@@ -111,23 +117,28 @@
     const table = document.getElementById("node-table");
     table.textContent = "";
     const head = el("tr");
-    head.append(el("th", {}, "port"));
+    head.append(el("th", {}, "port"), el("th", {}, "dtype, shape"));
     for (const o of OPS) head.append(el("th", {}, (D.mode === "compare" ? "debug " : "") + o));
-    if (D.mode === "compare") { for (const o of OPS) head.append(el("th", {}, "bench " + o)); head.append(el("th", {}, "NormRelativeErr")); }
+    if (D.mode === "compare") {
+      for (const o of OPS) head.append(el("th", {}, "bench " + o));
+      for (const o of OPS) head.append(el("th", {}, o + "RelativeErr"));
+    }
     table.append(head);
     const ports = [];
     if (di >= 0) for (const p of S.debug.g.ports[di]) ports.push(p);
     if (bi >= 0) for (const p of S.bench.g.ports[bi]) if (!ports.includes(p)) ports.push(p);
     for (const port of ports) {
       const tr = el("tr", { "data-port": port });
-      tr.append(el("td", {}, port));
+      tr.append(el("td", {}, port), el("td", {}, meta(di >= 0 ? "debug" : "bench", di >= 0 ? di : bi, port)));
       const a = di >= 0 ? stats("debug", di, port) : null;
       for (let o = 0; o < 4; o++) tr.append(el("td", {}, a ? fmt(a[o]) : ""));
       if (D.mode === "compare") {
         const b = bi >= 0 ? stats("bench", bi, port) : null;
         for (let o = 0; o < 4; o++) tr.append(el("td", {}, b ? fmt(b[o]) : ""));
-        const rel = a && b ? (a[3] === b[3] ? 0 : Math.abs(a[3] - b[3]) / Math.abs(b[3])) : NaN;
-        tr.append(el("td", { class: "rel" }, fmt(rel)));
+        for (let o = 0; o < 4; o++) {
+          const rel = a && b ? (a[o] === b[o] ? 0 : Math.abs(a[o] - b[o]) / Math.abs(b[o])) : NaN;
+          tr.append(el("td", { class: "rel" }, fmt(rel)));
+        }
       }
       table.append(tr);
     }

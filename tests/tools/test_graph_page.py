@@ -72,12 +72,16 @@ def test_compare_page_expand_search_step_table(tmp_path):
         assert "sel" in _row(browser, "bench", "Module.blk.lin.Linear.forward.0").get_attribute("class")
         _row(browser, "debug", SCALED).click()
         assert browser.find_element(By.ID, "node-name").text.startswith(SCALED)
-        cells = {tr.get_attribute("data-port"): [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+        heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#node-table th")]
+        cells = {tr.get_attribute("data-port"): dict(zip(heads, [td.text for td in tr.find_elements(By.TAG_NAME, "td")],
+                                                         strict=True))
                  for tr in browser.find_elements(By.CSS_SELECTOR, "#node-table tr[data-port]")}
         assert set(cells) == {"input.0", "output.0"}
         out = cells["output.0"]
-        assert float(out[4]) == pytest.approx(2 * float(out[8]), rel=1e-5)  # debug Norm = 2 x bench Norm
-        assert float(out[9]) == pytest.approx(1.0, rel=1e-5) and float(cells["input.0"][9]) == 0
+        assert float(out["debug Norm"]) == pytest.approx(2 * float(out["bench Norm"]), rel=1e-5)
+        assert float(out["NormRelativeErr"]) == pytest.approx(1.0, rel=1e-5)
+        assert float(out["MaxRelativeErr"]) == pytest.approx(1.0, rel=1e-5)
+        assert float(cells["input.0"]["NormRelativeErr"]) == 0
         browser.save_screenshot(str(tmp_path / "compare.png"))
         assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
     finally:
@@ -110,6 +114,10 @@ def test_unmatched_filter_on_a_dump_comparison(tmp_path):
         relu = _row(browser, "debug", "Functional.relu.0.forward")
         relu.click()
         assert "File train.py" in browser.find_element(By.ID, "stack").text
+        heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#node-table th")]
+        row = browser.find_element(By.CSS_SELECTOR, "#node-table tr[data-port='output.0']")
+        assert dict(zip(heads, [td.text for td in row.find_elements(By.TAG_NAME, "td")], strict=True))[
+            "dtype, shape"] == "float32 [4, 16]"
         browser.save_screenshot(str(tmp_path / "unmatched.png"))
         assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
     finally:
