@@ -24,7 +24,7 @@ from trainrec.analyzers.graph.layer_mapping import check_layer_mapping
 from trainrec.analyzers.graph.ranks import SCOPES, compare_ranks_full
 from trainrec.replay.run import open_run
 
-from .graph_html import write_build_html, write_compare_html
+from .graph_html import write_build_html, write_compare_html, write_ranks_html
 from .graph_sides import load_mapping_file, load_side
 
 
@@ -49,7 +49,7 @@ def add_parser(subparsers) -> None:
     r = sub.add_parser("ranks", help="compare a run's data-parallel ranks; name the first that departs")
     r.add_argument("side", metavar="RUN", help="a trainrec run with two or more ranks")
     r.add_argument("-o", "--output", default=None, metavar="OUT",
-                   help="also write OUT/ranks.json and, where a rank departs, OUT/rank{R}_vs_rank{BASE}.html")
+                   help="also write OUT/ranks.json and OUT/ranks.html (each rank against the first, a rank selector)")
     r.add_argument("--scope", choices=sorted(SCOPES), default="dp",
                    help="dp: parameters and reduced gradients (default); all: activations too (same data per rank)")
     r.add_argument("--threshold", type=float, default=0.01, help="relative error of a norm that departs")
@@ -151,10 +151,8 @@ def run_ranks(args: argparse.Namespace) -> int:
         os.makedirs(args.output, exist_ok=True)
         with open(os.path.join(args.output, "ranks.json"), "wb") as f:
             f.write(orjson.dumps(verdict, option=orjson.OPT_INDENT_2))
-        if d is not None:
-            shown = d["ranks_at_this_point"][0]
-            html = os.path.join(args.output, f"rank{shown}_vs_rank{verdict['base_rank']}.html")
-            print(f"wrote {write_compare_html(per_rank[shown], html)}")
+        html = write_ranks_html(per_rank, verdict["base_rank"], os.path.join(args.output, "ranks.html"))
+        print(f"wrote {html} and {os.path.join(args.output, 'ranks.json')}")
     print(f"ranks {verdict['ranks']} compared with rank {verdict['base_rank']} (scope {args.scope})")
     if d is None:
         print(f"no rank departs: every compared norm agrees within {args.threshold:g} (relative)")

@@ -80,8 +80,9 @@ def write_build_html(graph: Graph, path: str, max_steps: int = 20) -> str:
     return _write(path, _page(f"trainrec graph: {graph.source}", payload))
 
 
-def write_compare_html(cmp: Comparison, path: str, max_steps: int = 20, overflow: bool = False,
-                       complete_stack: bool = False) -> str:
+def compare_payload(cmp: Comparison, max_steps: int = 20, overflow: bool = False,
+                    complete_stack: bool = False) -> dict:
+    """What the page reads of one comparison."""
     frames = None if complete_stack else 3
     first_s = [i for i, (d, _) in enumerate(cmp.steps) if cmp.first and d == cmp.first["step"]]
     picked = _pick_steps(len(cmp.steps), first_s, max_steps)
@@ -109,4 +110,17 @@ def write_compare_html(cmp: Comparison, path: str, max_steps: int = 20, overflow
         "debug": debug, "bench": bench, "precision": _b64(codes), "overflow": _b64(ov) if overflow else None,
         "staticError": cmp.static_error, "verdict": cmp.verdict(), "jump": JUMP,
     }
+    return payload
+
+
+def write_compare_html(cmp: Comparison, path: str, max_steps: int = 20, overflow: bool = False,
+                       complete_stack: bool = False) -> str:
+    payload = compare_payload(cmp, max_steps, overflow, complete_stack)
     return _write(path, _page(f"trainrec graph: {payload['title']}", payload))
+
+
+def write_ranks_html(per_rank: dict[int, Comparison], base_rank: int, path: str, max_steps: int = 20) -> str:
+    """One page, a rank selector: each rank's comparison with ``base_rank`` (every page holds its own sides)."""
+    pages = [{"rank": r, **compare_payload(c, max_steps)} for r, c in sorted(per_rank.items())]
+    payload = {"mode": "compare", "title": pages[0]["title"], "baseRank": base_rank, "rankPages": pages}
+    return _write(path, _page(f"trainrec graph ranks: {pages[0]['debug']['source']}", payload))

@@ -17,18 +17,23 @@
   };
   const sides = D.mode === "compare" ? ["debug", "bench"] : ["debug"];
   const S = {};
-  for (const name of sides) {
-    const g = D[name];
-    const kids = g.names.map(() => []);
-    g.parents.forEach((p, i) => { if (p >= 0) kids[p].push(i); });
-    const unm = g.names.map((_, i) => g.match && g.match[i] < 0 && i > 0);
-    const hasUnm = unm.slice();
-    for (let i = g.names.length - 1; i > 0; i--) if (hasUnm[i] && g.parents[i] >= 0) hasUnm[g.parents[i]] = true;
-    S[name] = { g, kids, unm, hasUnm, vals: b64(g.values, Float32Array), rows: new Map(), open: new Set() };
+  let nodes = 0, prec = null, over = null;
+  function load(page) {  // a rank's comparison (ranks pages), or the one comparison
+    if (page) for (const k of ["debug", "bench", "precision", "overflow", "staticError", "verdict", "steps", "allSteps", "title"]) D[k] = page[k];
+    for (const name of sides) {
+      const g = D[name];
+      const kids = g.names.map(() => []);
+      g.parents.forEach((p, i) => { if (p >= 0) kids[p].push(i); });
+      const unm = g.names.map((_, i) => g.match && g.match[i] < 0 && i > 0);
+      const hasUnm = unm.slice();
+      for (let i = g.names.length - 1; i > 0; i--) if (hasUnm[i] && g.parents[i] >= 0) hasUnm[g.parents[i]] = true;
+      S[name] = { g, kids, unm, hasUnm, vals: b64(g.values, Float32Array), rows: new Map(), open: new Set() };
+    }
+    nodes = D.debug.names.length;
+    prec = D.precision ? b64(D.precision, Uint8Array) : null;
+    over = D.overflow ? b64(D.overflow, Uint8Array) : null;
   }
-  const nodes = D.debug.names.length;
-  const prec = D.precision ? b64(D.precision, Uint8Array) : null;
-  const over = D.overflow ? b64(D.overflow, Uint8Array) : null;
+  load(D.rankPages ? D.rankPages[0] : null);
   let step = 0, onlyUnmatched = false, selected = null, searchHits = [], searchAt = -1;
   const allIndex = (s) => D.allSteps.indexOf(D.steps[s]);
 
@@ -147,6 +152,13 @@
     const stack = (di >= 0 ? S.debug.g.stacks[di] : s.g.stacks[i]) || [];
     document.getElementById("stack").textContent = stack.join("\n") || "(no stack recorded)";
   }
+  function goTo(side, i) {  // reveal a node, and its counterpart on the other side, and select it
+    reveal(side, i);
+    const other = side === "debug" ? "bench" : "debug";
+    const j = D.mode === "compare" ? S[side].g.match[i] : -1;
+    if (j >= 0) reveal(other, j);
+    select(side, i);
+  }
   function search(q) {
     q = q.trim().toLowerCase();
     if (!q) return;
@@ -154,20 +166,24 @@
     for (const side of sides) S[side].g.names.forEach((n, i) => { if (i > 0 && n.toLowerCase().includes(q)) searchHits.push([side, i]); });
     searchAt = searchHits.length ? 0 : -1;
     document.getElementById("search-count").textContent = searchHits.length + " found";
-    if (searchAt >= 0) { reveal(...searchHits[0]); select(...searchHits[0]); }
+    if (searchAt >= 0) goTo(...searchHits[0]);
   }
 
   // ---------------------------------------------------------------- page
   document.title = "trainrec graph: " + D.title;
   const header = el("header");
-  header.append(el("h1", {}, D.title));
+  header.append(el("h1", { id: "title" }, D.title));
   const stepSel = el("select", { id: "step" });
-  D.steps.forEach((s, k) => stepSel.append(el("option", { value: String(k) }, "step " + s)));
+  function stepOptions() {
+    stepSel.textContent = "";
+    D.steps.forEach((s, k) => stepSel.append(el("option", { value: String(k) }, "step " + s)));
+  }
+  stepOptions();
   stepSel.addEventListener("change", () => { step = Number(stepSel.value); repaint(); if (selected) select(selected.side, selected.i); });
   const searchBox = el("input", { id: "search", type: "search", placeholder: "search node name (Enter)" });
   searchBox.addEventListener("keydown", (ev) => {
     if (ev.key !== "Enter") return;
-    if (searchHits.length && searchBox.dataset.q === searchBox.value) { searchAt = (searchAt + 1) % searchHits.length; reveal(...searchHits[searchAt]); select(...searchHits[searchAt]); }
+    if (searchHits.length && searchBox.dataset.q === searchBox.value) { searchAt = (searchAt + 1) % searchHits.length; goTo(...searchHits[searchAt]); }
     else { searchBox.dataset.q = searchBox.value; search(searchBox.value); }
   });
   const unmBox = el("input", { id: "unmatched", type: "checkbox" });
@@ -179,7 +195,12 @@
     const legend = el("span", { class: "legend" });
     [["p0", "pass"], ["p1", "warning"], ["p2", "error"], ["unm", "unmatched"]].forEach(([c, t]) => legend.append(el("span", { class: c }, t)));
     header.append(legend);
-    const v = D.verdict, f = v.first_divergence, line = el("div", { id: "verdict" });
+    header.append(el("div", { id: "verdict" }));
+  }
+  function showVerdict() {
+    const line = document.getElementById("verdict");
+    if (!line) return;
+    const v = D.verdict, f = v.first_divergence;
     line.textContent = `matched ${v.matched}, unmatched ${v.unmatched_debug} debug / ${v.unmatched_bench} bench. ` +
       (f ? `First divergence: step ${f.step}, node ${f.node}` : "No divergence over the compared steps.");
     if (f) {
@@ -187,7 +208,21 @@
       go.addEventListener("click", () => { const k = D.steps.indexOf(f.step); if (k >= 0) { stepSel.value = String(k); step = k; } searchBox.value = f.node; searchBox.dataset.q = f.node; search(f.node); });
       line.append(go);
     }
-    header.append(line);
+  }
+  if (D.rankPages) {
+    const rankSel = el("select", { id: "rank" });
+    D.rankPages.forEach((p, k) => rankSel.append(el("option", { value: String(k) }, `rank ${p.rank} vs rank ${D.baseRank}`)));
+    rankSel.addEventListener("change", () => {
+      load(D.rankPages[Number(rankSel.value)]);
+      step = 0; selected = null; searchHits = [];
+      stepOptions(); showVerdict();
+      document.getElementById("title").textContent = D.title;
+      for (const side of sides) {
+        document.querySelector(`#pane-${side} h2`).textContent = (side === "debug" ? "debug: " : "bench: ") + D[side].source;
+        drawTree(side);
+      }
+    });
+    header.insertBefore(rankSel, stepSel);
   }
   document.body.append(header);
   const main = el("main");
@@ -200,6 +235,7 @@
   const details = el("section", { id: "details" });
   details.append(el("h3", { id: "node-name" }, "click a node"), el("div", { id: "static-error" }), el("table", { id: "node-table" }), el("pre", { id: "stack" }));
   document.body.append(details);
+  showVerdict();
   for (const side of sides) drawTree(side);
   document.body.dataset.ready = "1";
 })();

@@ -69,7 +69,7 @@ def test_ranks_names_the_departing_rank(tmp_path, monkeypatch, capsys):
     assert main(["graph", "ranks", str(out), "--scope", "all", "-o", str(tmp_path / "r")]) == 0
     assert "FIRST DEPARTURE: rank 1 at step 2, node Module.blk.Scaled.forward.0" in capsys.readouterr().out
     assert json.loads((tmp_path / "r" / "ranks.json").read_text())["departs"]["rank"] == 1
-    assert "Module.blk.Scaled.forward.0" in (tmp_path / "r" / "rank1_vs_rank0.html").read_text()
+    assert "Module.blk.Scaled.forward.0" in (tmp_path / "r" / "ranks.html").read_text()
 
 
 def _cli(*args) -> subprocess.CompletedProcess:

@@ -122,3 +122,37 @@ def test_unmatched_filter_on_a_dump_comparison(tmp_path):
         assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
     finally:
         browser.quit()
+
+
+def test_ranks_page_selects_a_rank(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("TRAINREC_RUN_ID", "page-ranks")
+    for rank, scale_at in ((0, None), (1, None), (2, 1)):
+        monkeypatch.setenv("RANK", str(rank))
+        record_run(out, steps=3, scale_at=scale_at)
+    assert main(["graph", "ranks", str(out), "--scope", "all", "-o", str(tmp_path / "r")]) == 0
+    assert "FIRST DEPARTURE: rank 2 at step 1" in capsys.readouterr().out
+    browser = _browser()
+    try:
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support.ui import Select
+
+        browser.get((tmp_path / "r" / "ranks.html").as_uri())
+        assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1"
+        ranks = Select(browser.find_element(By.ID, "rank"))
+        assert [o.text for o in ranks.options] == ["rank 1 vs rank 0", "rank 2 vs rank 0"]
+        assert "No divergence" in browser.find_element(By.ID, "verdict").text
+        ranks.select_by_visible_text("rank 2 vs rank 0")
+        assert "First divergence: step 1, node " + SCALED in browser.find_element(By.ID, "verdict").text
+        assert "(rank 2)" in browser.find_element(By.CSS_SELECTOR, "#pane-debug h2").text
+        assert "(rank 2) vs" in browser.find_element(By.ID, "title").text
+        browser.find_element(By.ID, "goto-first").click()  # jumps to the step and the node
+        assert Select(browser.find_element(By.ID, "step")).first_selected_option.text == "step 1"
+        row = _row(browser, "debug", SCALED)
+        assert "sel" in row.get_attribute("class") and row.get_attribute("data-bucket") == "error"
+        assert _row(browser, "bench", SCALED).get_attribute("data-bucket") == "error"  # its counterpart shown too
+        browser.save_screenshot(str(tmp_path / "ranks.png"))
+        assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    finally:
+        browser.quit()
