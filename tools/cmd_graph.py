@@ -22,6 +22,7 @@ from trainrec.analyzers.graph import build_from_run, compare
 from trainrec.analyzers.graph.explorer import explorer_graph, explorer_node_data
 from trainrec.analyzers.graph.layer_mapping import check_layer_mapping
 from trainrec.analyzers.graph.ranks import SCOPES, compare_ranks_full
+from trainrec.analyzers.graph.vis import vis_compare
 from trainrec.replay.run import open_run
 
 from .graph_html import write_build_html, write_compare_html, write_ranks_html
@@ -71,6 +72,9 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-explorer", action="store_true",
                    help="also write Model Explorer's graph JSON and node data (OUT/explorer_graph.json, "
                         "OUT/explorer_node_data.json) at the first divergent step (else the last)")
+    p.add_argument("--vis", action="store_true",
+                   help="also write OUT/compare.vis for TensorBoard's tb-graph-ascend plugin, at the first "
+                        "divergent step (else the last)")
     p.add_argument("--max-steps", type=int, default=20, metavar="N",
                    help="steps whose statistics the viewer holds (default 20: first, last, divergent, spread)")
 
@@ -105,14 +109,22 @@ def finish_compare(debug, bench, args) -> int:
                               overflow=args.overflow, complete_stack=args.complete_stack)
     if getattr(args, "model_explorer", False):
         write_explorer(cmp, args.output)
+    if getattr(args, "vis", False):
+        with open(os.path.join(args.output, "compare.vis"), "wb") as f:
+            f.write(orjson.dumps(vis_compare(cmp, shown_step(cmp), overflow=args.overflow)))
     print_verdict(verdict, sys.stdout)
     print(f"wrote {html} and {os.path.join(args.output, 'verdict.json')}")
     return 0
 
 
+def shown_step(cmp) -> int:
+    """The compared step the single-step outputs show: the first divergent one, else the last."""
+    return next((i for i, (d, _) in enumerate(cmp.steps) if cmp.first and d == cmp.first["step"]), len(cmp.steps) - 1)
+
+
 def write_explorer(cmp, out: str) -> None:
     """Model Explorer's files for the debug side at the first divergent step (else the last)."""
-    s = next((i for i, (d, _) in enumerate(cmp.steps) if cmp.first and d == cmp.first["step"]), len(cmp.steps) - 1)
+    s = shown_step(cmp)
     debug_index = cmp.debug.steps.index(cmp.steps[s][0])
     for name, data in (("explorer_graph.json", explorer_graph(cmp.debug, debug_index)),
                        ("explorer_node_data.json", explorer_node_data(cmp, s))):
