@@ -27,6 +27,7 @@ from trainrec.replay.run import open_run
 
 from .graph_html import write_build_html, write_compare_html, write_ranks_html
 from .graph_sides import load_mapping_file, load_side
+from .graph_visdb import write_vis_db
 
 
 def add_parser(subparsers) -> None:
@@ -54,6 +55,9 @@ def add_parser(subparsers) -> None:
     r.add_argument("--scope", choices=sorted(SCOPES), default="dp",
                    help="dp: parameters and reduced gradients (default); all: activations too (same data per rank)")
     r.add_argument("--threshold", type=float, default=0.01, help="relative error of a norm that departs")
+    r.add_argument("--vis-db", action="store_true",
+                   help="with -o, also write OUT/ranks.vis.db: every rank against the first, for tb-graph-ascend's "
+                        "Rank and Step dropdowns")
     r.set_defaults(func=run_ranks)
 
 
@@ -75,6 +79,8 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vis", action="store_true",
                    help="also write OUT/compare.vis for TensorBoard's tb-graph-ascend plugin, at the first "
                         "divergent step (else the last)")
+    p.add_argument("--vis-db", action="store_true",
+                   help="also write OUT/compare.vis.db (tb-graph-ascend's SQLite form: every compared step)")
     p.add_argument("--max-steps", type=int, default=20, metavar="N",
                    help="steps whose statistics the viewer holds (default 20: first, last, divergent, spread)")
 
@@ -112,6 +118,9 @@ def finish_compare(debug, bench, args) -> int:
     if getattr(args, "vis", False):
         with open(os.path.join(args.output, "compare.vis"), "wb") as f:
             f.write(orjson.dumps(vis_compare(cmp, shown_step(cmp), overflow=args.overflow)))
+    if getattr(args, "vis_db", False):
+        write_vis_db([(getattr(args, "rank_debug", None) or 0, cmp)],
+                     os.path.join(args.output, "compare.vis.db"), overflow=args.overflow)
     print_verdict(verdict, sys.stdout)
     print(f"wrote {html} and {os.path.join(args.output, 'verdict.json')}")
     return 0
@@ -164,6 +173,8 @@ def run_ranks(args: argparse.Namespace) -> int:
         with open(os.path.join(args.output, "ranks.json"), "wb") as f:
             f.write(orjson.dumps(verdict, option=orjson.OPT_INDENT_2))
         html = write_ranks_html(per_rank, verdict["base_rank"], os.path.join(args.output, "ranks.html"))
+        if args.vis_db:
+            write_vis_db(sorted(per_rank.items()), os.path.join(args.output, "ranks.vis.db"))
         print(f"wrote {html} and {os.path.join(args.output, 'ranks.json')}")
     print(f"ranks {verdict['ranks']} compared with rank {verdict['base_rank']} (scope {args.scope})")
     if d is None:

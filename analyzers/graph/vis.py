@@ -9,6 +9,7 @@ unmatched), ``data`` (precision index, overflow level), ``input_data``/``output_
 
 from __future__ import annotations
 
+import json
 import math
 
 from .compare import ERR_NAMES, Comparison
@@ -92,4 +93,50 @@ def vis_build(graph: Graph, step_index: int) -> dict:
             "Colors": COLORS}
 
 
-__all__ = ["COLORS", "vis_build", "vis_compare"]
+
+
+def vis_db_rows(comparisons: list[tuple[int, Comparison]], overflow: bool = False) -> tuple[dict, list[str], list[tuple]]:
+    """What ``.vis.db`` holds (tb-graph-ascend's SQLite form, every compared step and rank):
+    ``(config, stacks, node rows)``; rows follow :data:`DB_NODE_COLUMNS`, ``stack_id`` indexes ``stacks``.
+    Matched links carry plain names here (the plugin looks the last one up as it is)."""
+    stacks: dict[str, int] = {}
+    rows: list[tuple] = []
+    steps: set[int] = set()
+    for rank, cmp in comparisons:
+        for s in range(len(cmp.steps)):
+            steps.add(cmp.steps[s][0])
+            vis = vis_compare(cmp, s, overflow)
+            for source in ("NPU", "Bench"):
+                for order, (name, node) in enumerate(vis[source]["node"].items()):
+                    stack = _json_list(node["stack_info"])
+                    sid = stacks.setdefault(stack, len(stacks))
+                    link = [n[len(NPU_PREFIX):] for n in node["matched_node_link"]]
+                    data = node["data"]
+                    rows.append((1, order, name, node["node_type"], node["upnode"] if name != ROOT_NAME else "",
+                                 _json_list(node["subnodes"]), data.get("precision_index"),
+                                 data.get("overflow_level"), 0, _json_list(link), sid, "[]", "[]", 0,
+                                 _json_obj(node["input_data"]), _json_obj(node["output_data"]), source, "",
+                                 cmp.steps[s][0], rank, 0))
+    first = comparisons[0][1]
+    config = {"graph_type": "compare", "task": "summary", "tool_tip": _json_obj(TOOLTIP), "micro_steps": 1,
+              "overflow_check": int(overflow), "node_colors": _json_obj(COLORS),
+              "rank_list": _json_list(sorted(r for r, _ in comparisons)), "step_list": _json_list(sorted(steps)),
+              "source": f"{first.debug.source} vs {first.bench.source}"}
+    return config, list(stacks), rows
+
+
+DB_NODE_COLUMNS = ("graph_id", "node_order", "node_name", "node_type", "up_node", "sub_nodes", "precision_index",
+                   "overflow_level", "micro_step_id", "matched_node_link", "stack_id", "parallel_merge_info",
+                   "matched_distributed", "modified", "input_data", "output_data", "data_source", "dump_data_dir",
+                   "step", "rank", "is_distributed")
+
+
+def _json_list(v) -> str:
+    return json.dumps(list(v))
+
+
+def _json_obj(v) -> str:
+    return json.dumps(v, allow_nan=False)
+
+
+__all__ = ["COLORS", "DB_NODE_COLUMNS", "vis_build", "vis_compare", "vis_db_rows"]
