@@ -123,7 +123,10 @@ def _add_nodes(graph: Graph, data: dict, construct: dict, stacks: dict, order: d
                 _move(graph, n, gname)
         group.clear()
 
-    names = list(data)
+    # parameter gradients last: msprobe writes their entries when it registers its hooks, before any
+    # backward call they hang under (and they come after the backward pass in execution order)
+    names = [n for n in data if not n.endswith(".parameters_grad")]
+    names += [n for n in data if n.endswith(".parameters_grad")]
     for name in construct:
         if name not in data and construct[name] is not None:
             names.append(name)  # a parent with no statistics of its own

@@ -190,3 +190,25 @@ def test_a_node_mapping_pairs_what_it_names(tmp_path):
     assert cmp.unmatched_debug == [] and cmp.pairs["Functional.relu.0.forward"] == "Functional.gelu.0.forward"
     with pytest.raises(GraphInputError, match="none of its 1 entries names a node of both sides"):
         compare(debug, bench, mapping={"Functional.nothing.0.forward": "Functional.gelu.0.forward"})
+
+
+MSPROBE = os.path.join(os.path.dirname(DUMP_DIR), "msprobe_dump")  # real msprobe 1.2.1 dumps (make_msprobe_dump.py)
+
+
+def test_real_msprobe_dumps_the_scaled_layer_is_the_first_divergence():
+    bench = build_from_dump(os.path.join(MSPROBE, "bench"))
+    assert bench.steps == [0, 1]
+    # its tree: APIs under their modules, top-level API runs grouped, gradients under the last backward
+    assert bench.nodes["Functional.linear.1.forward"].parent == "Module.blk.lin.Linear.forward.0"
+    assert bench.nodes["Module.blk.lin.Linear.forward.0"].parent == "Module.blk.Scaled.forward.0"
+    assert bench.nodes["Module.fc1.Linear.parameters_grad"].parent == "Module.fc1.Linear.backward.0"
+    assert "Tensor.pow.0.forward" in bench.nodes["Apis_Between_Modules.0"].children
+    assert bench.nodes["Functional.linear.0.forward"].port("input.1").shape == (8, 6)
+    cmp = compare(build_from_dump(os.path.join(MSPROBE, "scaled")), bench)
+    assert cmp.unmatched_debug == [] and cmp.unmatched_bench == []
+    first = cmp.first
+    assert (first["step"], first["node"], first["inputs_clean"]) == (1, "Module.blk.Scaled.forward.0", True)
+    assert first["output_error"] == pytest.approx(1.0, rel=1e-5)
+    assert cmp.precision[0].max() == 0.0  # step 0 agrees everywhere
+    fuzzy = compare(build_from_dump(os.path.join(MSPROBE, "scaled")), bench, fuzzy=True)
+    assert len(fuzzy.pairs) == len(cmp.pairs) and fuzzy.first["node"] == first["node"]

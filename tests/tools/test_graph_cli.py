@@ -103,3 +103,12 @@ def test_bad_input_is_one_clear_line(runs, tmp_path):
     res = subprocess.run([sys.executable, "-m", "trainrec.tools.graph", "-i", str(spec), "-o", str(tmp_path / "y")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "npu_path is missing" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_reference_command_on_real_msprobe_dumps(tmp_path, capsys):
+    dumps = os.path.join(os.path.dirname(DUMP_DIR), "msprobe_dump")
+    spec = tmp_path / "compare.json"
+    spec.write_text(json.dumps({"npu_path": os.path.join(dumps, "scaled"), "bench_path": os.path.join(dumps, "bench"),
+                                "is_print_compare_log": True}))
+    assert reference_main(["-i", str(spec), "-o", str(tmp_path / "out")]) == 0
+    assert "FIRST DIVERGENCE: step 1, node Module.blk.Scaled.forward.0" in capsys.readouterr().out
