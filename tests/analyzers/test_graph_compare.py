@@ -212,3 +212,16 @@ def test_real_msprobe_dumps_the_scaled_layer_is_the_first_divergence():
     assert cmp.precision[0].max() == 0.0  # step 0 agrees everywhere
     fuzzy = compare(build_from_dump(os.path.join(MSPROBE, "scaled")), bench, fuzzy=True)
     assert len(fuzzy.pairs) == len(cmp.pairs) and fuzzy.first["node"] == first["node"]
+
+
+def test_a_trainrec_run_against_msprobe_dumps_of_the_same_training(tmp_path):
+    """The same network, seed, data and optimizer recorded by trainrec and dumped by msprobe 1.2.1: with
+    fuzzy matching the modules pair by name (the run's graph has the model's own call on top) and agree
+    to float32 rounding; against the dump whose layer was doubled, that layer at step 1 is named."""
+    run = build_from_run(open_run(record_run(tmp_path / "run", steps=2)))
+    same = compare(run, build_from_dump(os.path.join(MSPROBE, "bench")), fuzzy=True)
+    assert same.unmatched_debug == ["Module.Net.forward.0", "Module.Net.backward.0"]
+    assert len(same.pairs) - 1 == len(run.nodes) - 3  # every other node of the run pairs
+    assert same.first is None and np.nanmax(same.errors[:, :, 7]) < 1e-5
+    other = compare(run, build_from_dump(os.path.join(MSPROBE, "scaled")), fuzzy=True)
+    assert (other.first["step"], other.first["node"]) == (1, "Module.blk.Scaled.forward.0")
