@@ -88,6 +88,19 @@ def write_log(out_dir: str, n_modules: int, n_steps: int, diverge: tuple[int, in
     w.close()
 
 
+def time_vis(cmp, tmp: str, n_steps: int) -> None:
+    import orjson
+    from trainrec.analyzers.graph.vis import vis_compare
+    from trainrec.tools.graph_visdb import write_vis_db
+
+    t = time.perf_counter()
+    data = orjson.dumps(vis_compare(cmp, len(cmp.steps) // 2))
+    print(f".vis (one step): {time.perf_counter() - t:.2f} s, {len(data) / 1e6:.1f} MB")
+    t = time.perf_counter()
+    path = write_vis_db([(0, cmp)], os.path.join(tmp, "compare.vis.db"), max_steps=n_steps)
+    print(f".vis.db ({n_steps} steps): {time.perf_counter() - t:.2f} s, {os.path.getsize(path) / 1e6:.1f} MB")
+
+
 def time_page(path: str, node: str) -> None:
     """Load the page in headless Chromium (selenium), then search the divergent node and select it."""
     import shutil
@@ -120,6 +133,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modules", type=int, default=10_000)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--vis-steps", type=int, default=0, metavar="N",
+                    help="also time .vis (one step) and .vis.db (N steps) for tb-graph-ascend")
     ap.add_argument("--browser", action="store_true", help="also time loading and searching the page in headless Chromium")
     ap.add_argument("--dir", default=None, help="where to write the two logs (default: a temporary directory)")
     args = ap.parse_args()
@@ -148,6 +163,8 @@ def main() -> int:
         print(f"viewer: {time.perf_counter() - t:.2f} s, {os.path.getsize(path) / 1e6:.1f} MB (20 steps of statistics)")
         if args.browser:
             time_page(path, f["node"])
+        if args.vis_steps:
+            time_vis(cmp, tmp, args.vis_steps)
     return 0
 
 

@@ -80,7 +80,7 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
                    help="also write OUT/compare.vis for TensorBoard's tb-graph-ascend plugin, at the first "
                         "divergent step (else the last)")
     p.add_argument("--vis-db", action="store_true",
-                   help="also write OUT/compare.vis.db (tb-graph-ascend's SQLite form: every compared step)")
+                   help="also write OUT/compare.vis.db (tb-graph-ascend's SQLite form: the --max-steps steps the page holds)")
     p.add_argument("--max-steps", type=int, default=20, metavar="N",
                    help="steps whose statistics the viewer holds (default 20: first, last, divergent, spread)")
 
@@ -120,7 +120,7 @@ def finish_compare(debug, bench, args) -> int:
             f.write(orjson.dumps(vis_compare(cmp, shown_step(cmp), overflow=args.overflow)))
     if getattr(args, "vis_db", False):
         write_vis_db([(getattr(args, "rank_debug", None) or 0, cmp)],
-                     os.path.join(args.output, "compare.vis.db"), overflow=args.overflow)
+                     os.path.join(args.output, "compare.vis.db"), overflow=args.overflow, max_steps=args.max_steps)
     print_verdict(verdict, sys.stdout)
     print(f"wrote {html} and {os.path.join(args.output, 'verdict.json')}")
     return 0

@@ -41,7 +41,8 @@ def _side(graph: Graph, step_indices: list[int], stack_frames: int | None) -> tu
     }, index
 
 
-def _pick_steps(n: int, must: list[int], max_steps: int) -> list[int]:
+def pick_steps(n: int, must: list[int], max_steps: int) -> list[int]:
+    """At most ``max_steps`` of ``n`` step indices: the first, the last, ``must`` and steps spread between."""
     if n <= max_steps:
         return list(range(n))
     chosen = {0, n - 1, *[m for m in must if 0 <= m < n]}
@@ -73,7 +74,7 @@ def _write(path: str, text: str) -> str:
 
 
 def write_build_html(graph: Graph, path: str, max_steps: int = 20) -> str:
-    picked = _pick_steps(len(graph.steps), [], max_steps)
+    picked = pick_steps(len(graph.steps), [], max_steps)
     side, _ = _side(graph, picked, 3)
     payload = {"mode": "build", "title": graph.source, "steps": [graph.steps[i] for i in picked],
                "allSteps": graph.steps, "debug": side}
@@ -85,7 +86,7 @@ def compare_payload(cmp: Comparison, max_steps: int = 20, overflow: bool = False
     """What the page reads of one comparison."""
     frames = None if complete_stack else 3
     first_s = [i for i, (d, _) in enumerate(cmp.steps) if cmp.first and d == cmp.first["step"]]
-    picked = _pick_steps(len(cmp.steps), first_s, max_steps)
+    picked = pick_steps(len(cmp.steps), first_s, max_steps)
     dsteps = [cmp.debug.steps.index(cmp.steps[i][0]) for i in picked]
     bsteps = [cmp.bench.steps.index(cmp.steps[i][1]) for i in picked]
     debug, dindex = _side(cmp.debug, dsteps, frames)

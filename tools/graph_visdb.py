@@ -1,4 +1,4 @@
-"""Writing ``.vis.db``, tb-graph-ascend's SQLite form: every compared step and rank, for its Step and
+"""Writing ``.vis.db``, tb-graph-ascend's SQLite form: compared steps and ranks, for its Step and
 Rank dropdowns (tables ``tb_config``, ``tb_nodes``, ``tb_stack``; see docs/graphs.md)."""
 
 from __future__ import annotations
@@ -9,14 +9,22 @@ import sqlite3
 from trainrec.analyzers.graph import Comparison
 from trainrec.analyzers.graph.vis import DB_NODE_COLUMNS, vis_db_rows
 
+from .graph_html import pick_steps
+
 _TYPES = {"graph_id": "INTEGER", "node_order": "INTEGER", "node_type": "INTEGER", "precision_index": "REAL",
           "micro_step_id": "INTEGER", "stack_id": "INTEGER", "modified": "INTEGER", "step": "INTEGER",
           "rank": "INTEGER", "is_distributed": "INTEGER"}
 
 
-def write_vis_db(comparisons: list[tuple[int, Comparison]], path: str, overflow: bool = False) -> str:
-    """Write ``path`` (replaced atomically) from ``(rank, comparison)`` pairs."""
-    config, stacks, rows = vis_db_rows(comparisons, overflow)
+def write_vis_db(comparisons: list[tuple[int, Comparison]], path: str, overflow: bool = False,
+                 max_steps: int = 20) -> str:
+    """Write ``path`` (replaced atomically) from ``(rank, comparison)`` pairs, with at most ``max_steps``
+    compared steps of each (the first, the last, the first divergent one and steps spread between)."""
+    chosen = []
+    for rank, cmp in comparisons:
+        first = [i for i, (d, _) in enumerate(cmp.steps) if cmp.first and d == cmp.first["step"]]
+        chosen.append((rank, cmp, pick_steps(len(cmp.steps), first, max_steps)))
+    config, stacks, rows = vis_db_rows(chosen, overflow)
     tmp = path + ".tmp"
     if os.path.exists(tmp):
         os.remove(tmp)

@@ -95,15 +95,16 @@ def vis_build(graph: Graph, step_index: int) -> dict:
 
 
 
-def vis_db_rows(comparisons: list[tuple[int, Comparison]], overflow: bool = False) -> tuple[dict, list[str], list[tuple]]:
-    """What ``.vis.db`` holds (tb-graph-ascend's SQLite form, every compared step and rank):
+def vis_db_rows(comparisons: list[tuple[int, Comparison, list[int]]],
+                overflow: bool = False) -> tuple[dict, list[str], list[tuple]]:
+    """What ``.vis.db`` holds (tb-graph-ascend's SQLite form) for ``(rank, comparison, compared step indices)``:
     ``(config, stacks, node rows)``; rows follow :data:`DB_NODE_COLUMNS`, ``stack_id`` indexes ``stacks``.
     Matched links carry plain names here (the plugin looks the last one up as it is)."""
     stacks: dict[str, int] = {}
     rows: list[tuple] = []
     steps: set[int] = set()
-    for rank, cmp in comparisons:
-        for s in range(len(cmp.steps)):
+    for rank, cmp, step_indices in comparisons:
+        for s in step_indices:
             steps.add(cmp.steps[s][0])
             vis = vis_compare(cmp, s, overflow)
             for source in ("NPU", "Bench"):
@@ -120,7 +121,7 @@ def vis_db_rows(comparisons: list[tuple[int, Comparison]], overflow: bool = Fals
     first = comparisons[0][1]
     config = {"graph_type": "compare", "task": "summary", "tool_tip": _json_obj(TOOLTIP), "micro_steps": 1,
               "overflow_check": int(overflow), "node_colors": _json_obj(COLORS),
-              "rank_list": _json_list(sorted(r for r, _ in comparisons)), "step_list": _json_list(sorted(steps)),
+              "rank_list": _json_list(sorted(r for r, _, _ in comparisons)), "step_list": _json_list(sorted(steps)),
               "source": f"{first.debug.source} vs {first.bench.source}"}
     return config, list(stacks), rows
 
