@@ -5,13 +5,13 @@ statistics, and filters unmatched nodes. Screenshots are left in the test's tmp_
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "analyzers"))
 
+from browser import headless_chromium  # noqa: E402
 from graph_runs import DUMP_DIR, copy_dump, record_run  # noqa: E402
 from trainrec.tools.cli import main  # noqa: E402
 
@@ -19,19 +19,7 @@ SCALED = "Module.blk.Scaled.forward.0"
 
 
 def _browser():
-    binary = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
-    driver = shutil.which("chromedriver")
-    if binary is None or driver is None:
-        pytest.skip("no Chromium and chromedriver here (apt-get install chromium chromium-driver)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1100"):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(driver), options=opts)
+    return headless_chromium("1400,1100")
 
 
 def _row(browser, side: str, name: str):

@@ -5,7 +5,6 @@ selects its heatmap cell. A screenshot is left in the test's tmp_path (report.pn
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "analyzers"))
 
+from browser import headless_chromium  # noqa: E402
 from export_logs import rank_dir, stats_record, write_rank_log  # noqa: E402
 from trainrec.analyzers.report_model import KindGrid, ReportBuilder  # noqa: E402
 from trainrec.recorder.writer import LogWriter  # noqa: E402
@@ -93,19 +93,7 @@ def test_cli_writes_one_file_and_refuses_bad_arguments(run_dir, tmp_path, capsys
 
 
 def _browser():
-    binary = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
-    driver = shutil.which("chromedriver")
-    if binary is None or driver is None:
-        pytest.skip("no Chromium and chromedriver here (apt-get install chromium chromium-driver)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1300,1800"):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(driver), options=opts)
+    return headless_chromium("1300,1800")
 
 
 def test_the_page_in_headless_chromium(run_dir, tmp_path):
