@@ -69,7 +69,7 @@ from . import config, fused, zero
 from .fused import _PLAIN, local_tensor
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, device_update_and_ratio, fused_adam_rows, update_and_ratio
-from .stats import StatsPart, StepStats, build_stats_events, gather_device, placeholders, to_device
+from .step_stats import StatsPart, StepStats, build_stats_events, gather_device, placeholders, to_device
 from .targets import uninitialized
 
 log = logging.getLogger(__name__)

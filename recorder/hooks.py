@@ -61,7 +61,7 @@ from trainrec.schema.events import (
 
 from .config import Selector
 from .fused import _PLAIN, local_tensor
-from .stats import StatsPart, StepStats, gather_device, placeholders, to_device
+from .step_stats import StatsPart, StepStats, gather_device, placeholders, to_device
 
 if TYPE_CHECKING:
     from .monitor import TrainerMon

@@ -91,7 +91,8 @@ from .flight import probes_for
 from .fused import local_tensor
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, holder_of, torch_optimizer_of
-from .stats import StatsEngine, StepStats
+from .stats import StatsEngine
+from .step_stats import StepStats
 from .targets import ParamInfo, Targets, build_targets, uninitialized
 from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from . import fused, zero
-from .stats import gather_device, to_device
+from .step_stats import gather_device, to_device
 
 log = logging.getLogger(__name__)
 

@@ -458,9 +458,9 @@ def test_update_and_ratio_of_state_on_two_devices_in_separate_chunks(monkeypatch
     """A model split over two devices whose state spans more than one chunk: the chunks' rows, each on
     its first tensor's device, go together on one device (torch.cat of rows on two devices raised, and
     the step lost its update and ratio rows). The meta device stands in for the second accelerator."""
-    from trainrec.recorder import stats
+    from trainrec.recorder import step_stats
 
-    monkeypatch.setattr(stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
+    monkeypatch.setattr(step_stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
     group = {"betas": (0.9, 0.999), "eps": 1e-8}
     entries = [(0, torch.ones(4), torch.ones(4), 3.0, group),
                (1, torch.ones(4, device="meta"), torch.ones(4, device="meta"), 3.0, group)]

@@ -11,7 +11,8 @@ import torch.nn as nn
 from trainrec.analyzers.anomalies import AnomalyScan
 from trainrec.analyzers.ranking import rank_anomalies
 from trainrec.recorder import record
-from trainrec.recorder.stats import StatsEngine, StatsPart, StepStats, build_stats_events
+from trainrec.recorder.stats import StatsEngine
+from trainrec.recorder.step_stats import StatsPart, StepStats, build_stats_events
 from trainrec.replay.run import open_run
 from trainrec.schema.events import AnomalyDetected, TensorStatsRecorded
 from trainrec.schema.rules import rules_from_config

@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 import torch
 from trainrec.recorder import fused
-from trainrec.recorder.stats import (
-    SMALL_NUMEL,
-    StatsEngine,
-    StatsPart,
-    StepStats,
-    build_stats_events,
-    placeholders,
-)
+from trainrec.recorder.stats import SMALL_NUMEL, StatsEngine
+from trainrec.recorder.step_stats import StatsPart, StepStats, build_stats_events, placeholders
 from trainrec.schema.events import unpack_array
 
 OPS = ("min", "max", "norm", "mean", "zeros", "nans")

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainrec.recorder import stats
+from trainrec.recorder import step_stats
 from trainrec.recorder.hooks import stack_rows
-from trainrec.recorder.stats import StatsEngine, StatsPart, StepStats
+from trainrec.recorder.stats import StatsEngine
+from trainrec.recorder.step_stats import StatsPart, StepStats
 
 ACCEL = torch.device("meta")
 OPS = ("min", "max", "norm")
@@ -23,7 +24,7 @@ OPS = ("min", "max", "norm")
 @pytest.fixture
 def meta_as_cuda(monkeypatch):
     """The meta stand-in takes the asynchronous copies a CUDA device takes."""
-    monkeypatch.setattr(stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
+    monkeypatch.setattr(step_stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
 
 
 class CopySpy(TorchDispatchMode):
@@ -81,7 +82,7 @@ def test_a_step_with_rows_on_several_devices_is_gathered_without_waiting(meta_as
     st.add(StatsPart("grad_unreduced", torch.zeros(1, 3, device=ACCEL), [2]))
     spy = CopySpy()
     with spy:
-        values = stats._concat([p.values for p in st.parts], 3)
+        values = step_stats._concat([p.values for p in st.parts], 3)
     assert values.device == ACCEL and values.shape == (3, 3)
     assert all(dst != "cpu" and nb for _, dst, nb in spy.copies), spy.copies
 
@@ -122,7 +123,7 @@ def test_host_copy_event_is_recorded_on_the_stream_of_the_rows_device(monkeypatc
         d = torch.device("cuda", current) if device is None else torch.device(device)
         return ("stream", d)
 
-    monkeypatch.setattr(stats, "_concat", lambda rows, nops: _FakeValues())
+    monkeypatch.setattr(step_stats, "_concat", lambda rows, nops: _FakeValues())
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _FakeHost(log))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
@@ -147,7 +148,7 @@ def test_host_copy_event_waits_without_spinning(monkeypatch):
         def record(self, stream=None):
             pass
 
-    monkeypatch.setattr(stats, "_concat", lambda rows, nops: _FakeValues())
+    monkeypatch.setattr(step_stats, "_concat", lambda rows, nops: _FakeValues())
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _FakeHost([]))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
@@ -168,7 +169,7 @@ def test_host_copy_from_an_accelerator_without_a_cuda_event_completes_before_it_
     when the writer thread reads the rows (torch documents non_blocking device-to-host copies as
     needing a sync before the values are read): that copy blocks."""
     log: list = []
-    monkeypatch.setattr(stats, "_concat", lambda rows, nops: _FakeMpsValues())
+    monkeypatch.setattr(step_stats, "_concat", lambda rows, nops: _FakeMpsValues())
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _FakeHost(log))
     st = StepStats(OPS)
     st.add(StatsPart("actv", None, [0, 1]))
@@ -183,12 +184,12 @@ def test_copies_to_a_device_are_asynchronous_only_where_that_is_safe(monkeypatch
     (CPU to MPS gives wrong values, pytorch/pytorch#139550)."""
     spy = CopySpy()
     with spy:
-        stats.to_device(torch.ones(3), ACCEL)
+        step_stats.to_device(torch.ones(3), ACCEL)
     assert spy.copies == [("cpu", "meta", False)]
-    monkeypatch.setattr(stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
+    monkeypatch.setattr(step_stats, "ASYNC_COPY_DEVICES", frozenset({"cuda", "meta"}))
     spy = CopySpy()
     with spy:
-        stats.to_device(torch.ones(3), ACCEL)
+        step_stats.to_device(torch.ones(3), ACCEL)
     assert spy.copies == [("cpu", "meta", True)]
 
 
