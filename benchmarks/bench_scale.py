@@ -85,7 +85,7 @@ def numpy_floor(path: str, sample: int, window: int = 16) -> tuple[float, float]
     from trainrec.analyzers.vector_rules import block_flags
     from trainrec.replay.run import open_run
     from trainrec.schema.events import TensorStatsRecorded
-    from trainrec.schema.rules import make_rule
+    from trainrec.schema.rule_config import make_rule
 
     run = open_run(path)
     floor = rules = 0.0
@@ -154,7 +154,7 @@ def main() -> None:
                  measure([*TRAINREC, "anomalies", run_dir, *rule, "--engine", "dask", "-j", "2"]), values)
         if not a.skip_before:
             before = ("from trainrec.analyzers.anomalies import AnomalyScan; from trainrec.replay.run import open_run;"
-                      "from trainrec.schema.rules import make_rule; import sys;"
+                      "from trainrec.schema.rule_config import make_rule; import sys;"
                       "AnomalyScan([make_rule('AnomalyTurbulence', {'threshold': 0.5})]).feed_all(open_run(sys.argv[1]).events())")
             line("record-by-record AnomalyScan (before)", measure([sys.executable, "-c", before, run_dir]), values)
         sel = f"0-{min(a.io_ranks, a.ranks) - 1}"

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 from trainrec.schema import layout
 from trainrec.schema.events import AnomalyDetected
-from trainrec.schema.rules import Detector, reference_entry, rules_from_config, validate_alert_config
+from trainrec.schema.rule_config import rules_from_config, validate_alert_config
+from trainrec.schema.rules import Detector, reference_entry
 
 log = logging.getLogger(__name__)
 

@@ -216,7 +216,7 @@ def _parse_alert(raw: Any, source: str | None) -> tuple:
 def _validate_alert(raw: Any, source: str | None) -> tuple:
     """The alert section, checked by the anomaly rules' own validator when it is available."""
     try:
-        from trainrec.schema.rules import validate_alert_config
+        from trainrec.schema.rule_config import validate_alert_config
     except ImportError:
         return _parse_alert(raw, source)
     norm = validate_alert_config(raw, source=source)

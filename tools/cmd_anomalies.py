@@ -35,7 +35,8 @@ from trainrec.replay.run import Run
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError, TrainrecError
 from trainrec.schema.events import AnomalyDetected
-from trainrec.schema.rules import RULES, Rule, make_rule, rule_arguments
+from trainrec.schema.rule_config import make_rule, rule_arguments
+from trainrec.schema.rules import RULES, Rule
 
 from .anomaly_parts import scan_parts
 from .partition import add_jobs_arguments, check_engine

@@ -9,16 +9,14 @@ import numpy as np
 import pytest
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import AnomalyDetected
+from trainrec.schema.rule_config import make_rule, rules_from_config, validate_alert_config
 from trainrec.schema.rules import (
     AnomalyTurbulence,
     Detector,
     NaNInf,
     ZScore,
     anomaly_message,
-    make_rule,
     reference_entry,
-    rules_from_config,
-    validate_alert_config,
 )
 
 NAN = float("nan")

@@ -12,7 +12,8 @@ from trainrec.analyzers.ranking import rank_anomalies
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import open_run
 from trainrec.schema import layout
-from trainrec.schema.rules import AnomalyTurbulence, NaNInf, ZScore, rules_from_config
+from trainrec.schema.rule_config import rules_from_config
+from trainrec.schema.rules import AnomalyTurbulence, NaNInf, ZScore
 
 ALERT = {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}], "dump": False}
 

@@ -115,7 +115,7 @@ def test_a_zero_threshold_is_accepted_as_the_reference_accepts_it():
     """msprobe 1.2.1 rejects a threshold < 0 only: a config of it with threshold 0.0 (flag every change)
     loads here too, and its rule runs."""
     import numpy as np
-    from trainrec.schema.rules import rules_from_config
+    from trainrec.schema.rule_config import rules_from_config
 
     alert = {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.0}}]}
     assert parse_config({"alert": alert}).alert_rules[0].threshold == 0.0

@@ -15,7 +15,7 @@ from trainrec.recorder.stats import StatsEngine
 from trainrec.recorder.step_stats import StatsPart, StepStats, build_stats_events
 from trainrec.replay.run import open_run
 from trainrec.schema.events import AnomalyDetected, TensorStatsRecorded
-from trainrec.schema.rules import rules_from_config
+from trainrec.schema.rule_config import rules_from_config
 
 ALERT = {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}], "dump": False}
 POISON_STEP = 7  # (before the warm-up of 8 values ends: the first anomaly of the run is a NaN)
