@@ -47,8 +47,8 @@ import logging
 import threading
 import time
 import weakref
-from itertools import compress, product, repeat
-from operator import add, attrgetter, gt, is_not, mod
+from itertools import compress, repeat
+from operator import add, attrgetter, is_not, mod
 
 import numpy as np
 import torch
@@ -66,7 +66,8 @@ from trainrec.schema.events import (
 from trainrec.schema.naming import reference_tag
 
 from . import config, fused, zero
-from .fused import _PLAIN, local_tensor
+from .fused import local_tensor
+from .grad_places import any_in_shared_buffer, in_shared_buffer, is_shard, main_grad_now, shard_held_before
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, device_update_and_ratio, fused_adam_rows, update_and_ratio
 from .step_stats import StatsPart, StepStats, build_stats_events, gather_device, placeholders, to_device
@@ -123,7 +124,7 @@ class StepCollector:
             micro = n % self._grad_acc
         call = st.fire(info.name_id, 1, micro)
         # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
-        # change it, before the batch is measured). main_grad is not (see _main_grad_now).
+        # change it, before the batch is measured). main_grad is not (see main_grad_now).
         if incoming is not None:
             g, now = incoming, True
         else:
@@ -135,7 +136,7 @@ class StepCollector:
             else:
                 if drained:  # main_grad since the list hooks were chosen: too late for this firing's
                     self._list_hooks_fallback("a parameter has a main_grad")  # sum, measured now
-                g, added, now = _main_grad_now(p, mg)
+                g, added, now = main_grad_now(p, mg)
                 if added is not None:  # Megatron's main_grad, about to get this micro step's .grad added
                     self._flush_grads()
                     failed: list = []
@@ -155,7 +156,7 @@ class StepCollector:
             st.pending_lookup = True
         if now or (len(pending) >= len(self._params) and g is not None):
             self._flush_grads()
-        elif _in_shared_buffer(g):
+        elif in_shared_buffer(g):
             if drained:  # its owner (DDP) may have changed it since it fired: hooks that measure it then
                 self._list_hooks_fallback("a gradient is a view into a shared buffer")
             self._flush_grads()
@@ -215,7 +216,7 @@ class StepCollector:
             infos = list(map(params.__getitem__, idx))
             tensors = list(map(_PARAM, infos))
             grads = list(map(_GRAD, tensors))
-            plain = not (self._may_have_main_grads(tensors) or _any_in_shared_buffer(grads))
+            plain = not (self._may_have_main_grads(tensors) or any_in_shared_buffer(grads))
         if not plain:
             for i in idx:  # anything unusual: one firing at a time, as the Python hooks take them
                 if i is not None:
@@ -380,11 +381,11 @@ class StepCollector:
     def _dp_copy(self, g: torch.Tensor, p: torch.Tensor) -> bool:
         """Whether a rank before this one in ``dp_group`` holds the same ``g``, the gradient of ``p``
         (this rank is not the group's first): a plain or whole gradient, or a DTensor's shard that a
-        rank before this one in the group holds too (see :func:`_shard_held_before`: HSDP's replicas,
+        rank before this one in the group holds too (see :func:`shard_held_before`: HSDP's replicas,
         ``fully_shard`` on a (replicate, shard) mesh; a tensor-parallel shard whose dp replicas hold it
         too). Under 2-D DDP + TP ``p`` is the plain Parameter DDP put in a DTensor's place, the
         DTensor's layout in its ``_st_info``: its gradient is that DTensor's local shard."""
-        if _is_shard(g):
+        if is_shard(g):
             mesh, placements = g.device_mesh, g.placements
         else:
             spec = getattr(p, "_st_info", None)  # torch's DTensorSpec
@@ -394,7 +395,7 @@ class StepCollector:
         key = (id(mesh), tuple(placements))
         hit = self._dp_replicas.get(key)
         if hit is None or hit[0] is not mesh:
-            hit = self._dp_replicas[key] = (mesh, _shard_held_before(mesh, placements, self._dp_ranks))
+            hit = self._dp_replicas[key] = (mesh, shard_held_before(mesh, placements, self._dp_ranks))
         return hit[1]
 
     def _own_grad_lists(self, partitioned_only: bool = False) -> tuple[list, list]:
@@ -766,99 +767,9 @@ def _queue_end_of_backward(fn) -> None:
 _queue_warned: list = []
 
 
-def _is_shard(g: torch.Tensor) -> bool:
-    """Whether ``g`` is a DTensor of which this rank holds a part only (FSDP2's sharded gradients)."""
-    local = local_tensor(g)
-    return local is not g and local.numel() != g.numel()
-
-
-def _shard_held_before(mesh, placements, ranks: tuple) -> bool:
-    """Whether a rank before this one in ``ranks`` (``dp_group``'s, in group order) holds the same local
-    tensor of a DTensor ``g`` on ``mesh`` with ``placements``: one whose coordinates on the mesh
-    dimensions ``g`` is not replicated over are this rank's (it differs along replicated dimensions only: HSDP's replicas). Where ``g``'s mesh is a
-    named slice of a larger one (``mesh["tp"]``), the group's ranks outside the slice are placed in that
-    root mesh, and one on the same slice coordinates holds the same shard (``dp_group`` names ranks that
-    hold replicas of the model); where it cannot be placed there (a flattened dimension), only ranks of
-    ``g``'s own mesh are compared."""
-    import torch.distributed as dist
-
-    dims = [d for d, pl in enumerate(placements) if not pl.is_replicate()]  # _StridedShard is no is_shard()
-    grid = mesh.mesh
-    try:
-        root = mesh._get_root_mesh()  # torch's own (DDP's 2-D path uses it); not public
-    except AttributeError:
-        root = mesh
-    names, root_names = mesh.mesh_dim_names, getattr(root, "mesh_dim_names", None)
-    if root is not mesh and names and root_names and all(names[d] in root_names for d in dims):
-        grid, dims = root.mesh, [root_names.index(names[d]) for d in dims]
-    coords = dict(zip(grid.flatten().tolist(), product(*map(range, grid.shape)), strict=True))
-    me = dist.get_rank()
-    mine = coords.get(me)
-    if mine is None:
-        return False
-    for q in ranks:
-        if q == me:
-            return False
-        c = coords.get(q)
-        if c is not None and all(c[d] == mine[d] for d in dims):
-            return True
-    return False
-
-
 # The largest temporary main_grad + .grad made at once (elements): a larger parameter (an LLM's
 # embedding shard) is summed and measured in parts of this size, whose rows are combined.
 SUM_PART_NUMEL = 1 << 24
-
-
-def _main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-    """``(tensor, added, measure_now)`` for this micro step's unreduced ``main_grad`` of ``p``, from
-    inside its post-accumulate-grad hook. Megatron's DDP keeps ``main_grad`` as a view into its
-    contiguous gradient buffer and adds ``.grad`` into it in its own hook on the gradient accumulator,
-    which runs after this one; with ``overlap_grad_reduce`` that hook then starts the bucket's
-    reduction at once when this parameter completes the bucket. So, in a shared buffer, the value the
-    owner is about to make, ``main_grad + added`` (``added``: ``.grad``), is measured now (see
-    :meth:`StepCollector._rows_of_sum`); ``main_grad`` alone where Megatron's fused weight-gradient
-    accumulation has added the gradient already (``grad_added_to_main_grad``) or ``.grad`` does not
-    fit. A ``main_grad`` kept elsewhere is looked up when the batch is measured, at the end of the
-    backward pass at the latest (None: after every hook of this backward has run)."""
-    if not _in_shared_buffer(mg):
-        return None, None, False
-    g = p.grad
-    if (g is None or g is mg or getattr(p, "grad_added_to_main_grad", False) or g.shape != mg.shape
-            or g.layout is not torch.strided or g.device != mg.device):
-        return mg, None, True
-    return mg, g, True
-
-
-_STORAGE = torch.Tensor.untyped_storage
-_STORAGE_NBYTES = torch.UntypedStorage.nbytes
-_NBYTES = attrgetter("nbytes")
-
-
-def _any_in_shared_buffer(grads: list) -> bool:
-    """``any(map(_in_shared_buffer, grads))``, without a Python call per tensor where all are plain
-    tensors (it runs after every backward pass)."""
-    if set(map(type, grads)).issubset(_PLAIN):
-        try:
-            return any(map(gt, map(_STORAGE_NBYTES, map(_STORAGE, grads)), map(_NBYTES, grads)))
-        except (RuntimeError, NotImplementedError, TypeError):  # sparse and other storage-less layouts
-            pass
-    return any(map(_in_shared_buffer, grads))
-
-
-def _in_shared_buffer(g: torch.Tensor | None) -> bool:
-    """Whether ``g`` is a view into a larger buffer (DDP's ``gradient_as_bucket_view`` buckets, Megatron's
-    contiguous grad buffer): its owner may scale or all-reduce it in place as soon as this hook returns
-    (DDP divides a bucket view by the world size right after it), so it is measured now, not batched.
-    A tensor without storage of its own (sparse) is not."""
-    if g is None:
-        return False
-    if type(g) not in _PLAIN:
-        g = local_tensor(g)
-    try:
-        return g.untyped_storage().nbytes() > g.nbytes
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse and other storage-less layouts
-        return False
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from trainmon_util import ALL_OPS, assert_close, events_of, loss_of, make, ref_stats, stats_table
-from trainrec.recorder import TrainerMon, collect
+from trainrec.recorder import TrainerMon, grad_places
 from trainrec.schema.events import HooksFired, TensorStatsRecorded
 
 CFG = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True, "ops": ALL_OPS,
@@ -223,5 +223,5 @@ def test_the_batched_shared_buffer_check_agrees_with_the_per_tensor_one():
         [torch.nn.Parameter(torch.zeros(3)), torch.zeros(3)],
     ]
     want = [False, True, True, False, False, True, False]
-    assert [any(map(collect._in_shared_buffer, c)) for c in cases] == want
-    assert [collect._any_in_shared_buffer(c) for c in cases] == want
+    assert [any(map(grad_places.in_shared_buffer, c)) for c in cases] == want
+    assert [grad_places.any_in_shared_buffer(c) for c in cases] == want
