@@ -170,18 +170,26 @@ class StatsEngine:
                     "accelerator tensors from now on", type(exc).__name__, exc, cause)
         self.triton_devices = frozenset()
 
-    def _device_rows(self, tensors: Sequence[torch.Tensor | None], scales: Sequence | None) -> torch.Tensor | None:
-        """Rows of ``tensors`` from the Triton engine, where all are on one device it takes (None: not
-        taken). Tensors its kernels do not read (integer ids, float64, strided views with gaps) are
-        measured by torch's reductions and their rows put in place."""
+    def _engine_for(self, tensors: Sequence[torch.Tensor | None]):
+        """The Triton engine where the tensors (None aside; at least one) are all on one device it takes,
+        else None (a model split over devices: each device's group goes on its own)."""
+        if not self.triton_devices:
+            return None
         device = next((t.device for t in tensors if t is not None), None)
         if device is None or device.type not in self.triton_devices:
             return None
         if any(t is not None and t.device != device for t in tensors):
-            return None  # (a model split over devices: each device's group on its own)
-        eng = self._device_engine()
+            return None
+        return self._device_engine()
+
+    def _device_rows(self, tensors: Sequence[torch.Tensor | None], scales: Sequence | None) -> torch.Tensor | None:
+        """Rows of ``tensors`` from the Triton engine, where all are on one device it takes (None: not
+        taken). Tensors its kernels do not read (integer ids, float64, strided views with gaps) are
+        measured by torch's reductions and their rows put in place."""
+        eng = self._engine_for(tensors)
         if eng is None:
             return None
+        device = next(t.device for t in tensors if t is not None)
         from .device_stats import supports
 
         xs = list(tensors)
@@ -201,19 +209,13 @@ class StatsEngine:
                   shifts: Sequence | None) -> torch.Tensor | None:
         """Adam's ratio (``shifts`` None) or update rows from the state pairs on the Triton engine (see
         :meth:`device_stats.TritonStats.pair_rows`); None where it does not take them all."""
-        if not ms or not self.triton_devices:
-            return None
-        device = ms[0].device
-        if device.type not in self.triton_devices:
+        eng = self._engine_for([*ms, *vs])
+        if eng is None:
             return None
         from .device_stats import supports
 
-        if not all(m.device == device and v.device == device and m.dtype == v.dtype and m.shape == v.shape
-                   and m.stride() == v.stride()
-                   and supports(m) and supports(v) for m, v in zip(ms, vs, strict=True)):
-            return None
-        eng = self._device_engine()
-        if eng is None:
+        if not all(m.dtype == v.dtype and m.shape == v.shape and m.stride() == v.stride() and supports(m)
+                   and supports(v) for m, v in zip(ms, vs, strict=True)):
             return None
         try:
             return eng.pair_rows(ms, vs, scales, shifts)
