@@ -134,18 +134,23 @@ class AnomalyScan:
             return []
         return self._detect(rec, names, (pp_stage, tuple(group_mates)))
 
+    def _row_names(self, rec: TensorStatsRecorded) -> list[str]:
+        """The names of a record's rows, resolved once per layout and names table of its rank."""
+        key = (rec.rank, self._gen.get(rec.rank, 0), rec.name_ids)
+        names = self._names.get(key)
+        if names is None:
+            if len(self._names) > 4096:
+                self._names.clear()
+            names = self._names[key] = self._resolver.names(rec)
+        return names
+
     def _detect(self, rec: TensorStatsRecorded, names: list[str] | None = None,
                 info: tuple[int, tuple] | None = None) -> list[AnomalyDetected]:
         if rec.check() is not None:
             self.bad_records += 1
             return []
         if names is None:
-            key = (rec.rank, self._gen.get(rec.rank, 0), rec.name_ids)
-            names = self._names.get(key)
-            if names is None:
-                if len(self._names) > 4096:
-                    self._names.clear()
-                names = self._names[key] = self._resolver.names(rec)
+            names = self._row_names(rec)
         pp_stage, mates = info if info is not None else self._rank_info.get(rec.rank, (0, ()))
         n = len(rec)
         values = np.frombuffer(rec.values, dtype=_DTYPES[rec.dtype]).reshape(n, len(rec.ops))

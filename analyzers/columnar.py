@@ -95,12 +95,7 @@ class ColumnarScan(AnomalyScan):
             self.bad_records += 1
             return []
         if names is None:
-            key = (rec.rank, self._gen.get(rec.rank, 0), rec.name_ids)
-            names = self._names.get(key)
-            if names is None:
-                if len(self._names) > 4096:
-                    self._names.clear()
-                names = self._names[key] = self._resolver.names(rec)
+            names = self._row_names(rec)
         n = len(rec)
         if n == 0 or not rec.ops:
             return []

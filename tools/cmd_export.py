@@ -42,7 +42,7 @@ from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, ConfigApplied, StepEnded, TensorStatsRecorded
 
 from .export_files import ExportTask, TaskResult, pool_context, run_task
-from .partition import ENGINES, check_engine, run_parts
+from .partition import ENGINES, check_engine, positive_int, run_parts
 from .progress import Progress
 from .runarg import add_run_arguments, check_steps, note_incomplete
 
@@ -68,16 +68,6 @@ def _steps_arg(what: str):
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {n}")
-    return n
 
 
 def _ndigits(text: str) -> int | None:
@@ -109,7 +99,7 @@ def add_parser(subparsers) -> None:
                        help=f"data types, comma separated (default all: {','.join(KINDS)})")
         q.add_argument("--steps", type=_steps_arg("step"), metavar="RANGES", help="steps to export, e.g. 10-20,30")
         q.add_argument("--ranks", type=_steps_arg("rank"), metavar="RANGES", help="ranks to export, e.g. 0,2-3")
-        q.add_argument("-j", "--process-num", type=_positive, default=1, metavar="N", help="processes (default 1)")
+        q.add_argument("-j", "--process-num", type=positive_int, default=1, metavar="N", help="processes (default 1)")
         q.add_argument("--engine", choices=ENGINES, default="local",
                        help="where the parts run: local processes (-j), or a Dask cluster (the dask extra)")
         q.add_argument("--cluster", metavar="ADDRESS", default=None,
@@ -120,7 +110,7 @@ def add_parser(subparsers) -> None:
             q.add_argument("--ndigits", type=_ndigits, default=FROM_RUN, metavar="N",
                            help="decimals, rounded as the reference rounds them ('full': no rounding; default: "
                                 "the run's config, as its live export wrote them, else 6)")
-            q.add_argument("--step-count-per-record", type=_positive, default=FROM_RUN, metavar="M",
+            q.add_argument("--step-count-per-record", type=positive_int, default=FROM_RUN, metavar="M",
                            help="steps per CSV file (default: the run's config, else 1)")
         q.set_defaults(func=run)
     from .export_parquet import add_parquet_parser  # (it imports this module's output helpers)

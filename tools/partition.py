@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 def add_jobs_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None:
     """``-j N`` (and with ``engine``: ``--engine``, ``--cluster``)."""
-    parser.add_argument("-j", "--jobs", type=_positive, default=1, metavar="N",
+    parser.add_argument("-j", "--jobs", type=positive_int, default=1, metavar="N",
                         help="processes, by rank partition (default 1; the answer is the same)")
     if engine:
         parser.add_argument("--engine", choices=ENGINES, default="local",
@@ -48,7 +48,7 @@ def add_jobs_arguments(parser: argparse.ArgumentParser, engine: bool = False) ->
                                  "without it --engine dask starts a local cluster of -j processes")
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
