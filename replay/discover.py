@@ -82,6 +82,7 @@ class LogFile:
     resume_step: int | None = None  # step a RunResumed at the start of the file continues from
     error: FormatError | None = None
     empty: bool = False  # nothing but its preamble (and maybe its FileClosed) is recorded in it
+    closed: bool = False  # its FileClosed follows the preamble directly (set only where ``empty``)
 
     def writer(self) -> str:
         """Who wrote the file, in words (its header's host, pid, start and writer nonce)."""
@@ -129,6 +130,7 @@ def scan_file(path: str, dir_stamp: str | None = None, dir_rank: int | None = No
         return lf
     lf.version = reader.version
     lf.empty = bool(head) and (isinstance(head[-1], _PREAMBLE) or isinstance(head[-1], FileClosed))
+    lf.closed = bool(head) and isinstance(head[-1], FileClosed)
     for ev in head:
         if isinstance(ev, FileOpened):
             if lf.header is None:

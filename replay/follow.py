@@ -40,7 +40,7 @@ from trainrec.schema import layout, procid
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import Event, FileOpened, NamesInterned
 
-from .discover import list_runs, scan_file, select_run
+from .discover import LogFile, list_runs, scan_file, select_run
 from .reader import LogReader
 from .run import resolve_types
 
@@ -287,22 +287,34 @@ class RunFollower:
             return
         if lf.header is None:
             return  # still being created: look again next poll
-        self._waiting.discard(path)
         d = os.path.dirname(path)
         if self._mode == "output":
-            ours = bool(self.run_id) and lf.header.run_id == self.run_id
-            resumed = lf.resume_step is not None and d in self._dirs
-            known_dir = not self.run_id and d in self._dirs
-            if not (ours or resumed or known_dir):
-                return
-            if (ours and not resumed and path not in self._chosen
-                    and (lf.rank in self._chosen_ranks or lf.rank in self._ranks.values())):
-                # another writer of this run id at a rank followed already: another launch, kept apart
-                log.warning("trainrec: not following %s: another launch writes run id %s at rank %d (trainrec "
-                            "check)", path, self.run_id, lf.rank)
+            why_not = self._not_ours(lf)
+            if why_not is not None:
+                if lf.empty and not lf.closed and d in self._dirs and not writer_gone(lf.header):
+                    # Only its preamble so far: a resumed launch writes its RunResumed after the header,
+                    # so whether this file continues the run cannot be told yet. Looked at again next poll.
+                    return
+                self._waiting.discard(path)
+                if why_not:
+                    log.warning("trainrec: not following %s: %s", path, why_not)
                 return
             self._dirs.add(d)
+        self._waiting.discard(path)
         self._add(path, lf.rank)
+
+    def _not_ours(self, lf: LogFile) -> str | None:
+        """None where a file found in an output directory belongs to the launch followed; else why not
+        (empty where it is simply another run's)."""
+        ours = bool(self.run_id) and lf.header.run_id == self.run_id
+        resumed = lf.resume_step is not None and lf.dir in self._dirs
+        known_dir = not self.run_id and lf.dir in self._dirs
+        if not (ours or resumed or known_dir):
+            return ""
+        if (ours and not resumed and lf.path not in self._chosen
+                and (lf.rank in self._chosen_ranks or lf.rank in self._ranks.values())):
+            return f"another launch writes run id {self.run_id} at rank {lf.rank} (trainrec check)"
+        return None
 
     def _add(self, path: str, rank: int | None) -> None:
         if path in self._readers or path in self.file_errors:

@@ -346,3 +346,24 @@ for s in range(1000):
     written = list(open_run(out).events())
     assert [type(e) for e in got] == [type(e) for e in written] and len(got) > 8
     assert not any(isinstance(e, FileClosed) for e in got)
+
+
+def test_a_resumed_file_seen_before_its_resume_record_is_still_followed(tmp_path):
+    """A resumed launch's writer puts its header on disk before its RunResumed: a poll in between must
+    not take the file for another launch of the same run id."""
+    d = rank_dir(tmp_path, 0)
+    w0 = LogWriter(d, rank=0, run_id="r", flush_interval=0.01)
+    ids = w0.intern(["x"])
+    _steps(w0, 0, range(2), ids, pause=0)
+    w0.close()
+    f = RunFollower(str(tmp_path))
+    f.poll()
+    w1 = LogWriter(d, rank=0, run_id="r", flush_interval=0.01)
+    w1.flush(timeout=10)
+    assert f.poll() == [] and len(f.readers) == 1  # only its header so far: undecided
+    w1.write(RunResumed(rank=0, step=1, last_step=1))
+    _steps(w1, 0, range(1, 3), w1.intern(["x"]), pause=0)
+    w1.close()
+    later = f.poll()
+    assert len(f.readers) == 2 and any(isinstance(e, RunResumed) for e in later)
+    assert [e.step for e in later if isinstance(e, StepBegan)] == [1, 2] and f.closed
