@@ -1,10 +1,11 @@
 """Price of the recorder's API level (``api_xy``): step time of a small transformer-ish CPU model with no
 monitoring, with module inputs and outputs (xy) and with xy plus the API level (with and without
 stacks), paired in one process: every round runs each configuration for the same steps, in a rotating
-order, and the figures are medians over rounds of each round's median step. Also prints API calls per
+order; the figures are medians over rounds of each round's median step, and of the ratios of
+configurations within each round. Also prints API calls per
 step and log bytes per collected step. Prints the figures; nothing is asserted.
 
-    .venv/bin/python benchmarks/bench_api_level.py [--rounds 5] [--steps 20] [--threads 1]
+    .venv/bin/python benchmarks/bench_api_level.py [--rounds 5] [--steps 20] [--threads 1] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -70,16 +71,19 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def train(model, opt, batches, n: int) -> list[float]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}  # cpu: the training thread's own time
+
+
+def train(model, opt, batches, n: int, clock=time.perf_counter) -> list[float]:
     times = []
     for i in range(n):
         ids = batches[i % len(batches)]
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return times
 
 
@@ -89,6 +93,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", default="wall", choices=list(CLOCKS),
+                   help="wall time, or the training thread's CPU time (steadier on a shared machine)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -104,15 +110,15 @@ def main() -> int:
                 cfg = CONFIGS[name]
                 if cfg is None:
                     train(model, opt, batches, args.warmup)
-                    times = train(model, opt, batches, args.steps)
+                    times = train(model, opt, batches, args.steps, CLOCKS[args.clock])
                 else:
                     with record(model, opt, cfg, output_dir=os.path.join(tmp, f"{name}{r}")) as rec:
                         train(model, opt, batches, args.warmup)
-                        times = train(model, opt, batches, args.steps)
+                        times = train(model, opt, batches, args.steps, CLOCKS[args.clock])
                     logs[name] = rec.log_path
                 medians[name].append(statistics.median(times))
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, batch 8 x 64 tokens, "
-              f"{args.threads} thread(s), {args.rounds} rounds x {args.steps} steps")
+              f"{args.threads} thread(s), {args.rounds} rounds x {args.steps} steps, {args.clock} time")
         base = statistics.median(medians["none"])
         for name in names:
             m = statistics.median(medians[name])
@@ -122,8 +128,13 @@ def main() -> int:
                 extra = f"  log {size / (args.warmup + args.steps) / 1024:.0f} KiB/step"
             print(f"{name:>13}: {m * 1e3:7.2f} ms/step  ({m / base:.2f}x no monitoring, "
                   f"rounds {', '.join(f'{x * 1e3:.1f}' for x in medians[name])}){extra}")
+        # paired: each round's ratio (the load of a shared machine changes between rounds)
+        for a, b in (("xy", "none"), ("xy+api", "none"), ("xy+api", "xy"), ("xy+api+stack", "xy")):
+            ratios = [x / y for x, y in zip(medians[a], medians[b], strict=True)]
+            print(f"paired {a} / {b}: median {statistics.median(ratios):.2f}x "
+                  f"(rounds {', '.join(f'{r:.2f}' for r in ratios)})")
         xy, api = statistics.median(medians["xy"]), statistics.median(medians["xy+api"])
-        print(f"API level over xy: +{(api - xy) * 1e3:.2f} ms/step ({api / xy:.2f}x)")
+        print(f"API level over xy: +{(api - xy) * 1e3:.2f} ms/step")
         calls = sum(len(ev) for ev in open_run(os.path.dirname(os.path.dirname(logs["xy+api"]))).events(
             types=[ApiCallsRecorded])) / (args.warmup + args.steps)
         print(f"API calls recorded per step: {calls:.0f} "

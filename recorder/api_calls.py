@@ -63,14 +63,17 @@ _NO_SHAPE = 255
 _NOT_TENSOR = 2
 _TENSOR = "torch.Tensor"
 _names: dict = {}  # func -> reference name without counter, or None (skipped)
+_UNKNOWN = object()
 
 
 def api_name(func) -> str | None:
     """The reference's name of ``func`` without counter (``Functional.linear``), None where skipped."""
     try:
-        return _names[func]
-    except (KeyError, TypeError):  # (TypeError: an unhashable callable)
-        pass
+        out = _names.get(func, _UNKNOWN)
+    except TypeError:  # (an unhashable callable)
+        out = _UNKNOWN
+    if out is not _UNKNOWN:
+        return out
     name = getattr(func, "__name__", None)
     out = None
     if isinstance(name, str) and name not in SKIPPED and not (name.startswith("_") and not name.endswith("__")):
@@ -83,11 +86,10 @@ def api_name(func) -> str | None:
             out = f"Functional.{name}"
         else:
             out = f"Torch.{name}"
-    if name != "__get__":  # (a property's getter is a new object at each read: not kept)
-        try:
-            _names[func] = out
-        except TypeError:
-            pass
+    try:  # (a property's getter is a new object at each read, equal to the last one: one entry each)
+        _names[func] = out
+    except TypeError:
+        pass
     return out
 
 
@@ -198,53 +200,70 @@ class ApiLevel:
 
     # ------------------------------------------------------------------ one call
     def record(self, name: str, func, args: tuple, kwargs: dict):
-        """Run ``func`` and record the call (the mode's handler, with the mode popped)."""
+        """Run ``func`` and record the call (the mode's handler, with the mode popped). Whatever fails
+        in the recording is a HookFailed, and the call's result is returned as it is."""
         p = self.pass_
-        fname = getattr(func, "__name__", "")
-        inplace = ((fname.endswith("_") and not fname.endswith("__")) or fname in _INPLACE_DUNDERS
-                   or kwargs.get("out") is not None)
-        positional, keywords = _flatten("input", enumerate(args)), _flatten("input", kwargs.items())
-        ins = positional + keywords
-        before = self._rows(p, ins) if inplace and ins else None  # in place: the inputs as they were
-        out = func(*args, **kwargs)
+        before = None
         try:
-            outs = _flatten("output", enumerate(out) if isinstance(out, (tuple, list)) else ((0, out),))
-            if not any(isinstance(v, torch.Tensor) for _, v in ins + outs):
-                return out
-            if before is not None:
-                rows = before + self._rows(p, outs)
-            else:
-                rows = self._rows(p, ins + outs)
-            # the reference's order: positional inputs, outputs, keyword inputs
-            n_pos = len(positional)
-            ports = positional + outs + keywords
-            rows = rows[:n_pos] + rows[len(ins):] + rows[n_pos:len(ins)]
-            n = self.counts.get(name, 0)
-            self.counts[name] = n + 1
-            intern = self.mon._intern
-            p.names.append(intern(f"{name}.{n}.forward"))
-            p.modules.append(self.modules[-1] if self.modules else _NO_MODULE)
-            p.positions.append(p.st.call)
-            p.port_counts.append(len(ports))
-            for port, v in ports:
-                p.ports.append(intern(port))
-                if isinstance(v, torch.Tensor):
-                    p.types.append(intern(_TENSOR))
-                    p.dtypes.append(intern(str(v.dtype)))
-                    p.ndims.append(min(v.dim(), _NO_SHAPE - 1))
-                    p.dims.extend(v.shape[:_NO_SHAPE - 1])
-                    p.grads.append(int(v.requires_grad))
-                else:
-                    p.types.append(intern(_type_name(v)))
-                    p.dtypes.append(intern(""))
-                    p.ndims.append(_NO_SHAPE)
-                    p.grads.append(_NOT_TENSOR)
-            p.rows.append(stack_rows(rows))
-            if self.stack_wanted:
-                p.stacks.append(_stack())
+            fname = getattr(func, "__name__", "")
+            inplace = ((fname.endswith("_") and not fname.endswith("__")) or fname in _INPLACE_DUNDERS
+                       or kwargs.get("out") is not None)
+            positional, keywords = _flatten("input", enumerate(args)), _flatten("input", kwargs.items())
+            if inplace and positional + keywords:  # in place: the inputs as they were
+                before = self._rows(p, positional + keywords)
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             self.mon._hook_failed(f"API call {name}", exc)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        try:
+            self._add(p, name, positional, keywords, out, before)
+        except Exception as exc:  # noqa: BLE001
+            self.mon._hook_failed(f"API call {name}", exc)
         return out
+
+    def _add(self, p: _Pass, name: str, positional: list, keywords: list, out, before: list | None) -> None:
+        """The call's record in the pass: made in full first, then appended (a failure leaves none)."""
+        ins = positional + keywords
+        outs = _flatten("output", enumerate(out) if isinstance(out, (tuple, list)) else ((0, out),))
+        if not any(isinstance(v, torch.Tensor) for _, v in ins + outs):
+            return
+        rows = before + self._rows(p, outs) if before is not None else self._rows(p, ins + outs)
+        # the reference's order: positional inputs, outputs, keyword inputs
+        n_pos = len(positional)
+        ports = positional + outs + keywords
+        block = stack_rows(rows[:n_pos] + rows[len(ins):] + rows[n_pos:len(ins)])
+        intern = self.mon._intern
+        port_ids, types, dtypes, ndims, dims, grads = [], [], [], [], [], []
+        for port, v in ports:
+            port_ids.append(intern(port))
+            if isinstance(v, torch.Tensor):
+                types.append(intern(_TENSOR))
+                dtypes.append(intern(str(v.dtype)))
+                ndims.append(min(v.dim(), _NO_SHAPE - 1))
+                dims.extend(v.shape[:_NO_SHAPE - 1])
+                grads.append(int(v.requires_grad))
+            else:
+                types.append(intern(_type_name(v)))
+                dtypes.append(intern(""))
+                ndims.append(_NO_SHAPE)
+                grads.append(_NOT_TENSOR)
+        stack = _stack() if self.stack_wanted else None
+        n = self.counts.get(name, 0)
+        call_name = intern(f"{name}.{n}.forward")
+        self.counts[name] = n + 1
+        p.names.append(call_name)
+        p.modules.append(self.modules[-1] if self.modules else _NO_MODULE)
+        p.positions.append(p.st.call)
+        p.port_counts.append(len(ports))
+        p.ports.extend(port_ids)
+        p.types.extend(types)
+        p.dtypes.extend(dtypes)
+        p.ndims.extend(ndims)
+        p.dims.extend(dims)
+        p.grads.extend(grads)
+        p.rows.append(block)
+        if stack is not None:
+            p.stacks.append(stack)
 
     def _rows(self, p: _Pass, items: list) -> list:
         """One row per ``(port, value)``: the statistics of a tensor, a number's value, else NaN."""
