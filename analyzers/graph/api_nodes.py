@@ -43,17 +43,29 @@ class ApiCall:
     stack: tuple = ()
 
 
-def api_calls_of_run(run: Run, rank: int) -> dict[int, tuple[list[ApiCall], np.ndarray]]:
-    """``{step: (calls, values ports x 4)}`` of ``rank``'s API records (empty without any)."""
-    resolver = NameResolver()
-    calls: dict[int, list[ApiCall]] = defaultdict(list)
-    values: dict[int, list[np.ndarray]] = defaultdict(list)
-    counts: dict[int, int] = defaultdict(int)
-    for ev in run.events(rank, types=[ApiCallsRecorded, NamesInterned, FileOpened]):
-        if type(ev) is not ApiCallsRecorded:
-            resolver.feed(ev)
-            continue
-        name = lambda i, r=ev.rank: resolver.name(r, i)  # noqa: E731
+# the records :class:`ApiCallsReader` takes (the name tables and the API records)
+API_TYPES = (ApiCallsRecorded, NamesInterned, FileOpened)
+
+
+class ApiCallsReader:
+    """Fed one rank's records of :data:`API_TYPES` in order (with others of the same pass, which it
+    skips); :meth:`result` gives ``{step: (calls, values ports x 4)}`` (empty without any)."""
+
+    def __init__(self) -> None:
+        self.resolver = NameResolver()
+        self.calls: dict[int, list[ApiCall]] = defaultdict(list)
+        self.values: dict[int, list[np.ndarray]] = defaultdict(list)
+        self.ports: dict[int, int] = defaultdict(int)
+
+    def feed(self, ev) -> None:
+        t = type(ev)
+        if t is NamesInterned or t is FileOpened:
+            self.resolver.feed(ev)
+        elif t is ApiCallsRecorded:
+            self._add(ev)
+
+    def _add(self, ev: ApiCallsRecorded) -> None:
+        name = lambda i, r=ev.rank: self.resolver.name(r, i)  # noqa: E731
         cols = [k for k, op in enumerate(ev.ops) if op in _OP_OF]
         n_ports = len(ev.port_ids) // 4
         raw = np.frombuffer(ev.values, dtype="<f4" if ev.dtype == "f" else "<f8").reshape(n_ports, len(ev.ops))
@@ -65,7 +77,7 @@ def api_calls_of_run(run: Run, rank: int) -> dict[int, tuple[list[ApiCall], np.n
         dims = unpack_array("q", ev.dims).tolist()
         grads = list(ev.requires_grad)
         k = d = 0
-        base = counts[ev.step]
+        base = self.ports[ev.step]
         for c, (nid, mid, pos, nport) in enumerate(zip(unpack_array("I", ev.name_ids), unpack_array("I", ev.module_ids),
                                                       unpack_array("I", ev.positions),
                                                       unpack_array("H", ev.port_counts), strict=True)):
@@ -75,13 +87,23 @@ def api_calls_of_run(run: Run, rank: int) -> dict[int, tuple[list[ApiCall], np.n
                 shape = None if nd == _NO_SHAPE else tuple(dims[d:d + nd])
                 d += 0 if nd == _NO_SHAPE else nd
                 ports.append(Port(port_names[j], dtypes[j], shape, types[j], None if grads[j] > 1 else bool(grads[j])))
-            calls[ev.step].append(ApiCall(name(nid), None if mid == _NO_MODULE else name(mid), ev.micro_step, pos,
-                                          ports, list(range(base + k, base + k + nport)),
-                                          tuple(ev.stacks[c]) if ev.stacks else ()))
+            self.calls[ev.step].append(ApiCall(name(nid), None if mid == _NO_MODULE else name(mid), ev.micro_step,
+                                               pos, ports, list(range(base + k, base + k + nport)),
+                                               tuple(ev.stacks[c]) if ev.stacks else ()))
             k += nport
-        counts[ev.step] = base + k
-        values[ev.step].append(vals)
-    return {s: (calls[s], np.concatenate(values[s])) for s in calls}
+        self.ports[ev.step] = base + k
+        self.values[ev.step].append(vals)
+
+    def result(self) -> dict[int, tuple[list[ApiCall], np.ndarray]]:
+        return {s: (self.calls[s], np.concatenate(self.values[s])) for s in self.calls}
+
+
+def api_calls_of_run(run: Run, rank: int) -> dict[int, tuple[list[ApiCall], np.ndarray]]:
+    """``{step: (calls, values ports x 4)}`` of ``rank``'s API records (empty without any)."""
+    reader = ApiCallsReader()
+    for ev in run.events(rank, types=API_TYPES):
+        reader.feed(ev)
+    return reader.result()
 
 
 def place_api_calls(builder, step_calls: tuple[list[ApiCall], np.ndarray], forward_calls: dict) -> tuple:
@@ -115,4 +137,4 @@ def _enclosing(builder, call: ApiCall, forward_calls: dict, keys: dict) -> str:
     return ROOT_NAME
 
 
-__all__ = ["ApiCall", "api_calls_of_run", "place_api_calls"]
+__all__ = ["API_TYPES", "ApiCall", "ApiCallsReader", "api_calls_of_run", "place_api_calls"]

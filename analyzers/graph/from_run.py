@@ -20,7 +20,7 @@ from trainrec.replay.rows import value_matrix
 from trainrec.replay.run import Run
 from trainrec.schema.events import SLOTS, ModuleStructureRecorded
 
-from .api_nodes import api_calls_of_run, place_api_calls
+from .api_nodes import API_TYPES, ApiCallsReader, place_api_calls
 from .model import MODULE, OPS, ROOT_NAME, Graph, GraphInputError, Port
 
 KINDS = ("actv", "actv_grad", "param", "grad_reduced", "grad_unreduced")
@@ -37,7 +37,11 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
         raise GraphInputError(f"{run.where}: rank {rank} is not in the run (ranks: {run.ranks})")
     classes: dict[str, str] = {}
     parents: dict[str, str | None] = {}
-    for ev in run.events(rank, types=[ModuleStructureRecorded]):
+    apis = ApiCallsReader()  # (in the same pass over the log: the API level's records)
+    for ev in run.events(rank, types=[ModuleStructureRecorded, *API_TYPES]):
+        if type(ev) is not ModuleStructureRecorded:
+            apis.feed(ev)
+            continue
         for name, cls, par in zip(ev.names, ev.classes or ("",) * len(ev.names),
                                   ev.parents or (-1,) * len(ev.names), strict=True):
             classes.setdefault(name, cls or "Module")
@@ -56,7 +60,7 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
         raise GraphInputError(f"{run.where} (rank {rank}): no module input/output statistics (xy) with the ops "
                               f"min/max/mean/norm were recorded, so there is no graph to build; {_RECORD_HINT}")
     graph = Graph(run.where, "run")
-    return _Builder(graph, classes, parents).build(by_step, api_calls_of_run(run, rank))
+    return _Builder(graph, classes, parents).build(by_step, apis.result())
 
 
 def _inside(child: str, parent: str) -> bool:
