@@ -150,7 +150,8 @@ class ApiLevel:
         of open calls), ``modules`` as ``[(module, ModuleTarget)]``. Returns their handles."""
         handles = []
         for vpp, chunk in enumerate(chunks):
-            handles.append(chunk.register_forward_pre_hook(self._chunk_pre(vpp), prepend=True))
+            # (after the monitor's own chunk pre-hook, which counts the micro step and may begin the step)
+            handles.append(chunk.register_forward_pre_hook(self._chunk_pre(vpp)))
             handles.append(chunk.register_forward_hook(self._chunk_post, always_call=True))
         for module, t in modules:
             handles.append(module.register_forward_pre_hook(self._module_pre(t.name_id)))

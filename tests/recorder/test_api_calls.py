@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from trainrec.analyzers.graph import build_from_run
 from trainrec.recorder import record
 from trainrec.replay import open_run
 from trainrec.replay.names import NameResolver
@@ -216,3 +217,33 @@ def test_a_forward_that_raises_leaves_no_mode_behind(tmp_path):
 def test_bad_api_xy_config_is_refused(tmp_path, api_xy, extra, match):
     with pytest.raises(ConfigError, match=match):
         record(Net(), None, {**CONFIG, **extra, "api_xy": api_xy}, output_dir=str(tmp_path / "out"))
+
+
+def test_micro_steps_count_on_and_nest_under_their_own_module_calls(tmp_path):
+    """Two micro steps per step: a name's counter goes on through the step (the reference counts per
+    step), each pass is its own record with its micro step, and the graph puts each call under the
+    module call of its own micro step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, opt, {**CONFIG, "api_xy": True}, output_dir=str(tmp_path / "out"), grad_acc_steps=2) as rec:
+        for step in range(2):
+            for micro in range(2):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + micro))
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    path = os.path.dirname(os.path.dirname(rec.log_path))
+    calls = [c for c in _calls(path) if c["step"] == 1]
+    lin = [(c["name"], c["micro"], c["module"]) for c in calls if c["name"].startswith("Functional.linear")]
+    assert lin == [("Functional.linear.0.forward", 0, "fc"), ("Functional.linear.1.forward", 0, "blk.lin"),
+                   ("Functional.linear.2.forward", 1, "fc"), ("Functional.linear.3.forward", 1, "blk.lin")]
+    g = build_from_run(open_run(path))
+    assert g.nodes["Functional.linear.0.forward"].parent == "Module.fc.Linear.forward.0"
+    assert g.nodes["Functional.linear.2.forward"].parent == "Module.fc.Linear.forward.1"
+    assert g.nodes["Functional.linear.3.forward"].parent == "Module.blk.lin.Linear.forward.1"
+    assert g.nodes["Tensor.sum.1.forward"].parent == "Module.Net.forward.1"
+    # the second micro step's input is its own batch
+    x1 = torch.randn(4, 6, generator=torch.Generator().manual_seed(11))
+    assert g.port_stats(g.steps.index(1), "Functional.linear.2.forward")["input.0"]["Max"] == pytest.approx(
+        x1.max().item())
