@@ -101,26 +101,33 @@ def _from_recorder() -> bool:
     return f is not None and f.f_code.co_filename.startswith(_RECORDER_DIR)
 
 
-def _stack() -> tuple:
-    """The call stack of the call being handled, innermost first, as the reference writes it (the
-    handler's and torch.overrides' frames and the recorder's left out)."""
+def _stack(intern, frames: dict) -> list[int]:
+    """The call stack of the call being handled, innermost first, as interned lines the reference's
+    way (``File {path}, line {n}, in {function}, \\n {code}``), the recorder's and torch.overrides'
+    frames left out. ``frames``: (code, line) -> id, the lines made so far."""
     out = []
-    f = sys._getframe(2)
+    f = sys._getframe(1)
     while f is not None:
-        code = f.f_code
-        path = code.co_filename
-        if not path.startswith(_RECORDER_DIR) and not path.endswith(os.sep + "overrides.py"):
-            line = linecache.getline(path, f.f_lineno).strip()
-            out.append(f"File {path}, line {f.f_lineno}, in {code.co_name}, \n {line}")
+        key = (f.f_code, f.f_lineno)
+        i = frames.get(key)
+        if i is None:
+            path = f.f_code.co_filename
+            if path.startswith(_RECORDER_DIR) or path.endswith(os.sep + "overrides.py"):
+                i = frames[key] = -1
+            else:
+                line = linecache.getline(path, f.f_lineno).strip()
+                i = frames[key] = intern(f"File {path}, line {f.f_lineno}, in {f.f_code.co_name}, \n {line}")
+        if i >= 0:
+            out.append(i)
         f = f.f_back
-    return tuple(out)
+    return out
 
 
 class _Pass:
     """What one forward pass of a model chunk records."""
 
     __slots__ = ("st", "micro", "vpp", "names", "modules", "positions", "port_counts", "ports", "types", "dtypes",
-                 "ndims", "dims", "grads", "rows", "stacks")
+                 "ndims", "dims", "grads", "rows", "depths", "frames")
 
     def __init__(self, st, micro: int, vpp: int) -> None:
         self.st, self.micro, self.vpp = st, micro, vpp
@@ -129,7 +136,7 @@ class _Pass:
         self.ports, self.types, self.dtypes = array("I"), array("I"), array("I")
         self.ndims, self.dims, self.grads = array("B"), array("q"), array("B")
         self.rows: list = []
-        self.stacks: list = []
+        self.depths, self.frames = array("H"), array("I")
 
 
 class ApiLevel:
@@ -144,6 +151,7 @@ class ApiLevel:
         self.counts: dict[str, int] = {}  # calls per name in the step (self.counted's)
         self.counted = None  # the StepState they count
         self.pushed_by: object | None = None  # the chunk whose forward pushed the mode
+        self.frames: dict = {}  # (code, line) -> interned stack line (-1: left out)
 
     def attach(self, chunks: list, modules: list) -> list:
         """Hooks for a collected step: on each model chunk (the mode) and each monitored module (the stack
@@ -248,7 +256,7 @@ class ApiLevel:
                 dtypes.append(intern(""))
                 ndims.append(_NO_SHAPE)
                 grads.append(_NOT_TENSOR)
-        stack = _stack() if self.stack_wanted else None
+        stack = _stack(intern, self.frames) if self.stack_wanted else None
         n = self.counts.get(name, 0)
         call_name = intern(f"{name}.{n}.forward")
         self.counts[name] = n + 1
@@ -264,7 +272,8 @@ class ApiLevel:
         p.grads.extend(grads)
         p.rows.append(block)
         if stack is not None:
-            p.stacks.append(stack)
+            p.depths.append(min(len(stack), 0xFFFF))
+            p.frames.extend(stack[:0xFFFF])
 
     def _rows(self, p: _Pass, items: list) -> list:
         """One row per ``(port, value)``: the statistics of a tensor, a number's value, else NaN."""
@@ -305,7 +314,9 @@ class ApiLevel:
                       port_counts=np.frombuffer(p.port_counts, dtype=np.uint16).astype("<u2").tobytes(),
                       port_ids=ids(p.ports), type_ids=ids(p.types), dtype_ids=ids(p.dtypes),
                       ndims=p.ndims.tobytes(), dims=np.frombuffer(p.dims, dtype=np.int64).astype("<i8").tobytes(),
-                      requires_grad=p.grads.tobytes(), stacks=tuple(p.stacks))
+                      requires_grad=p.grads.tobytes(),
+                      stack_depths=np.frombuffer(p.depths, dtype=np.uint16).astype("<u2").tobytes(),
+                      stack_frames=ids(p.frames))
 
         def build() -> list:
             values = np.ascontiguousarray(hs.wait(), dtype="<f4")

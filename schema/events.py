@@ -589,8 +589,9 @@ class ApiCallsRecorded(Event):
     ``type_ids`` and ``dtype_ids`` (u32, ``torch.Tensor``/``int``/..., ``torch.float32`` or ""),
     ``ndims`` (u8, 255: no shape) with the shapes' dims one after the other in ``dims`` (i64),
     ``requires_grad`` (u8: 0, 1, 2 not a tensor) and a row of ``values`` (``ops`` columns, ``dtype``;
-    a number's value as its statistics, NaN for other non-tensors). ``stacks``: per call, its call
-    stack (innermost first), where asked for; else empty."""
+    a number's value as its statistics, NaN for other non-tensors). Where stacks were asked for,
+    ``stack_depths`` (u16 per call) and ``stack_frames`` (u32, interned frame lines, innermost first,
+    the calls' one after the other); else both empty."""
 
     TAG: ClassVar[str] = "ap"
     micro_step: int = 0
@@ -608,7 +609,8 @@ class ApiCallsRecorded(Event):
     dims: bytes = b""
     requires_grad: bytes = b""
     values: bytes = b""
-    stacks: tuple = ()
+    stack_depths: bytes = b""
+    stack_frames: bytes = b""
 
     def __len__(self) -> int:
         return len(self.name_ids) // 4
@@ -623,8 +625,11 @@ class ApiCallsRecorded(Event):
                                  (self.port_counts, 2, "port_counts")):
             if len(arr) != n * size:
                 return f"{label} has {len(arr) / size:g} entries for {n} calls"
-        if self.stacks and len(self.stacks) != n:
-            return f"stacks has {len(self.stacks)} entries for {n} calls"
+        if self.stack_depths and len(self.stack_depths) != n * 2:
+            return f"stack_depths has {len(self.stack_depths) / 2:g} entries for {n} calls"
+        frames = sum(unpack_array("H", self.stack_depths)) if self.stack_depths else 0
+        if len(self.stack_frames) != frames * 4:
+            return f"stack_frames has {len(self.stack_frames) / 4:g} entries for {frames} frames"
         ports = sum(unpack_array("H", self.port_counts))
         for arr, size, label in ((self.port_ids, 4, "port_ids"), (self.type_ids, 4, "type_ids"),
                                  (self.dtype_ids, 4, "dtype_ids"), (self.ndims, 1, "ndims"),

@@ -76,7 +76,9 @@ class ApiCallsReader:
         dtypes = [name(i) for i in unpack_array("I", ev.dtype_ids)]
         dims = unpack_array("q", ev.dims).tolist()
         grads = list(ev.requires_grad)
-        k = d = 0
+        depths = unpack_array("H", ev.stack_depths) if ev.stack_depths else None
+        frames = [name(i) for i in unpack_array("I", ev.stack_frames)]
+        k = d = f = 0
         base = self.ports[ev.step]
         for c, (nid, mid, pos, nport) in enumerate(zip(unpack_array("I", ev.name_ids), unpack_array("I", ev.module_ids),
                                                       unpack_array("I", ev.positions),
@@ -87,9 +89,11 @@ class ApiCallsReader:
                 shape = None if nd == _NO_SHAPE else tuple(dims[d:d + nd])
                 d += 0 if nd == _NO_SHAPE else nd
                 ports.append(Port(port_names[j], dtypes[j], shape, types[j], None if grads[j] > 1 else bool(grads[j])))
+            stack = ()
+            if depths is not None:
+                stack, f = tuple(frames[f:f + depths[c]]), f + depths[c]
             self.calls[ev.step].append(ApiCall(name(nid), None if mid == _NO_MODULE else name(mid), ev.micro_step,
-                                               pos, ports, list(range(base + k, base + k + nport)),
-                                               tuple(ev.stacks[c]) if ev.stacks else ()))
+                                               pos, ports, list(range(base + k, base + k + nport)), stack))
             k += nport
         self.ports[ev.step] = base + k
         self.values[ev.step].append(vals)

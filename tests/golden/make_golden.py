@@ -338,7 +338,8 @@ def api_calls() -> Built:
     g.add(header_event())
     g.add(NamesInterned(**env(1, 0), first_id=0, names=(
         "fc", "Functional.linear.0.forward", "Functional.relu.0.forward", "input.0", "input.1", "input.2",
-        "output.0", "input.inplace", "torch.Tensor", "bool", "torch.float32", "")))
+        "output.0", "input.inplace", "torch.Tensor", "bool", "torch.float32", "",
+        "File train.py, line 3, in forward, \n return F.linear(x, w, b)", "File train.py, line 9, in step, \n y = m(x)")))
     g.add(StepBegan(**env(2, 0)))
     nan = float("nan")
     g.add(ApiCallsRecorded(
@@ -349,7 +350,7 @@ def api_calls() -> Built:
         dtype_ids=pack_array("I", [10, 10, 10, 10, 10, 10, 11]), ndims=bytes([2, 2, 1, 2, 2, 2, 255]),
         dims=pack_array("q", [4, 6, 8, 6, 8, 4, 8, 4, 8, 4, 8]), requires_grad=bytes([0, 1, 1, 1, 1, 1, 2]),
         values=pack_array("f", [-2.0, 2.0, 0.0, 5.0] * 6 + [nan, nan, nan, nan]),
-        stacks=(("File train.py, line 3, in forward, \n return F.linear(x, w, b)",), ("File train.py, line 4, in f",))))
+        stack_depths=pack_array("H", [2, 1]), stack_frames=pack_array("I", [12, 13, 13])))
     g.add(StepEnded(**env(4, 0, 0.2), duration=0.2, collected=True))
     g.add(FileClosed(**env(5, 0, 0.3), records=5, reason="close"))
     return g.b

@@ -76,7 +76,9 @@ def _calls(path) -> list[dict]:
         name = lambda i, r=ev.rank: res.name(r, i)  # noqa: E731
         vals = unpack_array("f", ev.values).tolist()
         dims = unpack_array("q", ev.dims).tolist()
-        k = d = 0
+        depths = unpack_array("H", ev.stack_depths) if ev.stack_depths else None
+        frames = [name(i) for i in unpack_array("I", ev.stack_frames)]
+        k = d = f = 0
         for c, (nid, mid, pos, n) in enumerate(zip(unpack_array("I", ev.name_ids), unpack_array("I", ev.module_ids),
                                                   unpack_array("I", ev.positions), unpack_array("H", ev.port_counts),
                                                   strict=True)):
@@ -90,9 +92,12 @@ def _calls(path) -> list[dict]:
                     "shape": shape, "requires_grad": ev.requires_grad[j],
                     "stats": dict(zip(ev.ops, vals[j * len(ev.ops):(j + 1) * len(ev.ops)], strict=True))}
             k += n
+            stack = ()
+            if depths is not None:
+                stack, f = tuple(frames[f:f + depths[c]]), f + depths[c]
             out.append({"step": ev.step, "micro": ev.micro_step, "name": name(nid),
                         "module": None if mid == 0xFFFFFFFF else name(mid), "position": pos, "ports": ports,
-                        "stack": ev.stacks[c] if ev.stacks else ()})
+                        "stack": stack})
     return out
 
 
@@ -175,6 +180,10 @@ def test_the_stack_where_asked(tmp_path):
     assert any("in _train" in frame for frame in mat["stack"])
     assert not any("trainrec" in frame and "recorder" in frame for frame in mat["stack"])
     assert all(c["stack"] for c in calls)
+    # the same lines each step (interned once), and the graph's node carries them
+    again = next(c for c in calls if c["name"] == "Torch.matmul.0.forward" and c["step"] == 1)
+    assert again["stack"] == mat["stack"]
+    assert build_from_run(open_run(path)).nodes["Torch.matmul.0.forward"].stack == list(mat["stack"])
 
 
 def test_uncollected_steps_and_eval_forwards_record_nothing(tmp_path):
