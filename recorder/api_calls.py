@@ -171,7 +171,7 @@ class ApiLevel:
             mon = self.mon
             st = mon._state
             if (self.pass_ is not None or st is None or mon._writer is None or mon._compiled or not module.training
-                    or not torch.is_grad_enabled() or in_backward()):
+                    or not torch.is_grad_enabled() or in_backward() or not mon.config.api_level):
                 return
             fwd = st.chunk_fwd.get(vpp, 1)
             self.pass_ = _Pass(st, (fwd - 1) % mon._grad_acc, vpp)

@@ -114,6 +114,11 @@ class MonitorConfig:
     raw: dict = field(default_factory=dict, compare=False)
 
     @property
+    def api_level(self) -> bool:
+        """Whether the API level records (``api_xy`` on, with the module forward calls it nests under)."""
+        return bool(self.api_xy.get("enable")) and self.xy_distribution and not self.backward_only
+
+    @property
     def everything(self) -> bool:
         """True when no targets are configured: every module / parameter is monitored."""
         return not self.targets or set(self.targets) == {""}
@@ -395,8 +400,10 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
     if "api_xy" in raw:
         kw["api_xy"] = _parse_api_xy(raw["api_xy"], source)
         if kw["api_xy"]["enable"] and (not kw.get("xy_distribution") or kw.get("backward_only")):
-            raise ConfigError("the API level records calls inside module forward calls and nests them there: it "
-                              "needs xy_distribution: true (and not backward_only)", "api_xy", source)
+            # (a warning, not an error: reload_xy() and a dynamic edit may turn xy off under it)
+            log.warning("trainrec: api_xy records API calls inside the module forward calls that xy_distribution "
+                        "records, and nests them there: with xy_distribution off (or backward_only) it records "
+                        "nothing%s", f" ({source})" if source else "")
     if kw.get("forward_only") and kw.get("backward_only"):
         raise ConfigError("forward_only and backward_only cannot both be true", "backward_only", source)
     # The reference: no targets with xy_distribution means every module (all_xy).

@@ -1052,7 +1052,7 @@ class TrainerMon(StepCollector):
             return
         self._hooks_compiled = self._compiled
         self._step_handles = t.attach(self)
-        if self.config.api_xy.get("enable"):  # the API level (api_calls.py): its hooks, made per attach
+        if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
             self._step_handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
         self._frozen = []
         self._fsdp2_waiting = []

@@ -216,9 +216,32 @@ def test_a_forward_that_raises_leaves_no_mode_behind(tmp_path):
         torch.matmul(torch.ones(2, 2), torch.ones(2, 2))  # outside the forward: nothing recorded
 
 
+@pytest.mark.parametrize("extra", [{"xy_distribution": False}, {"backward_only": True}])
+def test_without_module_forward_calls_it_warns_and_records_nothing(tmp_path, caplog, extra):
+    path, _ = _train(tmp_path / "out", {**CONFIG, **extra, "wg_distribution": True, "api_xy": True}, steps=1)
+    assert "api_xy records API calls inside the module forward calls" in caplog.text
+    assert _calls(path) == []
+
+
+def test_reload_xy_off_stops_it(tmp_path):
+    from trainrec.recorder import TrainerMon
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon({**CONFIG, "api_xy": True}, params_have_main_grad=False, output_dir=str(tmp_path / "out"))
+    mon.monitor_gnorm_with_ad(model, optimizer=opt)
+    for step in range(3):
+        if step == 1:
+            mon.reload_xy(False)
+        model(torch.randn(4, 6)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert {c["step"] for c in _calls(os.path.dirname(os.path.dirname(mon.log_path)))} == {0}
+
+
 @pytest.mark.parametrize("api_xy, extra, match", [
-    (True, {"xy_distribution": False}, "needs xy_distribution"),
-    (True, {"backward_only": True}, "needs xy_distribution"),
     ({"stack": 1}, {}, "api_xy.stack"),
     ({"depth": True}, {}, "unknown key 'depth'"),
     ("yes", {}, "expected true, false or an object"),
