@@ -279,3 +279,19 @@ def test_micro_steps_count_on_and_nest_under_their_own_module_calls(tmp_path):
     x1 = torch.randn(4, 6, generator=torch.Generator().manual_seed(11))
     assert g.port_stats(g.steps.index(1), "Functional.linear.2.forward")["input.0"]["Max"] == pytest.approx(
         x1.max().item())
+
+
+def test_trainrec_dump_shows_the_records_with_names_resolved(tmp_path, capsys):
+    import json
+
+    from trainrec.tools.cli import main
+
+    path, _ = _train(tmp_path / "out", {**CONFIG, "api_xy": {"stack": True}}, steps=1)
+    assert main(["dump", path, "--type", "ap"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 1 and lines[0]["type"] == "ApiCallsRecorded"
+    rec = lines[0]
+    assert sorted(rec["names"]) == sorted(EXPECTED) and rec["modules"][rec["names"].index("Tensor.sum.0.forward")] == ""
+    assert len(rec["values"]) == len(rec["ports"]) == sum(rec["port_counts"]) and len(rec["values"][0]) == 4
+    assert rec["types"][rec["ports"].index("input.inplace")] == "bool"
+    assert len(rec["frames"]) == sum(rec["stack_depths"]) and rec["frames"][0].startswith("File ")
