@@ -103,6 +103,7 @@ class MonitorConfig:
     alert_rules: tuple = ()
     cc_distribution: dict = field(default_factory=dict)
     stall_watchdog: dict = field(default_factory=dict)  # trainrec's: see _parse_watchdog
+    api_xy: dict = field(default_factory=dict)  # trainrec's: see _parse_api_xy
     format: str = "tensorboard"
     ops: tuple = ("norm",)
     eps: float = 1e-8
@@ -111,6 +112,11 @@ class MonitorConfig:
     append_output: tuple = ()
     squash_name: bool = True
     raw: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def api_level(self) -> bool:
+        """Whether the API level records (``api_xy`` on, with the module forward calls it nests under)."""
+        return bool(self.api_xy.get("enable")) and self.xy_distribution and not self.backward_only
 
     @property
     def everything(self) -> bool:
@@ -150,7 +156,7 @@ _BOOL_KEYS = (
 KNOWN_KEYS = frozenset(
     _BOOL_KEYS
     + ("targets", "start_step", "collect_times", "step_interval", "module_ranks", "alert", "cc_distribution",
-       "stall_watchdog", "format", "ops", "eps", "ndigits", "step_count_per_record", "append_output", "mg_distribution")
+       "stall_watchdog", "api_xy", "format", "ops", "eps", "ndigits", "step_count_per_record", "append_output", "mg_distribution")
 )
 
 
@@ -271,6 +277,28 @@ def _parse_watchdog(raw: Any, source: str | None) -> dict:
     return out
 
 
+API_XY_DEFAULTS = {"enable": True, "stack": False}
+
+
+def _parse_api_xy(raw: Any, source: str | None) -> dict:
+    """``api_xy`` (trainrec's key): ``true``, or ``{"enable", "stack"}``: the API level, the torch
+    functions and tensor methods called inside monitored forward passes (msprobe's ``mix`` level), with
+    each call's stack where ``stack`` is true (see :mod:`.api_calls`)."""
+    if isinstance(raw, bool):
+        return dict(API_XY_DEFAULTS, enable=raw)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"expected true, false or an object with {', '.join(API_XY_DEFAULTS)}, got {raw!r}",
+                          "api_xy", source)
+    out = dict(API_XY_DEFAULTS)
+    for k, v in raw.items():
+        if k not in API_XY_DEFAULTS:
+            raise ConfigError(f"unknown key {k!r}; expected one of {', '.join(API_XY_DEFAULTS)}", "api_xy", source)
+        if not isinstance(v, bool):
+            raise ConfigError(f"expected true or false, got {v!r}", f"api_xy.{k}", source)
+        out[k] = v
+    return out
+
+
 # keys of other mindstudio-probe versions: what the 1.2.1 config (this one) says instead
 _KEY_HINTS = {
     "dynamic_on": " (a later mindstudio-probe's; in 1.2.1's config, as here, dynamic start and stop is the "
@@ -369,6 +397,13 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
         kw["cc_distribution"] = _parse_cc(raw["cc_distribution"], source)
     if "stall_watchdog" in raw:
         kw["stall_watchdog"] = _parse_watchdog(raw["stall_watchdog"], source)
+    if "api_xy" in raw:
+        kw["api_xy"] = _parse_api_xy(raw["api_xy"], source)
+        if kw["api_xy"]["enable"] and (not kw.get("xy_distribution") or kw.get("backward_only")):
+            # (a warning, not an error: reload_xy() and a dynamic edit may turn xy off under it)
+            log.warning("trainrec: api_xy records API calls inside the module forward calls that xy_distribution "
+                        "records, and nests them there: with xy_distribution off (or backward_only) it records "
+                        "nothing%s", f" ({source})" if source else "")
     if kw.get("forward_only") and kw.get("backward_only"):
         raise ConfigError("forward_only and backward_only cannot both be true", "backward_only", source)
     # The reference: no targets with xy_distribution means every module (all_xy).

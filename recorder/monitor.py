@@ -84,7 +84,7 @@ from trainrec.schema.events import (
     StepEnded,
 )
 
-from . import fsdp, runinfo, structure, zero
+from . import api_calls, fsdp, runinfo, structure, zero
 from .collect import StepCollector, _queue_end_of_backward, spill_loop
 from .config import MonitorConfig, load_config, parse_config
 from .flight import probes_for
@@ -1052,6 +1052,8 @@ class TrainerMon(StepCollector):
             return
         self._hooks_compiled = self._compiled
         self._step_handles = t.attach(self)
+        if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
+            self._step_handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
         self._frozen = []
         self._fsdp2_waiting = []
         self._lazy_waiting = []

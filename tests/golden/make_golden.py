@@ -45,6 +45,7 @@ from trainrec.schema.events import (
     SLOT_INPUT_GRAD,
     SLOT_OUTPUT,
     AnomalyDetected,
+    ApiCallsRecorded,
     CollectiveCalled,
     CollectiveCompleted,
     ConfigApplied,
@@ -330,6 +331,31 @@ def flight() -> Built:
     return g.b
 
 
+def api_calls() -> Built:
+    """The API level's record: two calls of one forward pass (a linear with its weight and bias, a relu
+    with a keyword flag), shapes, dtypes, a number's value, a NaN row of a non-tensor, and stacks."""
+    g = Builder()
+    g.add(header_event())
+    g.add(NamesInterned(**env(1, 0), first_id=0, names=(
+        "fc", "Functional.linear.0.forward", "Functional.relu.0.forward", "input.0", "input.1", "input.2",
+        "output.0", "input.inplace", "torch.Tensor", "bool", "torch.float32", "",
+        "File train.py, line 3, in forward, \n return F.linear(x, w, b)", "File train.py, line 9, in step, \n y = m(x)")))
+    g.add(StepBegan(**env(2, 0)))
+    nan = float("nan")
+    g.add(ApiCallsRecorded(
+        **env(3, 0, 0.1), micro_step=1, vpp_stage=0, ops=("min", "max", "mean", "norm"), dtype="f",
+        name_ids=pack_array("I", [1, 2]), module_ids=pack_array("I", [0, 0xFFFFFFFF]),
+        positions=pack_array("I", [0, 1]), port_counts=pack_array("H", [4, 3]),
+        port_ids=pack_array("I", [3, 4, 5, 6, 3, 6, 7]), type_ids=pack_array("I", [8, 8, 8, 8, 8, 8, 9]),
+        dtype_ids=pack_array("I", [10, 10, 10, 10, 10, 10, 11]), ndims=bytes([2, 2, 1, 2, 2, 2, 255]),
+        dims=pack_array("q", [4, 6, 8, 6, 8, 4, 8, 4, 8, 4, 8]), requires_grad=bytes([0, 1, 1, 1, 1, 1, 2]),
+        values=pack_array("f", [-2.0, 2.0, 0.0, 5.0] * 6 + [nan, nan, nan, nan]),
+        stack_depths=pack_array("H", [2, 1]), stack_frames=pack_array("I", [12, 13, 13])))
+    g.add(StepEnded(**env(4, 0, 0.2), duration=0.2, collected=True))
+    g.add(FileClosed(**env(5, 0, 0.3), records=5, reason="close"))
+    return g.b
+
+
 def _body(g: Builder, steps: int = 4) -> None:
     g.add(header_event())
     g.add(NamesInterned(**env(1, 0), first_id=0, names=("a", "b", "c")))
@@ -492,6 +518,7 @@ SCENARIOS: dict[str, Callable[[], Built]] = {
     "placeholders": placeholders,
     "flight": flight,
     "reliability": reliability,
+    "api_calls": api_calls,
 }
 
 
