@@ -130,6 +130,7 @@ class FileClosed(Event):
     records: int = 0
     dropped: int = 0
     reason: str = "close"
+    index_offset: int = -1  # (appended later) byte offset of the file's StepIndexed frame; -1: none
 
     def check(self) -> str | None:
         return _check_counts(self, "records", "dropped")
@@ -578,6 +579,34 @@ class ExceptionRaised(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepIndexed(Event):
+    """Where each step's records start in this file, written by the writer just before FileClosed
+    (whose ``index_offset`` points here). Segment ``k`` starts at byte ``offsets[k]`` with the frame of
+    sequence number ``seqs[k]``, the first whose step exceeds every step before it (``steps[k]``);
+    its frames run to the next segment (the last one to this record) and none has a step above
+    ``steps[k]``; ``low_steps[k]`` is the lowest step >= 0 among them. ``names_offsets``: the frames of
+    NamesInterned and NamesRepeated after the first segment's start. Arrays are packed little-endian
+    ('q' steps, 'Q' offsets and seqs). Untrusted like any record: replay checks it against the file."""
+
+    TAG: ClassVar[str] = "si"
+    steps: bytes = b""
+    offsets: bytes = b""
+    seqs: bytes = b""
+    low_steps: bytes = b""
+    names_offsets: bytes = b""
+
+    def check(self) -> str | None:
+        n = len(self.steps)
+        for arr, label in ((self.steps, "steps"), (self.offsets, "offsets"), (self.seqs, "seqs"),
+                           (self.low_steps, "low_steps"), (self.names_offsets, "names_offsets")):
+            if len(arr) % 8:
+                return f"{label} is not a whole number of 8-byte entries"
+            if label != "names_offsets" and len(arr) != n:
+                return f"{label} has {len(arr) // 8} entries for {n // 8} segments"
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UnknownEvent(Event):
     """A record with a tag this reader does not know (written by a newer trainrec). Skip it."""
 
@@ -609,6 +638,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ExceptionRaised,
     NamesRepeated,
     WriterFailed,
+    StepIndexed,
 )
 
 TAGS: dict[str, type[Event]] = {cls.TAG: cls for cls in EVENT_TYPES}

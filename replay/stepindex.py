@@ -1,0 +1,271 @@
+"""Reading only some steps of a log file, through its step index (:class:`StepIndexed`), or by a scan.
+
+A step selection (``--steps``: ranges ``(first, last)``, ``last`` None for open-ended) yields, per
+file, the events of a full read that one rule keeps (:func:`keep`): the preamble (the records before
+the first one with a step >= 0), FileOpened, FileClosed and the name tables, and the records of the
+selected steps. With a valid index only the bytes that can hold those records are read: the preamble,
+the name-table frames and the segments whose steps can hold a selected step; without one (a crash, an
+older writer, bytes after the close) the whole file is read and the same rule applied: the same events
+either way.
+
+The index is untrusted input. It is found from the file's end (a FileClosed frame ending exactly at
+the end of the file, whose ``index_offset`` points at a StepIndexed frame ending exactly where that
+FileClosed starts); its arrays are checked (sorted, inside the file, consistent with each other); and
+every offset used is checked before anything is read from there: a frame that checks out starts
+there, with the sequence number and step the index gives (a name table where it lists one). Anything
+else and the index is ignored, with a note among the reader's problems, and the file is read whole.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from trainrec.schema import codec, framing
+from trainrec.schema.events import (
+    MAX_STEP,
+    Event,
+    FileClosed,
+    FileOpened,
+    NamesInterned,
+    NamesRepeated,
+    StepIndexed,
+)
+
+from .reader import LogReader
+
+__all__ = ["FileIndex", "StepRanges", "keep_selected", "load_index", "read_steps"]
+
+StepRanges = Sequence[tuple[int, "int | None"]]
+_ALWAYS = (FileOpened, FileClosed, NamesInterned, NamesRepeated)
+_TAIL = 4096  # bytes read from the end to find the FileClosed frame
+_HDR = struct.Struct("<IIII")
+
+
+class _BadIndex(Exception):
+    pass
+
+
+def in_ranges(ranges: StepRanges, step: int) -> bool:
+    return any(lo <= step and (hi is None or step <= hi) for lo, hi in ranges)
+
+
+def keep_selected(events: Iterable[Event], ranges: StepRanges, span: list[int] | None = None) -> Iterator[Event]:
+    """The events of one file's stream that a selection of ``ranges`` keeps (see the module docstring).
+    ``span``: ``[lowest, highest]`` step >= 0 of every event (kept or not), updated as they pass."""
+    preamble = True
+    for ev in events:
+        step = ev.step
+        if step >= 0:
+            preamble = False
+            if span is not None:
+                if span[0] < 0 or step < span[0]:
+                    span[0] = step
+                if step > span[1]:
+                    span[1] = step
+        if preamble or isinstance(ev, _ALWAYS) or (type(ev) is not StepIndexed and in_ranges(ranges, step)):
+            yield ev
+
+
+@dataclass(frozen=True)
+class FileIndex:
+    """A file's step index, checked against the file (arrays as int64)."""
+
+    steps: np.ndarray
+    offsets: np.ndarray
+    seqs: np.ndarray
+    low_steps: np.ndarray
+    names_offsets: np.ndarray
+    index_offset: int  # where the StepIndexed frame starts (the end of the last segment)
+    index_seq: int
+    size: int  # the file's size when the index was read
+    version: int  # the file's format version
+
+    @property
+    def step_span(self) -> tuple[int, int] | None:
+        """The lowest and highest step >= 0 of the file's records, or None when it has none."""
+        if not len(self.steps):
+            return None
+        return int(self.low_steps.min()), int(self.steps[-1])
+
+    def spans(self, ranges: StepRanges) -> list[tuple[int, int]]:
+        """Segment indices ``(first, last)`` that can hold records of ``ranges``, merged, in order."""
+        n = len(self.steps)
+        out: list[tuple[int, int]] = []
+        for lo, hi in sorted(ranges, key=lambda r: r[0]):
+            k0 = int(np.searchsorted(self.steps, lo, side="left"))
+            below = np.flatnonzero(self.low_steps <= hi) if hi is not None else None
+            k1 = n - 1 if below is None else int(below[-1]) if len(below) else -1
+            if k1 < k0:
+                continue
+            if out and k0 <= out[-1][1] + 1:
+                out[-1] = (out[-1][0], max(out[-1][1], k1))
+            else:
+                out.append((k0, k1))
+        return out
+
+    def segment_end(self, k: int) -> int:
+        return int(self.offsets[k + 1]) if k + 1 < len(self.offsets) else self.index_offset
+
+
+def _frame_at(f, offset: int, size: int, version: int) -> tuple[Event, int]:
+    """The event of the frame at ``offset`` and where it ends; _BadIndex when no valid frame is there."""
+    if not framing.FILE_HEADER_SIZE <= offset <= size - framing.FRAME_HEADER_SIZE:
+        raise _BadIndex(f"offset {offset} is outside the file's frames")
+    f.seek(offset)
+    head = f.read(framing.FRAME_HEADER_SIZE)
+    magic, length, pcrc, hcrc = _HDR.unpack(head)
+    if magic != framing.FRAME_MAGIC or zlib.crc32(head[:12]) != hcrc or length > framing.MAX_FRAME:
+        raise _BadIndex(f"no frame starts at byte {offset}")
+    end = offset + framing.FRAME_HEADER_SIZE + length
+    if end > size:
+        raise _BadIndex(f"the frame at byte {offset} runs past the end of the file")
+    payload = f.read(length)
+    if zlib.crc32(payload) != pcrc:
+        raise _BadIndex(f"the frame at byte {offset} fails its CRC")
+    try:
+        return codec.decode(payload, version), end
+    except Exception as exc:  # noqa: BLE001 - untrusted bytes: any failure means a bad index
+        raise _BadIndex(f"the record at byte {offset} does not decode ({exc})") from None
+
+
+def _closing_frame(tail: bytes, base: int) -> tuple[int, bytes] | None:
+    """``(offset, payload)`` of the frame that ends exactly at the end of ``tail`` (read from ``base``)."""
+    n = len(tail)
+    j = tail.rfind(framing.FRAME_MAGIC_BYTES, 0, n - framing.FRAME_HEADER_SIZE + 1)
+    while j >= 0:
+        magic, length, pcrc, hcrc = _HDR.unpack_from(tail, j)
+        if zlib.crc32(tail[j : j + 12]) == hcrc and j + framing.FRAME_HEADER_SIZE + length == n:
+            payload = tail[j + framing.FRAME_HEADER_SIZE :]
+            return (base + j, payload) if zlib.crc32(payload) == pcrc else None
+        j = tail.rfind(framing.FRAME_MAGIC_BYTES, 0, j)
+    return None
+
+
+def _sorted_in(a: np.ndarray, lo: int, hi: int, label: str) -> None:
+    if len(a) and (a[0] < lo or a[-1] >= hi or (len(a) > 1 and not (np.diff(a) > 0).all())):
+        raise _BadIndex(f"{label} are not increasing within {lo}..{hi - 1}")
+
+
+def load_index(path: str) -> tuple[FileIndex | None, str | None]:
+    """``(index, None)``; ``(None, None)`` where the file has none (not closed, an older writer, bytes
+    after its close); ``(None, why)`` where it has one that does not fit the file."""
+    try:
+        with open(path, "rb") as f:
+            return _load(f, os.fstat(f.fileno()).st_size)
+    except _BadIndex as exc:
+        return None, str(exc)
+    except OSError:
+        return None, None  # (the full read says what is wrong with the file)
+
+
+def _load(f, size: int) -> tuple[FileIndex | None, str | None]:
+    head = f.read(framing.FILE_HEADER_SIZE)
+    parsed = framing.decode_file_header(head)
+    if parsed is None or parsed[0] not in framing.SUPPORTED_VERSIONS:
+        return None, None
+    version = parsed[0]
+    base = max(framing.FILE_HEADER_SIZE, size - _TAIL)
+    f.seek(base)
+    found = _closing_frame(f.read(size - base), base)
+    if found is None:
+        return None, None
+    closed_at, payload = found
+    try:
+        closed = codec.decode(payload, version)
+    except Exception:  # noqa: BLE001 - not a FileClosed: the full read says what it is
+        return None, None
+    if type(closed) is not FileClosed or closed.index_offset == -1:
+        return None, None
+    ev, end = _frame_at(f, closed.index_offset, closed_at, version)
+    if type(ev) is not StepIndexed or end != closed_at or ev.seq != closed.seq - 1:
+        raise _BadIndex(f"FileClosed's index_offset {closed.index_offset} is not the StepIndexed frame before it")
+    arrays = [np.frombuffer(a, "<i8") for a in (ev.steps, ev.low_steps)]
+    uarrays = [np.frombuffer(a, "<u8") for a in (ev.offsets, ev.seqs, ev.names_offsets)]
+    if any(len(u) and int(u.max()) >= 1 << 62 for u in uarrays):
+        raise _BadIndex("an offset or sequence number is beyond any file")
+    steps, low = arrays
+    offsets, seqs, names = (u.astype(np.int64) for u in uarrays)
+    start = framing.FILE_HEADER_SIZE + framing.FRAME_HEADER_SIZE  # (FileOpened comes first)
+    _sorted_in(steps, 0, MAX_STEP, "steps")
+    _sorted_in(offsets, start, closed.index_offset, "segment offsets")
+    _sorted_in(seqs, 1, ev.seq, "segment sequence numbers")
+    _sorted_in(names, start, closed.index_offset, "name-table offsets")
+    if len(low) and ((low < 0) | (low > steps)).any():
+        raise _BadIndex("a segment's lowest step is negative or above its step")
+    if len(seqs) > 1 and (np.diff(offsets) < framing.FRAME_HEADER_SIZE * np.diff(seqs)).any():
+        raise _BadIndex("a segment holds more frames than bytes for them")
+    return FileIndex(steps, offsets, seqs, low, names, closed.index_offset, ev.seq, size, version), None
+
+
+# ---------------------------------------------------------------------------------------- reading
+def _plan(f, ix: FileIndex, ranges: StepRanges, version: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, first seq)`` of the byte spans to read, in file order, every boundary checked."""
+    n = len(ix.steps)
+    first = int(ix.offsets[0]) if n else ix.index_offset
+    plan = [(framing.FILE_HEADER_SIZE, first, 0)]
+    checked: set[int] = set()
+
+    def check_segment(k: int) -> None:
+        if k >= n or k in checked:
+            return
+        checked.add(k)
+        ev, _ = _frame_at(f, int(ix.offsets[k]), ix.index_offset, version)
+        if ev.seq != ix.seqs[k] or ev.step != ix.steps[k]:
+            raise _BadIndex(f"segment {k} of the index says step {ix.steps[k]}, seq {ix.seqs[k]} at byte "
+                            f"{ix.offsets[k]}; the record there is of step {ev.step}, seq {ev.seq}")
+
+    data = []
+    for k0, k1 in ix.spans(ranges):
+        check_segment(k0)
+        check_segment(k1 + 1)
+        data.append((int(ix.offsets[k0]), ix.segment_end(k1), int(ix.seqs[k0])))
+    check_segment(0)
+    starts = [d[0] for d in data]
+    for off in map(int, ix.names_offsets):
+        if off < first:
+            continue  # read with the preamble
+        i = bisect.bisect_right(starts, off) - 1
+        if i >= 0 and off < data[i][1]:
+            continue  # read with its segment
+        ev, end = _frame_at(f, off, ix.index_offset, version)
+        if type(ev) not in (NamesInterned, NamesRepeated):
+            raise _BadIndex(f"the index lists a name table at byte {off}, where a {type(ev).__name__} is")
+        plan.append((off, end, ev.seq))
+    plan.extend(data)
+    plan.append((ix.index_offset, ix.size, ix.index_seq))
+    plan.sort()
+    return plan
+
+
+def read_steps(path: str, ranges: StepRanges, chunk_size: int = 4 << 20) -> tuple[LogReader, Iterator[Event], list[int]]:
+    """The reader of ``path``, the events a selection of ``ranges`` keeps (see the module docstring),
+    read through the file's index where it has a valid one, and ``[lowest, highest]`` step >= 0 of the
+    file's records (``[-1, -1]``: none), complete once the events are read."""
+    reader = LogReader(path, chunk_size=chunk_size)
+    ix, why = load_index(path)
+    plan = None
+    if ix is not None:
+        try:
+            with open(path, "rb") as f:
+                plan = _plan(f, ix, ranges, ix.version)
+        except _BadIndex as exc:
+            why = str(exc)
+        except OSError:
+            plan = None
+    if plan is None:
+        if why:
+            reader.note(f"step index ignored ({why}); the whole file is read")
+        span = [-1, -1]
+        return reader, keep_selected(reader, ranges, span), span
+    return reader, keep_selected(_spans(reader, plan), ranges), list(ix.step_span or (-1, -1))
+
+
+def _spans(reader: LogReader, plan: list[tuple[int, int, int]]) -> Iterator[Event]:
+    for start, stop, seq in plan:
+        yield from reader.read_span(start, stop, seq)
