@@ -39,7 +39,7 @@ from trainrec.schema.events import (
 
 from .reader import LogReader
 
-__all__ = ["FileIndex", "StepRanges", "keep_selected", "load_index", "read_steps"]
+__all__ = ["FileIndex", "StepRanges", "in_ranges", "keep_selected", "load_index", "read_steps"]
 
 StepRanges = Sequence[tuple[int, "int | None"]]
 _ALWAYS = (FileOpened, FileClosed, NamesInterned, NamesRepeated)
