@@ -1,18 +1,16 @@
-"""The writer's step index of one log file: where each step's records start (see StepIndexed).
+"""The writer's step index of one log file: where each step's records start (FileClosed's ``index_*``).
 
 The writer worker feeds it only frames whose step differs from the highest so far (a new step, or a
 late or step-less record) and the name tables it frames, never every record; at close it becomes the
-StepIndexed record written just before FileClosed, which replay uses to read only some steps.
+index fields of the FileClosed record, which replay uses to read only some steps.
 """
 
 from __future__ import annotations
 
 import array
 import sys
-import time
 
 from trainrec.schema import framing
-from trainrec.schema.events import StepIndexed
 
 
 class StepIndexBuilder:
@@ -39,13 +37,13 @@ class StepIndexBuilder:
             self.low_steps[-1] = step
         return last_step
 
-    def record(self, rank: int, step: int) -> StepIndexed | None:
-        """The StepIndexed record, or None when it would not fit in a frame (millions of steps)."""
-        if 32 * len(self.steps) + 8 * len(self.names_offsets) > framing.MAX_FRAME - 4096:
-            return None
-        packed = [_le_bytes(a) for a in (self.steps, self.offsets, self.seqs, self.low_steps, self.names_offsets)]
-        return StepIndexed(rank=rank, step=step, wall=time.time(), steps=packed[0], offsets=packed[1], seqs=packed[2],
-                           low_steps=packed[3], names_offsets=packed[4])
+    def fields(self) -> dict[str, bytes]:
+        """FileClosed's index fields; none where they would not fit in its frame (millions of steps)."""
+        if 32 * len(self.steps) + 8 * len(self.names_offsets) > framing.MAX_FRAME - (1 << 20):
+            return {}
+        return {"index_steps": _le_bytes(self.steps), "index_offsets": _le_bytes(self.offsets),
+                "index_seqs": _le_bytes(self.seqs), "index_low_steps": _le_bytes(self.low_steps),
+                "index_names": _le_bytes(self.names_offsets)}
 
 
 def _le_bytes(a: array.array) -> bytes:

@@ -609,10 +609,6 @@ class LogWriter:
     def _finish(self, buf: list[bytes], reason: str) -> None:
         if self._error is None:
             self._append_drops(buf)
-            index, index_offset = self._index.record(self.rank, self._last_step), -1
-            if index is not None:
-                index_offset = self._file_bytes + self._buffered
-                self._frame(index, buf)
             closing = FileClosed(
                 rank=self.rank,
                 step=self._last_step,
@@ -620,7 +616,7 @@ class LogWriter:
                 records=self._seq,  # records before this one, FileOpened included
                 dropped=self._dropped_total,
                 reason=reason,
-                index_offset=index_offset,
+                **self._index.fields(),
             )
             self._frame(closing, buf)
             self._write_out(buf)  # fsyncs too when asked to (fsync=True)

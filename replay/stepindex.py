@@ -1,4 +1,4 @@
-"""Reading only some steps of a log file, through its step index (:class:`StepIndexed`), or by a scan.
+"""Reading only some steps of a log file, through its step index (FileClosed's ``index_*``), or by a scan.
 
 A step selection (``--steps``: ranges ``(first, last)``, ``last`` None for open-ended) yields, per
 file, the events of a full read that one rule keeps (:func:`keep`): the preamble (the records before
@@ -8,9 +8,9 @@ the name-table frames and the segments whose steps can hold a selected step; wit
 older writer, bytes after the close) the whole file is read and the same rule applied: the same events
 either way.
 
-The index is untrusted input. It is found from the file's end (a FileClosed frame ending exactly at
-the end of the file, whose ``index_offset`` points at a StepIndexed frame ending exactly where that
-FileClosed starts); its arrays are checked (sorted, inside the file, consistent with each other); and
+The index is untrusted input. It is found from the file's end (the frame header nearest the end that
+checks out must begin a FileClosed frame ending exactly at the end of the file); its arrays are
+checked (sorted, inside the file, consistent with each other); and
 every offset used is checked before anything is read from there: a frame that checks out starts
 there, with the sequence number and step the index gives (a name table where it lists one). Anything
 else and the index is ignored, with a note among the reader's problems, and the file is read whole.
@@ -34,7 +34,6 @@ from trainrec.schema.events import (
     FileOpened,
     NamesInterned,
     NamesRepeated,
-    StepIndexed,
 )
 
 from .reader import LogReader
@@ -43,7 +42,7 @@ __all__ = ["FileIndex", "StepRanges", "in_ranges", "keep_selected", "load_index"
 
 StepRanges = Sequence[tuple[int, "int | None"]]
 _ALWAYS = (FileOpened, FileClosed, NamesInterned, NamesRepeated)
-_TAIL = 4096  # bytes read from the end to find the FileClosed frame
+_TAIL = 64 << 10  # bytes read from the end first to find the FileClosed frame (then 16 times more)
 _HDR = struct.Struct("<IIII")
 
 
@@ -68,7 +67,7 @@ def keep_selected(events: Iterable[Event], ranges: StepRanges, span: list[int] |
                     span[0] = step
                 if step > span[1]:
                     span[1] = step
-        if preamble or isinstance(ev, _ALWAYS) or (type(ev) is not StepIndexed and in_ranges(ranges, step)):
+        if preamble or isinstance(ev, _ALWAYS) or in_ranges(ranges, step):
             yield ev
 
 
@@ -81,8 +80,8 @@ class FileIndex:
     seqs: np.ndarray
     low_steps: np.ndarray
     names_offsets: np.ndarray
-    index_offset: int  # where the StepIndexed frame starts (the end of the last segment)
-    index_seq: int
+    index_offset: int  # where the FileClosed frame starts (the end of the last segment)
+    index_seq: int  # its sequence number
     size: int  # the file's size when the index was read
     version: int  # the file's format version
 
@@ -134,17 +133,27 @@ def _frame_at(f, offset: int, size: int, version: int) -> tuple[Event, int]:
         raise _BadIndex(f"the record at byte {offset} does not decode ({exc})") from None
 
 
-def _closing_frame(tail: bytes, base: int) -> tuple[int, bytes] | None:
-    """``(offset, payload)`` of the frame that ends exactly at the end of ``tail`` (read from ``base``)."""
-    n = len(tail)
-    j = tail.rfind(framing.FRAME_MAGIC_BYTES, 0, n - framing.FRAME_HEADER_SIZE + 1)
-    while j >= 0:
-        magic, length, pcrc, hcrc = _HDR.unpack_from(tail, j)
-        if zlib.crc32(tail[j : j + 12]) == hcrc and j + framing.FRAME_HEADER_SIZE + length == n:
-            payload = tail[j + framing.FRAME_HEADER_SIZE :]
-            return (base + j, payload) if zlib.crc32(payload) == pcrc else None
-        j = tail.rfind(framing.FRAME_MAGIC_BYTES, 0, j)
-    return None
+def _last_frame(f, size: int) -> tuple[int, bytes] | None:
+    """``(offset, payload)`` of the frame that ends the file: the frame header nearest the end that
+    checks out must begin it, its payload checking out too; None otherwise (a torn tail, stray bytes)."""
+    lo = framing.FILE_HEADER_SIZE
+    want = _TAIL
+    while True:
+        base = max(lo, size - want)
+        f.seek(base)
+        tail = f.read(size - base)
+        j = tail.rfind(framing.FRAME_MAGIC_BYTES, 0, len(tail) - framing.FRAME_HEADER_SIZE + 1)
+        while j >= 0:
+            magic, length, pcrc, hcrc = _HDR.unpack_from(tail, j)
+            if zlib.crc32(tail[j : j + 12]) == hcrc:
+                if j + framing.FRAME_HEADER_SIZE + length != len(tail):
+                    return None
+                payload = tail[j + framing.FRAME_HEADER_SIZE :]
+                return (base + j, payload) if zlib.crc32(payload) == pcrc else None
+            j = tail.rfind(framing.FRAME_MAGIC_BYTES, 0, j)
+        if base == lo or want > framing.MAX_FRAME:
+            return None
+        want *= 16
 
 
 def _sorted_in(a: np.ndarray, lo: int, hi: int, label: str) -> None:
@@ -165,42 +174,37 @@ def load_index(path: str) -> tuple[FileIndex | None, str | None]:
 
 
 def _load(f, size: int) -> tuple[FileIndex | None, str | None]:
-    head = f.read(framing.FILE_HEADER_SIZE)
-    parsed = framing.decode_file_header(head)
+    parsed = framing.decode_file_header(f.read(framing.FILE_HEADER_SIZE))
     if parsed is None or parsed[0] not in framing.SUPPORTED_VERSIONS:
         return None, None
-    version = parsed[0]
-    base = max(framing.FILE_HEADER_SIZE, size - _TAIL)
-    f.seek(base)
-    found = _closing_frame(f.read(size - base), base)
+    found = _last_frame(f, size)
     if found is None:
         return None, None
     closed_at, payload = found
     try:
-        closed = codec.decode(payload, version)
+        closed = codec.decode(payload, parsed[0])
     except Exception:  # noqa: BLE001 - not a FileClosed: the full read says what it is
         return None, None
-    if type(closed) is not FileClosed or closed.index_offset == -1:
-        return None, None
-    ev, end = _frame_at(f, closed.index_offset, closed_at, version)
-    if type(ev) is not StepIndexed or end != closed_at or ev.seq != closed.seq - 1:
-        raise _BadIndex(f"FileClosed's index_offset {closed.index_offset} is not the StepIndexed frame before it")
-    arrays = [np.frombuffer(a, "<i8") for a in (ev.steps, ev.low_steps)]
-    uarrays = [np.frombuffer(a, "<u8") for a in (ev.offsets, ev.seqs, ev.names_offsets)]
+    if type(closed) is not FileClosed or not (closed.index_steps or closed.index_names):
+        return None, None  # (not closed, or by a writer from before the index)
+    fields = (closed.index_steps, closed.index_low_steps, closed.index_offsets, closed.index_seqs, closed.index_names)
+    if any(len(a) % 8 for a in fields) or len({len(a) for a in fields[:4]}) != 1:
+        raise _BadIndex("its arrays are not whole 8-byte entries of one length")
+    steps, low = (np.frombuffer(a, "<i8") for a in fields[:2])
+    uarrays = [np.frombuffer(a, "<u8") for a in fields[2:]]
     if any(len(u) and int(u.max()) >= 1 << 62 for u in uarrays):
         raise _BadIndex("an offset or sequence number is beyond any file")
-    steps, low = arrays
     offsets, seqs, names = (u.astype(np.int64) for u in uarrays)
     start = framing.FILE_HEADER_SIZE + framing.FRAME_HEADER_SIZE  # (FileOpened comes first)
     _sorted_in(steps, 0, MAX_STEP, "steps")
-    _sorted_in(offsets, start, closed.index_offset, "segment offsets")
-    _sorted_in(seqs, 1, ev.seq, "segment sequence numbers")
-    _sorted_in(names, start, closed.index_offset, "name-table offsets")
+    _sorted_in(offsets, start, closed_at, "segment offsets")
+    _sorted_in(seqs, 1, closed.seq, "segment sequence numbers")
+    _sorted_in(names, start, closed_at, "name-table offsets")
     if len(low) and ((low < 0) | (low > steps)).any():
         raise _BadIndex("a segment's lowest step is negative or above its step")
     if len(seqs) > 1 and (np.diff(offsets) < framing.FRAME_HEADER_SIZE * np.diff(seqs)).any():
         raise _BadIndex("a segment holds more frames than bytes for them")
-    return FileIndex(steps, offsets, seqs, low, names, closed.index_offset, ev.seq, size, version), None
+    return FileIndex(steps, offsets, seqs, low, names, closed_at, closed.seq, size, parsed[0]), None
 
 
 # ---------------------------------------------------------------------------------------- reading

@@ -79,7 +79,7 @@ def _depth_ok(value: tuple | dict, depth: int = 0) -> bool:
 # one per name (a model of a million modules is far beyond any trained today).
 MAX_VALUES_DEFAULT = 1 << 20
 MAX_VALUES: dict[str, int] = {
-    tag: 4096 for tag in ("ts", "hf", "sb", "se", "fc", "rd", "hx", "wf", "mx", "si")  # (no list of ranks or names)
+    tag: 4096 for tag in ("ts", "hf", "sb", "se", "fc", "rd", "hx", "wf", "mx")  # (no list of ranks or names)
 }
 # Lengths of one string, array or map (msgpack's own limits, checked before anything is built).
 MAX_STR = 1 << 20

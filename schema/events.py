@@ -124,13 +124,25 @@ def _check_counts(event: Event, *labels: str) -> str | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FileClosed(Event):
-    """Last record of a cleanly closed file."""
+    """Last record of a cleanly closed file.
+
+    The ``index_*`` fields (appended later: empty in older writers' files) are the file's step index.
+    Segment ``k`` starts at byte ``index_offsets[k]`` with the frame of sequence number ``index_seqs[k]``,
+    the first whose step ``index_steps[k]`` is above every step before it; it runs to the next segment
+    (the last one to this record), none of its frames has a higher step, and ``index_low_steps[k]`` is
+    the lowest step >= 0 among them. ``index_names``: the offsets of the frames of name tables. Packed
+    little-endian, 'q' (steps) and 'Q' (offsets, seqs). Untrusted: replay checks it against the file
+    (:mod:`trainrec.replay.stepindex`) and reads the whole file where it does not fit."""
 
     TAG: ClassVar[str] = "fc"
     records: int = 0
     dropped: int = 0
     reason: str = "close"
-    index_offset: int = -1  # (appended later) byte offset of the file's StepIndexed frame; -1: none
+    index_steps: bytes = b""
+    index_offsets: bytes = b""
+    index_seqs: bytes = b""
+    index_low_steps: bytes = b""
+    index_names: bytes = b""
 
     def check(self) -> str | None:
         return _check_counts(self, "records", "dropped")
@@ -579,34 +591,6 @@ class ExceptionRaised(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StepIndexed(Event):
-    """Where each step's records start in this file, written by the writer just before FileClosed
-    (whose ``index_offset`` points here). Segment ``k`` starts at byte ``offsets[k]`` with the frame of
-    sequence number ``seqs[k]``, the first whose step exceeds every step before it (``steps[k]``);
-    its frames run to the next segment (the last one to this record) and none has a step above
-    ``steps[k]``; ``low_steps[k]`` is the lowest step >= 0 among them. ``names_offsets``: the frames of
-    NamesInterned and NamesRepeated after the first segment's start. Arrays are packed little-endian
-    ('q' steps, 'Q' offsets and seqs). Untrusted like any record: replay checks it against the file."""
-
-    TAG: ClassVar[str] = "si"
-    steps: bytes = b""
-    offsets: bytes = b""
-    seqs: bytes = b""
-    low_steps: bytes = b""
-    names_offsets: bytes = b""
-
-    def check(self) -> str | None:
-        n = len(self.steps)
-        for arr, label in ((self.steps, "steps"), (self.offsets, "offsets"), (self.seqs, "seqs"),
-                           (self.low_steps, "low_steps"), (self.names_offsets, "names_offsets")):
-            if len(arr) % 8:
-                return f"{label} is not a whole number of 8-byte entries"
-            if label != "names_offsets" and len(arr) != n:
-                return f"{label} has {len(arr) // 8} entries for {n // 8} segments"
-        return None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class UnknownEvent(Event):
     """A record with a tag this reader does not know (written by a newer trainrec). Skip it."""
 
@@ -638,7 +622,6 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ExceptionRaised,
     NamesRepeated,
     WriterFailed,
-    StepIndexed,
 )
 
 TAGS: dict[str, type[Event]] = {cls.TAG: cls for cls in EVENT_TYPES}

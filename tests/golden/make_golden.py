@@ -65,7 +65,6 @@ from trainrec.schema.events import (
     StallDetected,
     StepBegan,
     StepEnded,
-    StepIndexed,
     TensorStatsRecorded,
     UnknownEvent,
     WriterFailed,
@@ -481,9 +480,9 @@ def logwriter() -> Built:
 
 
 def step_index() -> Built:
-    """A file closed with its step index: StepIndexed (per segment, the step, offset and seq of its first
-    frame and its lowest step; the name tables' offsets) before a FileClosed whose appended
-    ``index_offset`` points at it. Step 1's segment holds a late record of step 0."""
+    """A file closed with its step index, in FileClosed's appended ``index_*`` fields: per segment, the
+    step, offset and seq of its first frame and its lowest step; the name tables' offsets. Step 1's
+    segment holds a late record of step 0 and a name table."""
     g = Builder()
     g.add(header_event())
     g.add(NamesInterned(**env(1, -1), first_id=0, names=("a", "b", "c")))
@@ -498,13 +497,11 @@ def step_index() -> Built:
             g.add(NamesInterned(**env(seq, 1), first_id=3, names=("d",)))
             g.add(AnomalyDetected(**env(seq + 1, 0, 1.5), rule="AnomalyTurbulence", op="norm", value=9.0))
             seq += 2
-    low = [0, 0, 2]
-    index_at = len(g.b.data)
-    g.add(StepIndexed(**env(seq, 2, 4.0), steps=pack_array("q", [s for s, _, _ in segments]),
-                      offsets=pack_array("Q", [o for _, o, _ in segments]),
-                      seqs=pack_array("Q", [q for _, _, q in segments]), low_steps=pack_array("q", low),
-                      names_offsets=pack_array("Q", names)))
-    g.add(FileClosed(**env(seq + 1, 2, 4.0), records=seq + 1, reason="close", index_offset=index_at))
+    g.add(FileClosed(**env(seq, 2, 4.0), records=seq, reason="close",
+                     index_steps=pack_array("q", [s for s, _, _ in segments]),
+                     index_offsets=pack_array("Q", [o for _, o, _ in segments]),
+                     index_seqs=pack_array("Q", [q for _, _, q in segments]), index_low_steps=pack_array("q", [0, 0, 2]),
+                     index_names=pack_array("Q", names)))
     return g.b
 
 
