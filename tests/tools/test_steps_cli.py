@@ -1,0 +1,90 @@
+"""``--steps`` on dump, anomalies and export: the same answer with and without the logs' step indexes,
+and the answer of the whole run for those steps."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import sys
+
+import pytest
+from trainrec.tools.cli import main
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(HERE, os.pardir, "analyzers"))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "replay"))
+from index_logs import copy_run  # noqa: E402
+from varied_logs import write_varied_run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[str, str]:
+    """A run (3 ranks, 40 steps, rank 1 resumed at 22, rank 2 torn) and its copy without step indexes."""
+    base = tmp_path_factory.mktemp("steps")
+    run = write_varied_run(str(base / "run"), ranks=3, steps=40)
+    return run, copy_run(run, str(base / "old"))
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([*map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _plain(out: str) -> list[dict]:
+    """Dump lines as dicts, without FileClosed's index columns (a file's, not its content's)."""
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("index_")} for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("sel", ["20-26", "5:6,38-"])
+def test_dump_steps(runs, capsys, sel):
+    run, old = runs
+    code, out, _ = cli(capsys, "dump", run, "--steps", sel)
+    assert code == 0 and out
+    assert _plain(cli(capsys, "dump", old, "-s", sel)[1]) == _plain(out)
+    assert cli(capsys, "dump", run, "-s", sel, "-j", "2")[1] == out
+    _, whole, _ = cli(capsys, "dump", run)
+    wanted = (lambda s: 20 <= s <= 26) if sel == "20-26" else (lambda s: s in (5, 6) or s >= 38)
+    got = _plain(out)
+    assert {d["step"] for d in got} == {d["step"] for d in _plain(whole) if wanted(d["step"])}
+    assert got == [d for d in _plain(whole) if wanted(d["step"])]
+
+
+def test_anomalies_steps_redetect(runs, capsys, tmp_path):
+    run, old = runs
+    args = ["--rule", "AnomalyTurbulence", "--threshold", "0.3", "--all", "--json"]
+    code, out, err = cli(capsys, "anomalies", run, *args, "-s", "20-30")
+    assert code == 0
+    assert cli(capsys, "anomalies", old, *args, "-s", "20-30")[1] == out
+    assert cli(capsys, "anomalies", run, *args, "-s", "20-30", "-j", "2")[1] == out
+    whole = json.loads(cli(capsys, "anomalies", run, *args)[1])
+    mine = json.loads(out)
+    assert mine and mine == [a for a in whole if 20 <= a["step"] <= 30]
+
+
+def test_anomalies_steps_outside_the_run(runs, capsys):
+    run, old = runs
+    code, _, err = cli(capsys, "anomalies", run, "-s", "500-600")
+    assert code == 2 and "the recorded steps are 0..44" in err
+    assert cli(capsys, "anomalies", old, "-s", "500-600")[:2] == (2, "")
+
+
+def test_export_csv_steps(runs, capsys, tmp_path):
+    run, old = runs
+    outs = {}
+    for name, src, extra in (("idx", run, ["--steps", "20-24"]), ("old", old, ["--steps", "20-24"]),
+                             ("all", run, [])):
+        out = str(tmp_path / name)
+        code, _, err = cli(capsys, "export", "csv", src, "-o", out, *extra)
+        assert code == 0, err
+        outs[name] = out
+    for rank_dir in sorted(os.listdir(outs["idx"])):
+        if rank_dir.startswith("."):
+            continue
+        names = sorted(os.listdir(os.path.join(outs["idx"], rank_dir)))
+        assert names and names == sorted(os.listdir(os.path.join(outs["old"], rank_dir)))
+        for name in names:
+            a = os.path.join(outs["idx"], rank_dir, name)
+            assert filecmp.cmp(a, os.path.join(outs["old"], rank_dir, name), shallow=False), name
+            assert filecmp.cmp(a, os.path.join(outs["all"], rank_dir, name), shallow=False), name
