@@ -38,7 +38,8 @@ from trainrec.schema.events import (
 
 from .reader import LogReader
 
-__all__ = ["FileIndex", "StepRanges", "in_ranges", "keep_selected", "load_index", "read_steps"]
+__all__ = ["BadIndex", "FileIndex", "StepRanges", "check_segments", "in_ranges", "keep_selected", "load_index",
+           "read_steps"]
 
 StepRanges = Sequence[tuple[int, "int | None"]]
 _ALWAYS = (FileOpened, FileClosed, NamesInterned, NamesRepeated)
@@ -46,8 +47,8 @@ _TAIL = 64 << 10  # bytes read from the end first to find the FileClosed frame (
 _HDR = struct.Struct("<IIII")
 
 
-class _BadIndex(Exception):
-    pass
+class BadIndex(Exception):
+    """A step index that does not fit its file (the message says how)."""
 
 
 def in_ranges(ranges: StepRanges, step: int) -> bool:
@@ -84,6 +85,7 @@ class FileIndex:
     index_seq: int  # its sequence number
     size: int  # the file's size when the index was read
     version: int  # the file's format version
+    close_reason: str = ""
 
     @property
     def step_span(self) -> tuple[int, int] | None:
@@ -113,24 +115,24 @@ class FileIndex:
 
 
 def _frame_at(f, offset: int, size: int, version: int) -> tuple[Event, int]:
-    """The event of the frame at ``offset`` and where it ends; _BadIndex when no valid frame is there."""
+    """The event of the frame at ``offset`` and where it ends; BadIndex when no valid frame is there."""
     if not framing.FILE_HEADER_SIZE <= offset <= size - framing.FRAME_HEADER_SIZE:
-        raise _BadIndex(f"offset {offset} is outside the file's frames")
+        raise BadIndex(f"offset {offset} is outside the file's frames")
     f.seek(offset)
     head = f.read(framing.FRAME_HEADER_SIZE)
     magic, length, pcrc, hcrc = _HDR.unpack(head)
     if magic != framing.FRAME_MAGIC or zlib.crc32(head[:12]) != hcrc or length > framing.MAX_FRAME:
-        raise _BadIndex(f"no frame starts at byte {offset}")
+        raise BadIndex(f"no frame starts at byte {offset}")
     end = offset + framing.FRAME_HEADER_SIZE + length
     if end > size:
-        raise _BadIndex(f"the frame at byte {offset} runs past the end of the file")
+        raise BadIndex(f"the frame at byte {offset} runs past the end of the file")
     payload = f.read(length)
     if zlib.crc32(payload) != pcrc:
-        raise _BadIndex(f"the frame at byte {offset} fails its CRC")
+        raise BadIndex(f"the frame at byte {offset} fails its CRC")
     try:
         return codec.decode(payload, version), end
     except Exception as exc:  # noqa: BLE001 - untrusted bytes: any failure means a bad index
-        raise _BadIndex(f"the record at byte {offset} does not decode ({exc})") from None
+        raise BadIndex(f"the record at byte {offset} does not decode ({exc})") from None
 
 
 def _last_frame(f, size: int) -> tuple[int, bytes] | None:
@@ -158,7 +160,7 @@ def _last_frame(f, size: int) -> tuple[int, bytes] | None:
 
 def _sorted_in(a: np.ndarray, lo: int, hi: int, label: str) -> None:
     if len(a) and (a[0] < lo or a[-1] >= hi or (len(a) > 1 and not (np.diff(a) > 0).all())):
-        raise _BadIndex(f"{label} are not increasing within {lo}..{hi - 1}")
+        raise BadIndex(f"{label} are not increasing within {lo}..{hi - 1}")
 
 
 def load_index(path: str) -> tuple[FileIndex | None, str | None]:
@@ -167,7 +169,7 @@ def load_index(path: str) -> tuple[FileIndex | None, str | None]:
     try:
         with open(path, "rb") as f:
             return _load(f, os.fstat(f.fileno()).st_size)
-    except _BadIndex as exc:
+    except BadIndex as exc:
         return None, str(exc)
     except OSError:
         return None, None  # (the full read says what is wrong with the file)
@@ -189,11 +191,11 @@ def _load(f, size: int) -> tuple[FileIndex | None, str | None]:
         return None, None  # (not closed, or by a writer from before the index)
     fields = (closed.index_steps, closed.index_low_steps, closed.index_offsets, closed.index_seqs, closed.index_names)
     if any(len(a) % 8 for a in fields) or len({len(a) for a in fields[:4]}) != 1:
-        raise _BadIndex("its arrays are not whole 8-byte entries of one length")
+        raise BadIndex("its arrays are not whole 8-byte entries of one length")
     steps, low = (np.frombuffer(a, "<i8") for a in fields[:2])
     uarrays = [np.frombuffer(a, "<u8") for a in fields[2:]]
     if any(len(u) and int(u.max()) >= 1 << 62 for u in uarrays):
-        raise _BadIndex("an offset or sequence number is beyond any file")
+        raise BadIndex("an offset or sequence number is beyond any file")
     offsets, seqs, names = (u.astype(np.int64) for u in uarrays)
     start = framing.FILE_HEADER_SIZE + framing.FRAME_HEADER_SIZE  # (FileOpened comes first)
     _sorted_in(steps, 0, MAX_STEP, "steps")
@@ -201,35 +203,36 @@ def _load(f, size: int) -> tuple[FileIndex | None, str | None]:
     _sorted_in(seqs, 1, closed.seq, "segment sequence numbers")
     _sorted_in(names, start, closed_at, "name-table offsets")
     if len(low) and ((low < 0) | (low > steps)).any():
-        raise _BadIndex("a segment's lowest step is negative or above its step")
+        raise BadIndex("a segment's lowest step is negative or above its step")
     if len(seqs) > 1 and (np.diff(offsets) < framing.FRAME_HEADER_SIZE * np.diff(seqs)).any():
-        raise _BadIndex("a segment holds more frames than bytes for them")
-    return FileIndex(steps, offsets, seqs, low, names, closed_at, closed.seq, size, parsed[0]), None
+        raise BadIndex("a segment holds more frames than bytes for them")
+    return FileIndex(steps, offsets, seqs, low, names, closed_at, closed.seq, size, parsed[0], closed.reason), None
 
 
 # ---------------------------------------------------------------------------------------- reading
+def check_segments(f, ix: FileIndex, segments: Iterable[int]) -> None:
+    """Raise BadIndex unless a frame of the step and seq the index gives starts where each of
+    ``segments`` does (indices past the last segment are skipped)."""
+    for k in sorted(set(segments)):
+        if not 0 <= k < len(ix.steps):
+            continue
+        ev, _ = _frame_at(f, int(ix.offsets[k]), ix.index_offset, ix.version)
+        if ev.seq != ix.seqs[k] or ev.step != ix.steps[k]:
+            raise BadIndex(f"segment {k} of the index says step {ix.steps[k]}, seq {ix.seqs[k]} at byte "
+                           f"{ix.offsets[k]}; the record there is of step {ev.step}, seq {ev.seq}")
+
+
 def _plan(f, ix: FileIndex, ranges: StepRanges, version: int) -> list[tuple[int, int, int]]:
     """``(start, stop, first seq)`` of the byte spans to read, in file order, every boundary checked."""
     n = len(ix.steps)
     first = int(ix.offsets[0]) if n else ix.index_offset
     plan = [(framing.FILE_HEADER_SIZE, first, 0)]
-    checked: set[int] = set()
-
-    def check_segment(k: int) -> None:
-        if k >= n or k in checked:
-            return
-        checked.add(k)
-        ev, _ = _frame_at(f, int(ix.offsets[k]), ix.index_offset, version)
-        if ev.seq != ix.seqs[k] or ev.step != ix.steps[k]:
-            raise _BadIndex(f"segment {k} of the index says step {ix.steps[k]}, seq {ix.seqs[k]} at byte "
-                            f"{ix.offsets[k]}; the record there is of step {ev.step}, seq {ev.seq}")
-
     data = []
+    ends = [0]
     for k0, k1 in ix.spans(ranges):
-        check_segment(k0)
-        check_segment(k1 + 1)
+        ends += [k0, k1 + 1]
         data.append((int(ix.offsets[k0]), ix.segment_end(k1), int(ix.seqs[k0])))
-    check_segment(0)
+    check_segments(f, ix, ends)
     starts = [d[0] for d in data]
     for off in map(int, ix.names_offsets):
         if off < first:
@@ -239,7 +242,7 @@ def _plan(f, ix: FileIndex, ranges: StepRanges, version: int) -> list[tuple[int,
             continue  # read with its segment
         ev, end = _frame_at(f, off, ix.index_offset, version)
         if type(ev) not in (NamesInterned, NamesRepeated):
-            raise _BadIndex(f"the index lists a name table at byte {off}, where a {type(ev).__name__} is")
+            raise BadIndex(f"the index lists a name table at byte {off}, where a {type(ev).__name__} is")
         plan.append((off, end, ev.seq))
     plan.extend(data)
     plan.append((ix.index_offset, ix.size, ix.index_seq))
@@ -258,7 +261,7 @@ def read_steps(path: str, ranges: StepRanges, chunk_size: int = 4 << 20) -> tupl
         try:
             with open(path, "rb") as f:
                 plan = _plan(f, ix, ranges, ix.version)
-        except _BadIndex as exc:
+        except BadIndex as exc:
             why = str(exc)
         except OSError:
             plan = None

@@ -388,12 +388,12 @@ class RankStream:
                 result.messages.append(f"skipped {lf.path}: {lf.error}")
                 continue
             cut = run.cutoffs.get(lf.path)
-            span = None
+            file_span = None
             if task.steps is None:
                 reader = LogReader(lf.path)
                 stream = iter(reader)
             else:  # only the selected steps' bytes where the file has a step index
-                reader, stream, span = read_steps(lf.path, task.steps.ranges)
+                reader, stream, file_span = read_steps(lf.path, task.steps.ranges)
             done = 0
             try:
                 for ev in stream:
@@ -422,8 +422,8 @@ class RankStream:
             for p in reader.problems:
                 result.messages.append(f"damaged record skipped: {p}" if p.skipped else f"damage: {p}")
             self.last_reader = reader
-            if span is not None:  # a step selection: the recorded span is the file's, not what was read
-                self._spans.append((span[0], span[1] if cut is None else min(span[1], cut - 1)))
+            if file_span is not None:  # a step selection: the recorded span is the file's, not what was read
+                self._spans.append((file_span[0], file_span[1] if cut is None else min(file_span[1], cut - 1)))
         spans = [s for s in self._spans if 0 <= s[0] <= s[1]]
         if task.steps is not None:
             result.recorded_steps = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None

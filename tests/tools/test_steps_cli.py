@@ -88,3 +88,34 @@ def test_export_csv_steps(runs, capsys, tmp_path):
             a = os.path.join(outs["idx"], rank_dir, name)
             assert filecmp.cmp(a, os.path.join(outs["old"], rank_dir, name), shallow=False), name
             assert filecmp.cmp(a, os.path.join(outs["all"], rank_dir, name), shallow=False), name
+
+
+def test_inspect_quick_answers_from_the_indexes(runs, capsys, tmp_path):
+    run, old = runs
+    code, out, _ = cli(capsys, "inspect", run, "--quick", "--json")
+    assert code == 0
+    quick = json.loads(out)
+    assert cli(capsys, "inspect", run, "--quick", "--json", "-j", "2")[1] == out
+    full = json.loads(cli(capsys, "inspect", run, "--json")[1])
+    plain = json.loads(cli(capsys, "inspect", old, "--quick", "--json")[1])
+    for q, f, p in zip(quick["per_rank"], full["per_rank"], plain["per_rank"], strict=True):
+        assert (q["steps"], q["first_step"], q["last_step"]) == (f["steps"], f["first_step"], f["last_step"])
+        assert [x["records"] for x in q["files"]] == [x["events"] for x in f["files"]]
+        strip = [{k: v for k, v in x.items() if k not in ("source", "path", "bytes")} for x in q["files"]]
+        assert strip == [{k: v for k, v in x.items() if k not in ("source", "path", "bytes")} for x in p["files"]]
+    sources = [x["source"] for r in quick["per_rank"] for x in r["files"]]
+    assert sources == ["index", "index", "index", "read whole"]  # (rank 2 has bytes after its close)
+    assert {x["source"] for r in plain["per_rank"] for x in r["files"]} == {"read whole"}
+    text = cli(capsys, "inspect", run, "--quick")[1]
+    assert "rank 1: 45 steps (0..44), 395 records" in text and "6 stray bytes after it" in text
+
+
+def test_inspect_quick_with_a_hostile_index(runs, capsys, tmp_path):
+    run, _ = runs
+    bad = copy_run(run, str(tmp_path / "bad"), index_steps=b"\x01" * 8, index_offsets=b"\xff" * 8,
+                   index_seqs=b"\x01" + b"\x00" * 7, index_low_steps=b"\x01" + b"\x00" * 7)
+    quick = json.loads(cli(capsys, "inspect", bad, "--quick", "--json")[1])
+    good = json.loads(cli(capsys, "inspect", run, "--quick", "--json")[1])
+    files = [x for r in quick["per_rank"] for x in r["files"]]
+    assert all(x["source"].startswith("read whole (step index ignored: ") for x in files[:3])
+    assert [(r["steps"], r["records"]) for r in quick["per_rank"]] == [(r["steps"], r["records"]) for r in good["per_rank"]]
