@@ -119,3 +119,21 @@ def test_inspect_quick_with_a_hostile_index(runs, capsys, tmp_path):
     files = [x for r in quick["per_rank"] for x in r["files"]]
     assert all(x["source"].startswith("read whole (step index ignored: ") for x in files[:3])
     assert [(r["steps"], r["records"]) for r in quick["per_rank"]] == [(r["steps"], r["records"]) for r in good["per_rank"]]
+
+
+def test_anomalies_steps_recorded(capsys, tmp_path):
+    from export_logs import write_rank_log
+    from logbuild import rank_dir
+
+    run = tmp_path / "run"
+    for r in range(2):
+        write_rank_log(rank_dir(run, r), rank=r, steps=range(30), seed=r)
+    old = copy_run(str(run), str(tmp_path / "old"))
+    code, out, _ = cli(capsys, "anomalies", run, "-s", "2-4,25", "--all", "--json")
+    assert code == 0 and json.loads(out)
+    assert cli(capsys, "anomalies", old, "-s", "2-4,25", "--all", "--json")[1] == out
+    assert cli(capsys, "anomalies", run, "-s", "2-4,25", "--all", "--json", "-j", "2")[1] == out
+    whole = json.loads(cli(capsys, "anomalies", run, "--all", "--json")[1])
+    assert json.loads(out) == [a for a in whole if 2 <= a["step"] <= 4 or a["step"] == 25]
+    text = cli(capsys, "anomalies", run, "-s", "1-3")[1]
+    assert "(steps 0..29, ranks 0-1)" in text
