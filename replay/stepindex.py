@@ -38,8 +38,8 @@ from trainrec.schema.events import (
 
 from .reader import LogReader
 
-__all__ = ["BadIndex", "FileIndex", "StepRanges", "check_segments", "in_ranges", "keep_selected", "load_index",
-           "read_steps"]
+__all__ = ["BadIndex", "FileIndex", "StepRanges", "check_segments", "first_record", "in_ranges", "keep_selected",
+           "load_index", "read_steps"]
 
 StepRanges = Sequence[tuple[int, "int | None"]]
 _ALWAYS = (FileOpened, FileClosed, NamesInterned, NamesRepeated)
@@ -276,3 +276,42 @@ def read_steps(path: str, ranges: StepRanges, chunk_size: int = 4 << 20) -> tupl
 def _spans(reader: LogReader, plan: list[tuple[int, int, int]]) -> Iterator[Event]:
     for start, stop, seq in plan:
         yield from reader.read_span(start, stop, seq)
+
+
+def first_record(path: str, tag: str, max_records: int) -> Event | None | bool:
+    """The first record of type ``tag`` among the first ``max_records`` of a log, found by the frames'
+    tags alone (no other record is decoded: a config at the start of a long log, without a read of
+    its statistics); None where there is none; False where the frames do not all check out (damage,
+    a torn tail: read it with a LogReader, which says what is wrong)."""
+    try:
+        with open(path, "rb") as f:
+            parsed = framing.decode_file_header(f.read(framing.FILE_HEADER_SIZE))
+            if parsed is None or parsed[0] not in framing.SUPPORTED_VERSIONS:
+                return False
+            buf, pos = b"", 0
+            for _ in range(max_records + 1):
+                while len(buf) - pos < framing.FRAME_HEADER_SIZE or len(buf) - pos < _frame_len(buf, pos):
+                    more = f.read(1 << 20)
+                    if not more:
+                        return None if pos == len(buf) else False
+                    buf, pos = buf[pos:] + more, 0
+                status, payload, nxt = framing.read_frame(buf, pos)
+                if status is not framing.Frame.OK:
+                    return False
+                pos = nxt
+                peeked = codec.peek_tag(payload)
+                if peeked == "fc" and tag != "fc":
+                    return None  # (nothing of the file follows its close)
+                if peeked == tag:
+                    try:
+                        return codec.decode(payload, parsed[0])
+                    except Exception:  # noqa: BLE001 - undecodable: the reader reports it
+                        return False
+            return None
+    except OSError:
+        return False
+
+
+def _frame_len(buf: bytes, pos: int) -> int:
+    magic, length, _, _ = _HDR.unpack_from(buf, pos)
+    return framing.FRAME_HEADER_SIZE + min(length, framing.MAX_FRAME)

@@ -244,3 +244,17 @@ def test_golden_logs_select_as_a_full_read(expected):
         got, reader = _selected(log, ranges)
         assert _wire(got) == _wire(_full(log, ranges))
         assert not any("step index ignored" in p.what for p in reader.problems)
+
+
+@pytest.mark.parametrize("expected", GOLDEN, ids=os.path.basename)
+def test_first_record_by_tag_is_the_readers_first(expected):
+    from trainrec.replay.stepindex import first_record
+
+    log = expected[: -len(".json")] + ".trl"
+    for tag in ("ca", "rr", "ts", "fc"):
+        got = first_record(log, tag, 10000)
+        if got is False:  # (damage or a torn tail: the caller reads the file with a LogReader)
+            assert read_log(log)[0].problems or read_log(log)[0].pending_bytes
+            continue
+        want = next((e for e in read_log(log)[1] if codec.TAGS.get(tag) is type(e)), None)
+        assert repr(got) == repr(want)
