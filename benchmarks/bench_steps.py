@@ -8,7 +8,9 @@ without it, and the ratio, and whether the outputs are identical:
 
 * ``dump --steps A-B``, ``anomalies -s A-B`` (recorded anomalies), ``anomalies -s A-B --rule ...``
   (re-detection reads every step up to B), ``export csv --steps A-B``;
-* ``inspect --quick`` against ``inspect``.
+* ``inspect --quick`` against ``inspect``;
+* in-process, without the start-up of a command: ``Run.events(steps=...)`` of the range, its time and
+  the bytes of log read.
 
     .venv/bin/python benchmarks/bench_steps.py [--dir /tmp/trainrec-steps] [--ranks 8] [--steps 2000]
         [--first 1500] [--count 10] [--keep]
@@ -104,6 +106,17 @@ def main() -> None:
         ("export csv --steps", ["export", "csv", "{run}", "-o", "{out}", "--steps", sel], "out"),
         ("inspect --quick (vs inspect on the indexed run)", ["inspect", "{run}", "--quick"], None),
     ]
+    from trainrec.replay.run import open_run
+
+    ranges = ((a.first, a.first + a.count - 1),)
+    for src, what in ((run, "index"), (old, "no index")):
+        r = open_run(src)
+        t0 = time.perf_counter()
+        n = sum(1 for _ in r.events(steps=ranges))
+        wall = time.perf_counter() - t0
+        read = sum(rd.bytes_read for rd in r.readers.values())
+        print(f"Run.events(steps={sel}), {what}: {n} events in {wall:.3f} s, {read / 1e6:.2f} MB read of "
+              f"{size / 1e6:.0f} MB ({100 * read / size:.2f}%)")
     print(f"{'command':52} {'index':>8} {'no index':>9} {'ratio':>6}  same output")
     for label, argv, out in cases:
         times, outputs = [], []
