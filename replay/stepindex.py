@@ -247,6 +247,9 @@ def _plan(f, ix: FileIndex, ranges: StepRanges, version: int) -> list[tuple[int,
     plan.extend(data)
     plan.append((ix.index_offset, ix.size, ix.index_seq))
     plan.sort()
+    for (_, stop, _), (start, _, _) in zip(plan, plan[1:], strict=False):
+        if stop > start:
+            raise BadIndex(f"the frames it points at overlap (at byte {start})")
     return plan
 
 
