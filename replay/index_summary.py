@@ -3,7 +3,8 @@
 For a file closed with a step index (FileClosed's ``index_*``) the steps recorded and the number of
 records come from that last record alone, checked like any index (see :mod:`.stepindex`: its arrays,
 and the frames where its first and last segments start); any other file (not closed, an older
-writer, an index that does not fit) is read whole, counting its records and steps. Supersession by
+writer, an index that does not fit) is scanned (:mod:`.index_scan`: every frame checked, no record
+decoded), and read whole where the scan gives up (damage). Supersession by
 a resume applies to the steps of a rank (a file's steps from its successor's resume step on are not
 counted), not to the files' record counts.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from trainrec.schema.errors import FormatError
 
+from .index_scan import scan_index
 from .reader import LogReader
 from .run import Run
 from .stepindex import BadIndex, check_segments, load_index
@@ -33,7 +35,7 @@ class QuickFile:
     close_reason: str = ""
     torn_bytes: int = 0
     damage: int = 0  # regions of damage found (a file read whole only)
-    source: str = "index"  # "index", or "read whole" (and why)
+    source: str = "index"  # "index", "scan" or "read whole" (and why the index was not used)
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -75,11 +77,16 @@ def quick_file(path: str) -> QuickFile:
             ix, why = None, str(exc)
         except OSError:
             ix = None
+    ignored = f" (step index ignored: {why})" if why else ""
+    if ix is None:
+        ix = scan_index(path)
+        qf.source = "scan" + ignored
     if ix is not None:
-        qf.records, qf.steps = ix.index_seq + 1, ix.steps.tolist()
-        qf.closed_cleanly, qf.close_reason = True, ix.close_reason
+        qf.records, qf.steps = ix.index_seq + ix.closed, ix.steps.tolist()
+        qf.closed_cleanly, qf.close_reason = ix.closed, ix.close_reason
+        qf.torn_bytes = 0 if ix.end < 0 else ix.size - ix.end
         return qf
-    qf.source = "read whole" + (f" (step index ignored: {why})" if why else "")
+    qf.source = "read whole" + ignored
     reader = LogReader(path)
     steps: set[int] = set()
     try:

@@ -36,6 +36,7 @@ from trainrec.schema.events import (
     NamesRepeated,
 )
 
+from .index_scan import FrameWalkError, scan_index, walk_frames
 from .reader import LogReader
 
 __all__ = ["BadIndex", "FileIndex", "StepRanges", "check_segments", "first_record", "in_ranges", "keep_selected",
@@ -86,6 +87,8 @@ class FileIndex:
     size: int  # the file's size when the index was read
     version: int  # the file's format version
     close_reason: str = ""
+    closed: bool = True  # a FileClosed ends its frames (False: a scan's index of a file not closed)
+    end: int = -1  # where its last complete frame ends (-1: the end of the file)
 
     @property
     def step_span(self) -> tuple[int, int] | None:
@@ -259,21 +262,29 @@ def read_steps(path: str, ranges: StepRanges, chunk_size: int = 4 << 20) -> tupl
     file's records (``[-1, -1]``: none), complete once the events are read."""
     reader = LogReader(path, chunk_size=chunk_size)
     ix, why = load_index(path)
-    plan = None
-    if ix is not None:
-        try:
-            with open(path, "rb") as f:
-                plan = _plan(f, ix, ranges, ix.version)
-        except BadIndex as exc:
-            why = str(exc)
-        except OSError:
-            plan = None
-    if plan is None:
+    plan = _checked_plan(path, ix, ranges) if ix is not None else None
+    if ix is not None and isinstance(plan, str):
+        why, plan = plan, None
+    if plan is None:  # no index, or a bad one: rebuilt by a scan of the frames
         if why:
-            reader.note(f"step index ignored ({why}); the whole file is read")
-        span = [-1, -1]
-        return reader, keep_selected(reader, ranges, span), span
+            reader.note(f"step index ignored ({why}); rebuilt by a scan of the file")
+        ix = scan_index(path)
+        plan = _checked_plan(path, ix, ranges) if ix is not None else None
+        if not isinstance(plan, list):
+            span = [-1, -1]
+            return reader, keep_selected(reader, ranges, span), span
     return reader, keep_selected(_spans(reader, plan), ranges), list(ix.step_span or (-1, -1))
+
+
+def _checked_plan(path: str, ix: FileIndex, ranges: StepRanges) -> list | str | None:
+    """The plan, what is wrong with the index (str), or None where the file cannot be read now."""
+    try:
+        with open(path, "rb") as f:
+            return _plan(f, ix, ranges, ix.version)
+    except BadIndex as exc:
+        return str(exc)
+    except OSError:
+        return None
 
 
 def _spans(reader: LogReader, plan: list[tuple[int, int, int]]) -> Iterator[Event]:
@@ -291,17 +302,7 @@ def first_record(path: str, tag: str, max_records: int) -> Event | None | bool:
             parsed = framing.decode_file_header(f.read(framing.FILE_HEADER_SIZE))
             if parsed is None or parsed[0] not in framing.SUPPORTED_VERSIONS:
                 return False
-            buf, pos = b"", 0
-            for _ in range(max_records + 1):
-                while len(buf) - pos < framing.FRAME_HEADER_SIZE or len(buf) - pos < _frame_len(buf, pos):
-                    more = f.read(1 << 20)
-                    if not more:
-                        return None if pos == len(buf) else False
-                    buf, pos = buf[pos:] + more, 0
-                status, payload, nxt = framing.read_frame(buf, pos)
-                if status is not framing.Frame.OK:
-                    return False
-                pos = nxt
+            for i, (_, payload) in enumerate(walk_frames(f)):
                 peeked = codec.peek_tag(payload)
                 if peeked == "fc" and tag != "fc":
                     return None  # (nothing of the file follows its close)
@@ -310,11 +311,8 @@ def first_record(path: str, tag: str, max_records: int) -> Event | None | bool:
                         return codec.decode(payload, parsed[0])
                     except Exception:  # noqa: BLE001 - undecodable: the reader reports it
                         return False
+                if i >= max_records:
+                    return None
             return None
-    except OSError:
+    except (OSError, FrameWalkError):
         return False
-
-
-def _frame_len(buf: bytes, pos: int) -> int:
-    magic, length, _, _ = _HDR.unpack_from(buf, pos)
-    return framing.FRAME_HEADER_SIZE + min(length, framing.MAX_FRAME)

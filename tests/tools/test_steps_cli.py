@@ -104,8 +104,8 @@ def test_inspect_quick_answers_from_the_indexes(runs, capsys, tmp_path):
         strip = [{k: v for k, v in x.items() if k not in ("source", "path", "bytes")} for x in q["files"]]
         assert strip == [{k: v for k, v in x.items() if k not in ("source", "path", "bytes")} for x in p["files"]]
     sources = [x["source"] for r in quick["per_rank"] for x in r["files"]]
-    assert sources == ["index", "index", "index", "read whole"]  # (rank 2 has bytes after its close)
-    assert {x["source"] for r in plain["per_rank"] for x in r["files"]} == {"read whole"}
+    assert sources == ["index", "index", "index", "scan"]  # (rank 2 has bytes after its close)
+    assert {x["source"] for r in plain["per_rank"] for x in r["files"]} == {"scan"}
     text = cli(capsys, "inspect", run, "--quick")[1]
     assert "rank 1: 45 steps (0..44), 395 records" in text and "6 stray bytes after it" in text
 
@@ -117,7 +117,7 @@ def test_inspect_quick_with_a_hostile_index(runs, capsys, tmp_path):
     quick = json.loads(cli(capsys, "inspect", bad, "--quick", "--json")[1])
     good = json.loads(cli(capsys, "inspect", run, "--quick", "--json")[1])
     files = [x for r in quick["per_rank"] for x in r["files"]]
-    assert all(x["source"].startswith("read whole (step index ignored: ") for x in files[:3])
+    assert all(x["source"].startswith("scan (step index ignored: ") for x in files[:3])
     assert [(r["steps"], r["records"]) for r in quick["per_rank"]] == [(r["steps"], r["records"]) for r in good["per_rank"]]
 
 
