@@ -2,15 +2,17 @@
 
 The run (benchmarks/scale_synth.py, the project's own LogWriter): RANKS x STEPS x 200 tensors x 6 ops;
 a copy of it whose logs' FileClosed records carry no index (re-encoded as an older trainrec wrote them:
-the rest of every file is byte for byte the same) stands for the same logs without an index. Each
-command runs as its own process, as a user runs it; printed per command: wall seconds with the index,
-without it, and the ratio, and whether the outputs are identical:
+the rest of every file is byte for byte the same) stands for the same logs without an index, which
+replay rebuilds by a scan of the frames. Each command runs as its own process, as a user runs it;
+printed per command: wall seconds with the index, without it (the scan), and the ratio, and whether
+the outputs are identical:
 
 * ``dump --steps A-B``, ``anomalies -s A-B`` (recorded anomalies), ``anomalies -s A-B --rule ...``
   (re-detection reads every step up to B), ``export csv --steps A-B``;
 * ``inspect --quick`` against ``inspect``;
 * in-process, without the start-up of a command: ``Run.events(steps=...)`` of the range, its time and
-  the bytes of log read.
+  the bytes the reader read: with the index, rebuilt by the scan, and every file read whole (what a
+  damaged file gets, and every file did before the index).
 
     .venv/bin/python benchmarks/bench_steps.py [--dir /tmp/trainrec-steps] [--ranks 8] [--steps 2000]
         [--first 1500] [--count 10] [--keep]
@@ -106,14 +108,21 @@ def main() -> None:
         ("export csv --steps", ["export", "csv", "{run}", "-o", "{out}", "--steps", sel], "out"),
         ("inspect --quick (vs inspect on the indexed run)", ["inspect", "{run}", "--quick"], None),
     ]
+    from trainrec.replay import stepindex
     from trainrec.replay.run import open_run
 
     ranges = ((a.first, a.first + a.count - 1),)
-    for src, what in ((run, "index"), (old, "no index")):
+    scan = stepindex.scan_index
+    for src, what in ((run, "index"), (old, "no index: scan"), (old, "no index: read whole")):
         r = open_run(src)
-        t0 = time.perf_counter()
-        n = sum(1 for _ in r.events(steps=ranges))
-        wall = time.perf_counter() - t0
+        if what.endswith("whole"):
+            stepindex.scan_index = lambda path: None
+        try:
+            t0 = time.perf_counter()
+            n = sum(1 for _ in r.events(steps=ranges))
+            wall = time.perf_counter() - t0
+        finally:
+            stepindex.scan_index = scan
         read = sum(rd.bytes_read for rd in r.readers.values())
         print(f"Run.events(steps={sel}), {what}: {n} events in {wall:.3f} s, {read / 1e6:.2f} MB read of "
               f"{size / 1e6:.0f} MB ({100 * read / size:.2f}%)")

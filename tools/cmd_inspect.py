@@ -8,7 +8,7 @@ last 10). ``--json`` prints the run as one JSON object (the schema is
 
 ``--quick``: only the steps and record counts, per rank and file, from each file's header and closing
 record (its step index) without reading its records; a file not closed, or closed by an older
-trainrec, is read whole (said per file).
+trainrec, is scanned without decoding its records, or read whole where it is damaged (said per file).
 """
 
 from __future__ import annotations
