@@ -37,7 +37,7 @@ def add_parser(subparsers) -> None:
     add_jobs_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--quick", action="store_true",
-                   help="steps and record counts only, from the logs' step indexes (files without one are read)")
+                   help="steps and record counts only, from the logs' step indexes (files without one are scanned)")
     p.set_defaults(func=run)
 
 
