@@ -53,6 +53,11 @@ _COLUMN_TYPES = {
     "vpp_stages": "u1",
     "directions": "u1",
     "placeholders": "u1",
+    "index_steps": "<i8",  # (FileClosed's step index)
+    "index_low_steps": "<i8",
+    "index_offsets": "<u8",
+    "index_seqs": "<u8",
+    "index_names": "<u8",
 }
 # the columns of an ApiCallsRecorded (the API level's record) besides those above
 _API_COLUMN_TYPES = {

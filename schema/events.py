@@ -124,12 +124,25 @@ def _check_counts(event: Event, *labels: str) -> str | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FileClosed(Event):
-    """Last record of a cleanly closed file."""
+    """Last record of a cleanly closed file.
+
+    The ``index_*`` fields (appended later: empty in older writers' files) are the file's step index.
+    Segment ``k`` starts at byte ``index_offsets[k]`` with the frame of sequence number ``index_seqs[k]``,
+    the first whose step ``index_steps[k]`` is above every step before it; it runs to the next segment
+    (the last one to this record), none of its frames has a higher step, and ``index_low_steps[k]`` is
+    the lowest step >= 0 among them. ``index_names``: the offsets of the frames of name tables. Packed
+    little-endian, 'q' (steps) and 'Q' (offsets, seqs). Untrusted: replay checks it against the file
+    (:mod:`trainrec.replay.stepindex`) and reads the whole file where it does not fit."""
 
     TAG: ClassVar[str] = "fc"
     records: int = 0
     dropped: int = 0
     reason: str = "close"
+    index_steps: bytes = b""
+    index_offsets: bytes = b""
+    index_seqs: bytes = b""
+    index_low_steps: bytes = b""
+    index_names: bytes = b""
 
     def check(self) -> str | None:
         return _check_counts(self, "records", "dropped")

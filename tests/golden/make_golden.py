@@ -271,7 +271,8 @@ def compat() -> Built:
     g.raw(["se", 4, RANK, 1, 1_700_000_001, 2, False, 1], StepEnded(**env(4, 1, 1.0), duration=2.0))
     g.raw(["ufo", 5, RANK, 2, T0, {"nested": {"a": 1}}, b"\x00\x01"],
           UnknownEvent(**env(5, 2), tag="ufo", fields=({"nested": {"a": 1}}, b"\x00\x01")))
-    g.add(FileClosed(**env(6, 2), records=6, reason="close"))
+    # (packed as writers before FileClosed.index_offset did: the scenario's bytes are frozen)
+    g.raw(["fc", 6, RANK, 2, T0, 6, 0, "close"], FileClosed(**env(6, 2), records=6, reason="close"))
     return g.b
 
 
@@ -504,6 +505,32 @@ def logwriter() -> Built:
     return b
 
 
+def step_index() -> Built:
+    """A file closed with its step index, in FileClosed's appended ``index_*`` fields: per segment, the
+    step, offset and seq of its first frame and its lowest step; the name tables' offsets. Step 1's
+    segment holds a late record of step 0 and a name table."""
+    g = Builder()
+    g.add(header_event())
+    g.add(NamesInterned(**env(1, -1), first_id=0, names=("a", "b", "c")))
+    seq, segments, names = 2, [], [g.b.frames[-1][0]]
+    for step in range(3):
+        segments.append((step, len(g.b.data), seq))
+        g.add(stats_actv(seq, step))
+        g.add(StepEnded(**env(seq + 1, step, 1.0 + step), duration=0.1, collected=True))
+        seq += 2
+        if step == 1:
+            names.append(len(g.b.data))
+            g.add(NamesInterned(**env(seq, 1), first_id=3, names=("d",)))
+            g.add(AnomalyDetected(**env(seq + 1, 0, 1.5), rule="AnomalyTurbulence", op="norm", value=9.0))
+            seq += 2
+    g.add(FileClosed(**env(seq, 2, 4.0), records=seq, reason="close",
+                     index_steps=pack_array("q", [s for s, _, _ in segments]),
+                     index_offsets=pack_array("Q", [o for _, o, _ in segments]),
+                     index_seqs=pack_array("Q", [q for _, _, q in segments]), index_low_steps=pack_array("q", [0, 0, 2]),
+                     index_names=pack_array("Q", names)))
+    return g.b
+
+
 SCENARIOS: dict[str, Callable[[], Built]] = {
     "every_event": every_event,
     "compat": compat,
@@ -519,6 +546,7 @@ SCENARIOS: dict[str, Callable[[], Built]] = {
     "flight": flight,
     "reliability": reliability,
     "api_calls": api_calls,
+    "step_index": step_index,
 }
 
 
