@@ -39,7 +39,8 @@ from trainmon_util import (
 )
 from trainrec.schema.events import HookFailed, StepEnded
 
-pytestmark = pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")
+pytestmark = [pytest.mark.dist,
+              pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")]
 
 TIMEOUT = 300  # the first run builds DeepSpeed's shared-memory comm op (about a minute, then cached)
 STEPS = 3
