@@ -459,7 +459,7 @@ class LogWriter:
         interval = self._flush_interval
         while True:
             item = q.get()
-            if type(item) is not _Control:
+            if type(item) is not _Control or item.kind == "names":  # (a name table waits as records do)
                 try:
                     wake.get(timeout=interval)
                 except queue.Empty:

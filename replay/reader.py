@@ -126,7 +126,7 @@ class LogReader:
         self.unlisted_skipped = 0
         self.frames = 0  # frames whose header and payload CRCs checked out
         self.events_read = 0
-        self.bytes_read = 0  # bytes of frames read from the file (a step selection reads only some)
+        self.bytes_read = 0  # bytes read from the file, its header included (a step selection reads only some)
         self._stop = None  # where reading stops (read_span), or None: the end of the file
         self._pos = 0  # file offset of self._buf[0]
         self._buf = b""  # bytes read but not consumed yet (an incomplete frame)
@@ -309,6 +309,7 @@ class LogReader:
         self._short_header = 0
         self.version = version
         self.flags = flags
+        self.bytes_read += len(head)
         if self._pos < framing.FILE_HEADER_SIZE:  # (read_span may have placed the reader already)
             self._pos = framing.FILE_HEADER_SIZE
             self._scan_abs = self._pos
