@@ -254,26 +254,31 @@ def _parse_cc(raw: Any, source: str | None) -> dict:
 WATCHDOG_DEFAULTS = {"enable": True, "factor": 5.0, "min_seconds": 60.0}
 
 
+def _switch_object(raw: Any, defaults: dict, key: str, source: str | None) -> dict:
+    """A trainrec key that is ``true``/``false`` or an object of ``defaults``' keys: the object, with
+    unknown keys refused and ``enable`` checked (the other values are the caller's to check)."""
+    if isinstance(raw, bool):
+        return dict(defaults, enable=raw)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"expected true, false or an object with {', '.join(defaults)}, got {raw!r}", key, source)
+    for k, v in raw.items():
+        if k not in defaults:
+            raise ConfigError(f"unknown key {k!r}; expected one of {', '.join(defaults)}", key, source)
+        if k == "enable" and not isinstance(v, bool):
+            raise ConfigError(f"expected true or false, got {v!r}", f"{key}.enable", source)
+    return dict(defaults, **raw)
+
+
 def _parse_watchdog(raw: Any, source: str | None) -> dict:
     """``stall_watchdog`` (trainrec's key): ``true``, or ``{"enable", "factor", "min_seconds"}``: a step
     running longer than ``factor`` times the median step, and ``min_seconds`` at least, is a stall."""
-    if isinstance(raw, bool):
-        return dict(WATCHDOG_DEFAULTS, enable=raw)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"expected true, false or an object with {', '.join(WATCHDOG_DEFAULTS)}, got {raw!r}",
-                          "stall_watchdog", source)
-    out = dict(WATCHDOG_DEFAULTS)
-    for k, v in raw.items():
-        if k not in WATCHDOG_DEFAULTS:
-            raise ConfigError(f"unknown key {k!r}; expected one of {', '.join(WATCHDOG_DEFAULTS)}", "stall_watchdog",
-                              source)
-        if k == "enable":
-            if not isinstance(v, bool):
-                raise ConfigError(f"expected true or false, got {v!r}", "stall_watchdog.enable", source)
-        elif not _is_number(v) or not math.isfinite(v) or v <= (1 if k == "factor" else 0):
+    out = _switch_object(raw, WATCHDOG_DEFAULTS, "stall_watchdog", source)
+    for k in ("factor", "min_seconds"):
+        v = out[k]
+        if not _is_number(v) or not math.isfinite(v) or v <= (1 if k == "factor" else 0):
             raise ConfigError(f"expected a finite number > {1 if k == 'factor' else 0}, got {v!r}",
                               f"stall_watchdog.{k}", source)
-        out[k] = v if k == "enable" else float(v)
+        out[k] = float(v)
     return out
 
 
@@ -284,18 +289,9 @@ def _parse_api_xy(raw: Any, source: str | None) -> dict:
     """``api_xy`` (trainrec's key): ``true``, or ``{"enable", "stack"}``: the API level, the torch
     functions and tensor methods called inside monitored forward passes (msprobe's ``mix`` level), with
     each call's stack where ``stack`` is true (see :mod:`.api_calls`)."""
-    if isinstance(raw, bool):
-        return dict(API_XY_DEFAULTS, enable=raw)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"expected true, false or an object with {', '.join(API_XY_DEFAULTS)}, got {raw!r}",
-                          "api_xy", source)
-    out = dict(API_XY_DEFAULTS)
-    for k, v in raw.items():
-        if k not in API_XY_DEFAULTS:
-            raise ConfigError(f"unknown key {k!r}; expected one of {', '.join(API_XY_DEFAULTS)}", "api_xy", source)
-        if not isinstance(v, bool):
-            raise ConfigError(f"expected true or false, got {v!r}", f"api_xy.{k}", source)
-        out[k] = v
+    out = _switch_object(raw, API_XY_DEFAULTS, "api_xy", source)
+    if not isinstance(out["stack"], bool):
+        raise ConfigError(f"expected true or false, got {out['stack']!r}", "api_xy.stack", source)
     return out
 
 
