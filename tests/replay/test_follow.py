@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from logbuild import rank_dir, stats
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay import RunFollower, follow, open_run, read_log
+from trainrec.schema import framing
 from trainrec.schema.events import FileClosed, NamesInterned, RunResumed, StepBegan, TensorStatsRecorded
 
 
@@ -367,3 +369,22 @@ def test_a_resumed_file_seen_before_its_resume_record_is_still_followed(tmp_path
     later = f.poll()
     assert len(f.readers) == 2 and any(isinstance(e, RunResumed) for e in later)
     assert [e.step for e in later if isinstance(e, StepBegan)] == [1, 2] and f.closed
+
+
+def test_a_launch_first_seen_before_its_header_is_readable_still_gets_its_later_ranks(tmp_path):
+    """At the first look rank 0's log holds no complete header yet: the follower must not settle on a
+    launch without a run id, or the rank that starts later is never taken as its own."""
+    d0 = rank_dir(tmp_path, 0)
+    os.makedirs(d0)
+    with open(os.path.join(d0, "trainrec-00000.trl"), "wb") as f:
+        f.write(framing.FILE_MAGIC[:4])  # a file header being written
+    f = RunFollower(str(tmp_path))
+    assert f.poll() == [] and f.run_id is None
+    os.remove(os.path.join(d0, "trainrec-00000.trl"))
+    w0 = LogWriter(d0, rank=0, world_size=2, run_id="late", flush_interval=0.01)
+    f.poll()
+    w1 = LogWriter(rank_dir(tmp_path, 1), rank=1, world_size=2, run_id="late", flush_interval=0.01)
+    w0.close()
+    w1.close()
+    f.poll()
+    assert f.run_id == "late" and f.ranks == [0, 1] and f.closed
