@@ -51,6 +51,14 @@ def _layout(cls: type[Event]) -> tuple[tuple[str, ...], tuple[tuple[type, ...], 
 
 
 _LAYOUTS = {tag: _layout(cls) for tag, cls in TAGS.items()}
+# Per tag, for the common case (msgpack makes exact types): the exact types each field may have, and
+# the indexes of its float fields and of its list or map fields (converted or walked after the check).
+_EXACT = {
+    tag: (tuple(frozenset(t) for t in types),
+          tuple(i for i, t in enumerate(types) if t[0] is float),
+          tuple(i for i, t in enumerate(types) if t[0] is tuple or t[0] is dict))
+    for tag, (_, types, _) in _LAYOUTS.items()
+}
 _ENV_TYPES = ((int,), (int,), (int,), (float, int))
 # Envelope bounds: (lowest, highest) of seq, rank and step.
 _MAX_SEQ = 1 << 63
@@ -109,6 +117,10 @@ def peek_tag(payload) -> str:
 
 def _unpack(payload, budget: int):
     """msgpack.unpackb with every limit set; raises _TooManyValues past ``budget`` values."""
+    if len(payload) <= budget:  # every msgpack value takes a byte at least: no count needed
+        return msgpack.unpackb(payload, raw=False, use_list=False, strict_map_key=False,
+                               max_bin_len=MAX_FRAME, max_str_len=MAX_STR, max_array_len=budget,
+                               max_map_len=budget, max_ext_len=1024)
     left = [budget]
 
     def counted_list(items):
@@ -179,9 +191,10 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
         raise CorruptRecordError("payload is not a [tag, seq, rank, step, wall, ...] array")
     tag = wire[0]
     env = wire[1 : 1 + _N_ENV]
-    for value, types, name in zip(env, _ENV_TYPES, _ENVELOPE, strict=False):
-        if not isinstance(value, types):
-            raise CorruptRecordError(f"record {tag!r}: envelope field {name!r} has type {type(value).__name__}")
+    if not (type(env[0]) is int and type(env[1]) is int and type(env[2]) is int and type(env[3]) is float):
+        for value, types, name in zip(env, _ENV_TYPES, _ENVELOPE, strict=False):
+            if not isinstance(value, types):
+                raise CorruptRecordError(f"record {tag!r}: envelope field {name!r} has type {type(value).__name__}")
     if not (-1 <= env[0] < _MAX_SEQ and -1 <= env[1] < MAX_WORLD_SIZE and -1 <= env[2] < MAX_STEP):
         for value, (lo, hi), name in zip(env, _ENV_BOUNDS, _ENVELOPE, strict=False):
             if not lo <= value <= hi:
@@ -196,6 +209,17 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
         wire = tuple(upgrade(list(wire)))
     names, types, defaults = layout
     values = wire[1 + _N_ENV :]
+    exact, floats, containers = _EXACT[tag]
+    if upgrade is None and len(values) >= len(names) and all(map(frozenset.__contains__, exact, map(type, values))):
+        # every field there, of an exact type: built without the field-by-field walk below
+        kwargs = dict(zip(names, values, strict=False))  # (fields a later version appended: left out)
+        for i in floats:
+            kwargs[names[i]] = float(values[i])
+        for i in containers:
+            v = values[i]
+            if v and not _depth_ok(v):
+                raise CorruptRecordError(f"record {tag!r}: field {names[i]!r} nests deeper than {MAX_DEPTH} levels")
+        return _built(tag, env, kwargs)
     kwargs = {}
     for i, name in enumerate(names):
         if i < len(values):
@@ -214,8 +238,11 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
             kwargs[name] = v
         else:
             kwargs[name] = defaults[i]
-    cls = TAGS[tag]
-    event = cls(seq=env[0], rank=env[1], step=env[2], wall=float(env[3]), **kwargs)
+    return _built(tag, env, kwargs)
+
+
+def _built(tag: str, env: tuple, kwargs: dict) -> Event:
+    event = TAGS[tag](seq=env[0], rank=env[1], step=env[2], wall=float(env[3]), **kwargs)
     problem = event.check()
     if problem:
         raise CorruptRecordError(f"record {tag!r}: {problem}")
