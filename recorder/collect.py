@@ -2,7 +2,7 @@
 and the end of the step (one host copy, HooksFired, the deferred TensorStatsRecorded build).
 
 A mixin of :class:`~trainrec.recorder.monitor.TrainerMon`; it uses the monitor's ``_state``
-(:class:`~trainrec.recorder.hooks.StepState`), ``_engine``, ``_params``, ``_writer`` and name tables.
+(:class:`~trainrec.recorder.hooks.StepState`), ``_engine``, ``_params``, ``output`` and name tables.
 
 Weight gradients: the post-accumulate-grad hook of each monitored parameter queues it (in one process
 without DDP, DeepSpeed, FSDP or Megatron, the hook is a list's ``append`` and the queueing happens at
@@ -649,7 +649,7 @@ class StepCollector:
         for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
             leaf.handle.remove()
         st.leaf_hooks.clear()
-        writer = self._writer
+        writer = self.output.writer
         with self._spill_lock:
             st.written = True
             self._collections += 1
@@ -675,7 +675,7 @@ class StepCollector:
         self._sync_names()
         fids = self._file_ids  # replaced, never changed in place, when names are added
         wall = time.time()
-        rank, step, alerts, names = self.rank, st.step, self._alerts, self._names
+        rank, step, alerts, names = self.rank, st.step, self.output.alerts, self._names
         # slices (copies) here: a numpy view of the live arrays would lock them against the training
         # thread's appends (BufferError in its hooks) while the spill thread writes
         cols = (st.mod_ids[f0:f1], st.dirs[f0:f1], st.call_ids[f0:f1], st.micro[f0:f1]) if f1 > f0 else None
@@ -699,7 +699,7 @@ class StepCollector:
         log. Rows still on an accelerator wait for the step's end (reading them here would wait on the
         device). Nothing happens for steps shorter than SPILL_AFTER_S."""
         st = self._state
-        writer = self._writer
+        writer = self.output.writer
         if (st is None or writer is None or writer.closed or writer.error is not None
                 or time.perf_counter() - self._step_t0 < SPILL_AFTER_S):
             return

@@ -53,12 +53,12 @@ first called later is checked by its hooks (a HookFailed naming the key; trainin
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
 import operator
 import os
-import shutil
 import sys
 import threading
 import time
@@ -67,7 +67,7 @@ import weakref
 import numpy as np
 import torch
 from trainrec.schema import layout
-from trainrec.schema.errors import ConfigError, WriterError
+from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
     KIND_ACTV_GRAD,
     KIND_GRAD_REDUCED,
@@ -91,10 +91,11 @@ from .flight import probes_for
 from .fused import local_tensor
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
 from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, holder_of, torch_optimizer_of
+from .output import Output
 from .stats import StatsEngine
 from .step_stats import StepStats
 from .targets import ParamInfo, Targets, build_targets, uninitialized
-from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
+from .writer import before_sigterm_close
 
 log = logging.getLogger(__name__)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -154,8 +155,10 @@ class TrainerMon(StepCollector):
             raise TypeError(f"output_dir: expected a directory path (str or os.PathLike), got "
                             f"{type(output_dir).__name__}")
         self.output_dir = os.fspath(output_dir) if output_dir else layout.output_dir_from_env()
-        self._output_dir_given = bool(output_dir)
-        self._live_export_enabled = live_export if live_export is not None else "format" in self.config.raw
+        # the log, the live export, the detector, the config watcher and the probes: closed by close(), or
+        # by the output's finalizer where this monitor is dropped without it (with its model)
+        self.output = Output(self.rank, self.output_dir, bool(output_dir),
+                             live_export if live_export is not None else "format" in self.config.raw)
         self._engine = StatsEngine(self.config.ops, self.config.eps)
         self._names: list[str] = []
         self._name_ids: dict[str, int] = {}
@@ -213,7 +216,6 @@ class TrainerMon(StepCollector):
         self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._live_check_at = 0.0  # when _begin_step looks at the live export next
-        self._writer_failed = False  # the log writer failed: said once, and nothing more is collected
         self._began = False
         self._collections = 0
         self._monitoring = False
@@ -247,155 +249,33 @@ class TrainerMon(StepCollector):
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
         self._ref = weakref.ref(self)
         self._mark_began_weakly = _weak_call(self._mark_began)  # each collected step's first-firing callback
-        # the log, the live export, the detector and the config watcher, held apart from the monitor so
-        # that a monitor dropped without close() (with its model) still has its log closed (_release)
-        self._owned = _Owned()
-        self._finalizer = weakref.finalize(self, _release, self._owned)
-        self._finalizer.atexit = False  # at exit, _close_open_monitors closes a live monitor in full
-        self._rank_dir: str | None = None
-        self._resumed_from: tuple = ()
+        self.output.closed_with(self)  # (at exit, _close_open_monitors closes a live monitor in full)
         self._struct: dict | None = None
         self._manual_steps = False
         self._warned_no_optimizer = False
         self._warned_mg_direction = False
         self._closed = False
-        self._emitted = False  # an event went to the log (its directory is kept whatever happens)
-        self._made_rank_dir = False  # the rank directory is this monitor's own (not append_output's)
-        self._output_discarded = False  # a config error removed the empty output (_discard_empty_output)
-        self._spilling = False
         self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
-        self._spill_stop = self._owned.spill_stop
-        self._step_open = self._owned.step_open
         if self.config.format != "api":
             self._open_output()
         else:
-            self._make_alerts(self.config)  # says that format api detects nothing
+            self.output.make_alerts(self.config, self.pp_stage, self.group_mates)  # says it detects nothing
         if self.dynamic:
-            self._start_watcher()
-        self._probes = self._owned.probes = probes_for(self)  # collectives, stall watchdog (flight.py)
+            path = self.config_file_path
+            self.dynamic = self.output.start_watcher(
+                path, validate=lambda raw: parse_config(raw, os.fspath(path)), emit=_weak_call(self._emit),
+                check=_weak_call(self._check_config))
+        self.output.probes = probes_for(self)  # collectives, stall watchdog (flight.py)
         _open_monitors.add(self)  # closed at exit (_close_open_monitors)
-
-    _writer = property(lambda self: self._owned.writer, lambda self, v: setattr(self._owned, "writer", v))
-    _live = property(lambda self: self._owned.live, lambda self, v: setattr(self._owned, "live", v))
-    _alerts = property(lambda self: self._owned.alerts, lambda self, v: setattr(self._owned, "alerts", v))
-    _watcher = property(lambda self: self._owned.watcher, lambda self, v: setattr(self._owned, "watcher", v))
 
     # ------------------------------------------------------------------ output
     def _open_output(self) -> None:
-        cfg = self.config
-        if cfg.append_output:
-            self._rank_dir = runinfo.find_append_dir(self.output_dir, self.rank, cfg.append_output)
-            self._resumed_from = tuple(os.path.basename(p) for p in layout.list_logs(self._rank_dir))
-            self.run_id = runinfo.previous_run_id(self._rank_dir) or self.run_id
-        else:
-            self._rank_dir = runinfo.new_rank_dir(self.output_dir, self.rank)
-        made = not os.path.isdir(self._rank_dir)
-        try:
-            layout.make_dirs(self._rank_dir)
-            self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
-                                     pp_stage=self.pp_stage, group_mates=self.group_mates)
-        except (OSError, WriterError) as exc:
-            if made:  # what this failed start made goes (an empty log file, the rank directory)
-                shutil.rmtree(self._rank_dir, ignore_errors=True)
-            source = ("output_dir" if self._output_dir_given else "$MONITOR_OUTPUT_DIR"
-                      if os.environ.get("MONITOR_OUTPUT_DIR") else "the default; $MONITOR_OUTPUT_DIR chooses another")
-            raise WriterError(f"trainrec: cannot write the monitor's log under {self.output_dir!r} ({source}): "
-                              f"{exc}; give a writable directory") from exc
-        self._file_ids = np.zeros(0, dtype=np.uint32)  # a new file: every name is announced to it again
-        self._made_rank_dir = not cfg.append_output
-        install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread
-        if not self._spilling:  # once per monitor (the output is opened again after a config error)
-            self._spilling = True
+        """Open the log (again, after a config error discarded the empty one): names are announced to the
+        new file anew; the spill thread starts once per monitor."""
+        self.run_id = self.output.open(self.config, self.run_id, self.world_size, self.pp_stage, self.group_mates)
+        self._file_ids = np.zeros(0, dtype=np.uint32)
+        if self.output.start_spilling(functools.partial(spill_loop, weakref.ref(self))):
             before_sigterm_close(self._write_unfinished_step)
-            threading.Thread(target=spill_loop, args=(weakref.ref(self), self._spill_stop, self._step_open),
-                             daemon=True, name=f"trainrec-spill-rank{self.rank}").start()
-        if cfg.format in ("csv", "tensorboard") and self._live_export_enabled:
-            self._live = runinfo.LiveExport(cfg.format, self._rank_dir, cfg.ndigits, cfg.step_count_per_record)
-        self._make_alerts(cfg)
-
-    def _discard_empty_output(self) -> None:
-        """``monitor_gnorm_with_ad`` failed on the config, before anything was recorded: the rank directory
-        this monitor made (with its empty log) goes, so that a fixed relaunch leaves no empty run beside
-        its own. A later successful call opens a new one (:meth:`_open_output`). A resumed run's
-        directory (append_output) and anything else found in the directory stay."""
-        w = self._writer
-        if w is None or not self._made_rank_dir or self._emitted:
-            return
-        self._writer = None
-        try:
-            w.close()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("trainrec: closing the log failed: %r", exc)
-        if self._live is not None:
-            self._live.wait(10.0)
-            self._live = None
-        if self._alerts is not None:  # an empty anomaly.json (alert.dump) goes too
-            try:
-                self._alerts.discard()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
-            self._alerts = None
-        rank_dir, self._rank_dir = self._rank_dir, None
-        try:
-            names = os.listdir(rank_dir)
-        except OSError:
-            names = []
-        for name in names:  # the log, and what the live export made of it (a TensorBoard file's header)
-            if name in ("live_export.out", "live_export.done", os.path.basename(w.path)) or \
-                    name.startswith("events.out.tfevents."):
-                try:
-                    os.remove(os.path.join(rank_dir, name))
-                except OSError:
-                    pass
-        try:
-            os.rmdir(rank_dir)
-        except OSError:
-            pass  # something else is in it (or it is gone): left as it is
-        self._output_discarded = True
-
-    def _make_alerts(self, cfg: MonitorConfig) -> None:
-        if self._alerts is not None:
-            try:
-                self._alerts.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
-            self._alerts = None
-        if cfg.alert is not None and self._writer is None:
-            log.warning("trainrec: alert is configured with format \"api\", which writes no log: anomalies are "
-                        "detected on the writer thread as the log is written, so none are detected here. Use "
-                        "another format (the log is always written), or trainrec anomalies on a recorded run.")
-        if cfg.alert is None or self._writer is None:
-            return
-        try:
-            from .alerts import AlertEngine
-        except ImportError:
-            _warn_once("alerts", "trainrec: alert is configured but trainrec.recorder.alerts is not available; "
-                       "anomalies are not detected while recording")
-            return
-        dump_dir = os.path.join(self.output_dir, "anomaly_detected") if cfg.alert.get("dump") else None
-        self._alerts = AlertEngine(cfg.alert, rank=self.rank, pp_stage=self.pp_stage,
-                                   group_mates=self.group_mates, dump_dir=dump_dir,
-                                   resume=bool(cfg.append_output))
-
-    def _start_watcher(self) -> None:
-        try:
-            from .dynamic import DynamicConfigWatcher
-        except ImportError:
-            _warn_once("dynamic", "trainrec: DYNAMIC_MONITOR is set but trainrec.recorder.dynamic is not available; "
-                       "dynamic mode is off: the config applies as it is, from the start")
-            self.dynamic = False
-            return
-        if self.config_file_path is None:
-            log.warning("trainrec: DYNAMIC_MONITOR needs a config file path (this config is a dict); dynamic mode "
-                        "is off: the config applies as it is, from the start")
-            self.dynamic = False
-            return
-        path = os.fspath(self.config_file_path)
-        self._watcher = DynamicConfigWatcher(
-            path, validate=lambda raw: parse_config(raw, path), emit=_weak_call(self._emit), rank=self.rank,
-            writes_back=self.rank == 0, group=None, check=_weak_call(self._check_config),
-        )
-        self._watcher.start()
 
     def _write_unfinished_step(self) -> None:
         """A step that never ended (an exception, SIGTERM, a NaN check that stopped the run): what it
@@ -424,25 +304,19 @@ class TrainerMon(StepCollector):
             log.debug("trainrec: recording the rejected config failed: %r", err)
 
     def _emit(self, event) -> None:
-        """Hand an event to the writer; a failed writer is reported once and never raised into training."""
-        w = self._writer
-        if w is not None and not w.closed:
-            self._emitted = True
-            try:
-                w.write(event)
-            except WriterError as exc:
-                self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
-                self._writer_failed = True
-                log.debug("trainrec: the log writer failed (%s); monitoring records nothing more", exc)  # it said so
+        """Hand an event to the log; a failed writer is reported once and never raised into training."""
+        if not self.output.emit(event):
+            self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
 
     @property
     def rank_dir(self) -> str | None:
         """This rank's directory (None for format api)."""
-        return self._rank_dir
+        return self.output.rank_dir
 
     @property
     def log_path(self) -> str | None:
-        return self._writer.path if self._writer is not None else None
+        w = self.output.writer
+        return w.path if w is not None else None
 
     # ------------------------------------------------------------------ public API
     @property
@@ -476,7 +350,7 @@ class TrainerMon(StepCollector):
         try:
             given, acc = checked_model(model), _checked_arguments(grad_acc_steps, start_iteration)
         except (ConfigError, TypeError):
-            self._discard_empty_output()  # nothing installed: no empty run left beside a fixed one
+            self.output.discard_if_empty()  # nothing installed: no empty run left beside a fixed one
             raise
         self._chunks = [_uncompiled(m) for m in given]
         # 2-D DDP + TP's local Parameters, which the module lists no more after its first forward (see
@@ -507,10 +381,9 @@ class TrainerMon(StepCollector):
             self._targets = self._build(self.config)  # raises ConfigError before any training
         except ConfigError as exc:
             self._chunks = []  # nothing installed: the caller may fix the config and call again
-            self._discard_empty_output()
+            self.output.discard_if_empty()
             raise exc.with_source(self._config_source()) from None
-        if self._output_discarded:  # an earlier call failed on the config: this one records
-            self._output_discarded = False
+        if self.output.discarded:  # an earlier call failed on the config: this one records
             self._open_output()
         self._write_structure()
         self._warn_if_monitored_already()
@@ -532,7 +405,7 @@ class TrainerMon(StepCollector):
 
             self._chunk_handles.append(register_optimizer_step_post_hook(eager(_weak_call(self._other_stepped))))
         self._bind_optimizer(optimizer)
-        if self._resumed_from:
+        if self.output.resumed_from:
             if self._step == 0:
                 log.warning("trainrec: append_output resumes the run in this launch, but training starts "
                             "at step 0 here (start_iteration not given, or 0): replay takes every step from 0 on as "
@@ -540,7 +413,7 @@ class TrainerMon(StepCollector):
                             "exports and anomalies; the live CSV export removes its files). Pass "
                             "monitor_gnorm_with_ad(..., start_iteration=<the step training resumes at>)")
             self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
-                                  previous_files=self._resumed_from, last_step=self._step - 1,
+                                  previous_files=self.output.resumed_from, last_step=self._step - 1,
                                   reason="append_output"))
         if self.config.print_struct and not self.dynamic:
             self._attach_struct_hooks()
@@ -583,19 +456,19 @@ class TrainerMon(StepCollector):
             _warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
                        f"its rank {info.rank} of {info.world_size} differs from the environment's "
                        f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
-                       f"{self._rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
+                       f"{self.output.rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
         self._distributed = True
         # the pipeline stage and group mates, as a monitor made after init_process_group has them (the
         # environment gave stage 0 and this rank alone): the log's header and the anomalies carry them
         header = (self.pp_stage, self.group_mates)
         restage = (info.pp_stage, tuple(info.group_mates)) != (self.pp_stage, tuple(self.group_mates))
         self.pp_stage, self.group_mates = info.pp_stage, info.group_mates
-        if self._watcher is not None:  # dynamic mode: the ranks agree on the step a change applies at
+        if self.output.watcher is not None:  # dynamic mode: the ranks agree on the step a change applies at
             try:
-                self._watcher.join_group()
+                self.output.watcher.join_group()
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                 self._hook_failed("dynamic config watcher", exc)
-        if not self._share_run_id(restage) and restage and self._writer is not None:
+        if not self._share_run_id(restage) and restage and self.output.writer is not None:
             # the log keeps its header (it holds events, or continues a run): so do its anomalies
             self.pp_stage, self.group_mates = header
 
@@ -612,10 +485,10 @@ class TrainerMon(StepCollector):
             rid = runinfo.shared_run_id()
         if (rid == self.run_id and not restage) or self.config.append_output:
             return False
-        if self._writer is None:  # format api: no log
+        if self.output.writer is None:  # format api: no log
             self.run_id = rid
             return False
-        if self._emitted or not self._made_rank_dir:
+        if self.output.emitted or not self.output.made_rank_dir:
             if rid != self.run_id:
                 log.warning("trainrec: rank %d: torch.distributed was initialized after TrainerMon was made and "
                             "its log already holds events, so its run id stays this rank's own: replay lists "
@@ -623,8 +496,7 @@ class TrainerMon(StepCollector):
                             "set TRAINREC_RUN_ID in every rank's environment", self.rank)
             return False
         self.run_id = rid
-        self._discard_empty_output()
-        self._output_discarded = False
+        self.output.discard_if_empty()
         self._open_output()
         return True
 
@@ -673,7 +545,7 @@ class TrainerMon(StepCollector):
         # one rank, two launches in one directory, of which replay shows one
         here = os.path.realpath(self.output_dir)
         for other in list(_open_monitors):
-            if (other is not self and not other._closed and self._writer is not None and other._writer is not None
+            if (other is not self and not other._closed and self.output.writer is not None and other.output.writer is not None
                     and other.rank == self.rank and os.path.realpath(other.output_dir) == here):
                 log.warning("trainrec: another open monitor of this process writes to the same output directory "
                             "%s (its log: %s): replay shows one launch per directory, so one of the two logs would "
@@ -688,46 +560,25 @@ class TrainerMon(StepCollector):
         if reason in ("close", "exit"):  # (after an exception or a signal, a step begun stays open)
             self._end_foreign_passes()
         self._closed = True
-        self._finalizer.detach()
         _open_monitors.discard(self)
-        self._spill_stop.set()
-        self._step_open.set()  # wakes the spill thread, which sees the stop
+        self.output.stop_spilling()  # (before the step in progress is written here)
         self._detach()
         self._write_unfinished_step()
-        self._probes.close(reason)  # (the exception that ended the recording, if any, goes to the log)
         for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles,
                         self._check_handles):
             for h in handles:
                 h.remove()
             handles.clear()
         self._state = None
-        if self._watcher is not None:
-            try:
-                self._watcher.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the config watcher failed: %r", exc)
+        # (the probes write the exception that ended the recording, if any, to the log)
+        self.output.close(reason, before_log_closes=self._emit_failure_totals)
+        self._engine.release()
+
+    def _emit_failure_totals(self) -> None:
         for where, n in self._failures.items():
             if n > _MAX_FAILURE_EVENTS:
                 self._emit(HookFailed(rank=self.rank, step=self._step, wall=time.time(), where=where,
                                       error="(total)", count=n))
-        if self._writer is not None:
-            try:
-                self._writer.close(reason)
-            except Exception as exc:  # noqa: BLE001
-                # (a writer failure already said once, when it happened: not again here)
-                said = self._writer_failed or self._writer.error is not None  # (the writer logs its failure)
-                (log.debug if said else log.warning)("trainrec: closing the log failed: %r", exc)
-        if self._alerts is not None:
-            try:
-                self._alerts.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
-        if self._live is not None:
-            if self._writer is not None and self._writer.error is not None:
-                self._live.stop()  # the log never got its FileClosed: nothing to wait for
-            else:
-                self._live.wait(30.0)
-        self._engine.release()
 
     def __enter__(self) -> TrainerMon:
         self._check_open("with")
@@ -781,14 +632,14 @@ class TrainerMon(StepCollector):
         _warn_unrecorded(config, self.world_size)
         changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
         if changed and reason != "static":
-            keeps = ("it writes no log (format 'api')" if self._writer is None else
+            keeps = ("it writes no log (format 'api')" if self.output.writer is None else
                      "its log keeps everything, and `trainrec export` makes csv or tensorboard files from it")
             _warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
                        f"this run's output was set up at its start: {keeps}; the change applies at the next launch")
         if config.ops != old.ops or config.eps != old.eps:
             self._engine = StatsEngine(config.ops, config.eps)
         if config.alert != old.alert:
-            self._make_alerts(config)
+            self.output.make_alerts(config, self.pp_stage, self.group_mates)
         self._collections = 0
         self._first_step = step + 1
         self._monitoring = True
@@ -805,9 +656,9 @@ class TrainerMon(StepCollector):
         self._detach()
         self._emit(MonitoringStopped(rank=self.rank, step=self._step if step is None else step, wall=time.time(),
                                      reason=reason, collections=self._collections))
-        if self._watcher is not None and notify_watcher:
+        if self.output.watcher is not None and notify_watcher:
             try:
-                self._watcher.collection_finished(self._step)
+                self.output.watcher.collection_finished(self._step)
             except Exception as exc:  # noqa: BLE001
                 self._hook_failed("dynamic config watcher", exc)
 
@@ -827,8 +678,8 @@ class TrainerMon(StepCollector):
             if n == len(self._names):
                 return
             new = self._names[n:]
-            if self._writer is not None:
-                ids = self._writer.intern(new, self._step)
+            if self.output.writer is not None:
+                ids = self.output.writer.intern(new, self._step)
             else:
                 ids = list(range(n, len(self._names)))
             self._file_ids = np.concatenate([self._file_ids, np.asarray(ids, dtype=np.uint32)])
@@ -971,10 +822,11 @@ class TrainerMon(StepCollector):
         self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._began = False
-        if self._live is not None and self._step_t0 >= self._live_check_at:  # the live export died?
+        live = self.output.live
+        if live is not None and self._step_t0 >= self._live_check_at:  # the live export died?
             self._live_check_at = self._step_t0 + _LIVE_CHECK_S
             try:
-                self._live.check()
+                live.check()
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                 self._hook_failed("checking the live export", exc)
         self._forwards = 0
@@ -995,11 +847,12 @@ class TrainerMon(StepCollector):
             if self._step_handles:
                 self._detach()
             self._state = None
-        if (self._state is not None) != self._step_open.is_set():
+        step_open = self.output.step_open
+        if (self._state is not None) != step_open.is_set():
             if self._state is not None:
-                self._step_open.set()
+                step_open.set()
             else:
-                self._step_open.clear()
+                step_open.clear()
 
     def _hook_unfrozen(self) -> None:
         """The step's hooks attached, also on parameters frozen when they were attached or chosen that
@@ -1505,9 +1358,9 @@ class TrainerMon(StepCollector):
         if st is not None and self._monitoring and self._collections >= self.config.collect_times:
             self._stop("collect_times")
         self._step += 1
-        if self._watcher is not None:
+        if self.output.watcher is not None:
             try:
-                update = self._watcher.poll(finished)
+                update = self.output.watcher.poll(finished)
             except Exception as exc:  # noqa: BLE001
                 update = None
                 self._hook_failed("dynamic config watcher", exc)
@@ -1570,43 +1423,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(message)
-
-
-class _Owned:
-    """What a monitor owns that must be closed even when the monitor is dropped without close()."""
-
-    __slots__ = ("spill_stop", "step_open", "writer", "live", "alerts", "watcher", "probes")
-
-    def __init__(self) -> None:
-        self.spill_stop = threading.Event()
-        self.step_open = threading.Event()  # a collected step is open: the spill thread looks at it
-        self.writer: LogWriter | None = None
-        self.live: runinfo.LiveExport | None = None
-        self.alerts = None
-        self.watcher = None
-        self.probes = None
-
-
-def _release(owned: _Owned) -> None:
-    """A monitor was garbage-collected without close() (its model and optimizer were dropped too): stop
-    its threads and close its log, so that the log ends with FileClosed and its live export finishes.
-    Runs wherever the collector runs: nothing here waits for long, and nothing raises."""
-    where = owned.writer.path if owned.writer is not None else "format api"
-    log.info("trainrec: a TrainerMon was dropped without close() (%s): its log is closed now; a step begun "
-             "after the last optimizer step, if any, is not in it (close() writes it)", where)
-    owned.spill_stop.set()
-    owned.step_open.set()
-    # as close() does: the writer before the detector, which runs on the writer's thread
-    for what, kwargs in (("probes", {}), ("watcher", {}), ("writer", {"timeout": 10.0}), ("alerts", {})):
-        obj = getattr(owned, what)
-        if obj is None:
-            continue
-        try:
-            obj.close(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
-            log.warning("trainrec: closing the %s of a dropped monitor failed: %r", what, exc)
-    if owned.live is not None:  # it exits after reading FileClosed: reaped off this thread
-        threading.Thread(target=owned.live.wait, daemon=True, name="trainrec-live-export-reaper").start()
 
 
 def _weak_or_strong(obj):

@@ -511,7 +511,7 @@ def test_a_selector_mismatch_at_the_first_forward_closes_the_monitor(tmp_path, o
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     with pytest.raises(ConfigError):
         loss_of(model, 0)
-    assert mon._closed and mon._writer.closed
+    assert mon._closed and mon.output.writer.closed
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
@@ -1568,7 +1568,7 @@ def test_live_export_runs_at_lower_priority(tmp_path, out):
     """format csv starts the live projection process at the lowest priority (background work)."""
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "csv"}), params_have_main_grad=False)
     try:
-        proc = mon._live.proc
+        proc = mon.output.live.proc
         assert proc is not None
         want = min(os.getpriority(os.PRIO_PROCESS, 0) + LIVE_EXPORT_NICE, 19)
         deadline = time.monotonic() + 20
@@ -1739,8 +1739,8 @@ def test_an_output_directory_removed_mid_run_neither_stops_training_nor_holds_cl
         opt.step()
         opt.zero_grad()
         time.sleep(0.3)  # a flush interval: the writer finds its file gone
-    assert mon._writer.error is not None and "removed" in str(mon._writer.error)
+    assert mon.output.writer.error is not None and "removed" in str(mon.output.writer.error)
     t0 = time.monotonic()
     mon.close()
     assert time.monotonic() - t0 < 10
-    assert mon._live is None or mon._live.proc is None
+    assert mon.output.live is None or mon.output.live.proc is None
