@@ -121,7 +121,7 @@ class StepCollector:
         info = self._params[index]
         micro = st.bwd_micro.get(info.vpp)  # the micro step of the forward this backward pass belongs to
         if micro is None:
-            micro = n % self._grad_acc
+            micro = n % self.steps.grad_acc
         call = st.fire(info.name_id, 1, micro)
         # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
         # change it, before the batch is measured). main_grad is not (see main_grad_now).
@@ -179,7 +179,7 @@ class StepCollector:
     # Where nothing but this process's autograd engine touches a gradient inside the backward pass (no
     # DDP, DeepSpeed, FSDP or Megatron hooks: one process, or ranks that reduce after it) and no module
     # backward hook fires between the gradients (xy_distribution off or forward_only), the gradient hook
-    # of each monitored parameter is the bound ``append`` of one list (``_fired``): no Python frame runs
+    # of each monitored parameter is the bound ``append`` of one list (``StepHooks.fired``): no Python frame runs
     # inside the backward pass for it (on the benchmark model's 51 parameters, 0.2-0.8 ms less per step
     # than Python hooks, paired in one process; the hooks' own time was about 0.6 ms). The list
     # keeps the firing order; the end-of-backward callback, queued by the model chunk's output gradient
@@ -193,20 +193,20 @@ class StepCollector:
 
     def _list_hooks_allowed(self) -> bool:
         cfg = self.config
-        if self._list_hooks_off or self._compiled or (cfg.xy_distribution and not cfg.forward_only):
+        if self.step_hooks.list_hooks_off or self._compiled or (cfg.xy_distribution and not cfg.forward_only):
             return False
         return not (self._distributed and self.world_size > 1)
 
     def _drain_fired(self, expected: bool = False) -> None:
         """The list hooks' firings, in order, through :meth:`_on_grad_accumulated`; unless ``expected``
         (at the end of a backward pass), they were found at a later flush point: Python hooks from now on."""
-        fired = self._fired
+        fired = self.step_hooks.fired
         items = fired.copy()
         fired.clear()
         st = self._state
         if st is None:
             return
-        index_of = self._list_hooked
+        index_of = self.step_hooks.list_hooked
         idx = list(map(index_of.get, map(id, items)))
         params = self._params
         # (this runs right after the backward pass, whose kernels have left the interpreter's data out of
@@ -224,7 +224,7 @@ class StepCollector:
         else:
             # _on_grad_accumulated's bookkeeping for a batch of distinct, plain firings, in one loop
             # (without a Python step per firing where possible: idx holds distinct parameters)
-            counts, bwd, ga = st.grad_count, st.bwd_micro, self._grad_acc
+            counts, bwd, ga = st.grad_count, st.bwd_micro, self.steps.grad_acc
             seen = list(map(counts.get, idx, repeat(0)))
             counts.update(zip(idx, map(add, seen, repeat(1)), strict=True))
             vpps = set(map(_VPP, infos))
@@ -252,27 +252,13 @@ class StepCollector:
             return
         if not in_backward_pass:
             st.eob_queued = False
-        if self._fired:
+        if self.step_hooks.fired:
             self._drain_fired(expected=in_backward_pass)
         if st.pending:
             self._flush_grads()
 
     def _list_hooks_fallback(self, why: str) -> None:
-        """The monitored parameters' list hooks become Python hooks, for the rest of the run."""
-        if self._list_hooks_off:
-            return
-        self._list_hooks_off = True
-        log.debug("trainrec: weight-gradient hooks in Python from now on: %s", why)
-        for h in self._list_hook_handles:
-            h.remove()
-        self._list_hook_handles.clear()
-        t = self._targets
-        for i, p in [(i, self._params[i].param) for i in sorted(set(self._list_hooked.values()))]:
-            try:
-                self._step_handles.append(p.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False)))
-            except RuntimeError as exc:
-                self._hook_failed(f"weight-gradient hook of {self._params[i].name!r}", exc)
-        self._list_hooked = {}
+        self.step_hooks.python_hooks_from_now(why)
 
     def _main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         return getattr(p, "main_grad", None) if self.params_have_main_grad else None
@@ -358,7 +344,7 @@ class StepCollector:
         sharded gradient (an optimizer's piece, an FSDP2 DTensor's local shard) is this rank's alone
         and is recorded on every rank, but where another rank of the group holds the same one (see
         :meth:`_dp_copy`: HSDP's replicas)."""
-        adam = self._adam
+        adam = self.binding.adam
         reduced_grad = None
         if adam is not None:
             adam.refresh()
@@ -405,7 +391,7 @@ class StepCollector:
         left the interpreter's data out of the CPU caches (the generator's loop cost about 0.25 ms there
         for the benchmark model's 51 parameters)."""
         plist = self._plain_param_tensors()
-        adam = self._adam
+        adam = self.binding.adam
         if (plist is not None and not partitioned_only and not self._dp_duplicate
                 and (adam is None or adam.applies_own_grads(plist))
                 and not self._may_have_main_grads(plist)):
@@ -491,7 +477,7 @@ class StepCollector:
             p = info.param
             if uninitialized(p):
                 continue  # a lazy module's that no forward has made yet: no values to measure
-            if self._z3 is not None:
+            if self.binding.z3 is not None:
                 piece = zero.local_param(p)
                 if piece is not None:
                     if not piece.numel():
@@ -547,7 +533,7 @@ class StepCollector:
 
     def _no_optimizer(self) -> bool:
         """True (with one warning per run) where no torch optimizer is known to read Adam state from."""
-        if self._adam is not None:
+        if self.binding.adam is not None:
             return False
         if not self._warned_no_optimizer:
             self._warned_no_optimizer = True
@@ -562,7 +548,7 @@ class StepCollector:
             return
         eng = self._engine
         # (counters on the CPU are read there; on the accelerators' path, as those on a device, not read)
-        entries = self._adam.lookup([p.param for p in self._params], host_steps=eng.host_paths)
+        entries = self.binding.adam.lookup([p.param for p in self._params], host_steps=eng.host_paths)
         if not entries:
             return
         idx = [e[0] for e in entries]
@@ -602,7 +588,7 @@ class StepCollector:
         idx, vals = [], []
         for i, g in zip(*self._own_grad_lists(partitioned_only), strict=True):
             m = state.get(i)
-            if m is None and not self._adam.in_adam_family(self._params[i].param):
+            if m is None and not self.binding.adam.in_adam_family(self._params[i].param):
                 continue  # a listed optimizer outside Adam's family (SGD beside AdamW): none to come
             if m is not None and m.numel() != g.numel():
                 continue  # state of another shape (sharded): not this parameter's
@@ -622,24 +608,24 @@ class StepCollector:
         each momentum, held from the pre-step hook to the post-step hook."""
         if self._no_optimizer():
             return None
-        if not self._adam.adam_family:
+        if not self.binding.adam.adam_family:
             if not self._warned_mg_direction:
                 self._warned_mg_direction = True
                 log.warning("trainrec: mg_direction compares gradients with Adam's momentum (exp_avg); %s is "
-                            "not of Adam's family: nothing is recorded for it", type(self._adam.torch_opt).__name__)
+                            "not of Adam's family: nothing is recorded for it", type(self.binding.adam.torch_opt).__name__)
             return None
-        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params], host_steps=False)}
+        state = {e[0]: e[1] for e in self.binding.adam.lookup([p.param for p in self._params], host_steps=False)}
         if snapshot:
             with torch.no_grad():
                 state = {i: torch.view_as_complex(torch.sign(torch.view_as_real(m))) if m.is_complex()
                          else torch.sign(m) for i, m in state.items()}
-        return state, self._adam.stepped
+        return state, self.binding.adam.stepped
 
     def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
         self._write_step(st)
         self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
                              duration=time.perf_counter() - self._step_t0, collected=True,
-                             micro_steps=max([self._grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
+                             micro_steps=max([self.steps.grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
                              optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
 
     def _write_step(self, st: StepState) -> None:

@@ -535,7 +535,7 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True):
             x = select(inputs_of(args, kwargs, sel_in), sel_in, key_in) if want_in else None
             if check_in and x is None:
                 warn_no_tensor(mon, t, module, {"input": inputs_of(args, kwargs, sel_in)})
-            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x), pair)
+            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon.steps.grad_acc), vpp, _needs_grad(x), pair)
             st.open_calls.setdefault(mid, []).append(gc)
             if gc.in_hooked:
                 _hook_grad(mon, st, x, gc, SLOT_INPUT_GRAD, t.name)
@@ -591,7 +591,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
         if not forward or in_backward():
             return
         try:
-            micro = st.micro_of(vpp, mid, st.fwd_count, mon._grad_acc)
+            micro = st.micro_of(vpp, mid, st.fwd_count, mon.steps.grad_acc)
             call = st.fire(mid, DIR_FORWARD, micro)
             if n == 2:
                 xs = (select(inputs_of(args, kwargs, sel_in), sel_in, key_in), select(output, sel_out, key_out))
@@ -715,7 +715,7 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
                         st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed("micro step start", exc)
-        if mon._state is not None and (mon._state.pending or mon._fired):
+        if mon._state is not None and (mon._state.pending or mon.step_hooks.fired):
             try:
                 mon._settle_grads(in_backward())
             except Exception as exc:  # noqa: BLE001
@@ -757,9 +757,9 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
         if st is not None:
             # (not nograd_fwd: the chunk's own target hook, registered after this one, still asks it)
             st.chunk_open = False
-            if mon._fsdp2_waiting:
-                mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
-            if mon._lazy_waiting:
+            if mon.step_hooks.fsdp2_waiting:
+                mon.step_hooks.hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
+            if mon.step_hooks.lazy_waiting:
                 mon._hook_materialized()  # lazy modules (LazyLinear) make theirs at their first forward
         if mon._lazy_chunks and vpp in mon._lazy_chunks and module.training and torch.is_grad_enabled():
             try:
@@ -772,7 +772,7 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
         try:
             y = _first_grad_tensor(output)
             if y is not None:
-                micro = (st.chunk_fwd.get(vpp, 1) - 1) % mon._grad_acc
+                micro = (st.chunk_fwd.get(vpp, 1) - 1) % mon.steps.grad_acc
                 y.register_hook(functools.partial(_on_chunk_output_grad, mon._ref, st, vpp, micro))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed("model chunk output hook", exc)
@@ -799,7 +799,7 @@ def _on_chunk_output_grad(mon_ref, st: StepState, vpp: int, micro: int, grad):
     mon = mon_ref()
     if mon is not None and mon._state is st:
         st.bwd_micro[vpp] = micro
-        if mon._list_hook_handles and not st.eob_queued:  # the list hooks' firings are handled at its end
+        if mon.step_hooks.list_handles and not st.eob_queued:  # the list hooks' firings are handled at its end
             st.eob_queued = True
             mon._queue_flush_at_end_of_backward()
     return None

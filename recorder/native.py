@@ -69,7 +69,7 @@ class Recorder:
         self.monitor = TrainerMon(config, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
                                   live_export=None)
         self._manual = optimizer is None
-        self.monitor._manual_steps = self._manual  # no optimizer to hook: steps come from step()
+        self.monitor.steps.manual = self._manual  # no optimizer to hook: steps come from step()
         try:
             self.monitor.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
                                                start_iteration=start_iteration)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -699,7 +700,7 @@ def test_a_failure_in_the_optimizer_state_statistics_keeps_the_steps_other_rows(
     assert steps_with(ev, "exp_avg") == []
 
 
-@pytest.mark.parametrize("where", ["_begin_step", "_on_micro_step", "_mark_began", "_part_of_step"])
+@pytest.mark.parametrize("where", ["_begin_step", "_on_micro_step", "_mark_began", "binding.part_of_step"])
 def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out, where):
     """The monitor's own per-step work around the hooks (step start and end, micro-step counting, the
     StepBegan mark, DeepSpeed's group split) runs inside the optimizer's step hooks and the model's
@@ -712,7 +713,8 @@ def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out,
     def boom(*args, **kwargs):
         raise RuntimeError(f"injected failure in {where}")
 
-    setattr(mon, where, boom)
+    *parts, name = where.split(".")
+    setattr(functools.reduce(getattr, parts, mon), name, boom)
     before = model.head.weight.detach().clone()
     for s in range(3):
         loss_of(model, s).backward()
@@ -778,7 +780,7 @@ def test_print_struct_writes_module_struct_and_stops(tmp_path, out):
     ms = [e for e in ev if isinstance(e, ModuleStructureRecorded)]
     assert ms[-1].io_specs["pair"]["input"]["config"] == "tuple[2]"
     assert "layers.0.0" in ms[0].names and ms[0].classes[ms[0].names.index("layers.0.0")] == "Linear"
-    assert mon._step_handles == [] and mon._struct_handles == []
+    assert mon.step_hooks.handles == [] and mon._struct_handles == []
 
 
 def test_format_api_writes_nothing_and_returns_metrics(tmp_path, out):
@@ -843,7 +845,7 @@ def test_optimizer_none_binds_the_optimizer_of_the_model(tmp_path, out):
         loss_of(model, s).backward()
         opt.step()
         opt.zero_grad()
-    assert mon._opt is opt and mon._global_handles == []
+    assert mon.binding.opt is opt and not mon.binding.waiting
     mon.close()
     assert steps_with(events_of(out), "grad_reduced") == [0, 1]
 
@@ -1444,7 +1446,7 @@ def test_gradient_of_a_view_output_modified_in_place_is_recorded(tmp_path, out, 
     mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(2, 6, 16)
     model(x).sum().backward()
-    mon._opt.step()
+    mon.binding.opt.step()
     mon.close()
     h = twin[0](x)
     h.retain_grad()
