@@ -659,9 +659,9 @@ class StepCollector:
         """A callable for the writer's thread making the HooksFired of firings ``f0:f1`` and the stats
         records of ``stats`` (a StepStats, or HostStats already made); caller holds _spill_lock."""
         self._sync_names()
-        fids = self._file_ids  # replaced, never changed in place, when names are added
+        fids = self.name_table.file_ids  # replaced, never changed in place, when names are added
         wall = time.time()
-        rank, step, alerts, names = self.rank, st.step, self.output.alerts, self._names
+        rank, step, alerts, names = self.rank, st.step, self.output.alerts, self.name_table.names
         # slices (copies) here: a numpy view of the live arrays would lock them against the training
         # thread's appends (BufferError in its hooks) while the spill thread writes
         cols = (st.mod_ids[f0:f1], st.dirs[f0:f1], st.call_ids[f0:f1], st.micro[f0:f1]) if f1 > f0 else None
@@ -725,7 +725,7 @@ class StepCollector:
             cols = [block[:, j].to(_API_DTYPES.get(op, torch.float32)) for j, op in enumerate(last.ops)]
             missing = torch.isnan(block).all(dim=1).tolist()
             for r in range(a, b):
-                name = self._names[int(last.name_ids[r])]
+                name = self.name_table.names[int(last.name_ids[r])]
                 tag = reference_tag(kind, name, int(last.slots[r]), int(last.micro_steps[r]), self.rank,
                                     int(last.vpp_stages[r]))
                 i = r - a

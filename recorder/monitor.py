@@ -64,7 +64,6 @@ import threading
 import time
 import weakref
 
-import numpy as np
 import torch
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError
@@ -73,7 +72,6 @@ from trainrec.schema.events import (
     KIND_GRAD_UNREDUCED,
     KIND_PARAM,
     KINDS,
-    MAX_STEP,
     ConfigApplied,
     ConfigRejected,
     HookFailed,
@@ -89,7 +87,10 @@ from .binding import OptimizerBinding
 from .collect import StepCollector, spill_loop
 from .config import MonitorConfig, load_config, parse_config
 from .flight import probes_for
+from .grad_places import sharded_over
 from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
+from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
+from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
 from .output import Output
 from .stats import StatsEngine
@@ -161,9 +162,7 @@ class TrainerMon(StepCollector):
         self.output = Output(self.rank, self.output_dir, bool(output_dir),
                              live_export if live_export is not None else "format" in self.config.raw)
         self._engine = StatsEngine(self.config.ops, self.config.eps)
-        self._names: list[str] = []
-        self._name_ids: dict[str, int] = {}
-        self._file_ids = np.zeros(0, dtype=np.uint32)
+        self.name_table = NameTable()
         self.step_hooks = StepHooks(weak_call(self._hook_failed), _warn_once)
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
         self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
@@ -232,7 +231,7 @@ class TrainerMon(StepCollector):
         """Open the log (again, after a config error discarded the empty one): names are announced to the
         new file anew; the spill thread starts once per monitor."""
         self.run_id = self.output.open(self.config, self.run_id, self.world_size, self.pp_stage, self.group_mates)
-        self._file_ids = np.zeros(0, dtype=np.uint32)
+        self.name_table.new_file()
         if self.output.start_spilling(functools.partial(spill_loop, weakref.ref(self))):
             before_sigterm_close(self._write_unfinished_step)
 
@@ -307,15 +306,15 @@ class TrainerMon(StepCollector):
         if self._chunks:
             raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
         try:
-            given, acc = checked_model(model), _checked_arguments(grad_acc_steps, start_iteration)
+            given, acc = checked_model(model), checked_arguments(grad_acc_steps, start_iteration)
         except (ConfigError, TypeError):
             self.output.discard_if_empty()  # nothing installed: no empty run left beside a fixed one
             raise
-        self._chunks = [_uncompiled(m) for m in given]
+        self._chunks = [uncompiled(m) for m in given]
         # 2-D DDP + TP's local Parameters, which the module lists no more after its first forward (see
         # targets._displaced); those alone: the others, held for good, might be a model's replaced weights
         self._installed = [{n: p for n, p in c.named_parameters() if hasattr(p, "_st_info")} for c in self._chunks]
-        self._fullgraph = any(map(_compiled_fullgraph, given))
+        self._fullgraph = any(map(compiled_fullgraph, given))
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
         self.steps.grad_acc = acc
         self._step = int(start_iteration)
@@ -349,7 +348,7 @@ class TrainerMon(StepCollector):
         # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step; on the
         # wrapper of a chunk compiled with fullgraph=True, whose own hooks run outside the graph (inside
         # it, a hook that dynamo may not trace is a graph break, which fullgraph makes an error)
-        hooked = [m if _compiled_fullgraph(m) else c for m, c in zip(given, self._chunks, strict=True)]
+        hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, self._chunks, strict=True)]
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
                                for vpp, chunk in enumerate(hooked)]
         self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self, vpp))
@@ -617,26 +616,10 @@ class TrainerMon(StepCollector):
                 self._hook_failed("dynamic config watcher", exc)
 
     # ------------------------------------------------------------------ names and targets
-    def _intern(self, name: str) -> int:
-        i = self._name_ids.get(name)
-        if i is None:
-            i = len(self._names)
-            self._names.append(name)
-            self._name_ids[name] = i
-        return i
-
     def _sync_names(self) -> None:
-        """Announce new names to the writer once, and keep the local -> file id map."""
-        with self._spill_lock:  # the spill thread writes records too
-            n = len(self._file_ids)
-            if n == len(self._names):
-                return
-            new = self._names[n:]
-            if self.output.writer is not None:
-                ids = self.output.writer.intern(new, self._step)
-            else:
-                ids = list(range(n, len(self._names)))
-            self._file_ids = np.concatenate([self._file_ids, np.asarray(ids, dtype=np.uint32)])
+        """Announce new names to the log once (the spill thread writes records too)."""
+        with self._spill_lock:
+            self.name_table.sync(self.output.writer, self._step)
 
     def _build(self, cfg: MonitorConfig) -> Targets:
         targets, self._params = self._select(cfg)
@@ -645,7 +628,7 @@ class TrainerMon(StepCollector):
     def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
         # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
-        targets = build_targets(self._chunks, cfg, self.rank, self._intern,
+        targets = build_targets(self._chunks, cfg, self.rank, self.name_table.intern,
                                 strict=not (self._distributed and self.world_size > 1), installed=self._installed)
         if self._fullgraph and (targets.modules or cfg.print_struct):
             key = "xy_distribution" if targets.modules else "print_struct"
@@ -674,7 +657,7 @@ class TrainerMon(StepCollector):
             tp_ranks = dist.get_process_group_ranks(self._tp_group) if not tp_first else None
             for p in targets.params:
                 p.tp_duplicate = not tp_first and not getattr(p.param, "tensor_model_parallel", False) \
-                    and not _sharded_over(p.param, tp_ranks)
+                    and not sharded_over(p.param, tp_ranks)
         return targets, targets.params
 
     def _write_structure(self, vpp: int | None = None) -> None:
@@ -1037,71 +1020,3 @@ def _close_open_monitors() -> None:
 
 
 atexit.register(_close_open_monitors)
-
-
-def _compiled_fullgraph(model) -> bool:
-    """Whether ``model`` is ``torch.compile(module, fullgraph=True)``'s ``OptimizedModule``."""
-    return type(model).__name__ == "OptimizedModule" and bool(getattr(getattr(model, "dynamo_ctx", None),
-                                                                       "fullgraph", False))
-
-
-def checked_model(model) -> list[torch.nn.Module]:
-    """``model`` as the list of its chunks; a TypeError naming what it is where it is not a module or a
-    non-empty list of them (an AttributeError from deep inside, else)."""
-    given = list(model) if isinstance(model, (list, tuple)) else [model]
-    wrong = [m for m in given if not isinstance(m, torch.nn.Module)]
-    if given and not wrong:
-        return given
-    bad = wrong[0] if wrong else None
-    what = ("an empty list" if not given else type(bad).__name__ if bad is model else
-            f"a list holding {type(bad).__name__}")
-    hint = " (the model comes first, then the optimizer)" if isinstance(bad, torch.optim.Optimizer) else ""
-    raise TypeError(f"model: expected a torch.nn.Module or a list of them (virtual pipeline chunks), got "
-                    f"{what}{hint}")
-
-
-def _checked_arguments(grad_acc_steps, start_iteration) -> int:
-    """``grad_acc_steps`` as an integer, after both are checked (a ConfigError naming the wrong one)."""
-    try:
-        first = None if isinstance(start_iteration, bool) else operator.index(start_iteration)
-    except TypeError:
-        first = None
-    if first is None or not 0 <= first < MAX_STEP:
-        raise ConfigError(f"expected an integer of 0..{MAX_STEP - 1} (the first step's number), got "
-                          f"{start_iteration!r}", "start_iteration", argument=True)
-    acc = grad_acc_steps  # an integer; an integral float too (global_batch / dp / micro_batch)
-    if isinstance(acc, float) and acc.is_integer():
-        acc = int(acc)
-    try:
-        acc = None if isinstance(acc, bool) else operator.index(acc)
-    except TypeError:
-        acc = None
-    if acc is None or acc < 1:
-        raise ConfigError(f"expected an integer >= 1 (micro steps per optimizer step), got {grad_acc_steps!r}",
-                          "grad_acc_steps", argument=True)
-    return acc
-
-
-def _sharded_over(param, ranks: list[int]) -> bool:
-    """Whether ``param`` is a DTensor sharded over the mesh dimension of these ranks (torch's tensor
-    parallelism, ``parallelize_module``): each of them holds a shard of its own, no duplicate. Also the
-    local tensor DDP puts in a DTensor's place under 2-D DDP + TP (``DistributedDataParallel(...,
-    device_mesh=mesh["dp"])``: a plain Parameter with the DTensor's spec in ``_st_info``)."""
-    import torch.distributed as dist
-
-    mesh, placements = getattr(param, "device_mesh", None), getattr(param, "placements", None)
-    if mesh is None:
-        spec = getattr(param, "_st_info", None)  # torch's DTensorSpec
-        mesh, placements = getattr(spec, "mesh", None), getattr(spec, "placements", None)
-    if mesh is None or placements is None:
-        return False
-    return any(pl.is_shard() and dist.get_process_group_ranks(mesh.get_group(dim)) == ranks
-               for dim, pl in enumerate(placements))
-
-
-def _uncompiled(model):
-    """The module ``torch.compile`` wraps (its ``OptimizedModule`` names every submodule
-    ``_orig_mod.*``): targets and recorded names stay those of the model the user wrote; the hooks on
-    its submodules are part of the compiled forward (see :func:`~trainrec.recorder.hooks.eager`)."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 import torch
 
 from .config import MonitorConfig, parse_config
-from .monitor import TrainerMon, checked_model
+from .model_args import checked_model
+from .monitor import TrainerMon
 from .optim import chain_of, torch_optimizer_of
 
 DEFAULT_CONFIG = {
