@@ -183,7 +183,7 @@ class StepCollector:
     # inside the backward pass for it (on the benchmark model's 51 parameters, 0.2-0.8 ms less per step
     # than Python hooks, paired in one process; the hooks' own time was about 0.6 ms). The list
     # keeps the firing order; the end-of-backward callback, queued by the model chunk's output gradient
-    # hook (hooks.make_chunk_hook), hands each firing to _on_grad_accumulated in that order, so call ids,
+    # hook (chunk_hooks.make_chunk_hook), hands each firing to _on_grad_accumulated in that order, so call ids,
     # micro steps and the measured batch are those of the Python hooks. Where a firing is found anywhere
     # else (no chunk output gradient reached that backward pass), or the gradient turns out to be a view
     # into a shared buffer or a main_grad, the parameters get the Python hooks from then on.

@@ -84,11 +84,11 @@ from trainrec.schema.events import (
 from . import fsdp, runinfo, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
+from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
 from .collect import StepCollector, spill_loop
 from .config import MonitorConfig, load_config, parse_config
 from .flight import probes_for
-from .grad_places import sharded_over
-from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
+from .hooks import StepState, eager
 from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
@@ -96,7 +96,7 @@ from .output import Output
 from .stats import StatsEngine
 from .step_stats import StepStats
 from .steps import StepTracker, rows_non_finite, weak_call
-from .targets import ParamInfo, Targets, build_targets, uninitialized
+from .targets import ParamInfo, Targets, mark_tp_duplicates, select_targets, uninitialized
 from .writer import before_sigterm_close
 
 log = logging.getLogger(__name__)
@@ -627,37 +627,12 @@ class TrainerMon(StepCollector):
 
     def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
-        # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
-        targets = build_targets(self._chunks, cfg, self.rank, self.name_table.intern,
-                                strict=not (self._distributed and self.world_size > 1), installed=self._installed)
-        if self._fullgraph and (targets.modules or cfg.print_struct):
-            key = "xy_distribution" if targets.modules else "print_struct"
-            raise ConfigError("the model was compiled with torch.compile(fullgraph=True), and the module hooks "
-                              f"that {key} needs are graph breaks inside its compiled forward, which fullgraph "
-                              "makes an error: compile it without fullgraph=True, or turn "
-                              f"{key} off (weight gradients, parameters and optimizer state are recorded "
-                              "either way)", key)
-        for key in targets.frozen_only:
-            _warn_once(f"frozen-{key}", f"trainrec: rank {self.rank}: targets.{key} matches only parameters that do "
-                       "not require grad (frozen); they are recorded from the first collected step after they "
-                       "are unfrozen")
-        for key, names in targets.lazy.items():
-            if key not in self._lazy_warned:
-                self._lazy_warned.add(key)
-                log.warning("trainrec: rank %d: targets.%s names parameters of a lazy module (torch.nn.LazyLinear "
-                            "and the like) that its first forward has not made yet (%s): they have no size and "
-                            "take no hooks until then; they are recorded from that forward on (the module "
-                            "structure record counts them 0)", self.rank, key, ", ".join(names[:6])
-                            + (", ..." if len(names) > 6 else ""))
+        targets = select_targets(self._chunks, cfg, self.rank, self.name_table.intern,
+                                 several_ranks=self._several_ranks(), installed=self._installed,
+                                 fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=_warn_once)
         self._sync_names()
         if self._tp_group is not None and self._distributed:
-            import torch.distributed as dist
-
-            tp_first = dist.get_rank(group=self._tp_group) == 0
-            tp_ranks = dist.get_process_group_ranks(self._tp_group) if not tp_first else None
-            for p in targets.params:
-                p.tp_duplicate = not tp_first and not getattr(p.param, "tensor_model_parallel", False) \
-                    and not sharded_over(p.param, tp_ranks)
+            mark_tp_duplicates(targets.params, self._tp_group)
         return targets, targets.params
 
     def _write_structure(self, vpp: int | None = None) -> None:
