@@ -1,8 +1,7 @@
 """What a collected step records besides the module hooks: weight gradients, parameters, Adam state,
 and the end of the step (one host copy, HooksFired, the deferred TensorStatsRecorded build).
 
-A mixin of :class:`~trainrec.recorder.monitor.TrainerMon`; it uses the monitor's ``_state``
-(:class:`~trainrec.recorder.hooks.StepState`), ``_engine``, ``_params``, ``output`` and name tables.
+A mixin of :class:`~trainrec.recorder.monitor.TrainerMon` (what it reads of it: :class:`StepCollector`).
 
 Weight gradients: the post-accumulate-grad hook of each monitored parameter queues it (in one process
 without DDP, DeepSpeed, FSDP or Megatron, the hook is a list's ``append`` and the queueing happens at
@@ -99,7 +98,24 @@ SPILL_IDLE_S = 5.0  # how often the idle spill thread looks whether its monitor 
 
 
 class StepCollector:
-    """Gradient, parameter and optimizer-state rows of a collected step, and the step's end."""
+    """Gradient, parameter and optimizer-state rows of a collected step, and the step's end.
+
+    Its own state is made by :meth:`_init_collection`. What it reads of the monitor it is mixed into:
+    ``config``, ``rank``, ``world_size``, ``params_have_main_grad``, ``_state``, ``_engine``,
+    ``_params``, ``_targets``, ``_compiled``, ``_distributed``, ``_collections``, ``_step_t0``, the parts
+    ``output``, ``name_table``, ``binding``, ``steps`` and ``step_hooks``, and ``_emit``,
+    ``_hook_failed`` and ``_sync_names``.
+    """
+
+    def _init_collection(self) -> None:
+        self._dp_duplicate = False  # this rank is not dp_group's first
+        self._dp_ranks: tuple = ()  # dp_group's ranks, in group order
+        self._dp_replicas: dict = {}  # _dp_copy's, per (DTensor mesh, placements)
+        self._plain_params_cache: tuple | None = None  # _plain_param_tensors
+        self._last: dict[str, list] = {}  # the latest collected step's stats (_metrics)
+        self._warned_no_optimizer = False
+        self._warned_mg_direction = False
+        self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
 
     # ------------------------------------------------------------------ gradients and optimizer state
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:

@@ -1,53 +1,7 @@
 """``TrainerMon``: mindstudio-probe 1.2.1's monitor API, recording into the per-rank trainrec log.
 
-Life of a step (``step`` counts training steps from ``start_iteration``: optimizer steps, and steps
-whose optimizer step a loss scaler skipped):
-
-1. At the step's start (construction, the previous optimizer post-step, or the first forward after a
-   skipped optimizer step) the monitor decides whether the step is collected (``start_step``,
-   ``step_interval``, ``collect_times``, dynamic switch). Only then are module and gradient hooks
-   attached; on other steps they are detached, so a step that is not collected costs one StepBegan
-   and one StepEnded record and one forward pre-hook call per micro step (which notices skipped
-   optimizer steps, see ``_on_micro_step``).
-2. During forward/backward the hooks compute statistics on the device (see :mod:`.hooks`,
-   :mod:`.stats`); weight-gradient statistics are batched per micro step.
-3. Optimizer pre-step hook (on the optimizer *instance*): reduced gradients (``main_grad`` when
-   ``params_have_main_grad`` and present, else ``.grad``; unchanged gradients reuse their unreduced
-   rows instead of being computed twice) and parameters (before the update). ``optimizer.step(closure)``
-   (LBFGS; SGD or Adam given one) runs the closure's forward and backward passes after this hook,
-   inside the step: they are passes of this step (micro steps, never skipped steps), and the reduced
-   gradients and ``mg_direction`` are taken at the post-step hook instead, of the gradients the
-   closure's last evaluation left (see ``_closure_rows``).
-4. Optimizer post-step hook: Adam ``exp_avg``/``exp_avg_sq`` and ``update``/``ratio`` (after the
-   update, so rows exist from the first step), then one concatenation and one host copy of every
-   statistic of the step; the writer thread turns it into TensorStatsRecorded records (and runs the
-   anomaly engine, if configured). Then the step counter advances and the dynamic watcher is polled.
-
-``optimizer=None``: the optimizer set with :meth:`set_wrapped_optimizer` is used; failing that, global
-optimizer step hooks wait for the first optimizer stepping over the model's parameters, bind to that
-instance, and are removed at the next step boundary.
-
-Recorded per collected step: HooksFired (every module hook firing and every gradient-accumulation
-hook firing, with its call id in execution order and micro step), TensorStatsRecorded per kind, and
-StepBegan/StepEnded for every step (StepBegan is written at the step's first sign of life). The
-model's passes inside another optimizer's step (a GAN's discriminator in the generator's step) go into
-its next step; where the run ends after such passes, a close without an exception ends them with a
-StepEnded marked ``foreign_passes`` (no step; see :mod:`.steps`).
-
-Sharded optimizers: torch's ZeroRedundancyOptimizer, DeepSpeed ZeRO 1-3 (:mod:`.zero`; its torch
-optimizer steps once per param group, counted as one step, see ``OptimizerBinding.part_of_step``) and Megatron's
-DistributedOptimizer: each rank records its own pieces of the Adam state and reduced gradients.
-Megatron's ChainedOptimizer (a DistributedOptimizer or Float16OptimizerWithFloat16Params per part,
-stepped one after the other) is one step too, with every member's state mapped; so is a list of
-optimizers given as ``optimizer=`` (each steps its part of the model once per training step, in any
-order).
-
-Selectors are checked against a module's real inputs and outputs at its first call: in the run's
-first step a mismatch is a ConfigError out of that forward (before training time is spent); a module
-first called later is checked by its hooks (a HookFailed naming the key; training goes on). A
-``tuple[N]`` input selector the forward signature rules out is a ConfigError at
-``monitor_gnorm_with_ad``. Collective calls (``cc_distribution``), the stall watchdog
-(``stall_watchdog``) and the exception that ends a recording are :mod:`.flight`'s.
+The msprobe face over the recorder's parts (output, optimizer binding, step tracker, step hooks, name
+table, collector); how a step is recorded, and which part does what: ``docs/recorder-internals.md``.
 """
 
 from __future__ import annotations
@@ -60,7 +14,6 @@ import logging
 import operator
 import os
 import sys
-import threading
 import time
 import weakref
 
@@ -195,14 +148,9 @@ class TrainerMon(StepCollector):
                                         lambda: cls._wrapped_optimizer, _warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
                                  weak_call(self._several_ranks), weak_call(self._hook_failed), _warn_once)
-        self._dp_duplicate = False  # this rank is not dp_group's first
-        self._dp_ranks: tuple = ()  # dp_group's ranks, in group order
-        self._dp_replicas: dict = {}  # StepCollector._dp_copy's, per (DTensor mesh, placements)
-        self._plain_params_cache: tuple | None = None  # StepCollector._plain_param_tensors
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
         self._tp_group = None
         self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
-        self._last: dict[str, list] = {}
         self._failures: dict[str, int] = {}
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
@@ -210,10 +158,8 @@ class TrainerMon(StepCollector):
         self._mark_began_weakly = weak_call(self._mark_began)  # each collected step's first-firing callback
         self.output.closed_with(self)  # (at exit, _close_open_monitors closes a live monitor in full)
         self._struct: dict | None = None
-        self._warned_no_optimizer = False
-        self._warned_mg_direction = False
         self._closed = False
-        self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
+        self._init_collection()
         if self.config.format != "api":
             self._open_output()
         else:
