@@ -1,7 +1,8 @@
 """What a collected step records besides the module hooks: weight gradients, parameters, Adam state,
 and the end of the step (one host copy, HooksFired, the deferred TensorStatsRecorded build).
 
-A mixin of :class:`~trainrec.recorder.monitor.TrainerMon` (what it reads of it: :class:`StepCollector`).
+A mixin of :class:`~trainrec.recorder.monitor.TrainerMon` (what it reads of it: :class:`StepCollector`);
+the records go out through :class:`~trainrec.recorder.step_output.StepOutput`.
 
 Weight gradients: the post-accumulate-grad hook of each monitored parameter queues it (in one process
 without DDP, DeepSpeed, FSDP or Megatron, the hook is a list's ``append`` and the queueing happens at
@@ -43,7 +44,6 @@ measured again.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
 from itertools import compress, repeat
@@ -59,17 +59,15 @@ from trainrec.schema.events import (
     KIND_MG_DIRECTION,
     KIND_RATIO,
     KIND_UPDATE,
-    HooksFired,
     StepEnded,
 )
-from trainrec.schema.naming import reference_tag
 
 from . import config, fused, zero
 from .fused import local_tensor
 from .grad_places import any_in_shared_buffer, in_shared_buffer, is_shard, main_grad_now, shard_held_before
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, device_update_and_ratio, fused_adam_rows, update_and_ratio
-from .step_stats import StatsPart, StepStats, build_stats_events, gather_device, placeholders, to_device
+from .step_stats import StatsPart, gather_device, placeholders, to_device
 from .targets import uninitialized
 
 log = logging.getLogger(__name__)
@@ -90,21 +88,13 @@ REUSE_UNCHANGED = config.env_choice("TRAINREC_REUSE_UNCHANGED_GRADS", ("0", "1",
 # every gradient on the device at each collected step.
 PENDING_FLUSH_BYTES = 1 << 28
 
-# A collected step open this long has what it recorded so far written while it goes on (StepCollector._spill),
-# checked every SPILL_TICK_S seconds.
-SPILL_AFTER_S = 1.0
-SPILL_TICK_S = 0.5
-SPILL_IDLE_S = 5.0  # how often the idle spill thread looks whether its monitor is gone
-
-
 class StepCollector:
     """Gradient, parameter and optimizer-state rows of a collected step, and the step's end.
 
     Its own state is made by :meth:`_init_collection`. What it reads of the monitor it is mixed into:
     ``config``, ``rank``, ``world_size``, ``params_have_main_grad``, ``_state``, ``_engine``,
     ``_params``, ``_targets``, ``_compiled``, ``_distributed``, ``_collections``, ``_step_t0``, the parts
-    ``output``, ``name_table``, ``binding``, ``steps`` and ``step_hooks``, and ``_emit``,
-    ``_hook_failed`` and ``_sync_names``.
+    ``step_output``, ``binding``, ``steps`` and ``step_hooks``, and ``_emit`` and ``_hook_failed``.
     """
 
     def _init_collection(self) -> None:
@@ -112,10 +102,8 @@ class StepCollector:
         self._dp_ranks: tuple = ()  # dp_group's ranks, in group order
         self._dp_replicas: dict = {}  # _dp_copy's, per (DTensor mesh, placements)
         self._plain_params_cache: tuple | None = None  # _plain_param_tensors
-        self._last: dict[str, list] = {}  # the latest collected step's stats (_metrics)
         self._warned_no_optimizer = False
         self._warned_mg_direction = False
-        self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
 
     # ------------------------------------------------------------------ gradients and optimizer state
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -637,122 +625,25 @@ class StepCollector:
                          else torch.sign(m) for i, m in state.items()}
         return state, self.binding.adam.stepped
 
+    def _write_step(self, st: StepState) -> None:
+        """The step's hook firings and statistics, to the log (and to the api metrics)."""
+        self._settle_grads()
+        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
+            leaf.handle.remove()
+        st.leaf_hooks.clear()
+        self._collections += 1
+        self.step_output.write(st)
+
+    def _spill(self) -> None:
+        """Runs on the spill thread (:func:`.step_output.spill_loop`)."""
+        self.step_output.spill(self._state, self._step_t0, lambda: self._state)
+
     def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
         self._write_step(st)
         self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
                              duration=time.perf_counter() - self._step_t0, collected=True,
                              micro_steps=max([self.steps.grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
                              optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
-
-    def _write_step(self, st: StepState) -> None:
-        """The step's hook firings and statistics, to the log (and to the api metrics); less what
-        :meth:`_spill` has written of them while the step went on."""
-        self._settle_grads()
-        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
-            leaf.handle.remove()
-        st.leaf_hooks.clear()
-        writer = self.output.writer
-        with self._spill_lock:
-            st.written = True
-            self._collections += 1
-            rest = st.stats
-            if st.spilled_parts:
-                rest = StepStats(st.stats.ops)
-                rest.parts = st.stats.parts[st.spilled_parts:]
-            if writer is None:  # format api: the metrics are made of the step's rows when asked for
-                self._last = {"stats": st.stats, "step": st.step}
-                return
-            live = not writer.closed and writer.error is None
-            # rows on the host: the records are made on the writer's thread (about 0.3 ms of Python per
-            # step that the training thread does not wait for); rows on a device: their copy to the
-            # host is started here. The api metrics: the step's rows, made when asked for unless made here
-            hs = rest if live and all(_on_host(p.values) for p in rest.parts) else rest.finish(st.step)
-            self._last = {"hs": hs} if hs is not rest and rest is st.stats else {"stats": st.stats, "step": st.step}
-            if live:
-                writer.write(self._records(st, hs, st.spilled_fires, len(st.micro)))
-
-    def _records(self, st: StepState, stats, f0: int, f1: int):
-        """A callable for the writer's thread making the HooksFired of firings ``f0:f1`` and the stats
-        records of ``stats`` (a StepStats, or HostStats already made); caller holds _spill_lock."""
-        self._sync_names()
-        fids = self.name_table.file_ids  # replaced, never changed in place, when names are added
-        wall = time.time()
-        rank, step, alerts, names = self.rank, st.step, self.output.alerts, self.name_table.names
-        # slices (copies) here: a numpy view of the live arrays would lock them against the training
-        # thread's appends (BufferError in its hooks) while the spill thread writes
-        cols = (st.mod_ids[f0:f1], st.dirs[f0:f1], st.call_ids[f0:f1], st.micro[f0:f1]) if f1 > f0 else None
-
-        def build():  # a generator: the firings reach the log even where the statistics fail
-            if cols is not None:
-                mod = fids[np.frombuffer(cols[0], dtype=np.uint32)].astype("<u4")
-                yield HooksFired(rank=rank, step=step, wall=wall, module_ids=mod.tobytes(),
-                                 directions=cols[1].tobytes(), call_ids=cols[2].tobytes(),
-                                 micro_steps=cols[3].tobytes())
-            hs = stats.finish(step, to_host=False) if isinstance(stats, StepStats) else stats
-            if hs.kinds:
-                yield from deferred_stats(hs, rank, fids, wall, alerts, names)()
-
-        return build
-
-    def _spill(self) -> None:
-        """Runs on the spill thread (:func:`spill_loop`): a collected step open for SPILL_AFTER_S or more
-        has the rows and hook firings it has recorded so far written now, so that a process killed in
-        the middle of a step (kill -9 of a rank hung in a collective, an OOM kill) leaves them in the
-        log. Rows still on an accelerator wait for the step's end (reading them here would wait on the
-        device). Nothing happens for steps shorter than SPILL_AFTER_S."""
-        st = self._state
-        writer = self.output.writer
-        if (st is None or writer is None or writer.closed or writer.error is not None
-                or time.perf_counter() - self._step_t0 < SPILL_AFTER_S):
-            return
-        with self._spill_lock:
-            if st.written or self._state is not st:
-                return
-            f1 = len(st.micro)  # appended last by StepState.fire: the other columns hold as many
-            parts = st.stats.parts
-            k0 = k1 = st.spilled_parts
-            while k1 < len(parts) and _on_host(parts[k1].values):
-                k1 += 1
-            if k1 == k0 and f1 == st.spilled_fires:
-                return
-            batch = StepStats(st.stats.ops)
-            batch.parts = parts[k0:k1]
-            writer.write(self._records(st, batch, st.spilled_fires, f1))
-            st.spilled_parts, st.spilled_fires = k1, f1
-
-    # ------------------------------------------------------------------ api metrics
-    def _metrics(self, kind: str) -> dict:
-        if "stats" in self._last:
-            self._last = {"hs": self._last["stats"].finish(self._last["step"], to_host=False)}
-        last = self._last.get("hs")
-        if last is None:
-            return {}
-        if last.event is not None:
-            last.event.synchronize()  # the host copy made for the writer may still be in flight
-        out: dict = {}
-        vals = last.values
-        for k, a, b in last.kinds:
-            if k != kind:
-                continue
-            # the reference's dtypes: norm and mean float64, the NaN count int64, the rest float32 (min and
-            # max are the tensor's own dtype there: float32 holds bfloat16 and float16 values exactly); a
-            # tensor that was not there (a NaN row) is float32 NaN throughout, as the reference's
-            block = vals[a:b]
-            cols = [block[:, j].to(_API_DTYPES.get(op, torch.float32)) for j, op in enumerate(last.ops)]
-            missing = torch.isnan(block).all(dim=1).tolist()
-            for r in range(a, b):
-                name = self.name_table.names[int(last.name_ids[r])]
-                tag = reference_tag(kind, name, int(last.slots[r]), int(last.micro_steps[r]), self.rank,
-                                    int(last.vpp_stages[r]))
-                i = r - a
-                out[tag] = ({op: block[i, j] for j, op in enumerate(last.ops)} if missing[i]
-                            else {op: cols[j][i] for j, op in enumerate(last.ops)})
-        return out
-
-
-_warned: list = []
-_API_DTYPES = {"norm": torch.float64, "mean": torch.float64, "nans": torch.int64}
-
 
 def _queue_end_of_backward(fn) -> None:
     """Run ``fn`` when the running backward pass finishes (the autograd engine's callback queue, as DDP
@@ -797,55 +688,3 @@ def scalar_rows(values: torch.Tensor, ops, eps: float) -> torch.Tensor:
     cols = {"min": values, "max": values, "mean": values, "norm": values.abs(),
             "zeros": (values.abs() < eps).to(torch.float32), "nans": torch.isnan(values).to(torch.float32)}
     return torch.stack([cols[op] for op in ops], dim=1)
-
-
-def deferred_stats(hs, rank: int, file_ids: np.ndarray, wall: float, alerts, names: list[str]):
-    """The callable run on the writer thread: host values -> TensorStatsRecorded (+ anomalies)."""
-
-    def build() -> list:
-        events = build_stats_events(hs, rank, file_ids, wall)
-        if alerts is None:
-            return events
-        out = []
-        arr = hs.values.numpy()
-        for ev, (kind, a, b) in zip(events, hs.kinds, strict=True):
-            out.append(ev)
-            try:
-                out.extend(alerts.observe(
-                    step=hs.step, kind=kind, ops=list(hs.ops), names=[names[int(i)] for i in hs.name_ids[a:b]],
-                    values=arr[a:b], micro_steps=hs.micro_steps[a:b], call_ids=hs.call_ids[a:b],
-                    slots=hs.slots[a:b], vpp_stages=hs.vpp_stages[a:b],
-                    placeholders=None if hs.placeholders is None else hs.placeholders[a:b],
-                ))
-            except Exception as exc:  # noqa: BLE001 - anomaly detection never stops recording
-                if not _warned:
-                    _warned.append(True)
-                    log.warning("trainrec: anomaly detection failed: %r", exc)
-        return out
-
-    return build
-
-
-def _on_host(values) -> bool:
-    return isinstance(values, np.ndarray) or values.device.type == "cpu"
-
-
-def spill_loop(ref, stop: threading.Event, step_open: threading.Event) -> None:
-    """The spill thread of a monitor (``ref``: a weak reference to it, so that the thread keeps nothing
-    alive): :meth:`StepCollector._spill` every SPILL_TICK_S seconds while a collected step is open
-    (``step_open``), asleep otherwise (steps the config skips wake nothing), until ``stop`` is set."""
-    while not stop.is_set():
-        if not step_open.wait(SPILL_IDLE_S):
-            if ref() is None:
-                return
-            continue
-        if stop.wait(SPILL_TICK_S):
-            return
-        mon = ref()
-        if mon is None:
-            return
-        try:
-            mon._spill()
-        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            mon._hook_failed("writing the step in progress", exc)
-        del mon

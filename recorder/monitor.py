@@ -38,7 +38,7 @@ from . import fsdp, runinfo, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
-from .collect import StepCollector, spill_loop
+from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
 from .flight import probes_for
 from .hooks import StepState, eager
@@ -47,6 +47,7 @@ from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
 from .output import Output
 from .stats import StatsEngine
+from .step_output import StepOutput, spill_loop
 from .step_stats import StepStats
 from .steps import StepTracker, rows_non_finite, weak_call
 from .targets import ParamInfo, Targets, mark_tp_duplicates, select_targets, uninitialized
@@ -116,6 +117,7 @@ class TrainerMon(StepCollector):
                              live_export if live_export is not None else "format" in self.config.raw)
         self._engine = StatsEngine(self.config.ops, self.config.eps)
         self.name_table = NameTable()
+        self.step_output = StepOutput(self.output, self.name_table, self.rank)
         self.step_hooks = StepHooks(weak_call(self._hook_failed), _warn_once)
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
         self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
@@ -401,18 +403,18 @@ class TrainerMon(StepCollector):
 
     def generate_wgrad_metrics(self) -> tuple[dict, dict]:
         """``(reduced, unreduced)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""
-        return self._metrics(KIND_GRAD_REDUCED), self._metrics(KIND_GRAD_UNREDUCED)
+        return self.step_output.metrics(KIND_GRAD_REDUCED), self.step_output.metrics(KIND_GRAD_UNREDUCED)
 
     def generate_xy_metrics(self) -> tuple[dict, dict]:
         """``(actv, actv_grad)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""
-        return self._metrics("actv"), self._metrics("actv_grad")
+        return self.step_output.metrics("actv"), self.step_output.metrics("actv_grad")
 
     def generate_metrics(self, kind: str) -> dict:
         """Metrics of any kind (param, exp_avg, exp_avg_sq, update, ratio, ...) of the latest collected step;
         an unknown kind is a ValueError (it would otherwise look like a kind with nothing recorded)."""
         if kind not in KINDS:
             raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-        return self._metrics(kind)
+        return self.step_output.metrics(kind)
 
     def reload_xy(self, xy_distribution: bool = False) -> None:
         """Switch ``xy_distribution`` and re-select the activation hooks; handles are replaced, never
@@ -564,8 +566,7 @@ class TrainerMon(StepCollector):
     # ------------------------------------------------------------------ names and targets
     def _sync_names(self) -> None:
         """Announce new names to the log once (the spill thread writes records too)."""
-        with self._spill_lock:
-            self.name_table.sync(self.output.writer, self._step)
+        self.step_output.sync_names(self._step)
 
     def _build(self, cfg: MonitorConfig) -> Targets:
         targets, self._params = self._select(cfg)
