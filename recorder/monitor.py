@@ -220,6 +220,11 @@ class TrainerMon(StepCollector):
         return self.output.rank_dir
 
     @property
+    def step_count(self) -> int:
+        """The current step's number (counted from ``start_iteration``)."""
+        return self._step
+
+    @property
     def log_path(self) -> str | None:
         w = self.output.writer
         return w.path if w is not None else None

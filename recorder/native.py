@@ -89,7 +89,7 @@ class Recorder:
     @property
     def step_count(self) -> int:
         """The current step number."""
-        return self.monitor._step
+        return self.monitor.step_count
 
     def step(self) -> None:
         """End the current training step (only needed without an optimizer)."""
