@@ -34,8 +34,10 @@ demo: setup
 	@echo "  $(TRAINREC) report $(DEMO_DIR) -o report.html     # one HTML page of the run"
 	@echo "More: README.md (CLI at a glance) and docs/."
 
+# Test files are spread over one worker per core (at most 4); each file stays on one worker, so
+# the groups that a file's tests share are spawned once.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .

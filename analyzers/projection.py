@@ -121,11 +121,11 @@ class SeenSteps:
         return f"SeenSteps({list(self._steps)!r})"
 
 
-_RANGE_RE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
+_RANGE_RE = re.compile(r"^\s*(\d+)\s*(?:([-:])\s*(\d*)\s*)?$")
 
 
 def parse_steps(text: str, what: str = "step") -> StepSet:
-    """Parse ``"10-20,30,40-"``; raises ValueError saying which part is wrong."""
+    """Parse ``"10-20,30,40-"`` (``10:20`` is ``10-20``); raises ValueError saying which part is wrong."""
     ranges: list[tuple[int, int | None]] = []
     for part in str(text).split(","):
         m = _RANGE_RE.match(part)

@@ -103,6 +103,7 @@ class MonitorConfig:
     alert_rules: tuple = ()
     cc_distribution: dict = field(default_factory=dict)
     stall_watchdog: dict = field(default_factory=dict)  # trainrec's: see _parse_watchdog
+    api_xy: dict = field(default_factory=dict)  # trainrec's: see _parse_api_xy
     format: str = "tensorboard"
     ops: tuple = ("norm",)
     eps: float = 1e-8
@@ -111,6 +112,11 @@ class MonitorConfig:
     append_output: tuple = ()
     squash_name: bool = True
     raw: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def api_level(self) -> bool:
+        """Whether the API level records (``api_xy`` on, with the module forward calls it nests under)."""
+        return bool(self.api_xy.get("enable")) and self.xy_distribution and not self.backward_only
 
     @property
     def everything(self) -> bool:
@@ -150,7 +156,7 @@ _BOOL_KEYS = (
 KNOWN_KEYS = frozenset(
     _BOOL_KEYS
     + ("targets", "start_step", "collect_times", "step_interval", "module_ranks", "alert", "cc_distribution",
-       "stall_watchdog", "format", "ops", "eps", "ndigits", "step_count_per_record", "append_output", "mg_distribution")
+       "stall_watchdog", "api_xy", "format", "ops", "eps", "ndigits", "step_count_per_record", "append_output", "mg_distribution")
 )
 
 
@@ -248,26 +254,44 @@ def _parse_cc(raw: Any, source: str | None) -> dict:
 WATCHDOG_DEFAULTS = {"enable": True, "factor": 5.0, "min_seconds": 60.0}
 
 
+def _switch_object(raw: Any, defaults: dict, key: str, source: str | None) -> dict:
+    """A trainrec key that is ``true``/``false`` or an object of ``defaults``' keys: the object, with
+    unknown keys refused and ``enable`` checked (the other values are the caller's to check)."""
+    if isinstance(raw, bool):
+        return dict(defaults, enable=raw)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"expected true, false or an object with {', '.join(defaults)}, got {raw!r}", key, source)
+    for k, v in raw.items():
+        if k not in defaults:
+            raise ConfigError(f"unknown key {k!r}; expected one of {', '.join(defaults)}", key, source)
+        if k == "enable" and not isinstance(v, bool):
+            raise ConfigError(f"expected true or false, got {v!r}", f"{key}.enable", source)
+    return dict(defaults, **raw)
+
+
 def _parse_watchdog(raw: Any, source: str | None) -> dict:
     """``stall_watchdog`` (trainrec's key): ``true``, or ``{"enable", "factor", "min_seconds"}``: a step
     running longer than ``factor`` times the median step, and ``min_seconds`` at least, is a stall."""
-    if isinstance(raw, bool):
-        return dict(WATCHDOG_DEFAULTS, enable=raw)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"expected true, false or an object with {', '.join(WATCHDOG_DEFAULTS)}, got {raw!r}",
-                          "stall_watchdog", source)
-    out = dict(WATCHDOG_DEFAULTS)
-    for k, v in raw.items():
-        if k not in WATCHDOG_DEFAULTS:
-            raise ConfigError(f"unknown key {k!r}; expected one of {', '.join(WATCHDOG_DEFAULTS)}", "stall_watchdog",
-                              source)
-        if k == "enable":
-            if not isinstance(v, bool):
-                raise ConfigError(f"expected true or false, got {v!r}", "stall_watchdog.enable", source)
-        elif not _is_number(v) or not math.isfinite(v) or v <= (1 if k == "factor" else 0):
+    out = _switch_object(raw, WATCHDOG_DEFAULTS, "stall_watchdog", source)
+    for k in ("factor", "min_seconds"):
+        v = out[k]
+        if not _is_number(v) or not math.isfinite(v) or v <= (1 if k == "factor" else 0):
             raise ConfigError(f"expected a finite number > {1 if k == 'factor' else 0}, got {v!r}",
                               f"stall_watchdog.{k}", source)
-        out[k] = v if k == "enable" else float(v)
+        out[k] = float(v)
+    return out
+
+
+API_XY_DEFAULTS = {"enable": True, "stack": False}
+
+
+def _parse_api_xy(raw: Any, source: str | None) -> dict:
+    """``api_xy`` (trainrec's key): ``true``, or ``{"enable", "stack"}``: the API level, the torch
+    functions and tensor methods called inside monitored forward passes (msprobe's ``mix`` level), with
+    each call's stack where ``stack`` is true (see :mod:`.api_calls`)."""
+    out = _switch_object(raw, API_XY_DEFAULTS, "api_xy", source)
+    if not isinstance(out["stack"], bool):
+        raise ConfigError(f"expected true or false, got {out['stack']!r}", "api_xy.stack", source)
     return out
 
 
@@ -369,6 +393,13 @@ def parse_config(raw: dict, source: str | None = None) -> MonitorConfig:
         kw["cc_distribution"] = _parse_cc(raw["cc_distribution"], source)
     if "stall_watchdog" in raw:
         kw["stall_watchdog"] = _parse_watchdog(raw["stall_watchdog"], source)
+    if "api_xy" in raw:
+        kw["api_xy"] = _parse_api_xy(raw["api_xy"], source)
+        if kw["api_xy"]["enable"] and (not kw.get("xy_distribution") or kw.get("backward_only")):
+            # (a warning, not an error: reload_xy() and a dynamic edit may turn xy off under it)
+            log.warning("trainrec: api_xy records API calls inside the module forward calls that xy_distribution "
+                        "records, and nests them there: with xy_distribution off (or backward_only) it records "
+                        "nothing%s", f" ({source})" if source else "")
     if kw.get("forward_only") and kw.get("backward_only"):
         raise ConfigError("forward_only and backward_only cannot both be true", "backward_only", source)
     # The reference: no targets with xy_distribution means every module (all_xy).

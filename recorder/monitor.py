@@ -34,7 +34,7 @@ from trainrec.schema.events import (
     StepEnded,
 )
 
-from . import fsdp, runinfo, structure
+from . import api_calls, fsdp, runinfo, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
@@ -695,6 +695,8 @@ class TrainerMon(StepCollector):
             wg = self.config.wg_distribution
             self.step_hooks.attach(self, t, self._params, self._compiled, self._chunks if wg else None,
                                    wg and self._list_hooks_allowed(), self.params_have_main_grad)
+            if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
+                self.step_hooks.handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
 
     def _hook_materialized(self) -> None:
         self.step_hooks.hook_materialized(self._list_hooks_allowed())

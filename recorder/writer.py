@@ -67,6 +67,7 @@ from trainrec.schema.events import (
 )
 
 from . import failnote, writer_exit
+from .step_index import StepIndexBuilder
 from .writer_exit import before_sigterm_close, install_sigterm_handler  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
@@ -261,7 +262,8 @@ class LogWriter:
             boot_id=procid.boot_id(),
         )
         try:
-            _write_all(self._file, framing.encode_file_header() + framing.encode_frame(codec.encode(self.header)))
+            head = framing.encode_file_header() + framing.encode_frame(codec.encode(self.header))
+            _write_all(self._file, head)
             self._identity = _identity(os.fstat(self._file.fileno()))
         except OSError as exc:
             self._file.close()
@@ -273,6 +275,8 @@ class LogWriter:
         self._error_logs = 0
         self._buffered = 0
         self._written_seq = 1  # records before this one are on the OS (as far as the writer knows)
+        self._file_bytes = len(head)  # bytes written out so far: a frame's offset is this plus _buffered
+        self._index = StepIndexBuilder()
         self._discarded = 0  # records (or deferred batches) handed over and never written, after a failure
         self._note_seq = 0  # sequence number of the next failure record (0: none written yet)
         self._note_tried = 0.0
@@ -337,10 +341,12 @@ class LogWriter:
                 out.append(i)
             if new:
                 wall = time.time()
-                self._queue.put(NamesInterned(rank=self.rank, step=step, wall=wall, first_id=first, names=tuple(new)))
+                # (wrapped: the worker lists name tables in the step index without a look at every record)
+                self._queue.put(_Control("names", NamesInterned(rank=self.rank, step=step, wall=wall, first_id=first,
+                                                                names=tuple(new))))
                 if self._repeat_names:  # a copy in a frame of its own: one damaged frame costs no name
-                    self._queue.put(NamesRepeated(rank=self.rank, step=step, wall=wall, first_id=first,
-                                                  names=tuple(new)))
+                    self._queue.put(_Control("names", NamesRepeated(rank=self.rank, step=step, wall=wall,
+                                                                    first_id=first, names=tuple(new))))
                 # Published only after the announcement is queued, so that another thread's fast
                 # path never hands out an id whose NamesInterned would come after its use.
                 table.update(new)
@@ -439,7 +445,7 @@ class LogWriter:
             if type(item) is _Control:
                 if item.kind == "flush":
                     item.arg.set()
-                else:
+                elif item.kind == "stop":
                     return
 
     def _loop(self) -> None:
@@ -453,7 +459,7 @@ class LogWriter:
         interval = self._flush_interval
         while True:
             item = q.get()
-            if type(item) is not _Control:
+            if type(item) is not _Control or item.kind == "names":  # (a name table waits as records do)
                 try:
                     wake.get(timeout=interval)
                 except queue.Empty:
@@ -465,7 +471,7 @@ class LogWriter:
                     break
             due = time.monotonic() + interval  # a drain that items keep feeding still writes out this often
             while True:
-                if type(item) is _Control:
+                if type(item) is _Control and item.kind != "names":
                     if item.kind == "flush":
                         self._append_drops(buf)
                         self._write_out(buf)
@@ -483,6 +489,9 @@ class LogWriter:
                         self._append_drops(buf)
                     if isinstance(item, Event):
                         self._frame(item, buf)
+                    elif type(item) is _Control:  # a name table
+                        self._index.names_offsets.append(self._file_bytes + self._buffered)
+                        self._frame(item.arg, buf)
                     else:
                         self._run_callable(item, buf)
                     if self._buffered >= _BUFFER_BYTES or (buf and time.monotonic() >= due):
@@ -502,9 +511,10 @@ class LogWriter:
         except Exception as exc:  # noqa: BLE001 - a bad event must not stop the log
             self._record_failure(f"writer: encoding {type(ev).__name__}", exc, buf)
             return
+        step = ev.step
+        if step != self._last_step:  # (the one test per record: a new step, or a late or step-less record)
+            self._last_step = self._index.moved(step, self._seq, self._file_bytes + self._buffered, self._last_step)
         self._seq += 1
-        if ev.step > self._last_step:
-            self._last_step = ev.step
         buf.append(header)  # header and payload go to os.writev separately: no copy of the payload
         buf.append(payload)
         self._buffered += len(payload) + framing.FRAME_HEADER_SIZE
@@ -551,6 +561,7 @@ class LogWriter:
                 if self._fsync:
                     os.fsync(self._file.fileno())
                 self._written_seq = self._seq
+                self._file_bytes += self._buffered
             except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
                 self._discarded += self._seq - self._written_seq
                 self._fail(exc)
@@ -605,6 +616,7 @@ class LogWriter:
                 records=self._seq,  # records before this one, FileOpened included
                 dropped=self._dropped_total,
                 reason=reason,
+                **self._index.fields(),
             )
             self._frame(closing, buf)
             self._write_out(buf)  # fsyncs too when asked to (fsync=True)

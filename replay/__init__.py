@@ -7,6 +7,7 @@
 * :mod:`.follow`: a live tail of a run that is still being written.
 * :mod:`.names`: resolving interned name ids.
 * :mod:`.summary`: per-rank summaries and integrity findings (``trainrec inspect`` / ``check``).
+* :mod:`.stepindex`: reading only some steps of a log through its step index (``--steps``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from .names import NameResolver
 from .reader import LogReader, Problem, SeqGap, read_head, read_log
 from .rows import execution_order, rows_from_events, value_matrix
 from .run import Run, open_run, resolve_types
+from .stepindex import FileIndex, load_index, read_steps
 from .summary import Finding, RunSummary, findings, summarize
 
 __all__ = [
+    "FileIndex",
     "Finding",
     "LogReader",
     "NameResolver",
@@ -33,9 +36,11 @@ __all__ = [
     "findings",
     "follow",
     "list_runs",
+    "load_index",
     "open_run",
     "read_head",
     "read_log",
+    "read_steps",
     "resolve_types",
     "rows_from_events",
     "summarize",

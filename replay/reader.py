@@ -126,6 +126,8 @@ class LogReader:
         self.unlisted_skipped = 0
         self.frames = 0  # frames whose header and payload CRCs checked out
         self.events_read = 0
+        self.bytes_read = 0  # bytes read from the file, its header included (a step selection reads only some)
+        self._stop = None  # where reading stops (read_span), or None: the end of the file
         self._pos = 0  # file offset of self._buf[0]
         self._buf = b""  # bytes read but not consumed yet (an incomplete frame)
         self._need = 0  # bytes still missing from the pending frame, when its header is known
@@ -214,6 +216,25 @@ class LogReader:
                     return out
         return out
 
+    def read_span(self, start: int, stop: int, seq: int) -> Iterator[Event]:
+        """The events of the frames in bytes ``[start, stop)``, the first numbered ``seq``: where a step
+        index says a selection's records are (:mod:`trainrec.replay.stepindex` checks the boundaries)."""
+        if self._buf:
+            self._problem(self._pos, "a step index span ended inside a frame", len(self._buf))
+        self._buf, self._need = b"", 0
+        self._pos = self._scan_abs = start
+        self._sequence.restart(seq)
+        self._stop = stop
+        try:
+            for batch in self._batches(self.chunk_size, None, None):
+                yield from batch
+        finally:
+            self._stop = None
+
+    def note(self, what: str) -> None:
+        """A problem of the file found outside the frames read (a step index that does not fit it)."""
+        self._problem(0, what, 0, lost=False)
+
     def _read(self, size: int) -> bytes | None:
         """Up to ``size`` bytes after what was read so far; None when there is nothing (yet).
 
@@ -230,7 +251,12 @@ class LogReader:
             try:
                 if not self._check_header(f):
                     return None
-                f.seek(self._pos + len(self._buf))
+                at = self._pos + len(self._buf)
+                if self._stop is not None:
+                    size = min(size, self._stop - at)
+                    if size <= 0:
+                        return None
+                f.seek(at)
                 return f.read(size) or None
             except OSError as exc:
                 raise FormatError(
@@ -249,6 +275,7 @@ class LogReader:
             if data is None:
                 self._eof = True
                 return
+            self.bytes_read += len(data)
             self._buf = self._buf + data if self._buf else data
             out: list[Event] = []
             self._consume(out)
@@ -282,8 +309,10 @@ class LogReader:
         self._short_header = 0
         self.version = version
         self.flags = flags
-        self._pos = framing.FILE_HEADER_SIZE
-        self._scan_abs = self._pos
+        self.bytes_read += len(head)
+        if self._pos < framing.FILE_HEADER_SIZE:  # (read_span may have placed the reader already)
+            self._pos = framing.FILE_HEADER_SIZE
+            self._scan_abs = self._pos
         if flags & ~framing.KNOWN_FLAGS:
             self._problem(12, f"file header flags 0x{flags:08x} set bits this format does not define (a damaged "
                           "header?); the records are read as they are", 0, lost=False)

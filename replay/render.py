@@ -7,7 +7,9 @@ Conventions:
 * packed columns (``bytes`` fields) become lists of numbers, decoded with their element type
   (``name_ids``/``call_ids``/``module_ids`` u32, ``micro_steps`` u16, ``slots``/``vpp_stages``/
   ``directions``/``placeholders`` u8); an absent optional column is an empty list;
-* interned ids are resolved: a stats record gets ``names``, a HooksFired record ``modules``;
+* interned ids are resolved: a stats record gets ``names``, a HooksFired record ``modules``, an
+  ApiCallsRecorded ``names``, ``modules``, ``ports``, ``types``, ``dtypes`` and ``frames`` (its
+  ``values`` a list of rows, one per port);
   a stats record's ``values`` become a list of rows (one list of ``len(ops)`` values per tensor);
 * floats that are not finite are the strings ``"nan"``, ``"inf"`` and ``"-inf"``, everywhere
   (JSON has no such numbers, and ``null`` would lose which one it was);
@@ -30,7 +32,14 @@ from typing import Any
 
 import numpy as np
 import orjson
-from trainrec.schema.events import SLOTS, Event, HooksFired, TensorStatsRecorded, UnknownEvent
+from trainrec.schema.events import (
+    SLOTS,
+    ApiCallsRecorded,
+    Event,
+    HooksFired,
+    TensorStatsRecorded,
+    UnknownEvent,
+)
 
 from .names import NameResolver
 from .rows import value_matrix
@@ -44,7 +53,20 @@ _COLUMN_TYPES = {
     "vpp_stages": "u1",
     "directions": "u1",
     "placeholders": "u1",
+    "index_steps": "<i8",  # (FileClosed's step index)
+    "index_low_steps": "<i8",
+    "index_offsets": "<u8",
+    "index_seqs": "<u8",
+    "index_names": "<u8",
 }
+# the columns of an ApiCallsRecorded (the API level's record) besides those above
+_API_COLUMN_TYPES = {
+    "positions": "<u4", "port_counts": "<u2", "port_ids": "<u4", "type_ids": "<u4", "dtype_ids": "<u4",
+    "ndims": "u1", "dims": "<i8", "requires_grad": "u1", "stack_depths": "<u2", "stack_frames": "<u4",
+}
+# its interned columns, and the key of their resolved names
+_API_NAMES = {"name_ids": "names", "module_ids": "modules", "port_ids": "ports", "type_ids": "types",
+              "dtype_ids": "dtypes", "stack_frames": "frames"}
 _ENVELOPE = ("rank", "seq", "step", "wall")
 
 
@@ -93,6 +115,12 @@ def event_dict(ev: Event, resolver: NameResolver | None = None) -> dict:
         v = getattr(ev, f.name)
         if isinstance(ev, TensorStatsRecorded) and f.name == "values":
             out["values"] = _float_rows(value_matrix(ev))
+        elif cls is ApiCallsRecorded and f.name == "values":
+            vals = np.frombuffer(v, dtype="<f4" if ev.dtype == "f" else "<f8")
+            n = len(ev.ops)
+            out["values"] = _float_rows(vals[: len(vals) // n * n].reshape(-1, n)) if n else []
+        elif cls is ApiCallsRecorded and isinstance(v, bytes) and f.name in _API_COLUMN_TYPES:
+            out[f.name] = _column(v, _API_COLUMN_TYPES[f.name])
         elif isinstance(v, bytes) and f.name in _COLUMN_TYPES:
             out[f.name] = _column(v, _COLUMN_TYPES[f.name])
         else:
@@ -102,6 +130,10 @@ def event_dict(ev: Event, resolver: NameResolver | None = None) -> dict:
             out["names"] = resolver.names(ev)
         elif isinstance(ev, HooksFired):
             out["modules"] = resolver.ids_names(ev.rank, ev.module_ids[: len(ev.module_ids) // 4 * 4])
+        elif cls is ApiCallsRecorded:  # (a call outside every monitored module: module id 0xFFFFFFFF, None)
+            for column, key in _API_NAMES.items():
+                out[key] = [None if i == 0xFFFFFFFF and column == "module_ids" else resolver.name(ev.rank, i)
+                            for i in out[column]]
     return out
 
 

@@ -48,6 +48,7 @@ from .discover import LogFile, RunInfo, find_run
 from .names import NameResolver
 from .reader import LogReader
 from .rows import rows_from_events
+from .stepindex import StepRanges, read_steps
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class Run:
                 if f.resume_step is not None:
                     cut = f.resume_step if cut is None else min(cut, f.resume_step)
         self._readers: dict[str, LogReader] = {}
+        # per file read with a step selection: its lowest and highest step >= 0 after supersession
+        self.step_spans: dict[str, tuple[int, int] | None] = {}
         # Called with the bytes of log read since its last call, as files are read (progress bars).
         self.on_bytes: Callable[[int], None] | None = None
         # Merging holds one read chunk per rank: keep their sum bounded (4 MiB each up to 64 ranks).
@@ -156,19 +159,29 @@ class Run:
 
     # ------------------------------------------------------------------ events
     def events(
-        self, rank: int | Iterable[int] | None = None, types: Iterable[str | type[Event]] | None = None
+        self, rank: int | Iterable[int] | None = None, types: Iterable[str | type[Event]] | None = None,
+        steps: StepRanges | None = None,
     ) -> Iterator[Event]:
         """Events of ``rank`` (default: all ranks, merged; see the module docstring for the order),
-        optionally only those of ``types`` (classes, tags or class names)."""
+        optionally only those of ``types`` (classes, tags or class names). ``steps``: ranges
+        ``(first, last or None)``: only what a step selection keeps, read through the files' step
+        indexes where they have valid ones (see :mod:`trainrec.replay.stepindex`)."""
         ranks = self._select_ranks(rank)
         wanted = resolve_types(types) if types is not None else None
         if len(ranks) == 1:
-            for ev in self._rank_events(ranks[0]):
+            for ev in self._rank_events(ranks[0], steps=steps):
                 if wanted is None or type(ev) in wanted:
                     yield ev
             return
-        for item in heapq.merge(*(self._keyed(r, wanted) for r in ranks)):
+        for item in heapq.merge(*(self._keyed(r, wanted, steps) for r in ranks)):
             yield item[3]
+
+    def step_span(self, ranks: Iterable[int] | None = None) -> tuple[int, int] | None:
+        """The lowest and highest step >= 0 recorded in the files of ``ranks`` read with a step
+        selection (from their indexes, or their whole read), after supersession; None when none."""
+        spans = [s for r in (self.ranks if ranks is None else ranks) for p in self.files(r)
+                 if (s := self.step_spans.get(p)) is not None]
+        return (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
 
     def stats(
         self, kinds: Iterable[str] | None = None, rank: int | Iterable[int] | None = None
@@ -212,30 +225,35 @@ class Run:
             raise ValueError(f"rank(s) {missing} not in run {self.run_id!r} (ranks: {self.ranks})")
         return sorted(set(wanted))
 
-    def _keyed(self, rank: int, wanted: frozenset[type[Event]] | None) -> Iterator[tuple]:
+    def _keyed(self, rank: int, wanted: frozenset[type[Event]] | None, steps: StepRanges | None = None) -> Iterator[tuple]:
         step = -1
         i = 0
-        for ev in self._rank_events(rank):
+        for ev in self._rank_events(rank, steps=steps):
             if ev.step > step:
                 step = ev.step
             i += 1
             if wanted is None or type(ev) in wanted:
                 yield (step, rank, i, ev)
 
-    def _rank_events(self, rank: int, only_unread: bool = False) -> Iterator[Event]:
+    def _rank_events(self, rank: int, only_unread: bool = False, steps: StepRanges | None = None) -> Iterator[Event]:
         for lf in self._files[rank]:
             path = lf.path
             if path in self.file_errors or (only_unread and path in self._readers):
                 continue
             cut = self.cutoffs.get(path)
-            reader = LogReader(path, chunk_size=self._chunk)
+            span = None
+            if steps is None:
+                reader = LogReader(path, chunk_size=self._chunk)
+                stream: Iterable[Event] = reader
+            else:
+                reader, stream, span = read_steps(path, steps, self._chunk)
             dropped = 0
             report, done = self.on_bytes, 0
             try:
-                for i, ev in enumerate(reader):
+                for i, ev in enumerate(stream):
                     if report is not None and not i & 255:
-                        report(reader.offset - done)
-                        done = reader.offset
+                        report(reader.bytes_read - done)
+                        done = reader.bytes_read
                     if cut is not None and ev.step >= cut and not isinstance(ev, _KEEP):
                         dropped += 1
                         continue
@@ -245,9 +263,12 @@ class Run:
                 self.file_errors[path] = exc
                 continue
             if report is not None:
-                report(reader.offset - done)
+                report(reader.bytes_read - done)
             self._readers[path] = reader
             self.superseded[path] = dropped
+            if span is not None:
+                hi = span[1] if cut is None else min(span[1], cut - 1)
+                self.step_spans[path] = (span[0], hi) if 0 <= span[0] <= hi else None
 
 
 def open_run(

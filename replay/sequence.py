@@ -112,6 +112,11 @@ class Sequence:
         self._advance(seq, pcrc)
         return gap
 
+    def restart(self, seq: int) -> None:
+        """The next frame read is number ``seq`` (reading goes on elsewhere in the file: a step selection)."""
+        self._next = seq
+        self._jumped = None
+
     def forget(self) -> None:
         """Drop the remembered CRCs (the file is closed: nothing follows)."""
         self._ring_seq, self._ring_crc = array.array("q"), array.array("I")

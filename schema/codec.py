@@ -90,8 +90,9 @@ class _TooManyValues(Exception):
     pass
 
 
-def _peek_tag(payload) -> str:
-    """The tag of a wire list (``[tag, ...]``: an array header, then a short string), or ""."""
+def peek_tag(payload) -> str:
+    """The tag of a wire list (``[tag, ...]``: an array header, then a short string), or "" (without
+    decoding the rest: a reader looking for one record type skips the others by it)."""
     b = bytes(payload[:16])
     if not b:
         return ""
@@ -161,7 +162,7 @@ def encode(event: Event, seq: int | None = None) -> bytes:
 
 def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
     """Decode one payload. Raises CorruptRecordError (without path/offset; the reader adds them)."""
-    peeked = _peek_tag(payload)
+    peeked = peek_tag(payload)
     budget = MAX_VALUES.get(peeked, MAX_VALUES_DEFAULT)
     try:
         wire = _unpack(payload, budget)

@@ -124,12 +124,25 @@ def _check_counts(event: Event, *labels: str) -> str | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FileClosed(Event):
-    """Last record of a cleanly closed file."""
+    """Last record of a cleanly closed file.
+
+    The ``index_*`` fields (appended later: empty in older writers' files) are the file's step index.
+    Segment ``k`` starts at byte ``index_offsets[k]`` with the frame of sequence number ``index_seqs[k]``,
+    the first whose step ``index_steps[k]`` is above every step before it; it runs to the next segment
+    (the last one to this record), none of its frames has a higher step, and ``index_low_steps[k]`` is
+    the lowest step >= 0 among them. ``index_names``: the offsets of the frames of name tables. Packed
+    little-endian, 'q' (steps) and 'Q' (offsets, seqs). Untrusted: replay checks it against the file
+    (:mod:`trainrec.replay.stepindex`) and reads the whole file where it does not fit."""
 
     TAG: ClassVar[str] = "fc"
     records: int = 0
     dropped: int = 0
     reason: str = "close"
+    index_steps: bytes = b""
+    index_offsets: bytes = b""
+    index_seqs: bytes = b""
+    index_low_steps: bytes = b""
+    index_names: bytes = b""
 
     def check(self) -> str | None:
         return _check_counts(self, "records", "dropped")
@@ -578,6 +591,74 @@ class ExceptionRaised(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ApiCallsRecorded(Event):
+    """The API calls (torch functions, tensor methods) of one forward pass of a model chunk, recorded at
+    the opt-in API level (``api_xy``), columnar. Per call: ``name_ids`` (u32, interned names as the
+    reference gives them, ``Functional.linear.0.forward``), ``module_ids`` (u32, the innermost
+    monitored module whose forward it ran in; 0xFFFFFFFF none), ``positions`` (u32, the step's hook
+    firings before it: the enclosing module's forward firing is its first one with a call id at or
+    after that) and ``port_counts`` (u16). Per port (calls' ports one after the other, positional
+    inputs, outputs, keyword inputs): ``port_ids`` (u32, ``input.0``, ``output.0``, ``input.inplace``),
+    ``type_ids`` and ``dtype_ids`` (u32, ``torch.Tensor``/``int``/..., ``torch.float32`` or ""),
+    ``ndims`` (u8, 255: no shape) with the shapes' dims one after the other in ``dims`` (i64),
+    ``requires_grad`` (u8: 0, 1, 2 not a tensor) and a row of ``values`` (``ops`` columns, ``dtype``;
+    a number's value as its statistics, NaN for other non-tensors). Where stacks were asked for,
+    ``stack_depths`` (u16 per call) and ``stack_frames`` (u32, interned frame lines, innermost first,
+    the calls' one after the other); else both empty."""
+
+    TAG: ClassVar[str] = "ap"
+    micro_step: int = 0
+    vpp_stage: int = 0
+    ops: tuple = ()
+    dtype: str = "f"
+    name_ids: bytes = b""
+    module_ids: bytes = b""
+    positions: bytes = b""
+    port_counts: bytes = b""
+    port_ids: bytes = b""
+    type_ids: bytes = b""
+    dtype_ids: bytes = b""
+    ndims: bytes = b""
+    dims: bytes = b""
+    requires_grad: bytes = b""
+    values: bytes = b""
+    stack_depths: bytes = b""
+    stack_frames: bytes = b""
+
+    def __len__(self) -> int:
+        return len(self.name_ids) // 4
+
+    def check(self) -> str | None:
+        if self.dtype not in ("f", "d"):
+            return f"unknown value dtype {self.dtype!r}"
+        n, rest = divmod(len(self.name_ids), 4)
+        if rest:
+            return "name_ids is not a whole number of u32"
+        for arr, size, label in ((self.module_ids, 4, "module_ids"), (self.positions, 4, "positions"),
+                                 (self.port_counts, 2, "port_counts")):
+            if len(arr) != n * size:
+                return f"{label} has {len(arr) / size:g} entries for {n} calls"
+        if self.stack_depths and len(self.stack_depths) != n * 2:
+            return f"stack_depths has {len(self.stack_depths) / 2:g} entries for {n} calls"
+        frames = sum(unpack_array("H", self.stack_depths)) if self.stack_depths else 0
+        if len(self.stack_frames) != frames * 4:
+            return f"stack_frames has {len(self.stack_frames) / 4:g} entries for {frames} frames"
+        ports = sum(unpack_array("H", self.port_counts))
+        for arr, size, label in ((self.port_ids, 4, "port_ids"), (self.type_ids, 4, "type_ids"),
+                                 (self.dtype_ids, 4, "dtype_ids"), (self.ndims, 1, "ndims"),
+                                 (self.requires_grad, 1, "requires_grad")):
+            if len(arr) != ports * size:
+                return f"{label} has {len(arr) / size:g} entries for {ports} ports"
+        dims = sum(d for d in self.ndims if d != 255)
+        if len(self.dims) != dims * 8:
+            return f"dims has {len(self.dims) / 8:g} entries for {dims} dimensions"
+        item = 4 if self.dtype == "f" else 8
+        if len(self.values) != ports * len(self.ops) * item:
+            return f"{len(self.values)} value bytes for {ports} ports x {len(self.ops)} ops"
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UnknownEvent(Event):
     """A record with a tag this reader does not know (written by a newer trainrec). Skip it."""
 
@@ -609,6 +690,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ExceptionRaised,
     NamesRepeated,
     WriterFailed,
+    ApiCallsRecorded,
 )
 
 TAGS: dict[str, type[Event]] = {cls.TAG: cls for cls in EVENT_TYPES}

@@ -43,14 +43,17 @@ def damage_notes(run: Run, ranks: Sequence[int]) -> list[tuple[str, str]]:
     return notes
 
 
-def scan_ranks(info: RunInfo, ranks: Sequence[int], rules: Sequence[Rule], kinds: Sequence[str] | None) -> ScanPart:
-    """The scan of some ranks of a launch (a part's work; runs in any process that sees the files)."""
+def scan_ranks(info: RunInfo, ranks: Sequence[int], rules: Sequence[Rule], kinds: Sequence[str] | None,
+               steps=None) -> ScanPart:
+    """The scan of some ranks of a launch (a part's work; runs in any process that sees the files).
+    ``steps``: read only these step ranges (see :meth:`Run.events`); the part's first and last step
+    are then the files' recorded span, not only the steps read."""
     run = Run(info)
     parts = []
     foreign = False
     for r in ranks:
         scan = ColumnarScan([type(rule)(**rule.args) for rule in rules], kinds)
-        for ev in run.events(rank=r):
+        for ev in run.events(rank=r, steps=steps):
             if ev.rank != r:
                 foreign = True
             scan.feed(ev)
@@ -58,28 +61,39 @@ def scan_ranks(info: RunInfo, ranks: Sequence[int], rules: Sequence[Rule], kinds
     out = merge_parts(parts)
     out.notes = damage_notes(run, ranks)
     out.foreign = foreign
+    _recorded_span(out, run, ranks, steps)
     return out
 
 
-def _serial(run: Run, rules: Sequence[Rule], kinds: Sequence[str] | None) -> ScanPart:
-    scan = AnomalyScan([type(rule)(**rule.args) for rule in rules], kinds).feed_all(run.events())
-    return ScanPart(
+def _recorded_span(part: ScanPart, run: Run, ranks: Sequence[int], steps) -> None:
+    if steps is not None:
+        span = run.step_span(ranks)
+        part.first_step, part.last_step = span if span is not None else (None, None)
+
+
+def _serial(run: Run, rules: Sequence[Rule], kinds: Sequence[str] | None, steps=None) -> ScanPart:
+    scan = AnomalyScan([type(rule)(**rule.args) for rule in rules], kinds).feed_all(run.events(steps=steps))
+    out = ScanPart(
         detected=scan.detected, recorded=scan.recorded, first_step=scan.first_step, last_step=scan.last_step,
         ranks=scan.ranks, stats_records=scan.stats_records, bad_records=scan.bad_records,
         skipped_steps=scan.skipped_steps, notes=damage_notes(run, run.ranks),
     )
+    _recorded_span(out, run, run.ranks, steps)
+    return out
 
 
 def scan_parts(run: Run, rules: Sequence[Rule], kinds: Sequence[str] | None, jobs: int = 1,
-               engine: str = "local", cluster: str | None = None, progress: bool | None = None) -> ScanPart:
-    """Recorded and (with ``rules``) re-detected anomalies of every rank of ``run``."""
+               engine: str = "local", cluster: str | None = None, progress: bool | None = None,
+               steps=None) -> ScanPart:
+    """Recorded and (with ``rules``) re-detected anomalies of every rank of ``run``; ``steps``: only
+    the records of these step ranges are read (through the logs' step indexes where they have one)."""
     ranks = run.ranks
     groups = partition_ranks(run, ranks, len(ranks) if jobs <= 1 else jobs * 4)
     weights = [sum(rank_bytes(run, r) for r in g) for g in groups]
-    args = [(sub_info(run, g), g, list(rules), kinds) for g in groups]
+    args = [(sub_info(run, g), g, list(rules), kinds, steps) for g in groups]
     what = "re-detect" if rules else "anomalies"
     parts = run_parts(scan_ranks, args, weights, jobs, what, engine=engine, cluster=cluster, progress=progress)
     merged = merge_parts(parts)
     if merged.foreign:
-        return _serial(run, rules, kinds)
+        return _serial(run, rules, kinds, steps)
     return merged

@@ -220,13 +220,24 @@ def scan_run(run: Run, rules: Sequence[Rule], kinds: Sequence[str] | None = None
     return scan
 
 
+def _steps_read(steps: StepSet | None, rules: Sequence[Rule]):
+    """The step ranges to read for ``--steps``: those steps for recorded anomalies; for re-detection
+    every step up to the last one asked for (a rule's window holds the values before them)."""
+    if steps is None:
+        return None
+    if not rules:
+        return steps.ranges
+    ends = [hi for _, hi in steps.ranges]
+    return ((0, None if None in ends else max(ends)),)
+
+
 def run(args) -> int:
     rules = build_rules(args)
     if args.kinds and not rules:
         raise ConfigError("--kinds selects what to re-detect on and needs --rule", key="--kinds")
     engine = check_engine(args)
     r = open_run_from_args(args)
-    scan = scan_parts(r, rules, args.kinds, args.jobs, engine, args.cluster)
+    scan = scan_parts(r, rules, args.kinds, args.jobs, engine, args.cluster, steps=_steps_read(args.steps, rules))
     for _, note in scan.notes:
         print(f"note: {note}", file=sys.stderr)
     if scan.skipped_steps:

@@ -1,4 +1,4 @@
-"""``trainrec dump RUN [--rank N] [--type T ...] [--kind K ...] [--per-record] [-f]``: events as JSON lines.
+"""``trainrec dump RUN [--rank N] [--type T ...] [--kind K ...] [-s STEPS] [--per-record] [-f]``: events as JSON lines.
 
 One JSON object per line (orjson), all ranks merged in execution order (see
 :mod:`trainrec.replay.run`), names resolved. Statistics are expanded to one line per (tensor, op)
@@ -11,7 +11,8 @@ lists of numbers; non-finite floats are the strings ``"nan"``, ``"inf"``, ``"-in
 See :mod:`trainrec.replay.render` for the exact layout.
 
 ``--type`` takes tags (``ts``) or class names (``TensorStatsRecorded``, any case), comma separated
-or repeated; so does ``--kind``.
+or repeated; so does ``--kind``. ``-s``/``--steps 10-20,30`` prints only the events of those steps,
+reading only their bytes where a log file has a step index (see docs/scale.md).
 
 ``-f``/``--follow``: a live tail of a run being written (:func:`trainrec.replay.follow`): what is
 there, then each event as it is written, in the order each rank wrote them (ranks interleaved as
@@ -28,7 +29,7 @@ import os
 import sys
 import time
 
-from trainrec.analyzers.projection import parse_kinds
+from trainrec.analyzers.projection import parse_kinds, parse_steps
 from trainrec.replay.follow import RunFollower
 from trainrec.replay.names import NameResolver
 from trainrec.replay.run import resolve_types
@@ -53,12 +54,21 @@ def add_parser(subparsers) -> None:
         "--type", dest="types", action="append", metavar="T", help="only events of type T: tag or class name (repeatable)"
     )
     p.add_argument("--kind", dest="kinds", action="append", metavar="K", help="only stats of kind K, e.g. actv (repeatable)")
+    p.add_argument("-s", "--steps", type=_steps_arg, default=None, metavar="RANGES",
+                   help="only events of these steps, e.g. 10-20,30 (reads only their bytes where logs are indexed)")
     p.add_argument("--per-record", action="store_true", help="one line per stats record instead of per (tensor, op)")
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing events as the run writes them, until it is closed (or its writer is gone)")
     p.add_argument("--poll-interval", type=float, default=0.5, metavar="S", help="with --follow: seconds between looks")
     add_jobs_arguments(p)
     p.set_defaults(func=run)
+
+
+def _steps_arg(text: str):
+    try:
+        return parse_steps(text, "step")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _listed(values: list[str] | None) -> list[str] | None:
@@ -77,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise TrainrecError(f"--kind: {exc}") from None
     r = None
+    steps = args.steps.ranges if args.steps is not None else None
     if args.follow:
         if args.time_start or args.time_end:
             raise TrainrecError("--follow takes the run by --run-id (or the latest), not by --time-start/--time-end")
@@ -91,11 +102,11 @@ def run(args: argparse.Namespace) -> int:
             missing = sorted(set(args.rank) - set(r.ranks))
             if missing:
                 raise TrainrecError(f"rank(s) {missing} not in run {r.run_id!r} (ranks: {r.ranks})")
-        batches = iter((r.events(rank=args.rank),))
+        batches = iter((r.events(rank=args.rank, steps=steps),))
     ranks = set(args.rank) if args.rank else None
     if r is not None and args.jobs > 1:
         notes = dump_parts(r, sorted(ranks) if ranks else r.ranks, args.jobs, _writer(), wanted, ranks, kinds,
-                           args.per_record)
+                           args.per_record, steps)
         sys.stdout.flush()
         for note in notes:
             print(f"trainrec dump: note: {note}", file=sys.stderr)
@@ -111,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     for batch in batches:
         for ev in batch:
             resolver.feed(ev)
-            got = render(ev, resolver, wanted, ranks, kinds, args.per_record)
+            got = render(ev, resolver, wanted, ranks, kinds, args.per_record, steps)
             if got:
                 lines.extend(got)
                 if len(lines) >= 4096:

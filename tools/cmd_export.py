@@ -37,6 +37,7 @@ from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
 from trainrec.replay.discover import format_ranks, list_runs, stamp_key_or_none
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run, open_run
+from trainrec.replay.stepindex import first_record
 from trainrec.schema import layout
 from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, ConfigApplied, StepEnded, TensorStatsRecorded
@@ -166,8 +167,10 @@ def recorded_csv_options(run: Run, rank: int, max_events: int = 10000) -> tuple[
     files = run.files(rank)
     if not files:
         return ndigits, per_record
+    found = first_record(files[0], ConfigApplied.TAG, max_events)  # (the statistics are not decoded)
+    events = [] if found is None else [found] if found is not False else None
     try:
-        for i, ev in enumerate(LogReader(files[0])):
+        for i, ev in enumerate(LogReader(files[0]) if events is None else events):
             if isinstance(ev, ConfigApplied):
                 cfg = ev.config if isinstance(ev.config, dict) else {}
                 n, m = cfg.get("ndigits", 6), cfg.get("step_count_per_record", 1)

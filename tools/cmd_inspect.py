@@ -5,6 +5,10 @@ closed cleanly or torn tail, damage found), steps recorded with the first and la
 counts by type, statistics and anomalies; then the output directory's other launches, if any (the
 last 10). ``--json`` prints the run as one JSON object (the schema is
 :meth:`trainrec.replay.summary.RunSummary.to_json`).
+
+``--quick``: only the steps and record counts, per rank and file, from each file's header and closing
+record (its step index) without reading its records; a file not closed, or closed by an older
+trainrec, is scanned without decoding its records, or read whole where it is damaged (said per file).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from trainrec.replay.discover import format_ranks, list_runs
 from trainrec.replay.summary import FileSummary, RankSummary, RunSummary
 from trainrec.schema import layout
 
-from .partition import add_jobs_arguments, summarize_run
+from .partition import add_jobs_arguments, quick_run, summarize_run
 from .runarg import add_run_arguments, open_run_from_args
 
 
@@ -32,10 +36,44 @@ def add_parser(subparsers) -> None:
     add_run_arguments(p)
     add_jobs_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--quick", action="store_true",
+                   help="steps and record counts only, from the logs' step indexes (files without one are scanned)")
     p.set_defaults(func=run)
 
 
+def _quick(args: argparse.Namespace) -> int:
+    r = open_run_from_args(args, notes=False)
+    ranks = quick_run(r, args.jobs)
+    if args.json:
+        doc = {"path": r.where, "run_id": r.run_id, "format_versions": r.format_versions, "world_size": r.world_size,
+               "ranks": [q.rank for q in ranks], "per_rank": [q.to_json() for q in ranks],
+               "missing_ranks": r.missing_ranks}
+        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    lines = [f"run {r.run_id or '(no run id)'}  at {r.where}",
+             f"format version {', '.join(map(str, r.format_versions)) or '?'}  world size {r.world_size}  "
+             f"ranks {format_ranks([q.rank for q in ranks])}"]
+    for q in ranks:
+        span = f"{len(q.steps)} steps ({q.steps[0]}..{q.steps[-1]})" if q.steps else "no steps"
+        lines.append(f"rank {q.rank}: {span}, {q.records} records")
+        for f in q.files:
+            state = f"closed cleanly ({f.close_reason})" if f.closed_cleanly else "NOT closed"
+            if f.torn_bytes:
+                state += f", {f.torn_bytes} stray bytes after it" if f.closed_cleanly else f", torn tail {f.torn_bytes} bytes"
+            if f.damage:
+                state += f"; DAMAGE: {f.damage} region(s)"
+            fsteps = f"steps {f.steps[0]}..{f.steps[-1]}" if f.steps else "no steps"
+            lines.append(f"  {os.path.basename(f.path)}  {f.size} bytes  {f.records} records  {fsteps}  {state}  "
+                         f"[{f.error or f.source}]")
+    if r.missing_ranks:
+        lines.append(f"missing: rank(s) {format_ranks(r.missing_ranks)} of world size {r.world_size} have no log here")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        return _quick(args)
     summary = summarize_run(open_run_from_args(args, notes=False), args.jobs, "inspect")
     out = sys.stdout
     if args.json:

@@ -19,6 +19,7 @@ from trainrec.replay.discover import RunInfo
 from trainrec.replay.names import NameResolver
 from trainrec.replay.render import event_dict, stat_lines
 from trainrec.replay.run import Run
+from trainrec.replay.stepindex import in_ranges
 from trainrec.schema.events import TensorStatsRecorded
 
 from .partition import partition_ranks, rank_bytes, run_parts, sub_info
@@ -28,10 +29,13 @@ __all__ = ["damage_notes", "dump_parts", "render"]
 _HEAD = struct.Struct("<qqqI")  # step reached, rank, position, bytes of lines
 
 
-def render(ev, resolver: NameResolver, wanted, ranks, kinds, per_record: bool) -> list[bytes]:
-    """The lines of one event (none when a filter leaves it out); ``resolver`` must have been fed it."""
+def render(ev, resolver: NameResolver, wanted, ranks, kinds, per_record: bool, steps=None) -> list[bytes]:
+    """The lines of one event (none when a filter leaves it out); ``resolver`` must have been fed it.
+    ``steps``: step ranges ``(first, last or None)`` to print."""
     t = type(ev)
     if (wanted is not None and t not in wanted) or (ranks is not None and ev.rank not in ranks):
+        return []
+    if steps is not None and not in_ranges(steps, ev.step):
         return []
     if t is TensorStatsRecorded:
         if kinds is not None and ev.kind not in kinds:
@@ -62,23 +66,24 @@ def damage_notes(run: Run, ranks: Sequence[int]) -> list[str]:
     return notes
 
 
-def _keyed(run: Run, rank: int) -> Iterator[tuple]:
+def _keyed(run: Run, rank: int, steps=None) -> Iterator[tuple]:
     step, i = -1, 0
-    for ev in run.events(rank=rank):
+    for ev in run.events(rank=rank, steps=steps):
         if ev.step > step:
             step = ev.step
         i += 1
         yield step, rank, i, ev
 
 
-def spool_ranks(info: RunInfo, ranks: Sequence[int], path: str, wanted, only, kinds, per_record: bool) -> list[str]:
+def spool_ranks(info: RunInfo, ranks: Sequence[int], path: str, wanted, only, kinds, per_record: bool,
+                steps=None) -> list[str]:
     """Render ``ranks`` into the spool file ``path`` (a part's work); returns its damage notes."""
     run = Run(info)
     resolver = NameResolver()
     with open(path, "wb") as f:
-        for step, rank, i, ev in heapq.merge(*(_keyed(run, r) for r in ranks)):
+        for step, rank, i, ev in heapq.merge(*(_keyed(run, r, steps) for r in ranks)):
             resolver.feed(ev)
-            lines = render(ev, resolver, wanted, only, kinds, per_record)
+            lines = render(ev, resolver, wanted, only, kinds, per_record, steps)
             if lines:
                 data = b"\n".join(lines) + b"\n"
                 f.write(_HEAD.pack(step, rank, i, len(data)))
@@ -97,13 +102,14 @@ def _spooled(path: str) -> Iterator[tuple]:
 
 
 def dump_parts(run: Run, ranks: Sequence[int], jobs: int, write: Callable[[bytes], None], wanted, only, kinds,
-               per_record: bool) -> list[str]:
+               per_record: bool, steps=None) -> list[str]:
     """Write the dump of ``ranks`` with ``jobs`` processes; returns the damage notes."""
     groups = partition_ranks(run, ranks, jobs * 4)
     weights = [sum(rank_bytes(run, r) for r in g) for g in groups]
     with tempfile.TemporaryDirectory(prefix="trainrec-dump-") as tmp:
         paths = [os.path.join(tmp, f"part{i}.spool") for i in range(len(groups))]
-        args = [(sub_info(run, g), g, p, wanted, only, kinds, per_record) for g, p in zip(groups, paths, strict=True)]
+        args = [(sub_info(run, g), g, p, wanted, only, kinds, per_record, steps)
+                for g, p in zip(groups, paths, strict=True)]
         notes = run_parts(spool_ranks, args, weights, jobs, "dump")
         out: list[bytes] = []
         size = 0

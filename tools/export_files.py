@@ -35,6 +35,7 @@ from trainrec.replay.discover import RunInfo
 from trainrec.replay.follow import writer_running
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run
+from trainrec.replay.stepindex import read_steps
 from trainrec.schema import layout
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import (
@@ -376,6 +377,7 @@ class RankStream:
         self.result = result
         self.progress = progress
         self.last_reader: LogReader | None = None
+        self._spans: list[tuple[int, int]] = []
 
     def __iter__(self):
         task, result, progress = self.task, self.result, self.progress
@@ -386,10 +388,15 @@ class RankStream:
                 result.messages.append(f"skipped {lf.path}: {lf.error}")
                 continue
             cut = run.cutoffs.get(lf.path)
-            reader = LogReader(lf.path)
+            file_span = None
+            if task.steps is None:
+                reader = LogReader(lf.path)
+                stream = iter(reader)
+            else:  # only the selected steps' bytes where the file has a step index
+                reader, stream, file_span = read_steps(lf.path, task.steps.ranges)
             done = 0
             try:
-                for ev in reader:
+                for ev in stream:
                     if cut is not None and ev.step >= cut and not isinstance(ev, _KEEP):
                         result.superseded += 1
                         continue
@@ -401,9 +408,9 @@ class RankStream:
                     elif t is TensorStatsRecorded and ev.kind not in _KNOWN_KINDS:
                         unknown[ev.kind] = unknown.get(ev.kind, 0) + 1
                     yield ev
-                    if progress is not None and reader.offset - done >= (4 << 20):
-                        progress(reader.offset - done)
-                        done = reader.offset
+                    if progress is not None and reader.bytes_read - done >= (4 << 20):
+                        progress(reader.bytes_read - done)
+                        done = reader.bytes_read
             except FormatError as exc:
                 result.messages.append(f"stopped reading {lf.path}: {exc}")
             if progress is not None:
@@ -415,6 +422,11 @@ class RankStream:
             for p in reader.problems:
                 result.messages.append(f"damaged record skipped: {p}" if p.skipped else f"damage: {p}")
             self.last_reader = reader
+            if file_span is not None:  # a step selection: the recorded span is the file's, not what was read
+                self._spans.append((file_span[0], file_span[1] if cut is None else min(file_span[1], cut - 1)))
+        spans = [s for s in self._spans if 0 <= s[0] <= s[1]]
+        if task.steps is not None:
+            result.recorded_steps = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
         if unknown:
             kinds = ", ".join(f"{k!r} ({n})" for k, n in sorted(unknown.items()))
             result.messages.append(f"records of data types this trainrec does not know are not exported: {kinds} "

@@ -128,7 +128,7 @@ def export_parquet(run, out: str, *, kinds=None, steps=None, ranks=None, compres
     wide = WideStats(kinds, steps, dtype=np.float64 if float64 else np.float32)
     try:
         for rank in run.ranks if ranks is None else [r for r in run.ranks if r in ranks]:
-            for batch in wide.feed(run.events(rank)):
+            for batch in wide.feed(run.events(rank, steps=None if steps is None else steps.ranges)):
                 sink.write(batch, wide.names)
             for batch in wide.finish():
                 sink.write(batch, wide.names)

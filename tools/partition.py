@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainrec.replay.discover import RunInfo
+from trainrec.replay.index_summary import quick_rank
 from trainrec.replay.run import Run
 from trainrec.replay.summary import summarize, summarize_rank
 from trainrec.schema.errors import ConfigError, TrainrecError
@@ -28,8 +29,8 @@ from .export_files import pool_context
 from .progress import Progress
 
 __all__ = [
-    "add_jobs_arguments", "check_engine", "partition_ranks", "rank_bytes", "run_parts", "sub_info", "summarize_ranks",
-    "summarize_run",
+    "add_jobs_arguments", "check_engine", "partition_ranks", "quick_ranks", "quick_run", "rank_bytes", "run_parts",
+    "sub_info", "summarize_ranks", "summarize_run",
 ]
 
 ENGINES = ("local", "dask")
@@ -165,6 +166,20 @@ def summarize_ranks(info: RunInfo, ranks: Sequence[int]) -> list:
     """The :class:`~trainrec.replay.summary.RankSummary` of some ranks (a part's work)."""
     run = Run(info)
     return [summarize_rank(run, r) for r in ranks]
+
+
+def quick_ranks(info: RunInfo, ranks: Sequence[int]) -> list:
+    """The :class:`~trainrec.replay.index_summary.QuickRank` of some ranks (a part's work)."""
+    run = Run(info)
+    return [quick_rank(run, r) for r in ranks]
+
+
+def quick_run(run: Run, jobs: int) -> list:
+    """:func:`~trainrec.replay.index_summary.quick_rank` of every rank of ``run``, by ``jobs`` processes."""
+    groups = partition_ranks(run, run.ranks, len(run.ranks) if jobs <= 1 else jobs * 4)
+    weights = [sum(rank_bytes(run, r) for r in g) for g in groups]
+    parts = run_parts(quick_ranks, [(sub_info(run, g), g) for g in groups], weights, jobs, "inspect")
+    return [q for part in parts for q in part]
 
 
 def summarize_run(run: Run, jobs: int, label: str):

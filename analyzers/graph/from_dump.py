@@ -177,14 +177,22 @@ def _ports(name: str, entry: dict):
         if isinstance(items, dict):
             items = [items]
         for i, t in enumerate(items or []):
-            if isinstance(t, dict) and t.get("type"):
-                yield f"{role}.{i}", t
+            yield from _one_deep(f"{role}.{i}", t)
     for k, t in (entry.get("input_kwargs") or {}).items():
-        if isinstance(t, dict) and t.get("type"):
-            yield f"input.{k}", t
+        yield from _one_deep(f"input.{k}", t)
     for k, t in (entry.get("parameters") or {}).items():
         if isinstance(t, dict):
             yield f"parameters.{k}", t
+
+
+def _one_deep(port: str, t):
+    """A value's port, or its elements' one list deep (``input.0.1``: a list argument, as ``torch.cat``'s)."""
+    if isinstance(t, dict) and t.get("type"):
+        yield port, t
+    elif isinstance(t, list):
+        for j, u in enumerate(t):
+            if isinstance(u, dict) and u.get("type"):
+                yield f"{port}.{j}", u
 
 
 def _values(tensor: dict) -> list[float]:

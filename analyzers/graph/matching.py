@@ -44,9 +44,27 @@ def match_exact(debug: Graph, bench: Graph) -> dict[str, str]:
     return pairs
 
 
+# Tensor operators as the reference names them (it wraps ``Tensor.__mul__``) and as torch hands them to a
+# TorchFunctionMode (``Tensor.mul``), which trainrec's API level records: one key for both
+_OPERATORS = {
+    "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__isub__": "sub_",
+    "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div", "__div__": "div",
+    "__itruediv__": "div_", "__idiv__": "div_", "__rtruediv__": "__rdiv__", "__pow__": "pow",
+    "__matmul__": "matmul", "__neg__": "neg", "__abs__": "abs", "__mod__": "remainder", "__lt__": "lt",
+    "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__ne__": "ne", "__and__": "bitwise_and",
+    "__or__": "bitwise_or", "__xor__": "bitwise_xor",
+}
+
+
 def api_key(name: str) -> str:
-    """An API call's name without its call counter: ``Functional.linear.0.forward`` -> ``Functional.linear.forward``."""
-    return _COUNTER.sub("", name, count=1)
+    """An API call's name without its call counter: ``Functional.linear.0.forward`` -> ``Functional.linear.forward``
+    (a tensor operator by its method's name: ``Tensor.__mul__`` -> ``Tensor.mul``)."""
+    key = _COUNTER.sub("", name, count=1)
+    if key.startswith("Tensor.__"):
+        head, _, rest = key[len("Tensor."):].partition(".")
+        if head in _OPERATORS:
+            key = f"Tensor.{_OPERATORS[head]}.{rest}" if rest else f"Tensor.{_OPERATORS[head]}"
+    return key
 
 
 def match_fuzzy(debug: Graph, bench: Graph) -> dict[str, str]:

@@ -45,6 +45,7 @@ from trainrec.schema.events import (
     SLOT_INPUT_GRAD,
     SLOT_OUTPUT,
     AnomalyDetected,
+    ApiCallsRecorded,
     CollectiveCalled,
     CollectiveCompleted,
     ConfigApplied,
@@ -270,7 +271,8 @@ def compat() -> Built:
     g.raw(["se", 4, RANK, 1, 1_700_000_001, 2, False, 1], StepEnded(**env(4, 1, 1.0), duration=2.0))
     g.raw(["ufo", 5, RANK, 2, T0, {"nested": {"a": 1}}, b"\x00\x01"],
           UnknownEvent(**env(5, 2), tag="ufo", fields=({"nested": {"a": 1}}, b"\x00\x01")))
-    g.add(FileClosed(**env(6, 2), records=6, reason="close"))
+    # (packed as writers before FileClosed.index_offset did: the scenario's bytes are frozen)
+    g.raw(["fc", 6, RANK, 2, T0, 6, 0, "close"], FileClosed(**env(6, 2), records=6, reason="close"))
     return g.b
 
 
@@ -327,6 +329,31 @@ def flight() -> Built:
     g.add(ExceptionRaised(**env(7, 1, 31.0), error="RuntimeError: bad batch", modules=("model", "model.head"),
                           traceback="Traceback (most recent call last):\nRuntimeError: bad batch\n"))
     g.add(FileClosed(**env(8, 1, 31.0), records=8, reason="exit after an uncaught RuntimeError"))
+    return g.b
+
+
+def api_calls() -> Built:
+    """The API level's record: two calls of one forward pass (a linear with its weight and bias, a relu
+    with a keyword flag), shapes, dtypes, a number's value, a NaN row of a non-tensor, and stacks."""
+    g = Builder()
+    g.add(header_event())
+    g.add(NamesInterned(**env(1, 0), first_id=0, names=(
+        "fc", "Functional.linear.0.forward", "Functional.relu.0.forward", "input.0", "input.1", "input.2",
+        "output.0", "input.inplace", "torch.Tensor", "bool", "torch.float32", "",
+        "File train.py, line 3, in forward, \n return F.linear(x, w, b)", "File train.py, line 9, in step, \n y = m(x)")))
+    g.add(StepBegan(**env(2, 0)))
+    nan = float("nan")
+    g.add(ApiCallsRecorded(
+        **env(3, 0, 0.1), micro_step=1, vpp_stage=0, ops=("min", "max", "mean", "norm"), dtype="f",
+        name_ids=pack_array("I", [1, 2]), module_ids=pack_array("I", [0, 0xFFFFFFFF]),
+        positions=pack_array("I", [0, 1]), port_counts=pack_array("H", [4, 3]),
+        port_ids=pack_array("I", [3, 4, 5, 6, 3, 6, 7]), type_ids=pack_array("I", [8, 8, 8, 8, 8, 8, 9]),
+        dtype_ids=pack_array("I", [10, 10, 10, 10, 10, 10, 11]), ndims=bytes([2, 2, 1, 2, 2, 2, 255]),
+        dims=pack_array("q", [4, 6, 8, 6, 8, 4, 8, 4, 8, 4, 8]), requires_grad=bytes([0, 1, 1, 1, 1, 1, 2]),
+        values=pack_array("f", [-2.0, 2.0, 0.0, 5.0] * 6 + [nan, nan, nan, nan]),
+        stack_depths=pack_array("H", [2, 1]), stack_frames=pack_array("I", [12, 13, 13])))
+    g.add(StepEnded(**env(4, 0, 0.2), duration=0.2, collected=True))
+    g.add(FileClosed(**env(5, 0, 0.3), records=5, reason="close"))
     return g.b
 
 
@@ -478,6 +505,32 @@ def logwriter() -> Built:
     return b
 
 
+def step_index() -> Built:
+    """A file closed with its step index, in FileClosed's appended ``index_*`` fields: per segment, the
+    step, offset and seq of its first frame and its lowest step; the name tables' offsets. Step 1's
+    segment holds a late record of step 0 and a name table."""
+    g = Builder()
+    g.add(header_event())
+    g.add(NamesInterned(**env(1, -1), first_id=0, names=("a", "b", "c")))
+    seq, segments, names = 2, [], [g.b.frames[-1][0]]
+    for step in range(3):
+        segments.append((step, len(g.b.data), seq))
+        g.add(stats_actv(seq, step))
+        g.add(StepEnded(**env(seq + 1, step, 1.0 + step), duration=0.1, collected=True))
+        seq += 2
+        if step == 1:
+            names.append(len(g.b.data))
+            g.add(NamesInterned(**env(seq, 1), first_id=3, names=("d",)))
+            g.add(AnomalyDetected(**env(seq + 1, 0, 1.5), rule="AnomalyTurbulence", op="norm", value=9.0))
+            seq += 2
+    g.add(FileClosed(**env(seq, 2, 4.0), records=seq, reason="close",
+                     index_steps=pack_array("q", [s for s, _, _ in segments]),
+                     index_offsets=pack_array("Q", [o for _, o, _ in segments]),
+                     index_seqs=pack_array("Q", [q for _, _, q in segments]), index_low_steps=pack_array("q", [0, 0, 2]),
+                     index_names=pack_array("Q", names)))
+    return g.b
+
+
 SCENARIOS: dict[str, Callable[[], Built]] = {
     "every_event": every_event,
     "compat": compat,
@@ -492,6 +545,8 @@ SCENARIOS: dict[str, Callable[[], Built]] = {
     "placeholders": placeholders,
     "flight": flight,
     "reliability": reliability,
+    "api_calls": api_calls,
+    "step_index": step_index,
 }
 
 

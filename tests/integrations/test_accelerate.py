@@ -13,6 +13,8 @@ from trainrec.integrations.accelerate import record_accelerated  # noqa: E402
 from trainrec.replay import open_run  # noqa: E402
 from trainrec.replay.rows import value_matrix  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state(monkeypatch):

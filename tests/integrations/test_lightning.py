@@ -20,7 +20,7 @@ from trainrec.replay.rows import value_matrix  # noqa: E402
 
 # Lightning's advice for real runs (dataloader workers, logging intervals), and its own use of an API
 # torch 2.13 deprecates: not errors here
-pytestmark = [pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning"),
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning"),
               pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
               pytest.mark.filterwarnings("ignore:.*number of training batches.*"),
               pytest.mark.filterwarnings("ignore:.*GPU available but not used.*")]

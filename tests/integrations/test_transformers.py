@@ -19,6 +19,8 @@ from trainrec.replay import open_run  # noqa: E402
 from trainrec.replay.rows import value_matrix  # noqa: E402
 from trainrec.schema.events import RunResumed  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state(monkeypatch):

@@ -17,6 +17,8 @@ from trainrec.replay.run import open_run
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import CollectiveCalled, CollectiveCompleted, unpack_array
 
+pytestmark = pytest.mark.dist
+
 SCRIPT = textwrap.dedent("""
     import json, os, sys, torch, torch.distributed as dist
     rank = int(os.environ["RANK"])

@@ -29,6 +29,8 @@ from trainmon_util import write_config as _write_config
 from trainrec.recorder.names import squash_all
 from trainrec.replay import open_run
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT = 120
 STEPS = 2
 ACC = 2

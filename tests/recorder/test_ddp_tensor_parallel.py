@@ -36,6 +36,8 @@ from trainmon_util import (
 )
 from trainrec.replay import open_run
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT = 120
 STEPS = 2
 D = 8

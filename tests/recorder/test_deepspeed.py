@@ -9,13 +9,19 @@ the Adam state. Expected values are computed here without the monitor: this rank
 a copy of the net, their average over the ranks with an all-reduce, and Adam's first moment from
 those averages by its definition (``m = b1 * m + (1 - b1) * g``), cut to the piece DeepSpeed says
 this rank holds (ZeRO 1/2: ``param._hp_mapping``; ZeRO 3: the rank's slice of each parameter).
+
+Every variant runs in one spawned group of two processes (``ds_runs``), one after the other, each into
+its own directory: starting DeepSpeed in a new pair of processes per variant was most of this file's
+time. A variant that fails leaves its traceback there, and fails its own test only.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
+import traceback
 
 import pytest
 import torch
@@ -33,17 +39,15 @@ from trainmon_util import (
 )
 from trainrec.schema.events import HookFailed, StepEnded
 
-pytestmark = pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")
+pytestmark = [pytest.mark.dist,
+              pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")]
 
 TIMEOUT = 300  # the first run builds DeepSpeed's shared-memory comm op (about a minute, then cached)
 STEPS = 3
 OPS = ["norm", "min", "max", "mean"]
 
 
-def _worker(rank: int, world: int, port: int, cfg_path: str, variant: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _zero_job(rank: int, world: int, cfg_path: str, variant: str) -> None:
     import deepspeed
     import torch.distributed as dist
     from trainrec.recorder import TrainerMon
@@ -53,7 +57,6 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, variant: str) -> No
     zero = {"stage": stage}
     if variant.endswith("buckets"):  # several reductions per backward, overlapping it
         zero.update(overlap_comm=True, reduce_bucket_size=100, allgather_bucket_size=100)
-    deepspeed.init_distributed(dist_backend="gloo")
     model, _ = make(seed=0)
     local = copy.deepcopy(model)
     names = [n for n, _ in model.named_parameters()]
@@ -104,25 +107,18 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, variant: str) -> No
     mon.close()
     with open(os.path.join(os.path.dirname(cfg_path), f"ds_{rank}.json"), "w") as f:
         json.dump(expected, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-def run(tmp_path, monkeypatch, variant: str):
-    out = tmp_path / "out"
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    cfg = write_config(tmp_path, {"wg_distribution": True, "mv_distribution": True, "ur_distribution": True,
-                                  "param_distribution": True, "ops": OPS})
-    spawn_and_join(_worker, (2, free_port(), cfg, variant), 2, TIMEOUT, f"DeepSpeed ZeRO-{variant} run")
-    return out
+_JOBS = {"zero": _zero_job}  # (the other two are added below their functions)
 
 
-@pytest.mark.parametrize("variant", ["1", "2", "2-buckets", "3", "3-buckets"])
-def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_training_step(tmp_path, monkeypatch,
-                                                                                        variant):
-    out = run(tmp_path, monkeypatch, variant)
-    h = headers(out)
+ZERO_VARIANTS = ["1", "2", "2-buckets", "3", "3-buckets"]
+
+
+@pytest.mark.parametrize("variant", ZERO_VARIANTS)
+def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_training_step(ds_runs, variant):
+    run_dir = ds_runs("zero", variant)
+    h = headers(run_dir / "out")
     assert sorted(h) == [0, 1]
     holders: dict = {}
     for r in (0, 1):
@@ -131,7 +127,7 @@ def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_traini
         # the torch optimizer stepped twice per training step (one call per param group): one step each
         ends = [e for e in ev if isinstance(e, StepEnded)]
         assert [e.step for e in ends] == list(range(STEPS)) and all(e.collected for e in ends)
-        with open(tmp_path / f"ds_{r}.json") as f:
+        with open(run_dir / f"ds_{r}.json") as f:
             want = {int(k): v for k, v in json.load(f).items()}
         un = stats_table(ev, "grad_unreduced")
         red = stats_table(ev, "grad_reduced")
@@ -160,20 +156,15 @@ def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_traini
     assert any(len(pieces) == 2 for pieces in holders.values())  # one straddles the two partitions
 
 
-def _bf16_worker(rank: int, world: int, port: int, cfg_path: str, how: str) -> None:
+def _bf16_job(rank: int, world: int, cfg_path: str, how: str) -> None:
     """ZeRO 0 with bf16: DeepSpeed's FP16_UnfusedOptimizer keeps a whole fp32 master per parameter, and
     the torch optimizer's state is keyed by the masters. ``named``: the wrapper is named with the
     reference's set_wrapped_optimizer, the torch optimizer inside it is given; ``accelerate``:
     accelerate's wrapper of DeepSpeed's optimizer is given as it is. The torch optimizer is hooked."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     import deepspeed
-    import torch.distributed as dist
     from trainrec.recorder import TrainerMon
     from trainrec.recorder.names import squash_all
 
-    deepspeed.init_distributed(dist_backend="gloo")
     model, _ = make(seed=0)
     short = squash_all([n for n, _ in model.named_parameters()])
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -204,19 +195,18 @@ def _bf16_worker(rank: int, world: int, port: int, cfg_path: str, how: str) -> N
     mon.close()
     with open(os.path.join(os.path.dirname(cfg_path), f"bf16_{rank}.json"), "w") as f:
         json.dump(expected, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("how", ["named", "accelerate"])
-def test_deepspeed_bf16_masters_give_the_adam_state(tmp_path, monkeypatch, how):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    cfg = write_config(tmp_path, {"mv_distribution": True, "ur_distribution": True, "ops": OPS})
-    spawn_and_join(_bf16_worker, (2, free_port(), cfg, how), 2, TIMEOUT, "DeepSpeed bf16 run")
-    h = headers(tmp_path / "out")
+_JOBS["bf16"] = _bf16_job
+BF16_VARIANTS = ["named", "accelerate"]
+
+
+@pytest.mark.parametrize("how", BF16_VARIANTS)
+def test_deepspeed_bf16_masters_give_the_adam_state(ds_runs, how):
+    run_dir = ds_runs("bf16", how)
+    h = headers(run_dir / "out")
     for r in (0, 1):
-        with open(tmp_path / f"bf16_{r}.json") as f:
+        with open(run_dir / f"bf16_{r}.json") as f:
             want = {int(k): v for k, v in json.load(f).items()}
         ea = stats_table(h[r][2], "exp_avg")
         for step, rows in want.items():
@@ -226,7 +216,7 @@ def test_deepspeed_bf16_masters_give_the_adam_state(tmp_path, monkeypatch, how):
                 assert_close(ea[(step, name, "", 0)], row, rtol=1e-5, atol=1e-9, what=f"rank {r} exp_avg {name}")
 
 
-def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: str) -> None:
+def _overflow_job(rank: int, world: int, cfg_path: str, variant: str) -> None:
     """fp16 with DeepSpeed's dynamic loss scale, and an inf in rank 1's loss at ``inf_step``: DeepSpeed
     finds the overflow in the reduced gradients (rank 0's own are finite) and skips the step on both
     ranks. ``variant``: the ZeRO stage, then how the monitor knows DeepSpeed's optimizer (``wrapped``:
@@ -235,15 +225,10 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
     prepare() returns it, with the torch optimizer; ``z3``: ZeRO 3's parameters name it; ``inner``: the
     reference's ``optimizer=optimizer.optimizer`` with ``engine.module``, and nothing else: DeepSpeed's gradient
     hooks on the parameters name it), then the steps with the inf (digits)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     import deepspeed
-    import torch.distributed as dist
     from trainrec.recorder import TrainerMon
 
     stage, how, inf_step = variant.split("-")
-    deepspeed.init_distributed(dist_backend="gloo")
     accel = deepspeed.get_accelerator()
     if not accel.is_fp16_supported():
         # DeepSpeed's CPU accelerator allows fp16 only where oneDNN has fast fp16 kernels (AVX512-FP16 or
@@ -276,24 +261,77 @@ def _overflow_worker(rank: int, world: int, port: int, cfg_path: str, variant: s
         mon.close()
     finally:
         TrainerMon.set_wrapped_optimizer(None)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("variant", ["2-wrapped-0", "3-z3-0", "1-given-01", "2-accelerate-0", "2-engine-0",
-                                     "2-wrapped-2", "1-inner-0", "2-inner-02", "0-inner-0"])
-def test_deepspeed_overflow_of_another_rank_skips_the_step_on_both(tmp_path, monkeypatch, variant):
+_JOBS["overflow"] = _overflow_job
+OVERFLOW_VARIANTS = ["2-wrapped-0", "3-z3-0", "1-given-01", "2-accelerate-0", "2-engine-0", "2-wrapped-2",
+                     "1-inner-0", "2-inner-02", "0-inner-0"]
+
+
+@pytest.mark.parametrize("variant", OVERFLOW_VARIANTS)
+def test_deepspeed_overflow_of_another_rank_skips_the_step_on_both(ds_runs, variant):
     """DeepSpeed skips the step on every rank when the reduced gradients overflow, though rank 0's own
     gradients are finite: where the monitor knows DeepSpeed's optimizer, its overflow flag says so, also
     at the run's first step (before it, the monitor had no passes per step to go by: rank 0 merged the
     skipped step into the next one and numbered the later steps one less than rank 1)."""
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"]})
-    spawn_and_join(_overflow_worker, (2, free_port(), cfg, variant), 2, TIMEOUT, f"DeepSpeed fp16 {variant}")
-    h = headers(tmp_path / "out")
+    h = headers(ds_runs("overflow", variant) / "out")
     skipped = variant.rsplit("-", 1)[1]
     for r in (0, 1):
         assert not [e for e in h[r][2] if isinstance(e, HookFailed)]
         ended = [(e.step, e.optimizer_skipped) for e in h[r][2] if isinstance(e, StepEnded)]
         assert ended == [(s, str(s) in skipped) for s in range(4)], (r, ended)
+
+
+def _group(rank: int, world: int, port: int, jobs: list) -> None:
+    """One rank of the shared group: DeepSpeed started once, then every job in turn, each recording into
+    ``out`` beside its config; a job's exception goes to ``error_{rank}.txt`` there and the next job runs."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    os.environ.pop("DYNAMIC_MONITOR", None)
+    torch.set_num_threads(1)
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    for kind, cfg_path, variant in jobs:
+        job_dir = os.path.dirname(cfg_path)
+        os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(job_dir, "out")
+        try:
+            _JOBS[kind](rank, world, cfg_path, variant)
+        except BaseException:  # noqa: BLE001 - reported by the job's own test
+            with open(os.path.join(job_dir, f"error_{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+_CONFIGS = {
+    "zero": {"wg_distribution": True, "mv_distribution": True, "ur_distribution": True,
+             "param_distribution": True, "ops": OPS},
+    "bf16": {"mv_distribution": True, "ur_distribution": True, "ops": OPS},
+    "overflow": {"wg_distribution": True, "ops": ["norm"]},
+}
+
+
+@pytest.fixture(scope="module")
+def ds_runs(tmp_path_factory):
+    """Every variant of this file run by one group; returns ``(kind, variant) -> its directory`` as a
+    function that fails the calling test where that variant raised on a rank."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    jobs, dirs = [], {}
+    for kind, variants in (("zero", ZERO_VARIANTS), ("bf16", BF16_VARIANTS), ("overflow", OVERFLOW_VARIANTS)):
+        for variant in variants:
+            d = root / f"{kind}-{variant}"
+            d.mkdir()
+            jobs.append((kind, write_config(d, _CONFIGS[kind]), variant))
+            dirs[kind, variant] = d
+    spawn_and_join(_group, (2, free_port(), jobs), 2, TIMEOUT * 4, "the DeepSpeed group")
+
+    def run_of(kind: str, variant: str):
+        d = dirs[kind, variant]
+        errors = sorted(d.glob("error_*.txt"))
+        if errors:
+            pytest.fail("\n".join(f"{p.name}:\n{p.read_text()}" for p in errors))
+        return d
+
+    return run_of

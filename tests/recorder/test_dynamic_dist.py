@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from ranks import run_rank_scripts
+
+pytestmark = pytest.mark.dist
 
 RANK_SCRIPT = r"""
 import json, logging, os, sys, time

@@ -22,6 +22,8 @@ from trainmon_util import (
 from trainrec.recorder import TrainerMon
 from trainrec.schema.events import TensorStatsRecorded
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

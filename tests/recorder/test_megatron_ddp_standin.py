@@ -23,6 +23,8 @@ from ranks import free_port
 from test_monitor_dist import headers
 from trainmon_util import init_gloo, loss_of, make, spawn_and_join, write_config
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT = 120
 GRAD_ACC = 2
 STEPS = 2

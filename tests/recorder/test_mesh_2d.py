@@ -34,6 +34,8 @@ from trainmon_util import (
 from trainrec.replay import open_run
 from trainrec.schema.events import FileOpened, HookFailed
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT = 150
 STEPS = 2
 D = 8

@@ -23,6 +23,8 @@ from trainmon_util import (
 )
 from trainrec.schema.events import FileOpened
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT = 120
 
 

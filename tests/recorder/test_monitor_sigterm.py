@@ -9,8 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from trainrec.replay.reader import read_log
 from trainrec.schema.events import FileClosed, StepEnded
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import sys, time, torch

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from ranks import free_port
 from tp_util import Net, held, parallelize_blocks
@@ -21,6 +22,8 @@ from trainmon_util import (
     write_config,
 )
 from trainrec.schema.events import HookFailed
+
+pytestmark = pytest.mark.dist
 
 TIMEOUT = 120
 

@@ -34,6 +34,8 @@ from trainmon_util import (
 )
 from trainrec.schema.events import HookFailed
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT = 120
 STEPS = 2
 

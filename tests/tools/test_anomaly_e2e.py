@@ -13,6 +13,8 @@ from trainrec.replay.run import open_run
 from trainrec.tools.anomaly_analyse import main as analyse_main
 from trainrec.tools.cli import main as cli_main
 
+pytestmark = pytest.mark.dist
+
 STEPS, INJECT = 14, 11
 
 RANK_SCRIPT = r"""

@@ -20,6 +20,8 @@ from trainrec.analyzers.postmortem import EXCEPTION, KILLED, RUNNING, peer_lost,
 from trainrec.replay.run import open_run
 from trainrec.tools.cli import main
 
+pytestmark = pytest.mark.slow
+
 
 def _postmortem_cli(out, capsys) -> tuple[dict, str]:
     assert main(["postmortem", str(out), "--json"]) == 0

@@ -20,6 +20,8 @@ from trainrec.schema import layout
 from trainrec.schema.events import StepEnded
 from trainrec.tools.cli import main
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 120
 
 TRAIN = textwrap.dedent("""

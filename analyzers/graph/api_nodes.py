@@ -1,0 +1,144 @@
+"""API call nodes of a trainrec run: the records of the recorder's API level (``api_xy``).
+
+Each :class:`~trainrec.schema.events.ApiCallsRecorded` names its calls as the reference does
+(``Functional.linear.0.forward``), with the innermost monitored module each ran in and the step's hook
+position at the call. A call's node goes under the forward call of that module that completed first at
+or after that position, in its micro step (forward call ids are given at completion), or, where that
+module has no forward node, under its nearest ancestor's; with no module, at the top. Its ports are
+its arguments and results as recorded (``input.0``, ``output.0``, ``input.inplace``) with their dtypes
+and shapes, so exact matching compares shapes; in execution order a call comes right before the module
+call completing after it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+from trainrec.replay.names import NameResolver
+from trainrec.replay.run import Run
+from trainrec.schema.events import ApiCallsRecorded, FileOpened, NamesInterned, unpack_array
+
+from .model import API, OPS, ROOT_NAME, Port
+
+_OP_OF = {"max": "Max", "min": "Min", "mean": "Mean", "norm": "Norm"}
+_NO_MODULE = 0xFFFFFFFF
+_NO_SHAPE = 255
+_AFTER_CALL = 1 << 40  # (an order key placing a call after the module call before it, before the next)
+
+
+@dataclass
+class ApiCall:
+    """One recorded API call: its name, enclosing module (None: none), micro step, hook position,
+    ports (with their rows in the step's values) and stack."""
+
+    name: str
+    module: str | None
+    micro: int
+    position: int
+    ports: list
+    rows: list
+    stack: tuple = ()
+
+
+# the records :class:`ApiCallsReader` takes (the name tables and the API records)
+API_TYPES = (ApiCallsRecorded, NamesInterned, FileOpened)
+
+
+class ApiCallsReader:
+    """Fed one rank's records of :data:`API_TYPES` in order (with others of the same pass, which it
+    skips); :meth:`result` gives ``{step: (calls, values ports x 4)}`` (empty without any)."""
+
+    def __init__(self) -> None:
+        self.resolver = NameResolver()
+        self.calls: dict[int, list[ApiCall]] = defaultdict(list)
+        self.values: dict[int, list[np.ndarray]] = defaultdict(list)
+        self.ports: dict[int, int] = defaultdict(int)
+
+    def feed(self, ev) -> None:
+        t = type(ev)
+        if t is NamesInterned or t is FileOpened:
+            self.resolver.feed(ev)
+        elif t is ApiCallsRecorded:
+            self._add(ev)
+
+    def _add(self, ev: ApiCallsRecorded) -> None:
+        name = lambda i, r=ev.rank: self.resolver.name(r, i)  # noqa: E731
+        cols = [k for k, op in enumerate(ev.ops) if op in _OP_OF]
+        n_ports = len(ev.port_ids) // 4
+        raw = np.frombuffer(ev.values, dtype="<f4" if ev.dtype == "f" else "<f8").reshape(n_ports, len(ev.ops))
+        vals = np.full((n_ports, len(OPS)), np.nan)
+        vals[:, [OPS.index(_OP_OF[ev.ops[k]]) for k in cols]] = raw[:, cols]
+        port_names = [name(i) for i in unpack_array("I", ev.port_ids)]
+        types = [name(i) for i in unpack_array("I", ev.type_ids)]
+        dtypes = [name(i) for i in unpack_array("I", ev.dtype_ids)]
+        dims = unpack_array("q", ev.dims).tolist()
+        grads = list(ev.requires_grad)
+        depths = unpack_array("H", ev.stack_depths) if ev.stack_depths else None
+        frames = [name(i) for i in unpack_array("I", ev.stack_frames)]
+        k = d = f = 0
+        base = self.ports[ev.step]
+        for c, (nid, mid, pos, nport) in enumerate(zip(unpack_array("I", ev.name_ids), unpack_array("I", ev.module_ids),
+                                                      unpack_array("I", ev.positions),
+                                                      unpack_array("H", ev.port_counts), strict=True)):
+            ports = []
+            for j in range(k, k + nport):
+                nd = ev.ndims[j]
+                shape = None if nd == _NO_SHAPE else tuple(dims[d:d + nd])
+                d += 0 if nd == _NO_SHAPE else nd
+                ports.append(Port(port_names[j], dtypes[j], shape, types[j], None if grads[j] > 1 else bool(grads[j])))
+            stack = ()
+            if depths is not None:
+                stack, f = tuple(frames[f:f + depths[c]]), f + depths[c]
+            self.calls[ev.step].append(ApiCall(name(nid), None if mid == _NO_MODULE else name(mid), ev.micro_step,
+                                               pos, ports, list(range(base + k, base + k + nport)), stack))
+            k += nport
+        self.ports[ev.step] = base + k
+        self.values[ev.step].append(vals)
+
+    def result(self) -> dict[int, tuple[list[ApiCall], np.ndarray]]:
+        return {s: (self.calls[s], np.concatenate(self.values[s])) for s in self.calls}
+
+
+def api_calls_of_run(run: Run, rank: int) -> dict[int, tuple[list[ApiCall], np.ndarray]]:
+    """``{step: (calls, values ports x 4)}`` of ``rank``'s API records (empty without any)."""
+    reader = ApiCallsReader()
+    for ev in run.events(rank, types=API_TYPES):
+        reader.feed(ev)
+    return reader.result()
+
+
+def place_api_calls(builder, step_calls: tuple[list[ApiCall], np.ndarray], forward_calls: dict) -> tuple:
+    """Make the nodes and ports of one step's API calls under the forward calls of ``builder``'s graph
+    (``forward_calls``: module -> [((micro, call id), node name)] in order). Returns ``(port indices,
+    values)`` of their rows."""
+    calls, values = step_calls
+    graph = builder.graph
+    keys = {mod: [c for c, _ in lst] for mod, lst in forward_calls.items()}
+    ports = np.full(len(values), -1, dtype=np.int64)
+    for seq, call in enumerate(calls):
+        parent = _enclosing(builder, call, forward_calls, keys)
+        node = builder.node(call.name, parent, (False, (call.micro, call.position - 1, _AFTER_CALL, seq)), API)
+        if call.stack and not node.stack:
+            node.stack = list(call.stack)
+        for port, row in zip(call.ports, call.rows, strict=True):
+            ports[row] = graph.add_port(node, port)
+    return ports, values
+
+
+def _enclosing(builder, call: ApiCall, forward_calls: dict, keys: dict) -> str:
+    """The forward node a call sits under (see the module docstring)."""
+    mod = call.module
+    while mod is not None:
+        lst = keys.get(mod)
+        if lst:
+            i = bisect_left(lst, (call.micro, call.position))
+            if i < len(lst) and lst[i][0] == call.micro:
+                return forward_calls[mod][i][1]
+        mod = builder.parents.get(mod)
+    return ROOT_NAME
+
+
+__all__ = ["API_TYPES", "ApiCall", "ApiCallsReader", "api_calls_of_run", "place_api_calls"]

@@ -1,0 +1,385 @@
+"""The API level (``api_xy``): torch functions and tensor methods called inside the model's forward,
+msprobe's ``mix`` level, recorded through ``torch.overrides.TorchFunctionMode``.
+
+On a collected step, the model chunk's forward pre-hook pushes :class:`ApiMode` and its forward hook
+(``always_call``: also where the forward raises) pops it, so the mode is active inside the model's
+training forward only, never in backward, the optimizer step or a step not collected. Forward hooks
+on the monitored modules keep the stack of module calls open, which names each call's enclosing
+module. Each call recorded is named as the reference names it: ``Functional.<name>`` for
+``torch.nn.functional``, ``Tensor.<name>`` for tensor methods, ``Torch.<name>`` for the rest, with a
+counter per name and step (``Functional.linear.0.forward``), and gets the statistics of its tensor
+inputs and outputs (the xy path: :func:`.hooks.rows_for`, which measures a tensor already measured
+in the step once), their shapes, dtypes and ``requires_grad``, numbers as their values, and, with
+``"api_xy": {"stack": true}``, its call stack. One :class:`~trainrec.schema.events.ApiCallsRecorded`
+per forward pass goes to the log (its rows copied to the host as the step's other rows are).
+
+Which calls are recorded (the rule): a call made while torch already runs the mode's handler (nested
+calls inside an API, the recorder's own statistics) is not seen, as torch pops the mode there; a call
+made from the recorder's own code (the monitor's module hooks) is skipped, found by its first caller
+outside torch; so are attribute reads (``Tensor.__get__``: ``x.shape``, ``x.grad_fn``), private
+methods (``_``-prefixed), methods giving metadata or Python values (:data:`SKIPPED`: ``dim``,
+``size``, ``numel``, ``item``, ...) and calls with no tensor among their arguments or results.
+"""
+
+from __future__ import annotations
+
+import linecache
+import logging
+import math
+import os
+import sys
+import time
+from array import array
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from trainrec.schema.events import ApiCallsRecorded
+
+from .hooks import in_backward, rows_for, stack_rows
+from .step_stats import StatsPart, StepStats
+
+log = logging.getLogger(__name__)
+
+# methods and functions that give metadata, Python values or hooks, not computed tensors
+SKIPPED = frozenset({
+    "dim", "size", "numel", "nelement", "ndimension", "stride", "storage_offset", "data_ptr", "is_contiguous",
+    "is_floating_point", "is_complex", "is_signed", "is_inference", "element_size", "get_device", "is_pinned",
+    "is_shared", "is_set_to", "has_names", "untyped_storage", "storage", "item", "tolist", "numpy",
+    "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "requires_grad_", "backward",
+    "__get__", "__set__", "__delete__", "__len__", "__repr__", "__str__", "__format__", "__hash__", "__bool__",
+    "__index__", "__int__", "__float__", "__complex__", "__iter__", "__reduce_ex__", "__setstate__",
+    "__deepcopy__", "__array__", "__dlpack__", "__dlpack_device__", "__contains__", "__torch_function__",
+})
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__imatmul__"})
+_FUNCTIONAL = {id(v): k for k, v in vars(F).items() if callable(v) and not isinstance(v, type)}
+_RECORDER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_NO_MODULE = 0xFFFFFFFF
+_NO_SHAPE = 255
+_NOT_TENSOR = 2
+_TENSOR = "torch.Tensor"
+_names: dict = {}  # func -> reference name without counter, or None (skipped)
+_UNKNOWN = object()
+
+
+def api_name(func) -> str | None:
+    """The reference's name of ``func`` without counter (``Functional.linear``), None where skipped."""
+    try:
+        out = _names.get(func, _UNKNOWN)
+    except TypeError:  # (an unhashable callable)
+        out = _UNKNOWN
+    if out is not _UNKNOWN:
+        return out
+    name = getattr(func, "__name__", None)
+    out = None
+    if isinstance(name, str) and name not in SKIPPED and not (name.startswith("_") and not name.endswith("__")):
+        qual = getattr(func, "__qualname__", "") or ""
+        if _FUNCTIONAL.get(id(func)) == name and getattr(F, name, None) is func:
+            out = f"Functional.{name}"
+        elif qual.startswith(("TensorBase.", "Tensor.", "_TensorBase.")):
+            out = f"Tensor.{name}"
+        elif (getattr(func, "__module__", None) or "").startswith("torch.nn.functional"):
+            out = f"Functional.{name}"
+        else:
+            out = f"Torch.{name}"
+    try:  # (a property's getter is a new object at each read, equal to the last one: one entry each)
+        _names[func] = out
+    except TypeError:
+        pass
+    return out
+
+
+def _from_recorder() -> bool:
+    """Whether the call being handled was made by the recorder's own code: its first caller outside torch."""
+    f = sys._getframe(2)  # (0: this, 1: the handler)
+    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename.startswith(_RECORDER_DIR)
+
+
+def _stack(intern, frames: dict) -> list[int]:
+    """The call stack of the call being handled, innermost first, as interned lines the reference's
+    way (``File {path}, line {n}, in {function}, \\n {code}``), the recorder's and torch.overrides'
+    frames left out. ``frames``: (code, line) -> id, the lines made so far."""
+    out = []
+    f = sys._getframe(1)
+    while f is not None:
+        key = (f.f_code, f.f_lineno)
+        i = frames.get(key)
+        if i is None:
+            path = f.f_code.co_filename
+            if path.startswith(_RECORDER_DIR) or path.endswith(os.sep + "overrides.py"):
+                i = frames[key] = -1
+            else:
+                line = linecache.getline(path, f.f_lineno).strip()
+                i = frames[key] = intern(f"File {path}, line {f.f_lineno}, in {f.f_code.co_name}, \n {line}")
+        if i >= 0:
+            out.append(i)
+        f = f.f_back
+    return out
+
+
+class _Pass:
+    """What one forward pass of a model chunk records."""
+
+    __slots__ = ("st", "micro", "vpp", "names", "modules", "positions", "port_counts", "ports", "types", "dtypes",
+                 "ndims", "dims", "grads", "rows", "depths", "frames")
+
+    def __init__(self, st, micro: int, vpp: int) -> None:
+        self.st, self.micro, self.vpp = st, micro, vpp
+        self.names, self.modules, self.positions = array("I"), array("I"), array("I")
+        self.port_counts = array("H")
+        self.ports, self.types, self.dtypes = array("I"), array("I"), array("I")
+        self.ndims, self.dims, self.grads = array("B"), array("q"), array("B")
+        self.rows: list = []
+        self.depths, self.frames = array("H"), array("I")
+
+
+class ApiLevel:
+    """The API level of one monitor: its hooks, the mode, and the calls of the pass in progress."""
+
+    def __init__(self, mon) -> None:
+        self.mon = mon
+        self.stack_wanted = bool(mon.config.api_xy.get("stack"))
+        self.mode = ApiMode(self)
+        self.pass_: _Pass | None = None
+        self.modules: list[int] = []  # name ids of the monitored modules whose forward is open
+        self.counts: dict[str, int] = {}  # calls per name in the step (self.counted's)
+        self.counted = None  # the StepState they count
+        self.pushed_by: object | None = None  # the chunk whose forward pushed the mode
+        self.frames: dict = {}  # (code, line) -> interned stack line (-1: left out)
+
+    def attach(self, chunks: list, modules: list) -> list:
+        """Hooks for a collected step: on each model chunk (the mode) and each monitored module (the stack
+        of open calls), ``modules`` as ``[(module, ModuleTarget)]``. Returns their handles."""
+        handles = []
+        for vpp, chunk in enumerate(chunks):
+            # (after the monitor's own chunk pre-hook, which counts the micro step and may begin the step)
+            handles.append(chunk.register_forward_pre_hook(self._chunk_pre(vpp)))
+            handles.append(chunk.register_forward_hook(self._chunk_post, always_call=True))
+        for module, t in modules:
+            handles.append(module.register_forward_pre_hook(self._module_pre(t.name_id)))
+            handles.append(module.register_forward_hook(self._module_post, always_call=True))
+        return handles
+
+    def _chunk_pre(self, vpp: int):
+        def hook(module, args):
+            mon = self.mon
+            st = mon._state
+            if (self.pass_ is not None or st is None or mon.output.writer is None or mon._compiled or not module.training
+                    or not torch.is_grad_enabled() or in_backward() or not mon.config.api_level):
+                return
+            fwd = st.chunk_fwd.get(vpp, 1)
+            self.pass_ = _Pass(st, (fwd - 1) % mon.steps.grad_acc, vpp)
+            if self.counted is not st:
+                self.counted, self.counts = st, {}
+            self.modules.clear()
+            self.pushed_by = module
+            self.mode.__enter__()
+
+        return hook
+
+    def _chunk_post(self, module, args, output):
+        if self.pushed_by is not module:
+            return
+        self.pushed_by = None
+        p, self.pass_ = self.pass_, None
+        self.mode.__exit__(None, None, None)
+        self.modules.clear()
+        if p is not None and len(p.names):
+            try:
+                self._write(p)
+            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+                self.mon._hook_failed("the API level's records", exc)
+
+    def _module_pre(self, name_id: int):
+        def hook(module, args):
+            if self.pass_ is not None:
+                self.modules.append(name_id)
+
+        return hook
+
+    def _module_post(self, module, args, output):
+        if self.pass_ is not None and self.modules:
+            self.modules.pop()
+
+    # ------------------------------------------------------------------ one call
+    def record(self, name: str, func, args: tuple, kwargs: dict):
+        """Run ``func`` and record the call (the mode's handler, with the mode popped). Whatever fails
+        in the recording is a HookFailed, and the call's result is returned as it is."""
+        p = self.pass_
+        before = None
+        try:
+            fname = getattr(func, "__name__", "")
+            inplace = ((fname.endswith("_") and not fname.endswith("__")) or fname in _INPLACE_DUNDERS
+                       or kwargs.get("out") is not None)
+            positional, keywords = _flatten("input", enumerate(args)), _flatten("input", kwargs.items())
+            if inplace and positional + keywords:  # in place: the inputs as they were
+                before = self._rows(p, positional + keywords)
+        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+            self.mon._hook_failed(f"API call {name}", exc)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        try:
+            self._add(p, name, positional, keywords, out, before)
+        except Exception as exc:  # noqa: BLE001
+            self.mon._hook_failed(f"API call {name}", exc)
+        return out
+
+    def _add(self, p: _Pass, name: str, positional: list, keywords: list, out, before: list | None) -> None:
+        """The call's record in the pass: made in full first, then appended (a failure leaves none)."""
+        ins = positional + keywords
+        outs = _flatten("output", enumerate(out) if isinstance(out, (tuple, list)) else ((0, out),))
+        if not any(isinstance(v, torch.Tensor) for _, v in ins + outs):
+            return
+        rows = before + self._rows(p, outs) if before is not None else self._rows(p, ins + outs)
+        # the reference's order: positional inputs, outputs, keyword inputs
+        n_pos = len(positional)
+        ports = positional + outs + keywords
+        block = stack_rows(rows[:n_pos] + rows[len(ins):] + rows[n_pos:len(ins)])
+        intern = self.mon.name_table.intern
+        port_ids, types, dtypes, ndims, dims, grads = [], [], [], [], [], []
+        for port, v in ports:
+            port_ids.append(intern(port))
+            if isinstance(v, torch.Tensor):
+                types.append(intern(_TENSOR))
+                dtypes.append(intern(str(v.dtype)))
+                ndims.append(min(v.dim(), _NO_SHAPE - 1))
+                dims.extend(v.shape[:_NO_SHAPE - 1])
+                grads.append(int(v.requires_grad))
+            else:
+                types.append(intern(_type_name(v)))
+                dtypes.append(intern(""))
+                ndims.append(_NO_SHAPE)
+                grads.append(_NOT_TENSOR)
+        stack = _stack(intern, self.frames) if self.stack_wanted else None
+        n = self.counts.get(name, 0)
+        call_name = intern(f"{name}.{n}.forward")
+        self.counts[name] = n + 1
+        p.names.append(call_name)
+        p.modules.append(self.modules[-1] if self.modules else _NO_MODULE)
+        p.positions.append(p.st.call)
+        p.port_counts.append(len(ports))
+        p.ports.extend(port_ids)
+        p.types.extend(types)
+        p.dtypes.extend(dtypes)
+        p.ndims.extend(ndims)
+        p.dims.extend(dims)
+        p.grads.extend(grads)
+        p.rows.append(block)
+        if stack is not None:
+            p.depths.append(min(len(stack), 0xFFFF))
+            p.frames.extend(stack[:0xFFFF])
+
+    def _rows(self, p: _Pass, items: list) -> list:
+        """One row per ``(port, value)``: the statistics of a tensor, a number's value, else NaN."""
+        ops = p.st.stats.ops
+        out: list = [None] * len(items)
+        tensors = [k for k, (_, v) in enumerate(items) if isinstance(v, torch.Tensor)]
+        if tensors:
+            rows = rows_for(self.mon, p.st, tuple(items[k][1] for k in tensors))
+            for j, k in enumerate(tensors):
+                out[k] = rows[j]
+        eps = self.mon.config.eps
+        for k, (_, v) in enumerate(items):
+            if out[k] is None:
+                out[k] = _number_row(v, ops, eps)
+        return out
+
+    def _write(self, p: _Pass) -> None:
+        """The pass's calls to the log: its rows copied to the host as a step's are, the record made on
+        the writer's thread."""
+        mon = self.mon
+        writer = mon.output.writer
+        if writer is None or writer.closed or writer.error is not None:
+            return
+        stats = StepStats(p.st.stats.ops)
+        for block in p.rows:
+            stats.add(StatsPart("api", block, (0,) * len(block)))
+        hs = stats.finish(p.st.step)
+        mon._sync_names()
+        fids = mon.name_table.file_ids
+        rank, step, ops = mon.rank, p.st.step, tuple(p.st.stats.ops)
+
+        def ids(col: array) -> bytes:
+            return fids[np.frombuffer(col, dtype=np.uint32)].astype("<u4").tobytes() if len(col) else b""
+
+        fields = dict(micro_step=p.micro, vpp_stage=p.vpp, ops=ops, dtype="f", name_ids=ids(p.names),
+                      module_ids=_file_ids_or_none(fids, p.modules),
+                      positions=np.frombuffer(p.positions, dtype=np.uint32).astype("<u4").tobytes(),
+                      port_counts=np.frombuffer(p.port_counts, dtype=np.uint16).astype("<u2").tobytes(),
+                      port_ids=ids(p.ports), type_ids=ids(p.types), dtype_ids=ids(p.dtypes),
+                      ndims=p.ndims.tobytes(), dims=np.frombuffer(p.dims, dtype=np.int64).astype("<i8").tobytes(),
+                      requires_grad=p.grads.tobytes(),
+                      stack_depths=np.frombuffer(p.depths, dtype=np.uint16).astype("<u2").tobytes(),
+                      stack_frames=ids(p.frames))
+
+        def build() -> list:
+            values = np.ascontiguousarray(hs.wait(), dtype="<f4")
+            return [ApiCallsRecorded(rank=rank, step=step, wall=time.time(), values=values.tobytes(), **fields)]
+
+        writer.write(build)
+
+
+class ApiMode(TorchFunctionMode):
+    """Hands each call made inside the model's forward to :meth:`ApiLevel.record` (see the module
+    docstring for which are recorded)."""
+
+    def __init__(self, level: ApiLevel) -> None:
+        super().__init__()
+        self.level = level
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = api_name(func)
+        if name is None or self.level.pass_ is None or _from_recorder():
+            return func(*args, **kwargs)
+        return self.level.record(name, func, args, kwargs)
+
+
+def _flatten(role: str, items) -> list:
+    """``(port name, value)`` of ``(key, value)`` items worth a port: tensors, numbers and other plain
+    values at the top level and one list or tuple deep (``input.0``, ``input.0.1``, ``input.inplace``);
+    None left out."""
+    out = []
+    for key, v in items:
+        if isinstance(v, (list, tuple)):
+            out += [(f"{role}.{key}.{j}", w) for j, w in enumerate(v) if _plain(w)]
+        elif _plain(v):
+            out.append((f"{role}.{key}", v))
+    return out
+
+
+def _plain(v) -> bool:
+    return v is not None and (isinstance(v, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device,
+                                             torch.memory_format, slice)) or v is Ellipsis)
+
+
+def _number_row(v, ops: tuple, eps: float) -> np.ndarray:
+    """The row of a number (its value as min, max, mean; its size as norm), NaN for other values."""
+    if isinstance(v, (bool, int, float)):
+        x = float(v)
+        cols = {"min": x, "max": x, "mean": x, "norm": abs(x), "zeros": float(abs(x) < eps),
+                "nans": float(math.isnan(x))}
+        return np.asarray([cols[op] for op in ops], dtype=np.float32)
+    return np.full(len(ops), np.nan, dtype=np.float32)
+
+
+def _file_ids_or_none(fids: np.ndarray, local: array) -> bytes:
+    """Monitor-local name ids as the file's, :data:`_NO_MODULE` kept."""
+    ids = np.frombuffer(local, dtype=np.uint32)
+    none = ids == _NO_MODULE
+    return np.where(none, _NO_MODULE, fids[np.where(none, 0, ids)]).astype("<u4").tobytes()
+
+
+def _type_name(v) -> str:
+    """The reference's type name of a value that is no tensor: ``int``, ``float``, ``torch.dtype``, ..."""
+    t = type(v)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
+__all__ = ["SKIPPED", "ApiLevel", "ApiMode", "api_name"]
