@@ -170,11 +170,11 @@ class ApiLevel:
         def hook(module, args):
             mon = self.mon
             st = mon._state
-            if (self.pass_ is not None or st is None or mon._writer is None or mon._compiled or not module.training
+            if (self.pass_ is not None or st is None or mon.output.writer is None or mon._compiled or not module.training
                     or not torch.is_grad_enabled() or in_backward() or not mon.config.api_level):
                 return
             fwd = st.chunk_fwd.get(vpp, 1)
-            self.pass_ = _Pass(st, (fwd - 1) % mon._grad_acc, vpp)
+            self.pass_ = _Pass(st, (fwd - 1) % mon.steps.grad_acc, vpp)
             if self.counted is not st:
                 self.counted, self.counts = st, {}
             self.modules.clear()
@@ -241,7 +241,7 @@ class ApiLevel:
         n_pos = len(positional)
         ports = positional + outs + keywords
         block = stack_rows(rows[:n_pos] + rows[len(ins):] + rows[n_pos:len(ins)])
-        intern = self.mon._intern
+        intern = self.mon.name_table.intern
         port_ids, types, dtypes, ndims, dims, grads = [], [], [], [], [], []
         for port, v in ports:
             port_ids.append(intern(port))
@@ -294,7 +294,7 @@ class ApiLevel:
         """The pass's calls to the log: its rows copied to the host as a step's are, the record made on
         the writer's thread."""
         mon = self.mon
-        writer = mon._writer
+        writer = mon.output.writer
         if writer is None or writer.closed or writer.error is not None:
             return
         stats = StepStats(p.st.stats.ops)
@@ -302,7 +302,7 @@ class ApiLevel:
             stats.add(StatsPart("api", block, (0,) * len(block)))
         hs = stats.finish(p.st.step)
         mon._sync_names()
-        fids = mon._file_ids
+        fids = mon.name_table.file_ids
         rank, step, ops = mon.rank, p.st.step, tuple(p.st.stats.ops)
 
         def ids(col: array) -> bytes:

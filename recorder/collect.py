@@ -1,8 +1,8 @@
 """What a collected step records besides the module hooks: weight gradients, parameters, Adam state,
 and the end of the step (one host copy, HooksFired, the deferred TensorStatsRecorded build).
 
-A mixin of :class:`~trainrec.recorder.monitor.TrainerMon`; it uses the monitor's ``_state``
-(:class:`~trainrec.recorder.hooks.StepState`), ``_engine``, ``_params``, ``_writer`` and name tables.
+A mixin of :class:`~trainrec.recorder.monitor.TrainerMon` (what it reads of it: :class:`StepCollector`);
+the records go out through :class:`~trainrec.recorder.step_output.StepOutput`.
 
 Weight gradients: the post-accumulate-grad hook of each monitored parameter queues it (in one process
 without DDP, DeepSpeed, FSDP or Megatron, the hook is a list's ``append`` and the queueing happens at
@@ -44,7 +44,6 @@ measured again.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
 from itertools import compress, repeat
@@ -60,17 +59,15 @@ from trainrec.schema.events import (
     KIND_MG_DIRECTION,
     KIND_RATIO,
     KIND_UPDATE,
-    HooksFired,
     StepEnded,
 )
-from trainrec.schema.naming import reference_tag
 
 from . import config, fused, zero
 from .fused import local_tensor
 from .grad_places import any_in_shared_buffer, in_shared_buffer, is_shard, main_grad_now, shard_held_before
 from .hooks import StepState, in_backward
 from .optim import OWN_GRAD, device_update_and_ratio, fused_adam_rows, update_and_ratio
-from .step_stats import StatsPart, StepStats, build_stats_events, gather_device, placeholders, to_device
+from .step_stats import StatsPart, gather_device, placeholders, to_device
 from .targets import uninitialized
 
 log = logging.getLogger(__name__)
@@ -91,15 +88,22 @@ REUSE_UNCHANGED = config.env_choice("TRAINREC_REUSE_UNCHANGED_GRADS", ("0", "1",
 # every gradient on the device at each collected step.
 PENDING_FLUSH_BYTES = 1 << 28
 
-# A collected step open this long has what it recorded so far written while it goes on (StepCollector._spill),
-# checked every SPILL_TICK_S seconds.
-SPILL_AFTER_S = 1.0
-SPILL_TICK_S = 0.5
-SPILL_IDLE_S = 5.0  # how often the idle spill thread looks whether its monitor is gone
-
-
 class StepCollector:
-    """Gradient, parameter and optimizer-state rows of a collected step, and the step's end."""
+    """Gradient, parameter and optimizer-state rows of a collected step, and the step's end.
+
+    Its own state is made by :meth:`_init_collection`. What it reads of the monitor it is mixed into:
+    ``config``, ``rank``, ``world_size``, ``params_have_main_grad``, ``_state``, ``_engine``,
+    ``_params``, ``_targets``, ``_compiled``, ``_distributed``, ``_collections``, ``_step_t0``, the parts
+    ``step_output``, ``binding``, ``steps`` and ``step_hooks``, and ``_emit`` and ``_hook_failed``.
+    """
+
+    def _init_collection(self) -> None:
+        self._dp_duplicate = False  # this rank is not dp_group's first
+        self._dp_ranks: tuple = ()  # dp_group's ranks, in group order
+        self._dp_replicas: dict = {}  # _dp_copy's, per (DTensor mesh, placements)
+        self._plain_params_cache: tuple | None = None  # _plain_param_tensors
+        self._warned_no_optimizer = False
+        self._warned_mg_direction = False
 
     # ------------------------------------------------------------------ gradients and optimizer state
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -121,7 +125,7 @@ class StepCollector:
         info = self._params[index]
         micro = st.bwd_micro.get(info.vpp)  # the micro step of the forward this backward pass belongs to
         if micro is None:
-            micro = n % self._grad_acc
+            micro = n % self.steps.grad_acc
         call = st.fire(info.name_id, 1, micro)
         # .grad is final here: keep the tensor itself (DDP may swap param.grad for a bucket view, or
         # change it, before the batch is measured). main_grad is not (see main_grad_now).
@@ -179,11 +183,11 @@ class StepCollector:
     # Where nothing but this process's autograd engine touches a gradient inside the backward pass (no
     # DDP, DeepSpeed, FSDP or Megatron hooks: one process, or ranks that reduce after it) and no module
     # backward hook fires between the gradients (xy_distribution off or forward_only), the gradient hook
-    # of each monitored parameter is the bound ``append`` of one list (``_fired``): no Python frame runs
+    # of each monitored parameter is the bound ``append`` of one list (``StepHooks.fired``): no Python frame runs
     # inside the backward pass for it (on the benchmark model's 51 parameters, 0.2-0.8 ms less per step
     # than Python hooks, paired in one process; the hooks' own time was about 0.6 ms). The list
     # keeps the firing order; the end-of-backward callback, queued by the model chunk's output gradient
-    # hook (hooks.make_chunk_hook), hands each firing to _on_grad_accumulated in that order, so call ids,
+    # hook (chunk_hooks.make_chunk_hook), hands each firing to _on_grad_accumulated in that order, so call ids,
     # micro steps and the measured batch are those of the Python hooks. Where a firing is found anywhere
     # else (no chunk output gradient reached that backward pass), or the gradient turns out to be a view
     # into a shared buffer or a main_grad, the parameters get the Python hooks from then on.
@@ -193,20 +197,20 @@ class StepCollector:
 
     def _list_hooks_allowed(self) -> bool:
         cfg = self.config
-        if self._list_hooks_off or self._compiled or (cfg.xy_distribution and not cfg.forward_only):
+        if self.step_hooks.list_hooks_off or self._compiled or (cfg.xy_distribution and not cfg.forward_only):
             return False
         return not (self._distributed and self.world_size > 1)
 
     def _drain_fired(self, expected: bool = False) -> None:
         """The list hooks' firings, in order, through :meth:`_on_grad_accumulated`; unless ``expected``
         (at the end of a backward pass), they were found at a later flush point: Python hooks from now on."""
-        fired = self._fired
+        fired = self.step_hooks.fired
         items = fired.copy()
         fired.clear()
         st = self._state
         if st is None:
             return
-        index_of = self._list_hooked
+        index_of = self.step_hooks.list_hooked
         idx = list(map(index_of.get, map(id, items)))
         params = self._params
         # (this runs right after the backward pass, whose kernels have left the interpreter's data out of
@@ -224,7 +228,7 @@ class StepCollector:
         else:
             # _on_grad_accumulated's bookkeeping for a batch of distinct, plain firings, in one loop
             # (without a Python step per firing where possible: idx holds distinct parameters)
-            counts, bwd, ga = st.grad_count, st.bwd_micro, self._grad_acc
+            counts, bwd, ga = st.grad_count, st.bwd_micro, self.steps.grad_acc
             seen = list(map(counts.get, idx, repeat(0)))
             counts.update(zip(idx, map(add, seen, repeat(1)), strict=True))
             vpps = set(map(_VPP, infos))
@@ -252,27 +256,13 @@ class StepCollector:
             return
         if not in_backward_pass:
             st.eob_queued = False
-        if self._fired:
+        if self.step_hooks.fired:
             self._drain_fired(expected=in_backward_pass)
         if st.pending:
             self._flush_grads()
 
     def _list_hooks_fallback(self, why: str) -> None:
-        """The monitored parameters' list hooks become Python hooks, for the rest of the run."""
-        if self._list_hooks_off:
-            return
-        self._list_hooks_off = True
-        log.debug("trainrec: weight-gradient hooks in Python from now on: %s", why)
-        for h in self._list_hook_handles:
-            h.remove()
-        self._list_hook_handles.clear()
-        t = self._targets
-        for i, p in [(i, self._params[i].param) for i in sorted(set(self._list_hooked.values()))]:
-            try:
-                self._step_handles.append(p.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False)))
-            except RuntimeError as exc:
-                self._hook_failed(f"weight-gradient hook of {self._params[i].name!r}", exc)
-        self._list_hooked = {}
+        self.step_hooks.python_hooks_from_now(why)
 
     def _main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         return getattr(p, "main_grad", None) if self.params_have_main_grad else None
@@ -358,7 +348,7 @@ class StepCollector:
         sharded gradient (an optimizer's piece, an FSDP2 DTensor's local shard) is this rank's alone
         and is recorded on every rank, but where another rank of the group holds the same one (see
         :meth:`_dp_copy`: HSDP's replicas)."""
-        adam = self._adam
+        adam = self.binding.adam
         reduced_grad = None
         if adam is not None:
             adam.refresh()
@@ -405,7 +395,7 @@ class StepCollector:
         left the interpreter's data out of the CPU caches (the generator's loop cost about 0.25 ms there
         for the benchmark model's 51 parameters)."""
         plist = self._plain_param_tensors()
-        adam = self._adam
+        adam = self.binding.adam
         if (plist is not None and not partitioned_only and not self._dp_duplicate
                 and (adam is None or adam.applies_own_grads(plist))
                 and not self._may_have_main_grads(plist)):
@@ -491,7 +481,7 @@ class StepCollector:
             p = info.param
             if uninitialized(p):
                 continue  # a lazy module's that no forward has made yet: no values to measure
-            if self._z3 is not None:
+            if self.binding.z3 is not None:
                 piece = zero.local_param(p)
                 if piece is not None:
                     if not piece.numel():
@@ -547,7 +537,7 @@ class StepCollector:
 
     def _no_optimizer(self) -> bool:
         """True (with one warning per run) where no torch optimizer is known to read Adam state from."""
-        if self._adam is not None:
+        if self.binding.adam is not None:
             return False
         if not self._warned_no_optimizer:
             self._warned_no_optimizer = True
@@ -562,7 +552,7 @@ class StepCollector:
             return
         eng = self._engine
         # (counters on the CPU are read there; on the accelerators' path, as those on a device, not read)
-        entries = self._adam.lookup([p.param for p in self._params], host_steps=eng.host_paths)
+        entries = self.binding.adam.lookup([p.param for p in self._params], host_steps=eng.host_paths)
         if not entries:
             return
         idx = [e[0] for e in entries]
@@ -602,7 +592,7 @@ class StepCollector:
         idx, vals = [], []
         for i, g in zip(*self._own_grad_lists(partitioned_only), strict=True):
             m = state.get(i)
-            if m is None and not self._adam.in_adam_family(self._params[i].param):
+            if m is None and not self.binding.adam.in_adam_family(self._params[i].param):
                 continue  # a listed optimizer outside Adam's family (SGD beside AdamW): none to come
             if m is not None and m.numel() != g.numel():
                 continue  # state of another shape (sharded): not this parameter's
@@ -622,135 +612,38 @@ class StepCollector:
         each momentum, held from the pre-step hook to the post-step hook."""
         if self._no_optimizer():
             return None
-        if not self._adam.adam_family:
+        if not self.binding.adam.adam_family:
             if not self._warned_mg_direction:
                 self._warned_mg_direction = True
                 log.warning("trainrec: mg_direction compares gradients with Adam's momentum (exp_avg); %s is "
-                            "not of Adam's family: nothing is recorded for it", type(self._adam.torch_opt).__name__)
+                            "not of Adam's family: nothing is recorded for it", type(self.binding.adam.torch_opt).__name__)
             return None
-        state = {e[0]: e[1] for e in self._adam.lookup([p.param for p in self._params], host_steps=False)}
+        state = {e[0]: e[1] for e in self.binding.adam.lookup([p.param for p in self._params], host_steps=False)}
         if snapshot:
             with torch.no_grad():
                 state = {i: torch.view_as_complex(torch.sign(torch.view_as_real(m))) if m.is_complex()
                          else torch.sign(m) for i, m in state.items()}
-        return state, self._adam.stepped
+        return state, self.binding.adam.stepped
+
+    def _write_step(self, st: StepState) -> None:
+        """The step's hook firings and statistics, to the log (and to the api metrics)."""
+        self._settle_grads()
+        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
+            leaf.handle.remove()
+        st.leaf_hooks.clear()
+        self._collections += 1
+        self.step_output.write(st)
+
+    def _spill(self) -> None:
+        """Runs on the spill thread (:func:`.step_output.spill_loop`)."""
+        self.step_output.spill(self._state, self._step_t0, lambda: self._state)
 
     def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
         self._write_step(st)
         self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
                              duration=time.perf_counter() - self._step_t0, collected=True,
-                             micro_steps=max([self._grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
+                             micro_steps=max([self.steps.grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
                              optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
-
-    def _write_step(self, st: StepState) -> None:
-        """The step's hook firings and statistics, to the log (and to the api metrics); less what
-        :meth:`_spill` has written of them while the step went on."""
-        self._settle_grads()
-        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
-            leaf.handle.remove()
-        st.leaf_hooks.clear()
-        writer = self._writer
-        with self._spill_lock:
-            st.written = True
-            self._collections += 1
-            rest = st.stats
-            if st.spilled_parts:
-                rest = StepStats(st.stats.ops)
-                rest.parts = st.stats.parts[st.spilled_parts:]
-            if writer is None:  # format api: the metrics are made of the step's rows when asked for
-                self._last = {"stats": st.stats, "step": st.step}
-                return
-            live = not writer.closed and writer.error is None
-            # rows on the host: the records are made on the writer's thread (about 0.3 ms of Python per
-            # step that the training thread does not wait for); rows on a device: their copy to the
-            # host is started here. The api metrics: the step's rows, made when asked for unless made here
-            hs = rest if live and all(_on_host(p.values) for p in rest.parts) else rest.finish(st.step)
-            self._last = {"hs": hs} if hs is not rest and rest is st.stats else {"stats": st.stats, "step": st.step}
-            if live:
-                writer.write(self._records(st, hs, st.spilled_fires, len(st.micro)))
-
-    def _records(self, st: StepState, stats, f0: int, f1: int):
-        """A callable for the writer's thread making the HooksFired of firings ``f0:f1`` and the stats
-        records of ``stats`` (a StepStats, or HostStats already made); caller holds _spill_lock."""
-        self._sync_names()
-        fids = self._file_ids  # replaced, never changed in place, when names are added
-        wall = time.time()
-        rank, step, alerts, names = self.rank, st.step, self._alerts, self._names
-        # slices (copies) here: a numpy view of the live arrays would lock them against the training
-        # thread's appends (BufferError in its hooks) while the spill thread writes
-        cols = (st.mod_ids[f0:f1], st.dirs[f0:f1], st.call_ids[f0:f1], st.micro[f0:f1]) if f1 > f0 else None
-
-        def build():  # a generator: the firings reach the log even where the statistics fail
-            if cols is not None:
-                mod = fids[np.frombuffer(cols[0], dtype=np.uint32)].astype("<u4")
-                yield HooksFired(rank=rank, step=step, wall=wall, module_ids=mod.tobytes(),
-                                 directions=cols[1].tobytes(), call_ids=cols[2].tobytes(),
-                                 micro_steps=cols[3].tobytes())
-            hs = stats.finish(step, to_host=False) if isinstance(stats, StepStats) else stats
-            if hs.kinds:
-                yield from deferred_stats(hs, rank, fids, wall, alerts, names)()
-
-        return build
-
-    def _spill(self) -> None:
-        """Runs on the spill thread (:func:`spill_loop`): a collected step open for SPILL_AFTER_S or more
-        has the rows and hook firings it has recorded so far written now, so that a process killed in
-        the middle of a step (kill -9 of a rank hung in a collective, an OOM kill) leaves them in the
-        log. Rows still on an accelerator wait for the step's end (reading them here would wait on the
-        device). Nothing happens for steps shorter than SPILL_AFTER_S."""
-        st = self._state
-        writer = self._writer
-        if (st is None or writer is None or writer.closed or writer.error is not None
-                or time.perf_counter() - self._step_t0 < SPILL_AFTER_S):
-            return
-        with self._spill_lock:
-            if st.written or self._state is not st:
-                return
-            f1 = len(st.micro)  # appended last by StepState.fire: the other columns hold as many
-            parts = st.stats.parts
-            k0 = k1 = st.spilled_parts
-            while k1 < len(parts) and _on_host(parts[k1].values):
-                k1 += 1
-            if k1 == k0 and f1 == st.spilled_fires:
-                return
-            batch = StepStats(st.stats.ops)
-            batch.parts = parts[k0:k1]
-            writer.write(self._records(st, batch, st.spilled_fires, f1))
-            st.spilled_parts, st.spilled_fires = k1, f1
-
-    # ------------------------------------------------------------------ api metrics
-    def _metrics(self, kind: str) -> dict:
-        if "stats" in self._last:
-            self._last = {"hs": self._last["stats"].finish(self._last["step"], to_host=False)}
-        last = self._last.get("hs")
-        if last is None:
-            return {}
-        if last.event is not None:
-            last.event.synchronize()  # the host copy made for the writer may still be in flight
-        out: dict = {}
-        vals = last.values
-        for k, a, b in last.kinds:
-            if k != kind:
-                continue
-            # the reference's dtypes: norm and mean float64, the NaN count int64, the rest float32 (min and
-            # max are the tensor's own dtype there: float32 holds bfloat16 and float16 values exactly); a
-            # tensor that was not there (a NaN row) is float32 NaN throughout, as the reference's
-            block = vals[a:b]
-            cols = [block[:, j].to(_API_DTYPES.get(op, torch.float32)) for j, op in enumerate(last.ops)]
-            missing = torch.isnan(block).all(dim=1).tolist()
-            for r in range(a, b):
-                name = self._names[int(last.name_ids[r])]
-                tag = reference_tag(kind, name, int(last.slots[r]), int(last.micro_steps[r]), self.rank,
-                                    int(last.vpp_stages[r]))
-                i = r - a
-                out[tag] = ({op: block[i, j] for j, op in enumerate(last.ops)} if missing[i]
-                            else {op: cols[j][i] for j, op in enumerate(last.ops)})
-        return out
-
-
-_warned: list = []
-_API_DTYPES = {"norm": torch.float64, "mean": torch.float64, "nans": torch.int64}
-
 
 def _queue_end_of_backward(fn) -> None:
     """Run ``fn`` when the running backward pass finishes (the autograd engine's callback queue, as DDP
@@ -795,55 +688,3 @@ def scalar_rows(values: torch.Tensor, ops, eps: float) -> torch.Tensor:
     cols = {"min": values, "max": values, "mean": values, "norm": values.abs(),
             "zeros": (values.abs() < eps).to(torch.float32), "nans": torch.isnan(values).to(torch.float32)}
     return torch.stack([cols[op] for op in ops], dim=1)
-
-
-def deferred_stats(hs, rank: int, file_ids: np.ndarray, wall: float, alerts, names: list[str]):
-    """The callable run on the writer thread: host values -> TensorStatsRecorded (+ anomalies)."""
-
-    def build() -> list:
-        events = build_stats_events(hs, rank, file_ids, wall)
-        if alerts is None:
-            return events
-        out = []
-        arr = hs.values.numpy()
-        for ev, (kind, a, b) in zip(events, hs.kinds, strict=True):
-            out.append(ev)
-            try:
-                out.extend(alerts.observe(
-                    step=hs.step, kind=kind, ops=list(hs.ops), names=[names[int(i)] for i in hs.name_ids[a:b]],
-                    values=arr[a:b], micro_steps=hs.micro_steps[a:b], call_ids=hs.call_ids[a:b],
-                    slots=hs.slots[a:b], vpp_stages=hs.vpp_stages[a:b],
-                    placeholders=None if hs.placeholders is None else hs.placeholders[a:b],
-                ))
-            except Exception as exc:  # noqa: BLE001 - anomaly detection never stops recording
-                if not _warned:
-                    _warned.append(True)
-                    log.warning("trainrec: anomaly detection failed: %r", exc)
-        return out
-
-    return build
-
-
-def _on_host(values) -> bool:
-    return isinstance(values, np.ndarray) or values.device.type == "cpu"
-
-
-def spill_loop(ref, stop: threading.Event, step_open: threading.Event) -> None:
-    """The spill thread of a monitor (``ref``: a weak reference to it, so that the thread keeps nothing
-    alive): :meth:`StepCollector._spill` every SPILL_TICK_S seconds while a collected step is open
-    (``step_open``), asleep otherwise (steps the config skips wake nothing), until ``stop`` is set."""
-    while not stop.is_set():
-        if not step_open.wait(SPILL_IDLE_S):
-            if ref() is None:
-                return
-            continue
-        if stop.wait(SPILL_TICK_S):
-            return
-        mon = ref()
-        if mon is None:
-            return
-        try:
-            mon._spill()
-        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            mon._hook_failed("writing the step in progress", exc)
-        del mon

@@ -130,7 +130,8 @@ def probes_for(mon) -> FlightProbes:
             return None
         i = len(st.mod_ids) - 1
         mid = st.mod_ids[i]
-        name = m._names[mid] if mid < len(m._names) else f"<module {mid}>"
+        names = m.name_table.names
+        name = names[mid] if mid < len(names) else f"<module {mid}>"
         return (name, st.dirs[i], st.micro[i], st.call_ids[i])
 
     def module_names() -> dict:

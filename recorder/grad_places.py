@@ -100,3 +100,20 @@ def in_shared_buffer(g: torch.Tensor | None) -> bool:
         return g.untyped_storage().nbytes() > g.nbytes
     except (RuntimeError, NotImplementedError, TypeError):  # sparse and other storage-less layouts
         return False
+
+
+def sharded_over(param, ranks: list[int]) -> bool:
+    """Whether ``param`` is a DTensor sharded over the mesh dimension of these ranks (torch's tensor
+    parallelism, ``parallelize_module``): each of them holds a shard of its own, no duplicate. Also the
+    local tensor DDP puts in a DTensor's place under 2-D DDP + TP (``DistributedDataParallel(...,
+    device_mesh=mesh["dp"])``: a plain Parameter with the DTensor's spec in ``_st_info``)."""
+    import torch.distributed as dist
+
+    mesh, placements = getattr(param, "device_mesh", None), getattr(param, "placements", None)
+    if mesh is None:
+        spec = getattr(param, "_st_info", None)  # torch's DTensorSpec
+        mesh, placements = getattr(spec, "mesh", None), getattr(spec, "placements", None)
+    if mesh is None or placements is None:
+        return False
+    return any(pl.is_shard() and dist.get_process_group_ranks(mesh.get_group(dim)) == ranks
+               for dim, pl in enumerate(placements))

@@ -535,7 +535,7 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True):
             x = select(inputs_of(args, kwargs, sel_in), sel_in, key_in) if want_in else None
             if check_in and x is None:
                 warn_no_tensor(mon, t, module, {"input": inputs_of(args, kwargs, sel_in)})
-            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon._grad_acc), vpp, _needs_grad(x), pair)
+            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon.steps.grad_acc), vpp, _needs_grad(x), pair)
             st.open_calls.setdefault(mid, []).append(gc)
             if gc.in_hooked:
                 _hook_grad(mon, st, x, gc, SLOT_INPUT_GRAD, t.name)
@@ -591,7 +591,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
         if not forward or in_backward():
             return
         try:
-            micro = st.micro_of(vpp, mid, st.fwd_count, mon._grad_acc)
+            micro = st.micro_of(vpp, mid, st.fwd_count, mon.steps.grad_acc)
             call = st.fire(mid, DIR_FORWARD, micro)
             if n == 2:
                 xs = (select(inputs_of(args, kwargs, sel_in), sel_in, key_in), select(output, sel_out, key_out))
@@ -692,157 +692,3 @@ def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):
 
         return unsharded_hook
     return hook
-
-
-def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
-    """Forward pre-hook on model chunk ``vpp``, installed for the whole run: a new micro step begins, so
-    count it (module hooks take their micro step from this count), close the gradient batch, and on
-    chunk 0 tell the monitor (which notices optimizer steps that never ran)."""
-
-    def body(module, args):
-        try:
-            mon._match_compiled()  # dynamo may be about to trace the modules inside: their hooks made for it
-            if module.training and not in_backward():
-                if vpp == 0:
-                    mon._on_micro_step()
-                st = mon._state
-                if st is not None:
-                    # a training-mode forward under no_grad (a target computed with the model, a sample
-                    # logged) is no micro step: its activations would take a micro step's place
-                    st.nograd_fwd = not torch.is_grad_enabled()
-                    st.chunk_open = True
-                    if not st.nograd_fwd:
-                        st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
-        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            mon._hook_failed("micro step start", exc)
-        if mon._state is not None and (mon._state.pending or mon._fired):
-            try:
-                mon._settle_grads(in_backward())
-            except Exception as exc:  # noqa: BLE001
-                mon._hook_failed("gradient batch", exc)
-
-    return _run_hook(mon, body)
-
-
-def _run_hook(mon: TrainerMon, body):
-    """``body`` as a hook installed on a model chunk for the whole run: plain where the model runs
-    uncompiled (:func:`eager` costs 10-20 us per call inside a step), through :func:`eager` where it
-    runs compiled or dynamo is tracing it."""
-    if mon._compiled:
-        return eager(body)
-    body_eager = eager(body)
-
-    def hook(module, *args):
-        # the model was compiled after the monitor was installed and dynamo is tracing this hook: the
-        # attribute is set (a side effect of the traced code) before the graph break at body_eager,
-        # which then reattaches the step's hooks made for compilation before dynamo reaches them
-        if is_compiling():
-            mon._compiled = True
-            return body_eager(module, *args)
-        return body(module, *args)
-
-    return hook
-
-
-def make_chunk_hook(mon: TrainerMon, vpp: int):
-    """Forward hook on model chunk ``vpp``, installed for the whole run: a gradient hook on the chunk's
-    output tells the backward pass that reaches it which micro step's forward it belongs to, so weight
-    gradients get that micro step (:attr:`StepState.bwd_micro`): right for a parameter used only in
-    some micro steps (a routed expert, a branch), and for a pipeline stage that runs several forwards
-    before their backward passes (1F1B). Where no backward reaches the output, each parameter's own
-    count of its gradients is used."""
-
-    def body(module, args, output):
-        st = mon._state
-        if st is not None:
-            # (not nograd_fwd: the chunk's own target hook, registered after this one, still asks it)
-            st.chunk_open = False
-            if mon._fsdp2_waiting:
-                mon._hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
-            if mon._lazy_waiting:
-                mon._hook_materialized()  # lazy modules (LazyLinear) make theirs at their first forward
-        if mon._lazy_chunks and vpp in mon._lazy_chunks and module.training and torch.is_grad_enabled():
-            try:
-                mon._materialized(vpp)  # its lazy modules (LazyLinear) have made their parameters
-            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                mon._hook_failed("lazy modules' parameters made", exc)
-        if (st is None or not mon.config.wg_distribution or not module.training or not torch.is_grad_enabled()
-                or in_backward()):
-            return
-        try:
-            y = _first_grad_tensor(output)
-            if y is not None:
-                micro = (st.chunk_fwd.get(vpp, 1) - 1) % mon._grad_acc
-                y.register_hook(functools.partial(_on_chunk_output_grad, mon._ref, st, vpp, micro))
-        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            mon._hook_failed("model chunk output hook", exc)
-
-    return _run_hook(mon, body)
-
-
-def _first_grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
-    """The first non-leaf tensor that requires grad in a chunk's output (a tensor, a tuple or list, a
-    dict or an HF ``ModelOutput``, nested a few levels)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.requires_grad and value.grad_fn is not None else None
-    if depth > 3:
-        return None
-    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
-    for v in items:
-        t = _first_grad_tensor(v, depth + 1)
-        if t is not None:
-            return t
-    return None
-
-
-def _on_chunk_output_grad(mon_ref, st: StepState, vpp: int, micro: int, grad):
-    mon = mon_ref()
-    if mon is not None and mon._state is st:
-        st.bwd_micro[vpp] = micro
-        if mon._list_hook_handles and not st.eob_queued:  # the list hooks' firings are handled at its end
-            st.eob_queued = True
-            mon._queue_flush_at_end_of_backward()
-    return None
-
-
-def io_struct(value: Any) -> dict:
-    """The reference's module_struct.json description of one hook argument."""
-    if isinstance(value, (tuple, list)):
-        res: dict = {"config": f"{type(value).__name__}[{len(value)}]"}
-        for i, x in enumerate(value):
-            res[str(i)] = f"size={tuple(x.shape)}, dtype={x.dtype}" if isinstance(x, torch.Tensor) else f"{type(x)}"
-        return res
-    if isinstance(value, torch.Tensor):
-        return {"config": "tensor", "tensor": f"size={tuple(value.shape)}, dtype={value.dtype}"}
-    return {"config": f"{type(value)}"}
-
-
-def make_struct_hook(struct: dict, key: str):
-    """A forward hook that records the io structure of a module (print_struct): its inputs and outputs,
-    and the gradients a full backward hook would be given, derived from the forward's tensors (a
-    gradient has its tensor's size and dtype), so no full backward hook is needed (those break in-place
-    ops on module outputs; see the module docstring).
-
-    As torch's full backward hooks give them: ``input_grad`` has one entry per positional argument, a
-    gradient for every floating-point tensor argument when any argument requires grad (None for the
-    rest, and all None when none does); ``output_grad`` one per top-level output element, a gradient
-    where it is a tensor that requires grad. Nothing is recorded for them when no output requires grad
-    (a full backward hook never fires then)."""
-
-    def fwd(module, args, output):
-        entry = struct.setdefault(key, {})
-        if "input" not in entry:
-            entry["input"] = io_struct(args)
-            entry["output"] = io_struct(output)
-        if "output_grad" in entry or not torch.is_grad_enabled():
-            return
-        outs = output if isinstance(output, tuple) else (output,)
-        out_req = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
-        if not any(out_req):
-            return
-        in_req = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        entry["input_grad"] = io_struct(tuple(
-            a if in_req and isinstance(a, torch.Tensor) and a.is_floating_point() else None for a in args))
-        entry["output_grad"] = io_struct(tuple(o if r else None for o, r in zip(outs, out_req, strict=True)))
-
-    return eager(fwd)

@@ -1,80 +1,30 @@
 """``TrainerMon``: mindstudio-probe 1.2.1's monitor API, recording into the per-rank trainrec log.
 
-Life of a step (``step`` counts training steps from ``start_iteration``: optimizer steps, and steps
-whose optimizer step a loss scaler skipped):
-
-1. At the step's start (construction, the previous optimizer post-step, or the first forward after a
-   skipped optimizer step) the monitor decides whether the step is collected (``start_step``,
-   ``step_interval``, ``collect_times``, dynamic switch). Only then are module and gradient hooks
-   attached; on other steps they are detached, so a step that is not collected costs one StepBegan
-   and one StepEnded record and one forward pre-hook call per micro step (which notices skipped
-   optimizer steps, see ``_on_micro_step``).
-2. During forward/backward the hooks compute statistics on the device (see :mod:`.hooks`,
-   :mod:`.stats`); weight-gradient statistics are batched per micro step.
-3. Optimizer pre-step hook (on the optimizer *instance*): reduced gradients (``main_grad`` when
-   ``params_have_main_grad`` and present, else ``.grad``; unchanged gradients reuse their unreduced
-   rows instead of being computed twice) and parameters (before the update). ``optimizer.step(closure)``
-   (LBFGS; SGD or Adam given one) runs the closure's forward and backward passes after this hook,
-   inside the step: they are passes of this step (micro steps, never skipped steps), and the reduced
-   gradients and ``mg_direction`` are taken at the post-step hook instead, of the gradients the
-   closure's last evaluation left (see ``_closure_rows``).
-4. Optimizer post-step hook: Adam ``exp_avg``/``exp_avg_sq`` and ``update``/``ratio`` (after the
-   update, so rows exist from the first step), then one concatenation and one host copy of every
-   statistic of the step; the writer thread turns it into TensorStatsRecorded records (and runs the
-   anomaly engine, if configured). Then the step counter advances and the dynamic watcher is polled.
-
-``optimizer=None``: the optimizer set with :meth:`set_wrapped_optimizer` is used; failing that, global
-optimizer step hooks wait for the first optimizer stepping over the model's parameters, bind to that
-instance, and are removed at the next step boundary.
-
-Recorded per collected step: HooksFired (every module hook firing and every gradient-accumulation
-hook firing, with its call id in execution order and micro step), TensorStatsRecorded per kind, and
-StepBegan/StepEnded for every step (StepBegan is written at the step's first sign of life). The
-model's passes inside another optimizer's step (a GAN's discriminator in the generator's step) go into
-its next step; where the run ends after such passes, a close without an exception ends them with a
-StepEnded marked ``foreign_passes`` (no step; see ``_end_foreign_passes``).
-
-Sharded optimizers: torch's ZeroRedundancyOptimizer, DeepSpeed ZeRO 1-3 (:mod:`.zero`; its torch
-optimizer steps once per param group, counted as one step, see ``_part_of_step``) and Megatron's
-DistributedOptimizer: each rank records its own pieces of the Adam state and reduced gradients.
-Megatron's ChainedOptimizer (a DistributedOptimizer or Float16OptimizerWithFloat16Params per part,
-stepped one after the other) is one step too, with every member's state mapped; so is a list of
-optimizers given as ``optimizer=`` (each steps its part of the model once per training step, in any
-order).
-
-Selectors are checked against a module's real inputs and outputs at its first call: in the run's
-first step a mismatch is a ConfigError out of that forward (before training time is spent); a module
-first called later is checked by its hooks (a HookFailed naming the key; training goes on). A
-``tuple[N]`` input selector the forward signature rules out is a ConfigError at
-``monitor_gnorm_with_ad``. Collective calls (``cc_distribution``), the stall watchdog
-(``stall_watchdog``) and the exception that ends a recording are :mod:`.flight`'s.
+The msprobe face over the recorder's parts (output, optimizer binding, step tracker, step hooks, name
+table, collector); how a step is recorded, and which part does what: ``docs/recorder-internals.md``.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
 import operator
 import os
-import shutil
 import sys
-import threading
 import time
 import weakref
 
-import numpy as np
 import torch
 from trainrec.schema import layout
-from trainrec.schema.errors import ConfigError, WriterError
+from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
-    KIND_ACTV_GRAD,
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
     KIND_PARAM,
     KINDS,
-    MAX_STEP,
     ConfigApplied,
     ConfigRejected,
     HookFailed,
@@ -84,17 +34,24 @@ from trainrec.schema.events import (
     StepEnded,
 )
 
-from . import api_calls, fsdp, runinfo, structure, zero
-from .collect import StepCollector, _queue_end_of_backward, spill_loop
+from . import api_calls, fsdp, runinfo, structure
+from .attach import StepHooks
+from .binding import OptimizerBinding
+from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
+from .collect import StepCollector
 from .config import MonitorConfig, load_config, parse_config
 from .flight import probes_for
-from .fused import local_tensor
-from .hooks import StepState, eager, make_chunk_hook, make_chunk_pre_hook
-from .optim import KNOWN_OPT_TYPES, AdamState, chain_of, holder_of, torch_optimizer_of
+from .hooks import StepState, eager
+from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
+from .names import NameTable
+from .optim import KNOWN_OPT_TYPES
+from .output import Output
 from .stats import StatsEngine
+from .step_output import StepOutput, spill_loop
 from .step_stats import StepStats
-from .targets import ParamInfo, Targets, build_targets, uninitialized
-from .writer import LogWriter, before_sigterm_close, install_sigterm_handler
+from .steps import StepTracker, rows_non_finite, weak_call
+from .targets import ParamInfo, Targets, mark_tp_duplicates, select_targets, uninitialized
+from .writer import before_sigterm_close
 
 log = logging.getLogger(__name__)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -154,57 +111,23 @@ class TrainerMon(StepCollector):
             raise TypeError(f"output_dir: expected a directory path (str or os.PathLike), got "
                             f"{type(output_dir).__name__}")
         self.output_dir = os.fspath(output_dir) if output_dir else layout.output_dir_from_env()
-        self._output_dir_given = bool(output_dir)
-        self._live_export_enabled = live_export if live_export is not None else "format" in self.config.raw
+        # the log, the live export, the detector, the config watcher and the probes: closed by close(), or
+        # by the output's finalizer where this monitor is dropped without it (with its model)
+        self.output = Output(self.rank, self.output_dir, bool(output_dir),
+                             live_export if live_export is not None else "format" in self.config.raw)
         self._engine = StatsEngine(self.config.ops, self.config.eps)
-        self._names: list[str] = []
-        self._name_ids: dict[str, int] = {}
-        self._file_ids = np.zeros(0, dtype=np.uint32)
-        self._step_handles: list = []
-        # the list hooks of weight gradients (collect.py, _drain_fired): firings in order, the hooked
-        # parameters' indices by id, their handles (also in _step_handles), and whether a fallback has
-        # made them Python hooks for good. (The model's chunk hooks keep the monitor, so these stay
-        # attached no longer than it.)
-        self._fired: list = []
-        self._list_hooked: dict[int, int] = {}
-        self._list_hook_handles: list = []
-        self._list_hooks_off = False
-        self._frozen: list[int] = []  # monitored parameters without a gradient hook: frozen when attached
+        self.name_table = NameTable()
+        self.step_output = StepOutput(self.output, self.name_table, self.rank)
+        self.step_hooks = StepHooks(weak_call(self._hook_failed), _warn_once)
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
-        self._fsdp2_waiting: list = []  # (index, FSDPParam) whose unsharded parameter FSDP2 has not made yet
-        self._lazy_waiting: list[int] = []  # monitored parameters of lazy modules not made yet (_hook_materialized)
         self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
         self._no_tensor_warned: set[int] = set()  # modules where the default selection found no tensor (hooks)
-        self._opt_handles: list = []
-        self._global_handles: list = []
         self._struct_handles: list = []
         self._chunk_handles: list = []
-        self._chunk0_params: list = []
-        self._marked_params: list = []  # chunk 0's first and last: their backward is noticed (_on_backward)
         self._lazy_chunks: set[int] = set()  # chunks with lazy modules' parameters not made when installed
-        self._mark_hooked: set[int] = set()  # ids of the parameters with the _on_backward hook
-        self._grad_marks: dict[int, tuple | None] = {}  # id(param) -> (weakref to .grad, its version)
-        self._param_marks: dict[int, int] = {}  # id(param) -> the parameter's version at its last backward
-        self._forwards = 0  # training forwards of chunk 0 in this step
-        self._backward_seen = False  # and whether a backward pass ran in it
-        # of those forwards, how many another optimizer's step came after (_other_stepped), and whether a
-        # second pass of the step began (gradients cleared after a backward, _on_micro_step): a step that
-        # is still one pass, every forward of it followed by another optimizer's step, has only passes of
-        # the model inside another model's steps so far (a GAN's discriminator in the generator's step)
-        self._foreign_forwards = 0
-        self._pass_split = False
-        self._skips_in_a_row = 0
-        # forward-backward passes (of grad_acc_steps forwards) the last optimizer step took; None before one ran
-        self._passes: int | None = None
-        self._reduced_check_queued = False  # before then: _check_reduced_grads
-        self._reduced_non_finite: bool | None = None  # its finding for the last backward pass
-        # step(closure) running (between its pre- and post-step hooks): the closure's forward and backward
-        # passes, which run inside it, are passes of this step; the rows that need the gradients the step
-        # applies are taken at its post-step hook (_closure_rows). The forwards of the step before its
-        # first step(closure) began (None: none in this step), the step's state then, whether that call
-        # began the step (DeepSpeed: one param group at a time), and mg_direction's momenta before the update.
-        self._closure_step = False
-        self._closure_forwards: int | None = None
+        # step(closure): the rows that need the gradients the step applies are taken at its post-step
+        # hook (_closure_rows): the step's state at its pre-step hook, whether that call began the step
+        # (DeepSpeed: one param group at a time), and mg_direction's momenta before the update
         self._closure_state: StepState | None = None
         self._closure_first = True
         self._closure_momenta: tuple | None = None
@@ -213,195 +136,58 @@ class TrainerMon(StepCollector):
         self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._live_check_at = 0.0  # when _begin_step looks at the live export next
-        self._writer_failed = False  # the log writer failed: said once, and nothing more is collected
         self._began = False
         self._collections = 0
         self._monitoring = False
         self._first_step = 0
-        self._grad_acc = 1
         self._chunks: list[torch.nn.Module] = []
         self._fullgraph = False  # a chunk was given as torch.compile(..., fullgraph=True): no graph breaks
         self._targets: Targets | None = None
         self._params: list[ParamInfo] = []
-        self._opt = None
-        self._opt_groups: list = []  # the optimizer's param groups between steps
         self._check_handles: list = []  # selector checks at the first call, until the first step ends
-        self._chain: list = []  # the torch optimizers of Megatron's ChainedOptimizer, or of a list given
-        self._chain_stepped: set[int] = set()  # those of them that stepped in this training step
-        self._z3 = None  # DeepSpeed's ZeRO 3 optimizer, where it partitions the model
-        self._ds_overflow = None  # weakref: DeepSpeed's optimizer around self._opt, where known (zero.overflow_source)
-        self._ds_steps: int | None = None  # its steps taken when the last training step ended (zero.steps_taken)
-        self._wrapped = None
-        self._adam: AdamState | None = None
-        self._dp_duplicate = False  # this rank is not dp_group's first
-        self._dp_ranks: tuple = ()  # dp_group's ranks, in group order
-        self._dp_replicas: dict = {}  # StepCollector._dp_copy's, per (DTensor mesh, placements)
-        self._plain_params_cache: tuple | None = None  # StepCollector._plain_param_tensors
+        cls = type(self)  # (its set_wrapped_optimizer, read at binding time; the class, not this monitor)
+        self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
+                                        lambda: cls._wrapped_optimizer, _warn_once)
+        self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
+                                 weak_call(self._several_ranks), weak_call(self._hook_failed), _warn_once)
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
-        self._hooks_compiled = False  # what the attached step hooks were made for
         self._tp_group = None
         self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
-        self._last: dict[str, list] = {}
         self._failures: dict[str, int] = {}
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
         self._ref = weakref.ref(self)
-        self._mark_began_weakly = _weak_call(self._mark_began)  # each collected step's first-firing callback
-        # the log, the live export, the detector and the config watcher, held apart from the monitor so
-        # that a monitor dropped without close() (with its model) still has its log closed (_release)
-        self._owned = _Owned()
-        self._finalizer = weakref.finalize(self, _release, self._owned)
-        self._finalizer.atexit = False  # at exit, _close_open_monitors closes a live monitor in full
-        self._rank_dir: str | None = None
-        self._resumed_from: tuple = ()
+        self._mark_began_weakly = weak_call(self._mark_began)  # each collected step's first-firing callback
+        self.output.closed_with(self)  # (at exit, _close_open_monitors closes a live monitor in full)
         self._struct: dict | None = None
-        self._manual_steps = False
-        self._warned_no_optimizer = False
-        self._warned_mg_direction = False
         self._closed = False
-        self._emitted = False  # an event went to the log (its directory is kept whatever happens)
-        self._made_rank_dir = False  # the rank directory is this monitor's own (not append_output's)
-        self._output_discarded = False  # a config error removed the empty output (_discard_empty_output)
-        self._spilling = False
-        self._spill_lock = threading.RLock()  # the step's records: written at its end or by the spill thread
-        self._spill_stop = self._owned.spill_stop
-        self._step_open = self._owned.step_open
+        self._init_collection()
         if self.config.format != "api":
             self._open_output()
         else:
-            self._make_alerts(self.config)  # says that format api detects nothing
+            self.output.make_alerts(self.config, self.pp_stage, self.group_mates)  # says it detects nothing
         if self.dynamic:
-            self._start_watcher()
-        self._probes = self._owned.probes = probes_for(self)  # collectives, stall watchdog (flight.py)
+            path = self.config_file_path
+            self.dynamic = self.output.start_watcher(
+                path, validate=lambda raw: parse_config(raw, os.fspath(path)), emit=weak_call(self._emit),
+                check=weak_call(self._check_config))
+        self.output.probes = probes_for(self)  # collectives, stall watchdog (flight.py)
         _open_monitors.add(self)  # closed at exit (_close_open_monitors)
-
-    _writer = property(lambda self: self._owned.writer, lambda self, v: setattr(self._owned, "writer", v))
-    _live = property(lambda self: self._owned.live, lambda self, v: setattr(self._owned, "live", v))
-    _alerts = property(lambda self: self._owned.alerts, lambda self, v: setattr(self._owned, "alerts", v))
-    _watcher = property(lambda self: self._owned.watcher, lambda self, v: setattr(self._owned, "watcher", v))
 
     # ------------------------------------------------------------------ output
     def _open_output(self) -> None:
-        cfg = self.config
-        if cfg.append_output:
-            self._rank_dir = runinfo.find_append_dir(self.output_dir, self.rank, cfg.append_output)
-            self._resumed_from = tuple(os.path.basename(p) for p in layout.list_logs(self._rank_dir))
-            self.run_id = runinfo.previous_run_id(self._rank_dir) or self.run_id
-        else:
-            self._rank_dir = runinfo.new_rank_dir(self.output_dir, self.rank)
-        made = not os.path.isdir(self._rank_dir)
-        try:
-            layout.make_dirs(self._rank_dir)
-            self._writer = LogWriter(self._rank_dir, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
-                                     pp_stage=self.pp_stage, group_mates=self.group_mates)
-        except (OSError, WriterError) as exc:
-            if made:  # what this failed start made goes (an empty log file, the rank directory)
-                shutil.rmtree(self._rank_dir, ignore_errors=True)
-            source = ("output_dir" if self._output_dir_given else "$MONITOR_OUTPUT_DIR"
-                      if os.environ.get("MONITOR_OUTPUT_DIR") else "the default; $MONITOR_OUTPUT_DIR chooses another")
-            raise WriterError(f"trainrec: cannot write the monitor's log under {self.output_dir!r} ({source}): "
-                              f"{exc}; give a writable directory") from exc
-        self._file_ids = np.zeros(0, dtype=np.uint32)  # a new file: every name is announced to it again
-        self._made_rank_dir = not cfg.append_output
-        install_sigterm_handler()  # preemption (SLURM, elastic) closes the log; False off the main thread
-        if not self._spilling:  # once per monitor (the output is opened again after a config error)
-            self._spilling = True
+        """Open the log (again, after a config error discarded the empty one): names are announced to the
+        new file anew; the spill thread starts once per monitor."""
+        self.run_id = self.output.open(self.config, self.run_id, self.world_size, self.pp_stage, self.group_mates)
+        self.name_table.new_file()
+        if self.output.start_spilling(functools.partial(spill_loop, weakref.ref(self))):
             before_sigterm_close(self._write_unfinished_step)
-            threading.Thread(target=spill_loop, args=(weakref.ref(self), self._spill_stop, self._step_open),
-                             daemon=True, name=f"trainrec-spill-rank{self.rank}").start()
-        if cfg.format in ("csv", "tensorboard") and self._live_export_enabled:
-            self._live = runinfo.LiveExport(cfg.format, self._rank_dir, cfg.ndigits, cfg.step_count_per_record)
-        self._make_alerts(cfg)
-
-    def _discard_empty_output(self) -> None:
-        """``monitor_gnorm_with_ad`` failed on the config, before anything was recorded: the rank directory
-        this monitor made (with its empty log) goes, so that a fixed relaunch leaves no empty run beside
-        its own. A later successful call opens a new one (:meth:`_open_output`). A resumed run's
-        directory (append_output) and anything else found in the directory stay."""
-        w = self._writer
-        if w is None or not self._made_rank_dir or self._emitted:
-            return
-        self._writer = None
-        try:
-            w.close()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("trainrec: closing the log failed: %r", exc)
-        if self._live is not None:
-            self._live.wait(10.0)
-            self._live = None
-        if self._alerts is not None:  # an empty anomaly.json (alert.dump) goes too
-            try:
-                self._alerts.discard()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
-            self._alerts = None
-        rank_dir, self._rank_dir = self._rank_dir, None
-        try:
-            names = os.listdir(rank_dir)
-        except OSError:
-            names = []
-        for name in names:  # the log, and what the live export made of it (a TensorBoard file's header)
-            if name in ("live_export.out", "live_export.done", os.path.basename(w.path)) or \
-                    name.startswith("events.out.tfevents."):
-                try:
-                    os.remove(os.path.join(rank_dir, name))
-                except OSError:
-                    pass
-        try:
-            os.rmdir(rank_dir)
-        except OSError:
-            pass  # something else is in it (or it is gone): left as it is
-        self._output_discarded = True
-
-    def _make_alerts(self, cfg: MonitorConfig) -> None:
-        if self._alerts is not None:
-            try:
-                self._alerts.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
-            self._alerts = None
-        if cfg.alert is not None and self._writer is None:
-            log.warning("trainrec: alert is configured with format \"api\", which writes no log: anomalies are "
-                        "detected on the writer thread as the log is written, so none are detected here. Use "
-                        "another format (the log is always written), or trainrec anomalies on a recorded run.")
-        if cfg.alert is None or self._writer is None:
-            return
-        try:
-            from .alerts import AlertEngine
-        except ImportError:
-            _warn_once("alerts", "trainrec: alert is configured but trainrec.recorder.alerts is not available; "
-                       "anomalies are not detected while recording")
-            return
-        dump_dir = os.path.join(self.output_dir, "anomaly_detected") if cfg.alert.get("dump") else None
-        self._alerts = AlertEngine(cfg.alert, rank=self.rank, pp_stage=self.pp_stage,
-                                   group_mates=self.group_mates, dump_dir=dump_dir,
-                                   resume=bool(cfg.append_output))
-
-    def _start_watcher(self) -> None:
-        try:
-            from .dynamic import DynamicConfigWatcher
-        except ImportError:
-            _warn_once("dynamic", "trainrec: DYNAMIC_MONITOR is set but trainrec.recorder.dynamic is not available; "
-                       "dynamic mode is off: the config applies as it is, from the start")
-            self.dynamic = False
-            return
-        if self.config_file_path is None:
-            log.warning("trainrec: DYNAMIC_MONITOR needs a config file path (this config is a dict); dynamic mode "
-                        "is off: the config applies as it is, from the start")
-            self.dynamic = False
-            return
-        path = os.fspath(self.config_file_path)
-        self._watcher = DynamicConfigWatcher(
-            path, validate=lambda raw: parse_config(raw, path), emit=_weak_call(self._emit), rank=self.rank,
-            writes_back=self.rank == 0, group=None, check=_weak_call(self._check_config),
-        )
-        self._watcher.start()
 
     def _write_unfinished_step(self) -> None:
         """A step that never ended (an exception, SIGTERM, a NaN check that stopped the run): what it
         recorded is written, with no StepEnded after it, for the post-mortem. Once."""
         st = self._state
-        if st is not None and not st.written and (st.stats or st.pending or self._fired or len(st.mod_ids)):
+        if st is not None and not st.written and (st.stats or st.pending or self.step_hooks.fired or len(st.mod_ids)):
             try:
                 self._write_step(st)
             except Exception as exc:  # noqa: BLE001
@@ -424,25 +210,24 @@ class TrainerMon(StepCollector):
             log.debug("trainrec: recording the rejected config failed: %r", err)
 
     def _emit(self, event) -> None:
-        """Hand an event to the writer; a failed writer is reported once and never raised into training."""
-        w = self._writer
-        if w is not None and not w.closed:
-            self._emitted = True
-            try:
-                w.write(event)
-            except WriterError as exc:
-                self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
-                self._writer_failed = True
-                log.debug("trainrec: the log writer failed (%s); monitoring records nothing more", exc)  # it said so
+        """Hand an event to the log; a failed writer is reported once and never raised into training."""
+        if not self.output.emit(event):
+            self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
 
     @property
     def rank_dir(self) -> str | None:
         """This rank's directory (None for format api)."""
-        return self._rank_dir
+        return self.output.rank_dir
+
+    @property
+    def step_count(self) -> int:
+        """The current step's number (counted from ``start_iteration``)."""
+        return self._step
 
     @property
     def log_path(self) -> str | None:
-        return self._writer.path if self._writer is not None else None
+        w = self.output.writer
+        return w.path if w is not None else None
 
     # ------------------------------------------------------------------ public API
     @property
@@ -457,7 +242,7 @@ class TrainerMon(StepCollector):
         new = parse_config({**self.config.raw, "ops": ops}, "ops")
         self.config = new
         st = self._state
-        if st is None or not (st.stats or st.pending or self._fired):
+        if st is None or not (st.stats or st.pending or self.step_hooks.fired):
             self._engine = StatsEngine(new.ops, new.eps)
             if st is not None:
                 st.stats = StepStats(new.ops)
@@ -474,17 +259,17 @@ class TrainerMon(StepCollector):
         if self._chunks:
             raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
         try:
-            given, acc = checked_model(model), _checked_arguments(grad_acc_steps, start_iteration)
+            given, acc = checked_model(model), checked_arguments(grad_acc_steps, start_iteration)
         except (ConfigError, TypeError):
-            self._discard_empty_output()  # nothing installed: no empty run left beside a fixed one
+            self.output.discard_if_empty()  # nothing installed: no empty run left beside a fixed one
             raise
-        self._chunks = [_uncompiled(m) for m in given]
+        self._chunks = [uncompiled(m) for m in given]
         # 2-D DDP + TP's local Parameters, which the module lists no more after its first forward (see
         # targets._displaced); those alone: the others, held for good, might be a model's replaced weights
         self._installed = [{n: p for n, p in c.named_parameters() if hasattr(p, "_st_info")} for c in self._chunks]
-        self._fullgraph = any(map(_compiled_fullgraph, given))
+        self._fullgraph = any(map(compiled_fullgraph, given))
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
-        self._grad_acc = acc
+        self.steps.grad_acc = acc
         self._step = int(start_iteration)
         self._tp_group = tp_group
         if not self._distributed:
@@ -507,32 +292,31 @@ class TrainerMon(StepCollector):
             self._targets = self._build(self.config)  # raises ConfigError before any training
         except ConfigError as exc:
             self._chunks = []  # nothing installed: the caller may fix the config and call again
-            self._discard_empty_output()
+            self.output.discard_if_empty()
             raise exc.with_source(self._config_source()) from None
-        if self._output_discarded:  # an earlier call failed on the config: this one records
-            self._output_discarded = False
+        if self.output.discarded:  # an earlier call failed on the config: this one records
             self._open_output()
         self._write_structure()
         self._warn_if_monitored_already()
         # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step; on the
         # wrapper of a chunk compiled with fullgraph=True, whose own hooks run outside the graph (inside
         # it, a hook that dynamo may not trace is a graph break, which fullgraph makes an error)
-        hooked = [m if _compiled_fullgraph(m) else c for m, c in zip(given, self._chunks, strict=True)]
+        hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, self._chunks, strict=True)]
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
                                for vpp, chunk in enumerate(hooked)]
         self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self, vpp))
                                 for vpp, chunk in enumerate(hooked)]
-        self._chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
+        self.steps.chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
         self._mark_params()
         self._lazy_chunks = {vpp for vpp, c in enumerate(self._chunks) if any(map(uninitialized, c.parameters()))}
-        if not self._manual_steps:
+        if not self.steps.manual:
             # every optimizer's step, once each: another optimizer's (a GAN's other model's) tells the
             # passes of this model inside that model's step from this model's own (_other_stepped)
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            self._chunk_handles.append(register_optimizer_step_post_hook(eager(_weak_call(self._other_stepped))))
+            self._chunk_handles.append(register_optimizer_step_post_hook(eager(weak_call(self.steps.other_stepped))))
         self._bind_optimizer(optimizer)
-        if self._resumed_from:
+        if self.output.resumed_from:
             if self._step == 0:
                 log.warning("trainrec: append_output resumes the run in this launch, but training starts "
                             "at step 0 here (start_iteration not given, or 0): replay takes every step from 0 on as "
@@ -540,30 +324,25 @@ class TrainerMon(StepCollector):
                             "exports and anomalies; the live CSV export removes its files). Pass "
                             "monitor_gnorm_with_ad(..., start_iteration=<the step training resumes at>)")
             self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
-                                  previous_files=self._resumed_from, last_step=self._step - 1,
+                                  previous_files=self.output.resumed_from, last_step=self._step - 1,
                                   reason="append_output"))
         if self.config.print_struct and not self.dynamic:
             self._attach_struct_hooks()
         else:
             # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
             self._check_handles = self._targets.first_call_checks(self._config_source(),
-                                                                  _weak_call(self._rejected_at_first_call))
+                                                                  weak_call(self._rejected_at_first_call))
             if not self.dynamic:
                 self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
         self._begin_step()
 
     def _mark_params(self) -> None:
-        """A backward ran in this step: the first and last parameters of chunk 0 got a gradient (a hook on
-        each, :meth:`_on_backward`). Those of a lazy module not made yet take no hook: the first and last
-        made are marked (chosen again at the end of chunk 0's first training forward, :meth:`_materialized`)."""
-        made = [p for p in self._chunk0_params if not uninitialized(p)]
-        self._marked_params = list({id(q): q for q in made[:1] + made[-1:]}.values())
-        for p in self._marked_params:
-            if id(p) not in self._mark_hooked:
-                self._mark_hooked.add(id(p))
-                # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
-                # the monitor (which holds the model) would keep both alive until exit
-                self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(_weak_call(self._on_backward))))
+        """A backward ran in this step: a hook on chunk 0's first and last parameters tells the step
+        tracker (chosen again once a lazy module's are made, :meth:`_materialized`)."""
+        for p in self.steps.mark():
+            # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
+            # the monitor (which holds the model) would keep both alive until exit
+            self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(weak_call(self.steps.on_backward))))
 
     def _join_process_group(self) -> None:
         """torch.distributed was initialized after this monitor was made (msprobe's documentation makes
@@ -583,19 +362,19 @@ class TrainerMon(StepCollector):
             _warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
                        f"its rank {info.rank} of {info.world_size} differs from the environment's "
                        f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
-                       f"{self._rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
+                       f"{self.output.rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
         self._distributed = True
         # the pipeline stage and group mates, as a monitor made after init_process_group has them (the
         # environment gave stage 0 and this rank alone): the log's header and the anomalies carry them
         header = (self.pp_stage, self.group_mates)
         restage = (info.pp_stage, tuple(info.group_mates)) != (self.pp_stage, tuple(self.group_mates))
         self.pp_stage, self.group_mates = info.pp_stage, info.group_mates
-        if self._watcher is not None:  # dynamic mode: the ranks agree on the step a change applies at
+        if self.output.watcher is not None:  # dynamic mode: the ranks agree on the step a change applies at
             try:
-                self._watcher.join_group()
+                self.output.watcher.join_group()
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                 self._hook_failed("dynamic config watcher", exc)
-        if not self._share_run_id(restage) and restage and self._writer is not None:
+        if not self._share_run_id(restage) and restage and self.output.writer is not None:
             # the log keeps its header (it holds events, or continues a run): so do its anomalies
             self.pp_stage, self.group_mates = header
 
@@ -612,10 +391,10 @@ class TrainerMon(StepCollector):
             rid = runinfo.shared_run_id()
         if (rid == self.run_id and not restage) or self.config.append_output:
             return False
-        if self._writer is None:  # format api: no log
+        if self.output.writer is None:  # format api: no log
             self.run_id = rid
             return False
-        if self._emitted or not self._made_rank_dir:
+        if self.output.emitted or not self.output.made_rank_dir:
             if rid != self.run_id:
                 log.warning("trainrec: rank %d: torch.distributed was initialized after TrainerMon was made and "
                             "its log already holds events, so its run id stays this rank's own: replay lists "
@@ -623,25 +402,24 @@ class TrainerMon(StepCollector):
                             "set TRAINREC_RUN_ID in every rank's environment", self.rank)
             return False
         self.run_id = rid
-        self._discard_empty_output()
-        self._output_discarded = False
+        self.output.discard_if_empty()
         self._open_output()
         return True
 
     def generate_wgrad_metrics(self) -> tuple[dict, dict]:
         """``(reduced, unreduced)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""
-        return self._metrics(KIND_GRAD_REDUCED), self._metrics(KIND_GRAD_UNREDUCED)
+        return self.step_output.metrics(KIND_GRAD_REDUCED), self.step_output.metrics(KIND_GRAD_UNREDUCED)
 
     def generate_xy_metrics(self) -> tuple[dict, dict]:
         """``(actv, actv_grad)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""
-        return self._metrics("actv"), self._metrics("actv_grad")
+        return self.step_output.metrics("actv"), self.step_output.metrics("actv_grad")
 
     def generate_metrics(self, kind: str) -> dict:
         """Metrics of any kind (param, exp_avg, exp_avg_sq, update, ratio, ...) of the latest collected step;
         an unknown kind is a ValueError (it would otherwise look like a kind with nothing recorded)."""
         if kind not in KINDS:
             raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-        return self._metrics(kind)
+        return self.step_output.metrics(kind)
 
     def reload_xy(self, xy_distribution: bool = False) -> None:
         """Switch ``xy_distribution`` and re-select the activation hooks; handles are replaced, never
@@ -649,7 +427,7 @@ class TrainerMon(StepCollector):
         cfg = parse_config({**self.config.raw, "xy_distribution": bool(xy_distribution)}, "reload_xy")
         self.config = cfg
         if self._chunks:
-            attached = bool(self._step_handles)
+            attached = self.step_hooks.attached
             self._detach()
             self._targets = self._build(cfg)
             if attached:
@@ -673,7 +451,7 @@ class TrainerMon(StepCollector):
         # one rank, two launches in one directory, of which replay shows one
         here = os.path.realpath(self.output_dir)
         for other in list(_open_monitors):
-            if (other is not self and not other._closed and self._writer is not None and other._writer is not None
+            if (other is not self and not other._closed and self.output.writer is not None and other.output.writer is not None
                     and other.rank == self.rank and os.path.realpath(other.output_dir) == here):
                 log.warning("trainrec: another open monitor of this process writes to the same output directory "
                             "%s (its log: %s): replay shows one launch per directory, so one of the two logs would "
@@ -688,46 +466,25 @@ class TrainerMon(StepCollector):
         if reason in ("close", "exit"):  # (after an exception or a signal, a step begun stays open)
             self._end_foreign_passes()
         self._closed = True
-        self._finalizer.detach()
         _open_monitors.discard(self)
-        self._spill_stop.set()
-        self._step_open.set()  # wakes the spill thread, which sees the stop
+        self.output.stop_spilling()  # (before the step in progress is written here)
         self._detach()
         self._write_unfinished_step()
-        self._probes.close(reason)  # (the exception that ended the recording, if any, goes to the log)
-        for handles in (self._opt_handles, self._global_handles, self._struct_handles, self._chunk_handles,
-                        self._check_handles):
+        self.binding.close()
+        for handles in (self._struct_handles, self._chunk_handles, self._check_handles):
             for h in handles:
                 h.remove()
             handles.clear()
         self._state = None
-        if self._watcher is not None:
-            try:
-                self._watcher.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the config watcher failed: %r", exc)
+        # (the probes write the exception that ended the recording, if any, to the log)
+        self.output.close(reason, before_log_closes=self._emit_failure_totals)
+        self._engine.release()
+
+    def _emit_failure_totals(self) -> None:
         for where, n in self._failures.items():
             if n > _MAX_FAILURE_EVENTS:
                 self._emit(HookFailed(rank=self.rank, step=self._step, wall=time.time(), where=where,
                                       error="(total)", count=n))
-        if self._writer is not None:
-            try:
-                self._writer.close(reason)
-            except Exception as exc:  # noqa: BLE001
-                # (a writer failure already said once, when it happened: not again here)
-                said = self._writer_failed or self._writer.error is not None  # (the writer logs its failure)
-                (log.debug if said else log.warning)("trainrec: closing the log failed: %r", exc)
-        if self._alerts is not None:
-            try:
-                self._alerts.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trainrec: closing the anomaly engine failed: %r", exc)
-        if self._live is not None:
-            if self._writer is not None and self._writer.error is not None:
-                self._live.stop()  # the log never got its FileClosed: nothing to wait for
-            else:
-                self._live.wait(30.0)
-        self._engine.release()
 
     def __enter__(self) -> TrainerMon:
         self._check_open("with")
@@ -772,7 +529,7 @@ class TrainerMon(StepCollector):
                                           path=os.fspath(self.config_file_path) if self.config_file_path else "",
                                           reason=str(exc), keys=(exc.key,) if exc.key else ()))
                 return
-            attached = bool(self._step_handles)
+            attached = self.step_hooks.attached
             self._detach()
             self._targets, self._params = targets, params
             if attached:
@@ -781,14 +538,14 @@ class TrainerMon(StepCollector):
         _warn_unrecorded(config, self.world_size)
         changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
         if changed and reason != "static":
-            keeps = ("it writes no log (format 'api')" if self._writer is None else
+            keeps = ("it writes no log (format 'api')" if self.output.writer is None else
                      "its log keeps everything, and `trainrec export` makes csv or tensorboard files from it")
             _warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
                        f"this run's output was set up at its start: {keeps}; the change applies at the next launch")
         if config.ops != old.ops or config.eps != old.eps:
             self._engine = StatsEngine(config.ops, config.eps)
         if config.alert != old.alert:
-            self._make_alerts(config)
+            self.output.make_alerts(config, self.pp_stage, self.group_mates)
         self._collections = 0
         self._first_step = step + 1
         self._monitoring = True
@@ -805,33 +562,16 @@ class TrainerMon(StepCollector):
         self._detach()
         self._emit(MonitoringStopped(rank=self.rank, step=self._step if step is None else step, wall=time.time(),
                                      reason=reason, collections=self._collections))
-        if self._watcher is not None and notify_watcher:
+        if self.output.watcher is not None and notify_watcher:
             try:
-                self._watcher.collection_finished(self._step)
+                self.output.watcher.collection_finished(self._step)
             except Exception as exc:  # noqa: BLE001
                 self._hook_failed("dynamic config watcher", exc)
 
     # ------------------------------------------------------------------ names and targets
-    def _intern(self, name: str) -> int:
-        i = self._name_ids.get(name)
-        if i is None:
-            i = len(self._names)
-            self._names.append(name)
-            self._name_ids[name] = i
-        return i
-
     def _sync_names(self) -> None:
-        """Announce new names to the writer once, and keep the local -> file id map."""
-        with self._spill_lock:  # the spill thread writes records too
-            n = len(self._file_ids)
-            if n == len(self._names):
-                return
-            new = self._names[n:]
-            if self._writer is not None:
-                ids = self._writer.intern(new, self._step)
-            else:
-                ids = list(range(n, len(self._names)))
-            self._file_ids = np.concatenate([self._file_ids, np.asarray(ids, dtype=np.uint32)])
+        """Announce new names to the log once (the spill thread writes records too)."""
+        self.step_output.sync_names(self._step)
 
     def _build(self, cfg: MonitorConfig) -> Targets:
         targets, self._params = self._select(cfg)
@@ -839,37 +579,12 @@ class TrainerMon(StepCollector):
 
     def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
-        # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
-        targets = build_targets(self._chunks, cfg, self.rank, self._intern,
-                                strict=not (self._distributed and self.world_size > 1), installed=self._installed)
-        if self._fullgraph and (targets.modules or cfg.print_struct):
-            key = "xy_distribution" if targets.modules else "print_struct"
-            raise ConfigError("the model was compiled with torch.compile(fullgraph=True), and the module hooks "
-                              f"that {key} needs are graph breaks inside its compiled forward, which fullgraph "
-                              "makes an error: compile it without fullgraph=True, or turn "
-                              f"{key} off (weight gradients, parameters and optimizer state are recorded "
-                              "either way)", key)
-        for key in targets.frozen_only:
-            _warn_once(f"frozen-{key}", f"trainrec: rank {self.rank}: targets.{key} matches only parameters that do "
-                       "not require grad (frozen); they are recorded from the first collected step after they "
-                       "are unfrozen")
-        for key, names in targets.lazy.items():
-            if key not in self._lazy_warned:
-                self._lazy_warned.add(key)
-                log.warning("trainrec: rank %d: targets.%s names parameters of a lazy module (torch.nn.LazyLinear "
-                            "and the like) that its first forward has not made yet (%s): they have no size and "
-                            "take no hooks until then; they are recorded from that forward on (the module "
-                            "structure record counts them 0)", self.rank, key, ", ".join(names[:6])
-                            + (", ..." if len(names) > 6 else ""))
+        targets = select_targets(self._chunks, cfg, self.rank, self.name_table.intern,
+                                 several_ranks=self._several_ranks(), installed=self._installed,
+                                 fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=_warn_once)
         self._sync_names()
         if self._tp_group is not None and self._distributed:
-            import torch.distributed as dist
-
-            tp_first = dist.get_rank(group=self._tp_group) == 0
-            tp_ranks = dist.get_process_group_ranks(self._tp_group) if not tp_first else None
-            for p in targets.params:
-                p.tp_duplicate = not tp_first and not getattr(p.param, "tensor_model_parallel", False) \
-                    and not _sharded_over(p.param, tp_ranks)
+            mark_tp_duplicates(targets.params, self._tp_group)
         return targets, targets.params
 
     def _write_structure(self, vpp: int | None = None) -> None:
@@ -889,99 +604,26 @@ class TrainerMon(StepCollector):
 
     # ------------------------------------------------------------------ optimizer binding
     def _bind_optimizer(self, optimizer) -> None:
-        if self._manual_steps:
-            return  # the native Recorder without an optimizer: steps come from step()
-        wrapped = optimizer if optimizer is not None else (self._wrapped or type(self)._wrapped_optimizer)
-        opt = torch_optimizer_of(wrapped) if wrapped is not None else None
-        chain = chain_of(wrapped)
-        mapper_chain = chain_of(type(self)._wrapped_optimizer) if chain is None and opt is not None else None
-        if mapper_chain and any(t is opt for _, t in mapper_chain):
-            chain = mapper_chain  # a member's torch optimizer given, the chain named by set_wrapped_optimizer
-        if chain:
-            self._bind_instance(chain[0][1], chain[0][0], chain)
-            return
-        if wrapped is not None and opt is None:
-            log.warning("trainrec: %s is not a torch optimizer and wraps none (.optimizer); waiting for the "
-                        "first optimizer that steps over the model's parameters", type(wrapped).__name__)
-        if opt is not None:
-            self._bind_instance(opt, holder_of(wrapped, opt))
-            return
-        param_ids = {id(p) for c in self._chunks for p in c.parameters()}
-        ref = self._ref  # the global registry would keep this monitor alive for good
-
-        def pre(o, args, kwargs):
-            mon = ref()
-            if mon is not None and mon._opt is None and not mon._closed:
-                if any(id(p) in param_ids for g in o.param_groups for p in g["params"]):
-                    mon._bind_instance(o, o)  # the instance hooks run right after the global ones
-                else:
-                    _warn_once(f"unmatched-opt-{id(o)}", "trainrec: an optimizer without the monitored model's "
-                               "parameters stepped; it is not monitored")
-
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        self._global_handles.append(register_optimizer_step_pre_hook(pre))
-
-    def _bind_instance(self, opt: torch.optim.Optimizer, wrapped, chain: list | None = None) -> None:
-        """Hook ``opt`` (``wrapped``: what holds its fp32 masters). ``chain``: the ``(wrapper, torch
-        optimizer)`` members of Megatron's ChainedOptimizer, ``opt`` the first's; they step one after
-        the other in one training step, after the chain's ``prepare_grads`` readied every member's
-        gradients: the step's gradient and parameter rows are taken before the first, it ends after
-        the last."""
-        self._opt = opt
-        self._wrapped = wrapped
-        # the reference's set_wrapped_optimizer names the mixed-precision wrapper whose fp32 masters
-        # hold the state, also where monitor_gnorm_with_ad got the torch optimizer inside it
-        mapper = type(self)._wrapped_optimizer
-        if mapper is None or mapper is wrapped or torch_optimizer_of(mapper) is not opt:
-            mapper = wrapped
-        self._adam = AdamState(mapper, opt, chain[1:] if chain else ())
-        self._opt_groups = list(opt.param_groups)
-        trained = [p for c in self._chunks for p in c.parameters() if p.requires_grad]
-        if trained and not self._adam.holds_any(trained, getattr(wrapped, "param_groups", None)):
-            _warn_once(f"foreign-opt-{id(opt)}", f"trainrec: the optimizer given ({type(opt).__name__}) steps none "
-                       "of the monitored model's parameters: was it made for another model, or for a copy of "
-                       "this one? Steps are still counted at its step(), but the weights it changes are not "
-                       "those recorded, and no optimizer state is found for them")
-        self._z3 = zero.z3_optimizer_of(q for c in self._chunks for q in c.parameters())
-        # (a model chunk that is DeepSpeed's engine, as accelerate's prepare() returns it, names its optimizer;
-        # else, where DeepSpeed is loaded, what refers to the optimizer may be DeepSpeed's)
-        ds = zero.overflow_source(opt, [holder_of(w, opt) for w in (
-            wrapped, type(self)._wrapped_optimizer, self._z3, *(getattr(c, "optimizer", None) for c in self._chunks))])
-        if ds is None and "deepspeed" in sys.modules and isinstance(opt, torch.optim.Optimizer):
-            ds = zero.overflow_source(opt, zero.referrers_of(opt))
-        self._ds_overflow = _weak_or_strong(ds) if ds is not None else None
-        self._ds_steps = zero.steps_taken(ds) if ds is not None else None
-        self._chain = [t for _, t in chain] if chain else []
-        for t in self._chain or [opt]:
-            # weak: an optimizer kept (set_wrapped_optimizer's class attribute holds one) must not keep
-            # a dropped monitor; its model's module hooks keep a monitor in use alive
-            self._opt_handles += [t.register_step_pre_hook(eager(_weak_call(self._pre_step))),
-                                 t.register_step_post_hook(eager(_weak_call(self._post_step)))]
+        if not self.steps.manual:  # (the native Recorder without an optimizer: steps come from step())
+            self.binding.bind(optimizer, self._chunks)
 
     # ------------------------------------------------------------------ step boundaries
     def _collects(self, step: int) -> bool:
         return self._monitoring and step >= self._first_step and self.config.is_collected(step, self._collections)
 
     def _begin_step(self) -> None:
-        if self._global_handles and self._opt is not None:
-            for h in self._global_handles:
-                h.remove()
-            self._global_handles.clear()
+        self.binding.drop_waiting_hook()
         self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._began = False
-        if self._live is not None and self._step_t0 >= self._live_check_at:  # the live export died?
+        live = self.output.live
+        if live is not None and self._step_t0 >= self._live_check_at:  # the live export died?
             self._live_check_at = self._step_t0 + _LIVE_CHECK_S
             try:
-                self._live.check()
+                live.check()
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                 self._hook_failed("checking the live export", exc)
-        self._forwards = 0
-        self._backward_seen = False
-        self._foreign_forwards = 0
-        self._pass_split = False
-        self._closure_forwards = None
+        self.steps.step_begins()
         if not self._compiled and self._chunks_compiled():
             self._compiled = True
         if self._collects(self._step):
@@ -992,14 +634,15 @@ class TrainerMon(StepCollector):
                 self._engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
             self._state = StepState(self._step, cfg.ops, self._mark_began_weakly)
         else:
-            if self._step_handles:
+            if self.step_hooks.attached:
                 self._detach()
             self._state = None
-        if (self._state is not None) != self._step_open.is_set():
+        step_open = self.output.step_open
+        if (self._state is not None) != step_open.is_set():
             if self._state is not None:
-                self._step_open.set()
+                step_open.set()
             else:
-                self._step_open.clear()
+                step_open.clear()
 
     def _hook_unfrozen(self) -> None:
         """The step's hooks attached, also on parameters frozen when they were attached or chosen that
@@ -1010,9 +653,9 @@ class TrainerMon(StepCollector):
         if t is not None and ((t.frozen and any(map(_REQUIRES_GRAD, t.frozen)))
                               or not all(map(_PARAM_REQUIRES_GRAD, self._params))):
             self._select_unfrozen()
-        elif self._step_handles and self._frozen and any(self._params[i].param.requires_grad for i in self._frozen):
+        elif self.step_hooks.unfrozen_since():
             self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
-        if not self._step_handles:
+        if not self.step_hooks.attached:
             self._attach()
 
     def _select_unfrozen(self) -> None:
@@ -1038,7 +681,7 @@ class TrainerMon(StepCollector):
 
     def _match_compiled(self) -> None:
         """Attached step hooks made for the other mode (the model was compiled since) are made again."""
-        if self._step_handles and self._hooks_compiled != self._compiled:
+        if self.step_hooks.attached and self.step_hooks.compiled != self._compiled:
             self._detach()
             self._attach()
 
@@ -1048,104 +691,24 @@ class TrainerMon(StepCollector):
 
     def _attach(self) -> None:
         t = self._targets
-        if t is None:
-            return
-        self._hooks_compiled = self._compiled
-        self._step_handles = t.attach(self)
-        if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
-            self._step_handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
-        self._frozen = []
-        self._fsdp2_waiting = []
-        self._lazy_waiting = []
-        self._list_hooked = {}
-        self._list_hook_handles.clear()
-        if self.config.wg_distribution:
-            fast = self._list_hooks_allowed()
-            sharded, unreadable = fsdp.fsdp2_params(self._chunks)
-            if unreadable:
-                _warn_once("fsdp2", "trainrec: the state of an FSDP2 (fully_shard) module could not be read in this "
-                           "torch version: its parameters' unreduced gradients are not recorded (reduced "
-                           "gradients, parameters and Adam state are, as this rank's shards)")
-            for i, p in enumerate(self._params):
-                if not p.param.requires_grad:
-                    # frozen since the targets were chosen (fine-tuning schedules): torch refuses a
-                    # gradient hook on it; hooked again at a collected step after it is unfrozen
-                    self._frozen.append(i)
-                    continue
-                fp = sharded.get(id(p.param))
-                if fp is not None or (unreadable and local_tensor(p.param) is not p.param):  # a DTensor
-                    # FSDP2: the hook goes on the unsharded parameter, where this rank's own gradient is
-                    # accumulated (the sharded one's hooks get the reduced shard), once it exists
-                    if fp is not None:
-                        self._fsdp2_waiting.append((i, fp))
-                    continue
-                if uninitialized(p.param):
-                    # a lazy module's, not made yet (torch refuses a hook on it): hooked at the end of the
-                    # model chunk's forward that makes it, before its backward (_hook_materialized)
-                    self._lazy_waiting.append(i)
-                    continue
-                self._hook_grad(i, fast)
-            if self._fsdp2_waiting:
-                self._hook_fsdp2()
-
-    def _hook_grad(self, i: int, fast: bool) -> None:
-        """The weight-gradient hook of monitored parameter ``i`` (``fast``: the list hooks allowed)."""
-        p, t = self._params[i], self._targets
-        try:
-            if zero.is_partitioned(p.param):
-                # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
-                # the gradient into its buckets, where it is reduced while backward goes on
-                h = p.param.register_hook(t.grad_hook(self, i, incoming=True))
-            elif fast and self._main_grad_of(p.param) is None:
-                h = p.param.register_post_accumulate_grad_hook(self._fired.append)
-                self._list_hooked[id(p.param)] = i
-                self._list_hook_handles.append(h)
-            else:
-                h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self, i, incoming=False))
-        except RuntimeError as exc:  # one parameter's hook never costs the others theirs
-            self._hook_failed(f"weight-gradient hook of {p.name!r}", exc)
-            return
-        self._step_handles.append(h)
+        if t is not None:
+            wg = self.config.wg_distribution
+            self.step_hooks.attach(self, t, self._params, self._compiled, self._chunks if wg else None,
+                                   wg and self._list_hooks_allowed(), self.params_have_main_grad)
+            if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
+                self.step_hooks.handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
 
     def _hook_materialized(self) -> None:
-        """Weight-gradient hooks on the lazy modules' parameters made by now (at the end of a model chunk's
-        forward, before its backward: the forward that makes one runs its module)."""
-        waiting, fast = [], self._list_hooks_allowed()
-        for i in self._lazy_waiting:
-            if uninitialized(self._params[i].param):
-                waiting.append(i)
-            else:
-                self._hook_grad(i, fast)
-        self._lazy_waiting = waiting
-
-    def _hook_fsdp2(self) -> None:
-        """Gradient hooks on the FSDP2 unsharded parameters that exist by now (made at a module's first
-        all-gather: the first forward ends with every one of them made)."""
-        waiting = []
-        for i, fp in self._fsdp2_waiting:
-            u = fsdp.unsharded_param(fp)
-            if u is None:
-                waiting.append((i, fp))
-                continue
-            try:
-                self._step_handles.append(
-                    u.register_post_accumulate_grad_hook(self._targets.grad_hook(self, i, incoming="unsharded")))
-            except RuntimeError as exc:
-                self._hook_failed(f"weight-gradient hook of {self._params[i].name!r}", exc)
-        self._fsdp2_waiting = waiting
+        self.step_hooks.hook_materialized(self._list_hooks_allowed())
 
     def _detach(self) -> None:
-        if self._fired:  # the list hooks' firings since the last backward pass ended: measured first
-            if self._state is not None:
-                try:
-                    self._drain_fired(expected=True)  # the hooks go now: no fallback to make
-                except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                    self._hook_failed("gradient batch", exc)
-            self._fired.clear()
-        self._list_hook_handles.clear()  # (removed with the others below)
-        for h in self._step_handles:
-            h.remove()
-        self._step_handles = []
+        if self.step_hooks.fired and self._state is not None:
+            # the list hooks' firings since the last backward pass ended: measured first
+            try:
+                self._drain_fired(expected=True)  # the hooks go now: no fallback to make
+            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+                self._hook_failed("gradient batch", exc)
+        self.step_hooks.detach()
 
     def _attach_struct_hooks(self) -> None:
         self._struct, self._struct_handles = structure.attach_struct_hooks(self._chunks, self._targets)
@@ -1157,42 +720,18 @@ class TrainerMon(StepCollector):
         self.close()
         raise Exception(PRINT_STRUCT_EXIT)  # noqa: TRY002 - the reference's documented behaviour
 
-    def _part_of_step(self, opt) -> tuple[bool, bool]:
-        """``(first, last)``: whether this call of the optimizer's step begins and ends the training
-        step. DeepSpeed's ZeRO optimizers step the torch optimizer once per param group (ZeRO 1/2, with
-        ``param_groups`` cut down to that group for the call) or sub-group (ZeRO 3): those calls
-        together are one training step, begun by the first group's and ended by the last group's."""
-        if self._chain and any(opt is t for t in self._chain):
-            # in whatever order they step: the first to step begins the step, the last one ends it
-            return not self._chain_stepped, len(self._chain_stepped | {id(opt)}) == len(self._chain)
-        if opt is None or opt is not self._opt:
-            return True, True
-        if self._z3 is not None:  # ZeRO 3 empties the other sub-groups' params lists instead
-            return zero.step_part(opt, self._z3)
-        cur, full = opt.param_groups, self._opt_groups
-        if cur and len(cur) < len(full) and all(any(g is f for f in full) for g in cur):
-            return cur[0] is full[0], cur[-1] is full[-1]
-        self._opt_groups = list(cur)  # groups added since (add_param_group)
-        return True, True
-
     def _pre_step(self, opt, args, kwargs) -> None:
         if self._struct is not None and not self._closed:
             self._print_struct_and_exit()  # raises, as the reference does, to end the run after one step
         try:
             self._mark_began()
-            # step(closure) (LBFGS always; SGD, Adam... where given one): torch hands the hooks the step's
-            # own arguments, the optimizer first. The closure's passes run after this hook
-            closure = len(args) > 1 or bool(kwargs)
-            if closure:
-                closure = callable(args[1] if len(args) > 1 else kwargs.get("closure"))
-                if closure and self._closure_forwards is None:
-                    self._closure_forwards = self._forwards
-            self._closure_step = closure
+            # step(closure) (LBFGS always; SGD, Adam... where given one): its passes run after this hook
+            closure = self.steps.optimizer_step_begins(args, kwargs)
             st = self._state
             if st is None:
                 return
             # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
-            first, _ = self._part_of_step(opt)
+            first, _ = self.binding.part_of_step(opt)
             if first:
                 self._settle_grads()
             cfg = self.config
@@ -1228,180 +767,43 @@ class TrainerMon(StepCollector):
 
     def _post_step(self, opt, args, kwargs) -> None:
         try:
-            if self._closure_step:
-                self._closure_step = False
+            if self.steps.closure_ended():
                 try:
                     self._closure_rows()
                 except Exception as exc:  # noqa: BLE001 - the step still ends
                     self._hook_failed("optimizer post-step (closure)", exc)
-            last = self._part_of_step(opt)[1]
-            if self._chain:
-                self._chain_stepped.add(id(opt))
+            last = self.binding.part_of_step(opt)[1]
+            self.binding.stepped(opt)
             if last:  # else the step goes on with the next param group or optimizer
                 self._end_step()
         except Exception as exc:  # noqa: BLE001 - the step's bookkeeping never kills training
             self._hook_failed("optimizer post-step", exc)
 
-    def _on_backward(self, param) -> None:
-        self._backward_seen = True
-        g = param.grad
-        # which gradient this backward left, and its version: zeroed in place since means cleared
-        self._grad_marks[id(param)] = None if g is None else (weakref.ref(g), g._version)
-        self._param_marks[id(param)] = param._version
-        if (self._passes is None and not self._manual_steps and not self._reduced_check_queued
-                and not self._closure_step):  # (a closure's pass is no step that could be skipped)
-            # before the first optimizer step: the gradients (with several ranks, as the data-parallel
-            # reduction leaves them) are looked at once this backward pass ends (queued from a callback:
-            # after DDP's own)
-            self._reduced_check_queued = True
-            _queue_end_of_backward(_weak_call(self._queue_reduced_check))
-
-    def _queue_reduced_check(self) -> None:
-        _queue_end_of_backward(_weak_call(self._check_reduced_grads))
-
-    def _check_reduced_grads(self) -> None:
-        """Whether chunk 0's gradients hold an inf or NaN after the reduction (None: none to look at, as
-        where DeepSpeed moved them into its partitions). Before a run's first optimizer step the passes
-        per step are not known yet, and a skip decided on another rank's inf (a loss scaler's, on the
-        reduced gradients), or on a step without gradient rows (not collected) any skip, is told from a
-        second pass (a GAN's, SAM's) by this alone."""
-        self._reduced_check_queued = False
-        try:
-            # (a DTensor's own shard: no collective here; sparse gradients left out)
-            # (empty ones too: no inf norm of nothing, _foreach_norm raises)
-            grads = [g for g in (local_tensor(p.grad) for p in self._chunk0_params)
-                     if g is not None and g.layout is torch.strided and g.numel()]
-            if not grads:
-                self._reduced_non_finite = None
-                return
-            extremes = torch.stack([m.float().to(grads[0].device) for m in torch._foreach_norm(grads, float("inf"))])
-            self._reduced_non_finite = not bool(torch.isfinite(extremes).all())  # a sync, before the first step only
-        except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            self._reduced_non_finite = None
-            self._hook_failed("checking the reduced gradients", exc)
-
-    def _grads_cleared(self) -> bool:
-        """Whether chunk 0's gradients were cleared since its last backward pass: every one set to None
-        (``zero_grad()``), or (``zero_grad(set_to_none=False)``) those of its first and last parameters
-        zeroed in place, which changes their version counters (accumulation leaves them as they were)."""
-        if not any(p.grad is not None for p in self._chunk0_params):
-            return True
-        marked = [(p.grad, self._grad_marks.get(id(p))) for p in self._marked_params]
-        return any(g is not None for g, _ in marked) and all(
-            g is None or (m is not None and m[0]() is g and g._version != m[1]) for g, m in marked)
-
     def _on_micro_step(self) -> None:
-        """A training forward of chunk 0 begins. One more than ``grad_acc_steps`` in this step, after a
-        backward pass, with every gradient of chunk 0 cleared since (``zero_grad``), means either that
-        the optimizer step never ran (a GradScaler or DeepSpeed found inf/NaN gradients and skipped it)
-        or that this run makes several passes per optimizer step (SAM's two, a GAN's discriminator also
-        used in the generator's pass). The step's gradient rows tell them apart where
-        it has any: inf/NaN in them is a skip; with several ranks, so are finite rows after more passes
-        than the last optimizer step took with the weights as the backward pass left them (the skip was
-        decided on gradients reduced across ranks). Elsewhere (a step not collected) the number of
-        passes the run's last optimizer step took does: more than that is a skip. A skipped step ends
-        here, marked so, and this forward begins the next (without it, the next step's rows would land
-        in the skipped one). Several forwards before one backward (contrastive and siamese nets) and
-        accumulation beyond ``grad_acc_steps`` (gradients still there, as they were) go on, and so do the
-        passes of a closure inside ``optimizer.step(closure)`` (LBFGS's evaluations): the optimizer step
-        is running, between its pre- and post-step hooks, so none of them is a step that never ran."""
+        """A training forward of chunk 0 begins: where it shows that the step so far was one whose
+        optimizer step never ran (:meth:`StepTracker.forward_begins`), that step ends here, marked so,
+        and this forward begins the next (without it, the next step's rows would land in the skipped one)."""
         if not torch.is_grad_enabled():
             return  # no backward follows: not a micro step
-        n = self._forwards + 1
-        if n > self._grad_acc and not self._closure_step and self._backward_seen and self._grads_cleared():
-            if self._manual_steps:
-                _warn_once("manual", "trainrec: a new training step seems to begin (gradients cleared after a "
-                           "backward pass) but step() was not called: without an optimizer, call rec.step() once "
-                           "per training step, after its backward pass and before the weights change; until "
-                           "then every backward pass goes into the same step")
-            elif self._opt is not None:
-                if self._optimizer_skipped(n):
-                    self._end_step(optimizer_skipped=True)
-                    n = 1
-                    if self._ds_overflow is None:  # (DeepSpeed's flag said it: no doubt to warn of)
-                        self._skips_in_a_row += 1
-                    if self._skips_in_a_row == _SKIPS_TO_WARN:
-                        _warn_once("skips", f"trainrec: {_SKIPS_TO_WARN} optimizer steps in a row never ran (inf/"
-                                   f"NaN gradients skipped by a loss scaler?); if this run accumulates gradients "
-                                   f"over more than grad_acc_steps={self._grad_acc} micro steps, pass the right "
-                                   f"grad_acc_steps")
-                else:
-                    self._backward_seen = False  # another pass of this step begins: its backward comes later
-                    self._pass_split = True
-        self._forwards = n
+        if self.steps.forward_begins():
+            self._end_step(optimizer_skipped=True)
+            self.steps.skipped_step_ended()
         # the step's first sign of life, before any module's hook: a rank that hangs in this forward (a
         # collective inside it) and is killed there leaves the step it was in, not the previous one's end
         self._mark_began()
-        if n == 1 and self._state is not None:
+        if self.steps.forwards == 1 and self._state is not None:
             self._hook_unfrozen()
-
-    def _optimizer_skipped(self, n: int) -> bool:
-        """Whether the step whose gradients were cleared after its backward pass, at the beginning of
-        its ``n``-th forward (``n > grad_acc_steps``), is one whose optimizer step never ran (see
-        :meth:`_on_micro_step`), rather than one that makes several passes."""
-        ds = self._ds_overflow() if self._ds_overflow is not None else None
-        if ds is not None:
-            # DeepSpeed's optimizer says it: its flag is set by each of its steps, on the gradients
-            # reduced across ranks, alike on every rank (also before the run's first optimizer step, where
-            # no passes per step are known and ZeRO keeps the reduced gradients in its partitions); where
-            # its loss scaler counts its steps, a flag left from an earlier step is not taken
-            taken = zero.steps_taken(ds)
-            if taken is not None and taken == self._ds_steps:
-                return False  # its step() did not run since the last training step ended: another pass
-            return bool(ds.overflow)
-        non_finite = self._gradients_non_finite()
-        if non_finite is None:
-            if self._passes is None and self._reduced_non_finite is not None:
-                # no rows (a step not collected) and no optimizer step yet to count passes by: the
-                # gradients the last backward pass left decide (a GAN's generator pass or SAM's first
-                # one is finite)
-                return self._reduced_non_finite
-            if self._only_foreign_passes():
-                # what came before is the model's part in other models' steps (a GAN's discriminator in
-                # the generator's, as often as the orders of their steps have it), not a pass of its own:
-                # a step with a different number of such passes than the last one is not skipped
-                return False
-            return n > (self._passes or 1) * self._grad_acc
-        if (not non_finite and self._distributed and self.world_size > 1 and (n - 1) % self._grad_acc == 0
-                and (self._weights_unchanged() or self._chain_stepped)):
-            # A loss scaler (or DeepSpeed, Megatron) decides on the reduced gradients: an inf/NaN
-            # of another rank skips this rank's step too, though its own rows are finite. What
-            # every rank sees alike decides instead: more whole passes than the last optimizer
-            # step took, with the weights as the backward pass left them (no SAM-style
-            # perturbation; a GAN's discriminator, passed through twice a step, took two) or
-            # changed by some of several optimizers given as one step (a GradScaler skips each
-            # optimizer whose own gradients hold the inf, and steps the others); before the first
-            # optimizer step, the reduced gradients themselves (_check_reduced_grads).
-            if self._passes is None:
-                return bool(self._reduced_non_finite)
-            return not self._only_foreign_passes() and n > self._passes * self._grad_acc
-        return non_finite
-
-    def _other_stepped(self, opt, args, kwargs) -> None:
-        """Any optimizer's step ended (the global post-step hook, after the instance hooks): where it is
-        not this monitor's, every forward of the step so far was followed by it."""
-        if opt is not self._opt and self._forwards and not any(opt is t for t in self._chain):
-            self._foreign_forwards = self._forwards
-
-    def _only_foreign_passes(self) -> bool:
-        """Whether the step so far is one pass, inside other optimizers' steps (every forward of it was
-        followed by another optimizer's step, and its gradients were not cleared for a pass of its
-        own): the model's part in another model's training step (a GAN's discriminator in the
-        generator's, the generator making the discriminator's fakes), not a pass of its own step."""
-        return (self._opt is not None and not self._pass_split and self._forwards > 0
-                and self._foreign_forwards == self._forwards)
 
     def _end_foreign_passes(self) -> None:
         """At a close that is no failure: the run ended after this model's last optimizer step with
-        passes inside other optimizers' steps only (the discriminator's in the generator's, where the
-        generator's optimizer steps second). They are no step of this model's: recorded with a
-        StepEnded that says so (``foreign_passes``), not left as a step begun and never ended, and the
-        step count stays that of the training steps."""
-        if self._closed or self._manual_steps or not self._only_foreign_passes():
+        passes inside other optimizers' steps only (the discriminator's in the generator's). They are no
+        step of this model's: recorded with a StepEnded that says so (``foreign_passes``), and the step
+        count stays that of the training steps."""
+        if self._closed:
             return
         try:
-            if self._gradients_non_finite():
-                return  # its own pass among them, whose optimizer step a loss scaler skipped: not only theirs
+            if not self.steps.ends_in_foreign_passes():
+                return
             st = self._state
             self._mark_began()
             if st is not None:
@@ -1409,81 +811,39 @@ class TrainerMon(StepCollector):
             else:
                 self._emit(StepEnded(rank=self.rank, step=self._step, wall=time.time(),
                                      duration=time.perf_counter() - self._step_t0, collected=False,
-                                     micro_steps=self._grad_acc, foreign_passes=True))
+                                     micro_steps=self.steps.grad_acc, foreign_passes=True))
             self._state = None
         except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
             self._hook_failed("passes inside other optimizers' steps at close", exc)
 
     def _end_skipped_last_step(self) -> None:
         """At close: the last step's optimizer step never ran (a loss scaler skipped it) and no forward
-        came after it to notice that; it is ended as such a forward would have ended it, instead of being
-        left open as a step cut short (``inspect`` said it never ended)."""
-        n = self._forwards + 1
-        if (self._opt is None or self._manual_steps or self._closed or n <= self._grad_acc
-                or not self._backward_seen or not self._grads_cleared()):
+        came after it to notice that; it is ended as such a forward would have ended it."""
+        if self._closed:
             return
         try:
-            if self._optimizer_skipped(n):
+            if self.steps.last_step_skipped():
                 self._end_step(optimizer_skipped=True)
         except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
             self._hook_failed("the skipped step at close", exc)
 
-    def _weights_unchanged(self) -> bool:
-        """Whether chunk 0's first and last parameters are as their last backward pass left them (their
-        version counters: an optimizer step, SAM's perturbation or LBFGS's line search changes them)."""
-        marks = self._param_marks
-        return all(marks.get(id(p)) == p._version for p in self._marked_params)
-
     def _gradients_non_finite(self) -> bool | None:
-        """Whether the gradient rows this step recorded so far (weight and activation gradients) hold
-        inf or NaN, less the rows that stand for no tensor (:attr:`StatsPart.placeholder`); None where
-        it recorded none. A device's rows are read back here (a sync, only at such a pass boundary)."""
+        """Whether the gradient rows this step recorded so far hold inf or NaN (None: none recorded)."""
         st = self._state
         if st is None:
             return None
         self._settle_grads()
-        ops = st.stats.ops
-        col = ops.index("norm") if "norm" in ops else ops.index("nans") if "nans" in ops else None
-        if col is None and not {"min", "max", "mean"} & set(ops):
-            return None  # zeros alone cannot show an inf or a NaN
-        flags = []  # per part, on its device: whether it holds an inf or NaN
-        for part in st.stats.parts:
-            if part.kind not in (KIND_GRAD_UNREDUCED, KIND_ACTV_GRAD):
-                continue
-            v = part.values
-            if part.placeholder:
-                # NaN rows the recorder wrote for no tensor's values (a parameter without a gradient or of
-                # no elements, the unhooked slot of an activation gradient: the first layer's input_grad):
-                # they would make every step with several passes (SAM's, a GAN's) look skipped
-                keep = [i for i, mark in enumerate(part.placeholder) if not mark]
-                if not keep:
-                    continue
-                v = v[keep]
-            v = torch.as_tensor(v)
-            if col is None:
-                flags.append(~torch.isfinite(v).all())
-            elif ops[col] == "nans":
-                flags.append((v[:, col] != 0).any())
-            else:
-                flags.append(~torch.isfinite(v[:, col]).all())
-        if not flags:
-            return None
-        return bool(torch.stack([f.to(flags[0].device) for f in flags]).any())  # one read-back
+        return rows_non_finite(st.stats)
+
+    def _several_ranks(self) -> bool:
+        return self._distributed and self.world_size > 1
 
     def _end_step(self, optimizer_skipped: bool = False) -> None:
-        self._chain_stepped.clear()
+        self.binding.step_ended()
         for h in self._check_handles:  # the first step ran: selectors are checked by the hooks from now on
             h.remove()
         self._check_handles.clear()
-        closure_forwards = self._closure_forwards
-        if not optimizer_skipped:
-            self._skips_in_a_row = 0
-            # passes per optimizer step, lately; of a step(closure), those before it only: its closure's
-            # passes (LBFGS: as many as its evaluations) say nothing of the passes a step takes outside one
-            forwards = self._forwards if closure_forwards is None else closure_forwards
-            self._passes = max(1, -(-forwards // self._grad_acc))
-        if self._ds_overflow is not None and (ds := self._ds_overflow()) is not None:
-            self._ds_steps = zero.steps_taken(ds)
+        micro = self.steps.step_ends(optimizer_skipped)
         finished = self._step
         st = self._state
         self._mark_began()
@@ -1496,8 +856,6 @@ class TrainerMon(StepCollector):
                         self._hook_failed("optimizer state statistics", exc)
                 self._finish_step(st, optimizer_skipped)
             else:
-                # (a step(closure)'s passes counted, as a collected step counts its forwards)
-                micro = self._grad_acc if closure_forwards is None else max(self._grad_acc, self._forwards)
                 self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
                                      duration=time.perf_counter() - self._step_t0, collected=False,
                                      micro_steps=micro, optimizer_skipped=optimizer_skipped))
@@ -1507,9 +865,9 @@ class TrainerMon(StepCollector):
         if st is not None and self._monitoring and self._collections >= self.config.collect_times:
             self._stop("collect_times")
         self._step += 1
-        if self._watcher is not None:
+        if self.output.watcher is not None:
             try:
-                update = self._watcher.poll(finished)
+                update = self.output.watcher.poll(finished)
             except Exception as exc:  # noqa: BLE001
                 update = None
                 self._hook_failed("dynamic config watcher", exc)
@@ -1546,7 +904,6 @@ _LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitp
 _warned: set[str] = set()
 
 
-_SKIPS_TO_WARN = 8
 
 
 def _warn_unrecorded(cfg: MonitorConfig, world_size: int, applied: bool = True) -> None:
@@ -1574,62 +931,6 @@ def _warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
-class _Owned:
-    """What a monitor owns that must be closed even when the monitor is dropped without close()."""
-
-    __slots__ = ("spill_stop", "step_open", "writer", "live", "alerts", "watcher", "probes")
-
-    def __init__(self) -> None:
-        self.spill_stop = threading.Event()
-        self.step_open = threading.Event()  # a collected step is open: the spill thread looks at it
-        self.writer: LogWriter | None = None
-        self.live: runinfo.LiveExport | None = None
-        self.alerts = None
-        self.watcher = None
-        self.probes = None
-
-
-def _release(owned: _Owned) -> None:
-    """A monitor was garbage-collected without close() (its model and optimizer were dropped too): stop
-    its threads and close its log, so that the log ends with FileClosed and its live export finishes.
-    Runs wherever the collector runs: nothing here waits for long, and nothing raises."""
-    where = owned.writer.path if owned.writer is not None else "format api"
-    log.info("trainrec: a TrainerMon was dropped without close() (%s): its log is closed now; a step begun "
-             "after the last optimizer step, if any, is not in it (close() writes it)", where)
-    owned.spill_stop.set()
-    owned.step_open.set()
-    # as close() does: the writer before the detector, which runs on the writer's thread
-    for what, kwargs in (("probes", {}), ("watcher", {}), ("writer", {"timeout": 10.0}), ("alerts", {})):
-        obj = getattr(owned, what)
-        if obj is None:
-            continue
-        try:
-            obj.close(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
-            log.warning("trainrec: closing the %s of a dropped monitor failed: %r", what, exc)
-    if owned.live is not None:  # it exits after reading FileClosed: reaped off this thread
-        threading.Thread(target=owned.live.wait, daemon=True, name="trainrec-live-export-reaper").start()
-
-
-def _weak_or_strong(obj):
-    """A weak reference to ``obj``, or where its class allows none, a callable that returns it."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
-
-
-def _weak_call(method):
-    """``method`` (bound) called through a weak reference to its object: a no-op once it is gone."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args, **kwargs):
-        m = ref()
-        return None if m is None else m(*args, **kwargs)
-
-    return call
-
-
 _open_monitors: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -1648,71 +949,3 @@ def _close_open_monitors() -> None:
 
 
 atexit.register(_close_open_monitors)
-
-
-def _compiled_fullgraph(model) -> bool:
-    """Whether ``model`` is ``torch.compile(module, fullgraph=True)``'s ``OptimizedModule``."""
-    return type(model).__name__ == "OptimizedModule" and bool(getattr(getattr(model, "dynamo_ctx", None),
-                                                                       "fullgraph", False))
-
-
-def checked_model(model) -> list[torch.nn.Module]:
-    """``model`` as the list of its chunks; a TypeError naming what it is where it is not a module or a
-    non-empty list of them (an AttributeError from deep inside, else)."""
-    given = list(model) if isinstance(model, (list, tuple)) else [model]
-    wrong = [m for m in given if not isinstance(m, torch.nn.Module)]
-    if given and not wrong:
-        return given
-    bad = wrong[0] if wrong else None
-    what = ("an empty list" if not given else type(bad).__name__ if bad is model else
-            f"a list holding {type(bad).__name__}")
-    hint = " (the model comes first, then the optimizer)" if isinstance(bad, torch.optim.Optimizer) else ""
-    raise TypeError(f"model: expected a torch.nn.Module or a list of them (virtual pipeline chunks), got "
-                    f"{what}{hint}")
-
-
-def _checked_arguments(grad_acc_steps, start_iteration) -> int:
-    """``grad_acc_steps`` as an integer, after both are checked (a ConfigError naming the wrong one)."""
-    try:
-        first = None if isinstance(start_iteration, bool) else operator.index(start_iteration)
-    except TypeError:
-        first = None
-    if first is None or not 0 <= first < MAX_STEP:
-        raise ConfigError(f"expected an integer of 0..{MAX_STEP - 1} (the first step's number), got "
-                          f"{start_iteration!r}", "start_iteration", argument=True)
-    acc = grad_acc_steps  # an integer; an integral float too (global_batch / dp / micro_batch)
-    if isinstance(acc, float) and acc.is_integer():
-        acc = int(acc)
-    try:
-        acc = None if isinstance(acc, bool) else operator.index(acc)
-    except TypeError:
-        acc = None
-    if acc is None or acc < 1:
-        raise ConfigError(f"expected an integer >= 1 (micro steps per optimizer step), got {grad_acc_steps!r}",
-                          "grad_acc_steps", argument=True)
-    return acc
-
-
-def _sharded_over(param, ranks: list[int]) -> bool:
-    """Whether ``param`` is a DTensor sharded over the mesh dimension of these ranks (torch's tensor
-    parallelism, ``parallelize_module``): each of them holds a shard of its own, no duplicate. Also the
-    local tensor DDP puts in a DTensor's place under 2-D DDP + TP (``DistributedDataParallel(...,
-    device_mesh=mesh["dp"])``: a plain Parameter with the DTensor's spec in ``_st_info``)."""
-    import torch.distributed as dist
-
-    mesh, placements = getattr(param, "device_mesh", None), getattr(param, "placements", None)
-    if mesh is None:
-        spec = getattr(param, "_st_info", None)  # torch's DTensorSpec
-        mesh, placements = getattr(spec, "mesh", None), getattr(spec, "placements", None)
-    if mesh is None or placements is None:
-        return False
-    return any(pl.is_shard() and dist.get_process_group_ranks(mesh.get_group(dim)) == ranks
-               for dim, pl in enumerate(placements))
-
-
-def _uncompiled(model):
-    """The module ``torch.compile`` wraps (its ``OptimizedModule`` names every submodule
-    ``_orig_mod.*``): targets and recorded names stay those of the model the user wrote; the hooks on
-    its submodules are part of the compiled forward (see :func:`~trainrec.recorder.hooks.eager`)."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 
 def squash(name: str) -> str:
     """The squashed form of one name (without collision handling)."""
@@ -80,3 +82,34 @@ def param_matches(target: str, full: str, short: str, vpp: int) -> bool:
         if form == target or form.startswith(target + "."):
             return True
     return False
+
+
+class NameTable:
+    """Names of recorded tensors and modules, interned to local ids (rows carry ids), and the ids the
+    current log file gave them (each name announced once per file)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._ids: dict[str, int] = {}
+        self.file_ids = np.zeros(0, dtype=np.uint32)  # replaced, never changed in place, when names are added
+
+    def intern(self, name: str) -> int:
+        i = self._ids.get(name)
+        if i is None:
+            i = len(self.names)
+            self.names.append(name)
+            self._ids[name] = i
+        return i
+
+    def new_file(self) -> None:
+        """A new log file: every name is announced to it again."""
+        self.file_ids = np.zeros(0, dtype=np.uint32)
+
+    def sync(self, writer, step: int) -> None:
+        """Announce the names added since to ``writer`` (None: no log, the local ids stand)."""
+        n = len(self.file_ids)
+        if n == len(self.names):
+            return
+        new = self.names[n:]
+        ids = writer.intern(new, step) if writer is not None else list(range(n, len(self.names)))
+        self.file_ids = np.concatenate([self.file_ids, np.asarray(ids, dtype=np.uint32)])

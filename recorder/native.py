@@ -29,7 +29,8 @@ from collections.abc import Sequence
 import torch
 
 from .config import MonitorConfig, parse_config
-from .monitor import TrainerMon, checked_model
+from .model_args import checked_model
+from .monitor import TrainerMon
 from .optim import chain_of, torch_optimizer_of
 
 DEFAULT_CONFIG = {
@@ -69,7 +70,7 @@ class Recorder:
         self.monitor = TrainerMon(config, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
                                   live_export=None)
         self._manual = optimizer is None
-        self.monitor._manual_steps = self._manual  # no optimizer to hook: steps come from step()
+        self.monitor.steps.manual = self._manual  # no optimizer to hook: steps come from step()
         try:
             self.monitor.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
                                                start_iteration=start_iteration)
@@ -88,7 +89,7 @@ class Recorder:
     @property
     def step_count(self) -> int:
         """The current step number."""
-        return self.monitor._step
+        return self.monitor.step_count
 
     def step(self) -> None:
         """End the current training step (only needed without an optimizer)."""

@@ -16,12 +16,13 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 from trainrec.schema import layout
 from trainrec.schema.events import ModuleStructureRecorded
 
-from .hooks import make_struct_hook
+from .hooks import eager
 from .targets import uninitialized
 
 log = logging.getLogger(__name__)
@@ -79,3 +80,46 @@ def structure_events(chunks: list, targets, struct: dict | None, rank: int, step
         out.append(ModuleStructureRecorded(rank=rank, step=step, wall=time.time(), vpp_stage=vpp, names=names,
                                            classes=classes, parents=parents, param_counts=counts, io_specs=specs))
     return out
+
+
+def io_struct(value: Any) -> dict:
+    """The reference's module_struct.json description of one hook argument."""
+    if isinstance(value, (tuple, list)):
+        res: dict = {"config": f"{type(value).__name__}[{len(value)}]"}
+        for i, x in enumerate(value):
+            res[str(i)] = f"size={tuple(x.shape)}, dtype={x.dtype}" if isinstance(x, torch.Tensor) else f"{type(x)}"
+        return res
+    if isinstance(value, torch.Tensor):
+        return {"config": "tensor", "tensor": f"size={tuple(value.shape)}, dtype={value.dtype}"}
+    return {"config": f"{type(value)}"}
+
+
+def make_struct_hook(struct: dict, key: str):
+    """A forward hook that records the io structure of a module (print_struct): its inputs and outputs,
+    and the gradients a full backward hook would be given, derived from the forward's tensors (a
+    gradient has its tensor's size and dtype), so no full backward hook is needed (those break in-place
+    ops on module outputs; see :mod:`.hooks`).
+
+    As torch's full backward hooks give them: ``input_grad`` has one entry per positional argument, a
+    gradient for every floating-point tensor argument when any argument requires grad (None for the
+    rest, and all None when none does); ``output_grad`` one per top-level output element, a gradient
+    where it is a tensor that requires grad. Nothing is recorded for them when no output requires grad
+    (a full backward hook never fires then)."""
+
+    def fwd(module, args, output):
+        entry = struct.setdefault(key, {})
+        if "input" not in entry:
+            entry["input"] = io_struct(args)
+            entry["output"] = io_struct(output)
+        if "output_grad" in entry or not torch.is_grad_enabled():
+            return
+        outs = output if isinstance(output, tuple) else (output,)
+        out_req = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+        if not any(out_req):
+            return
+        in_req = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        entry["input_grad"] = io_struct(tuple(
+            a if in_req and isinstance(a, torch.Tensor) and a.is_floating_point() else None for a in args))
+        entry["output_grad"] = io_struct(tuple(o if r else None for o, r in zip(outs, out_req, strict=True)))
+
+    return eager(fwd)

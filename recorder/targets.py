@@ -22,6 +22,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 from trainrec.schema.errors import ConfigError
 
 from .config import MonitorConfig
+from .grad_places import sharded_over
 from .hooks import (
     ModuleTarget,
     eager,
@@ -294,3 +295,45 @@ def build_targets(chunks: list[torch.nn.Module], cfg: MonitorConfig, rank: int,
             log.warning("trainrec: rank %d: %s (with pipeline parallelism it may be another stage's; nothing is "
                         "recorded for it on this rank)", rank, err)
     return out
+
+
+def select_targets(chunks: list, cfg: MonitorConfig, rank: int, intern: Callable[[str], int], *, several_ranks: bool,
+                   installed: list, fullgraph: bool, lazy_warned: set, warn_once: Callable[[str, str], None]) -> Targets:
+    """:func:`build_targets`, with what the monitor says of the result: a ConfigError where module hooks
+    are needed in a model compiled with ``fullgraph=True``, and warnings (once) for targets that match
+    only frozen parameters or lazy modules' parameters not made yet (``lazy_warned``: keys said)."""
+    # several ranks: a target may be another pipeline stage's (a warning, not an error, there)
+    targets = build_targets(chunks, cfg, rank, intern, strict=not several_ranks, installed=installed)
+    if fullgraph and (targets.modules or cfg.print_struct):
+        key = "xy_distribution" if targets.modules else "print_struct"
+        raise ConfigError("the model was compiled with torch.compile(fullgraph=True), and the module hooks "
+                          f"that {key} needs are graph breaks inside its compiled forward, which fullgraph "
+                          "makes an error: compile it without fullgraph=True, or turn "
+                          f"{key} off (weight gradients, parameters and optimizer state are recorded "
+                          "either way)", key)
+    for key in targets.frozen_only:
+        warn_once(f"frozen-{key}", f"trainrec: rank {rank}: targets.{key} matches only parameters that do "
+                  "not require grad (frozen); they are recorded from the first collected step after they "
+                  "are unfrozen")
+    for key, names in targets.lazy.items():
+        if key not in lazy_warned:
+            lazy_warned.add(key)
+            log.warning("trainrec: rank %d: targets.%s names parameters of a lazy module (torch.nn.LazyLinear "
+                        "and the like) that its first forward has not made yet (%s): they have no size and "
+                        "take no hooks until then; they are recorded from that forward on (the module "
+                        "structure record counts them 0)", rank, key, ", ".join(names[:6])
+                        + (", ..." if len(names) > 6 else ""))
+    return targets
+
+
+def mark_tp_duplicates(params: list[ParamInfo], tp_group) -> None:
+    """Mark the parameters that are another tensor-parallel rank's copy (not this rank's to report): on
+    every rank but tp_group's first, those neither Megatron's ``tensor_model_parallel`` nor a DTensor
+    sharded over the group."""
+    import torch.distributed as dist
+
+    tp_first = dist.get_rank(group=tp_group) == 0
+    tp_ranks = dist.get_process_group_ranks(tp_group) if not tp_first else None
+    for p in params:
+        p.tp_duplicate = not tp_first and not getattr(p.param, "tensor_model_parallel", False) \
+            and not sharded_over(p.param, tp_ranks)

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from trainmon_util import assert_close, events_of, loss_of, make, stats_table, write_config
-from trainrec.recorder import TrainerMon, hooks
+from trainrec.recorder import TrainerMon, chunk_hooks
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import HookFailed
 
@@ -79,7 +79,7 @@ def test_compiled_model_records_what_the_eager_model_records(tmp_path, monkeypat
     if when == "before":
         assert ours == [], f"dynamo compiled the monitor's own code: {ours}"
     else:  # at most the chunk hooks' wrapper, which notices the compilation, in the first step
-        chunk_hook = hooks._run_hook.__code__.co_consts
+        chunk_hook = chunk_hooks._run_hook.__code__.co_consts
         assert all(k < graphs_at[0] and any(getattr(c, "co_firstlineno", None) == int(name.rsplit(":", 1)[1])
                                             and getattr(c, "co_name", None) == "hook" for c in chunk_hook)
                    for k, name in ours), ours

@@ -152,7 +152,7 @@ def test_own_gradients_without_a_loop_are_those_of_the_general_path(tmp_path, mo
 
 # Where the device path may read a value back: the reduced gradients' inf/NaN check before the run's
 # first optimizer step (a sync once).
-_ALLOWED_READS = {("monitor.py", "_check_reduced_grads")}
+_ALLOWED_READS = {("steps.py", "_check_reduced_grads")}
 _READS = ("tolist", "numpy", "item", "__bool__", "__float__", "__int__", "__index__", "cpu", "nonzero")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -511,7 +512,7 @@ def test_a_selector_mismatch_at_the_first_forward_closes_the_monitor(tmp_path, o
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     with pytest.raises(ConfigError):
         loss_of(model, 0)
-    assert mon._closed and mon._writer.closed
+    assert mon._closed and mon.output.writer.closed
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
@@ -699,7 +700,7 @@ def test_a_failure_in_the_optimizer_state_statistics_keeps_the_steps_other_rows(
     assert steps_with(ev, "exp_avg") == []
 
 
-@pytest.mark.parametrize("where", ["_begin_step", "_on_micro_step", "_mark_began", "_part_of_step"])
+@pytest.mark.parametrize("where", ["_begin_step", "_on_micro_step", "_mark_began", "binding.part_of_step"])
 def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out, where):
     """The monitor's own per-step work around the hooks (step start and end, micro-step counting, the
     StepBegan mark, DeepSpeed's group split) runs inside the optimizer's step hooks and the model's
@@ -712,7 +713,8 @@ def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out,
     def boom(*args, **kwargs):
         raise RuntimeError(f"injected failure in {where}")
 
-    setattr(mon, where, boom)
+    *parts, name = where.split(".")
+    setattr(functools.reduce(getattr, parts, mon), name, boom)
     before = model.head.weight.detach().clone()
     for s in range(3):
         loss_of(model, s).backward()
@@ -778,7 +780,7 @@ def test_print_struct_writes_module_struct_and_stops(tmp_path, out):
     ms = [e for e in ev if isinstance(e, ModuleStructureRecorded)]
     assert ms[-1].io_specs["pair"]["input"]["config"] == "tuple[2]"
     assert "layers.0.0" in ms[0].names and ms[0].classes[ms[0].names.index("layers.0.0")] == "Linear"
-    assert mon._step_handles == [] and mon._struct_handles == []
+    assert mon.step_hooks.handles == [] and mon._struct_handles == []
 
 
 def test_format_api_writes_nothing_and_returns_metrics(tmp_path, out):
@@ -843,7 +845,7 @@ def test_optimizer_none_binds_the_optimizer_of_the_model(tmp_path, out):
         loss_of(model, s).backward()
         opt.step()
         opt.zero_grad()
-    assert mon._opt is opt and mon._global_handles == []
+    assert mon.binding.opt is opt and not mon.binding.waiting
     mon.close()
     assert steps_with(events_of(out), "grad_reduced") == [0, 1]
 
@@ -1444,7 +1446,7 @@ def test_gradient_of_a_view_output_modified_in_place_is_recorded(tmp_path, out, 
     mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(2, 6, 16)
     model(x).sum().backward()
-    mon._opt.step()
+    mon.binding.opt.step()
     mon.close()
     h = twin[0](x)
     h.retain_grad()
@@ -1568,7 +1570,7 @@ def test_live_export_runs_at_lower_priority(tmp_path, out):
     """format csv starts the live projection process at the lowest priority (background work)."""
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "csv"}), params_have_main_grad=False)
     try:
-        proc = mon._live.proc
+        proc = mon.output.live.proc
         assert proc is not None
         want = min(os.getpriority(os.PRIO_PROCESS, 0) + LIVE_EXPORT_NICE, 19)
         deadline = time.monotonic() + 20
@@ -1739,8 +1741,8 @@ def test_an_output_directory_removed_mid_run_neither_stops_training_nor_holds_cl
         opt.step()
         opt.zero_grad()
         time.sleep(0.3)  # a flush interval: the writer finds its file gone
-    assert mon._writer.error is not None and "removed" in str(mon._writer.error)
+    assert mon.output.writer.error is not None and "removed" in str(mon.output.writer.error)
     t0 = time.monotonic()
     mon.close()
     assert time.monotonic() - t0 < 10
-    assert mon._live is None or mon._live.proc is None
+    assert mon.output.live is None or mon.output.live.proc is None

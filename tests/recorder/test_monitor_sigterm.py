@@ -130,7 +130,7 @@ def test_kill_9_in_a_hung_step_keeps_what_the_step_recorded(tmp_path):
     that step's activations and unreduced gradients in the log (they stayed in memory until the step
     ended before, and the step the post-mortem needs most was lost)."""
     from trainmon_util import stats_table
-    from trainrec.recorder.collect import SPILL_AFTER_S, SPILL_TICK_S
+    from trainrec.recorder.step_output import SPILL_AFTER_S, SPILL_TICK_S
     from trainrec.schema.events import HooksFired
 
     # + the writer's flush interval

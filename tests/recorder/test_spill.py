@@ -9,7 +9,7 @@ import sys
 import time
 
 from trainmon_util import events_of, loss_of, make, stats_table, write_config
-from trainrec.recorder import TrainerMon, collect
+from trainrec.recorder import TrainerMon, collect, step_output
 from trainrec.schema.events import HookFailed, HooksFired, TensorStatsRecorded
 
 CFG = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
@@ -37,8 +37,8 @@ def _train(tmp_path, name: str) -> list:
 
 def test_spilling_all_the_time_records_exactly_what_one_write_per_step_does(tmp_path, monkeypatch):
     calm = _train(tmp_path, "calm")
-    monkeypatch.setattr(collect, "SPILL_AFTER_S", 0.0)
-    monkeypatch.setattr(collect, "SPILL_TICK_S", 0.0002)
+    monkeypatch.setattr(step_output, "SPILL_AFTER_S", 0.0)
+    monkeypatch.setattr(step_output, "SPILL_TICK_S", 0.0002)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # the threads take turns between almost any two bytecodes
     try:
@@ -65,7 +65,7 @@ def test_the_spill_thread_sleeps_through_steps_that_are_not_collected(tmp_path, 
     instead of waking every tick (background wake-ups on every step a config skips)."""
 
     calls = []
-    monkeypatch.setattr(collect, "SPILL_TICK_S", 0.01)
+    monkeypatch.setattr(step_output, "SPILL_TICK_S", 0.01)
     monkeypatch.setattr(collect.StepCollector, "_spill", lambda self: calls.append(self._state is not None))
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"], "start_step": 1,
                                              "collect_times": 1}),
@@ -104,6 +104,6 @@ def test_api_metrics_of_a_spilled_step_hold_the_whole_step(tmp_path, monkeypatch
         return got
 
     calm = metrics("calm")
-    monkeypatch.setattr(collect, "SPILL_AFTER_S", 0.0)
-    monkeypatch.setattr(collect, "SPILL_TICK_S", 0.001)
+    monkeypatch.setattr(step_output, "SPILL_AFTER_S", 0.0)
+    monkeypatch.setattr(step_output, "SPILL_TICK_S", 0.001)
     assert metrics("busy") == calm and calm["reduced"] and calm["unreduced"]

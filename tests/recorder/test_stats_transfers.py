@@ -206,8 +206,9 @@ def test_mg_direction_of_a_model_on_two_devices(meta_as_cuda):
 
     class Stub(StepCollector):
         def __init__(self) -> None:
-            self._adam = SimpleNamespace(adam_family=True, stepped=True,
-                                         lookup=lambda params, host_steps=True: [(i, m, m, 1.0, {}) for i, m in enumerate(moms)])
+            self.binding = SimpleNamespace(adam=SimpleNamespace(
+                adam_family=True, stepped=True,
+                lookup=lambda params, host_steps=True: [(i, m, m, 1.0, {}) for i, m in enumerate(moms)]))
             self._params = [SimpleNamespace(param=torch.zeros(4)) for _ in grads]
             self._engine = StatsEngine(OPS)
             self.added: list = []
