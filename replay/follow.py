@@ -237,12 +237,12 @@ class RunFollower:
             return False  # the run asked for has not started yet
         info = select_run(runs, self.path, self.run_id)
         headers = [f.header for f in info.all_files if f.header is not None]
-        if not headers:
-            # its files are still being created: chosen now, the launch would have no run id, and the
+        if not headers and any(f.error is None for f in info.all_files):
+            # a file of it is still being created: chosen now, the launch would have no run id, and the
             # ranks that start later could not be told as its own
             return False
         # (the id its headers carry: a launch kept apart from another of the same id is RUNID#k)
-        self.run_id = headers[0].run_id
+        self.run_id = headers[0].run_id if headers else info.run_id
         self._chosen = {f.path for f in info.all_files}
         self._chosen_ranks = set(info.files)
         self._resolved = True
