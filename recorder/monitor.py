@@ -23,7 +23,6 @@ from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
-    KIND_PARAM,
     KINDS,
     ConfigApplied,
     ConfigRejected,
@@ -38,8 +37,9 @@ from . import api_calls, fsdp, runinfo, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
-from .collect import StepCollector
+from .collect import Collection
 from .config import MonitorConfig, load_config, parse_config
+from .context import RecordingContext
 from .flight import probes_for
 from .hooks import StepState, eager
 from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
@@ -64,7 +64,7 @@ def _content_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class TrainerMon(StepCollector):
+class TrainerMon:
     """Drop-in for ``msprobe.pytorch.monitor.module_hook.TrainerMon`` (1.2.1).
 
     ``config_file_path`` may also be a config dict or a :class:`MonitorConfig` (native use);
@@ -115,7 +115,9 @@ class TrainerMon(StepCollector):
         # by the output's finalizer where this monitor is dropped without it (with its model)
         self.output = Output(self.rank, self.output_dir, bool(output_dir),
                              live_export if live_export is not None else "format" in self.config.raw)
-        self._engine = StatsEngine(self.config.ops, self.config.eps)
+        # what the hooks and the collection parts read: the step's state, the parameters, the engine
+        self.context = RecordingContext(StatsEngine(self.config.ops, self.config.eps), self.params_have_main_grad,
+                                        weak_call(self._hook_failed))
         self.name_table = NameTable()
         self.step_output = StepOutput(self.output, self.name_table, self.rank)
         self.step_hooks = StepHooks(weak_call(self._hook_failed), _warn_once)
@@ -131,9 +133,7 @@ class TrainerMon(StepCollector):
         self._closure_state: StepState | None = None
         self._closure_first = True
         self._closure_momenta: tuple | None = None
-        self._state: StepState | None = None
         self._step = 0
-        self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._live_check_at = 0.0  # when _begin_step looks at the live export next
         self._began = False
@@ -143,7 +143,6 @@ class TrainerMon(StepCollector):
         self._chunks: list[torch.nn.Module] = []
         self._fullgraph = False  # a chunk was given as torch.compile(..., fullgraph=True): no graph breaks
         self._targets: Targets | None = None
-        self._params: list[ParamInfo] = []
         self._check_handles: list = []  # selector checks at the first call, until the first step ends
         cls = type(self)  # (its set_wrapped_optimizer, read at binding time; the class, not this monitor)
         self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
@@ -161,7 +160,7 @@ class TrainerMon(StepCollector):
         self.output.closed_with(self)  # (at exit, _close_open_monitors closes a live monitor in full)
         self._struct: dict | None = None
         self._closed = False
-        self._init_collection()
+        self.collection = Collection(self.context, self.binding, self.steps, self.step_hooks)
         if self.config.format != "api":
             self._open_output()
         else:
@@ -186,7 +185,7 @@ class TrainerMon(StepCollector):
     def _write_unfinished_step(self) -> None:
         """A step that never ended (an exception, SIGTERM, a NaN check that stopped the run): what it
         recorded is written, with no StepEnded after it, for the post-mortem. Once."""
-        st = self._state
+        st = self.context.state
         if st is not None and not st.written and (st.stats or st.pending or self.step_hooks.fired or len(st.mod_ids)):
             try:
                 self._write_step(st)
@@ -241,9 +240,9 @@ class TrainerMon(StepCollector):
         ops = list(value) if isinstance(value, (list, tuple)) else value  # (a str is no list of ops)
         new = parse_config({**self.config.raw, "ops": ops}, "ops")
         self.config = new
-        st = self._state
+        st = self.context.state
         if st is None or not (st.stats or st.pending or self.step_hooks.fired):
-            self._engine = StatsEngine(new.ops, new.eps)
+            self.context.engine = StatsEngine(new.ops, new.eps)
             if st is not None:
                 st.stats = StepStats(new.ops)
         # else _begin_step makes the engine for the new ops when this step has ended
@@ -276,10 +275,8 @@ class TrainerMon(StepCollector):
             self._join_process_group()
         fsdp1 = fsdp.fsdp1_units(self._chunks)
         if dp_group is not None and self._distributed and not fsdp1:  # FSDP1: every gradient is a shard
-            import torch.distributed as dist
 
-            self._dp_duplicate = dist.get_rank(group=dp_group) != 0
-            self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
+            self.collection.ownership.join_dp_group(dp_group)
         if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
             _warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
                        "use_orig_params=True, which accumulates gradients in its flat parameters, outside the "
@@ -475,10 +472,10 @@ class TrainerMon(StepCollector):
             for h in handles:
                 h.remove()
             handles.clear()
-        self._state = None
+        self.context.state = None
         # (the probes write the exception that ended the recording, if any, to the log)
         self.output.close(reason, before_log_closes=self._emit_failure_totals)
-        self._engine.release()
+        self.context.engine.release()
 
     def _emit_failure_totals(self) -> None:
         for where, n in self._failures.items():
@@ -531,7 +528,7 @@ class TrainerMon(StepCollector):
                 return
             attached = self.step_hooks.attached
             self._detach()
-            self._targets, self._params = targets, params
+            self._targets, self.context.params = targets, params
             if attached:
                 self._attach()
         self.config = config
@@ -543,7 +540,7 @@ class TrainerMon(StepCollector):
             _warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
                        f"this run's output was set up at its start: {keeps}; the change applies at the next launch")
         if config.ops != old.ops or config.eps != old.eps:
-            self._engine = StatsEngine(config.ops, config.eps)
+            self.context.engine = StatsEngine(config.ops, config.eps)
         if config.alert != old.alert:
             self.output.make_alerts(config, self.pp_stage, self.group_mates)
         self._collections = 0
@@ -574,7 +571,7 @@ class TrainerMon(StepCollector):
         self.step_output.sync_names(self._step)
 
     def _build(self, cfg: MonitorConfig) -> Targets:
-        targets, self._params = self._select(cfg)
+        targets, self.context.params = self._select(cfg)
         return targets
 
     def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
@@ -613,12 +610,12 @@ class TrainerMon(StepCollector):
 
     def _begin_step(self) -> None:
         self.binding.drop_waiting_hook()
-        self._step_t0 = time.perf_counter()
+        self.context.step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._began = False
         live = self.output.live
-        if live is not None and self._step_t0 >= self._live_check_at:  # the live export died?
-            self._live_check_at = self._step_t0 + _LIVE_CHECK_S
+        if live is not None and self.context.step_t0 >= self._live_check_at:  # the live export died?
+            self._live_check_at = self.context.step_t0 + _LIVE_CHECK_S
             try:
                 live.check()
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
@@ -630,16 +627,16 @@ class TrainerMon(StepCollector):
             self._match_compiled()
             self._hook_unfrozen()
             cfg = self.config
-            if self._engine.ops != tuple(cfg.ops) or self._engine.eps != cfg.eps:
-                self._engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
-            self._state = StepState(self._step, cfg.ops, self._mark_began_weakly)
+            if self.context.engine.ops != tuple(cfg.ops) or self.context.engine.eps != cfg.eps:
+                self.context.engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
+            self.context.state = StepState(self._step, cfg.ops, self._mark_began_weakly)
         else:
             if self.step_hooks.attached:
                 self._detach()
-            self._state = None
+            self.context.state = None
         step_open = self.output.step_open
-        if (self._state is not None) != step_open.is_set():
-            if self._state is not None:
+        if (self.context.state is not None) != step_open.is_set():
+            if self.context.state is not None:
                 step_open.set()
             else:
                 step_open.clear()
@@ -651,7 +648,7 @@ class TrainerMon(StepCollector):
         at its first forward (layers are unfrozen in the loop, after the last step ended)."""
         t = self._targets
         if t is not None and ((t.frozen and any(map(_REQUIRES_GRAD, t.frozen)))
-                              or not all(map(_PARAM_REQUIRES_GRAD, self._params))):
+                              or not all(map(_PARAM_REQUIRES_GRAD, self.context.params))):
             self._select_unfrozen()
         elif self.step_hooks.unfrozen_since():
             self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
@@ -669,7 +666,7 @@ class TrainerMon(StepCollector):
             self._targets.frozen = [p for p in self._targets.frozen if not p.requires_grad]
             return
         self._detach()
-        self._targets, self._params = targets, params
+        self._targets, self.context.params = targets, params
 
     def _mark_began(self) -> None:
         """StepBegan is written at the step's first sign of life (a training forward of the model, a hook
@@ -693,19 +690,22 @@ class TrainerMon(StepCollector):
         t = self._targets
         if t is not None:
             wg = self.config.wg_distribution
-            self.step_hooks.attach(self, t, self._params, self._compiled, self._chunks if wg else None,
+            self.step_hooks.attach(self, t, self.context.params, self._compiled, self._chunks if wg else None,
                                    wg and self._list_hooks_allowed(), self.params_have_main_grad)
             if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
                 self.step_hooks.handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
+
+    def _list_hooks_allowed(self) -> bool:
+        return self.collection.grad_batch.list_hooks_allowed(self.config, self._compiled, self._several_ranks())
 
     def _hook_materialized(self) -> None:
         self.step_hooks.hook_materialized(self._list_hooks_allowed())
 
     def _detach(self) -> None:
-        if self.step_hooks.fired and self._state is not None:
+        if self.step_hooks.fired and self.context.state is not None:
             # the list hooks' firings since the last backward pass ended: measured first
             try:
-                self._drain_fired(expected=True)  # the hooks go now: no fallback to make
+                self.collection.grad_batch.drain_fired(expected=True)  # the hooks go now: no fallback to make
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                 self._hook_failed("gradient batch", exc)
         self.step_hooks.detach()
@@ -727,24 +727,16 @@ class TrainerMon(StepCollector):
             self._mark_began()
             # step(closure) (LBFGS always; SGD, Adam... where given one): its passes run after this hook
             closure = self.steps.optimizer_step_begins(args, kwargs)
-            st = self._state
+            st = self.context.state
             if st is None:
                 return
             # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
             first, _ = self.binding.part_of_step(opt)
-            if first:
-                self._settle_grads()
-            cfg = self.config
-            if closure:
-                # the gradients the step applies are the closure's: taken at the post-step hook
+            if closure:  # the gradients the step applies are the closure's: taken at the post-step hook
                 self._closure_state, self._closure_first = st, first
-                self._closure_momenta = self._momenta(snapshot=True) if cfg.mg_direction else None
-            elif cfg.wg_distribution:
-                self._reduced_grads(st, partitioned_only=not first)
-            if first and cfg.param_distribution:
-                self._param_rows(st, KIND_PARAM, *self._param_pieces())
-            if cfg.mg_direction and not closure:
-                self._mg_direction_rows(st, partitioned_only=not first)
+            momenta = self.collection.pre_step(st, self.config, first, closure)
+            if closure:
+                self._closure_momenta = momenta
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer pre-step", exc)
 
@@ -756,14 +748,9 @@ class TrainerMon(StepCollector):
         the update (the signs kept at the pre-step hook)."""
         st, momenta = self._closure_state, self._closure_momenta
         self._closure_state = self._closure_momenta = None
-        if st is None or st is not self._state:
+        if st is None or st is not self.context.state:
             return
-        self._settle_grads()
-        cfg = self.config
-        if cfg.wg_distribution:
-            self._reduced_grads(st, partitioned_only=not self._closure_first)
-        if cfg.mg_direction and momenta is not None:
-            self._mg_direction_rows(st, partitioned_only=not self._closure_first, momenta=momenta)
+        self.collection.closure_rows(st, self.config, self._closure_first, momenta)
 
     def _post_step(self, opt, args, kwargs) -> None:
         try:
@@ -791,7 +778,7 @@ class TrainerMon(StepCollector):
         # the step's first sign of life, before any module's hook: a rank that hangs in this forward (a
         # collective inside it) and is killed there leaves the step it was in, not the previous one's end
         self._mark_began()
-        if self.steps.forwards == 1 and self._state is not None:
+        if self.steps.forwards == 1 and self.context.state is not None:
             self._hook_unfrozen()
 
     def _end_foreign_passes(self) -> None:
@@ -804,15 +791,15 @@ class TrainerMon(StepCollector):
         try:
             if not self.steps.ends_in_foreign_passes():
                 return
-            st = self._state
+            st = self.context.state
             self._mark_began()
             if st is not None:
                 self._finish_step(st, foreign_passes=True)
             else:
                 self._emit(StepEnded(rank=self.rank, step=self._step, wall=time.time(),
-                                     duration=time.perf_counter() - self._step_t0, collected=False,
+                                     duration=time.perf_counter() - self.context.step_t0, collected=False,
                                      micro_steps=self.steps.grad_acc, foreign_passes=True))
-            self._state = None
+            self.context.state = None
         except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
             self._hook_failed("passes inside other optimizers' steps at close", exc)
 
@@ -829,11 +816,27 @@ class TrainerMon(StepCollector):
 
     def _gradients_non_finite(self) -> bool | None:
         """Whether the gradient rows this step recorded so far hold inf or NaN (None: none recorded)."""
-        st = self._state
+        st = self.context.state
         if st is None:
             return None
-        self._settle_grads()
+        self.collection.grad_batch.settle()
         return rows_non_finite(st.stats)
+
+    def _write_step(self, st: StepState) -> None:
+        """The step's hook firings and statistics, to the log (and to the api metrics)."""
+        self.collection.grad_batch.settle()
+        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
+            leaf.handle.remove()
+        st.leaf_hooks.clear()
+        self._collections += 1
+        self.step_output.write(st)
+
+    def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
+        self._write_step(st)
+        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
+                             duration=time.perf_counter() - self.context.step_t0, collected=True,
+                             micro_steps=max([self.steps.grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
+                             optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
 
     def _several_ranks(self) -> bool:
         return self._distributed and self.world_size > 1
@@ -845,23 +848,23 @@ class TrainerMon(StepCollector):
         self._check_handles.clear()
         micro = self.steps.step_ends(optimizer_skipped)
         finished = self._step
-        st = self._state
+        st = self.context.state
         self._mark_began()
         try:
             if st is not None:
                 if not optimizer_skipped:
                     try:
-                        self._optimizer_rows(st)
+                        self.collection.optimizer.optimizer_rows(st, self.config)
                     except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
                         self._hook_failed("optimizer state statistics", exc)
                 self._finish_step(st, optimizer_skipped)
             else:
                 self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
-                                     duration=time.perf_counter() - self._step_t0, collected=False,
+                                     duration=time.perf_counter() - self.context.step_t0, collected=False,
                                      micro_steps=micro, optimizer_skipped=optimizer_skipped))
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer post-step", exc)
-        self._state = None
+        self.context.state = None
         if st is not None and self._monitoring and self._collections >= self.config.collect_times:
             self._stop("collect_times")
         self._step += 1

@@ -282,7 +282,7 @@ def test_targets_select_params_on_segment_boundaries(tmp_path, out):
     cfg = {"wg_distribution": True, "targets": {"layers.1": {}}}
     mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
     mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert sorted(p.full for p in mon._params) == ["layers.1.bias", "layers.1.weight"]
+    assert sorted(p.full for p in mon.context.params) == ["layers.1.bias", "layers.1.weight"]
     mon.close()
 
 
@@ -661,7 +661,7 @@ def test_exception_in_a_hook_is_recorded_and_training_continues(tmp_path, out):
     def boom(tensors):
         raise RuntimeError("injected failure")
 
-    mon._engine.compute = mon._engine.rows = boom  # rows: the module hooks' entry
+    mon.context.engine.compute = mon.context.engine.rows = boom  # rows: the module hooks' entry
     before = model.head.weight.detach().clone()
     for s in range(2):
         loss_of(model, s).backward()
@@ -686,7 +686,7 @@ def test_a_failure_in_the_optimizer_state_statistics_keeps_the_steps_other_rows(
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure in the Adam state")
 
-    mon._optimizer_rows = boom
+    mon.collection.optimizer.optimizer_rows = boom
     for s in range(2):
         loss_of(model, s).backward()
         opt.step()
