@@ -26,7 +26,6 @@ from trainrec.schema.events import (
     KINDS,
     ConfigApplied,
     ConfigRejected,
-    HookFailed,
     MonitoringStopped,
     RunResumed,
     StepBegan,
@@ -46,6 +45,7 @@ from .model_args import checked_arguments, checked_model, compiled_fullgraph, un
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
 from .output import Output
+from .session import HookFailures, warn_once, warn_unrecorded
 from .stats import StatsEngine
 from .step_output import StepOutput, spill_loop
 from .step_stats import StepStats
@@ -102,7 +102,7 @@ class TrainerMon:
         self.dynamic = dynamic == "true"
         info = runinfo.rank_info(process_group)
         self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
-        _warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
+        warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
         self.group_mates = info.group_mates
         self._distributed = info.distributed
         self._run_id_shared = runinfo.run_id_shared_now()
@@ -115,12 +115,13 @@ class TrainerMon:
         # by the output's finalizer where this monitor is dropped without it (with its model)
         self.output = Output(self.rank, self.output_dir, bool(output_dir),
                              live_export if live_export is not None else "format" in self.config.raw)
+        self.failures = HookFailures(weak_call(self._emit))  # counted per place; totals at close
         # what the hooks and the collection parts read: the step's state, the parameters, the engine
         self.context = RecordingContext(StatsEngine(self.config.ops, self.config.eps), self.params_have_main_grad,
                                         weak_call(self._hook_failed))
         self.name_table = NameTable()
         self.step_output = StepOutput(self.output, self.name_table, self.rank)
-        self.step_hooks = StepHooks(weak_call(self._hook_failed), _warn_once)
+        self.step_hooks = StepHooks(weak_call(self._hook_failed), warn_once)
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
         self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
         self._no_tensor_warned: set[int] = set()  # modules where the default selection found no tensor (hooks)
@@ -146,13 +147,12 @@ class TrainerMon:
         self._check_handles: list = []  # selector checks at the first call, until the first step ends
         cls = type(self)  # (its set_wrapped_optimizer, read at binding time; the class, not this monitor)
         self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
-                                        lambda: cls._wrapped_optimizer, _warn_once)
+                                        lambda: cls._wrapped_optimizer, warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
-                                 weak_call(self._several_ranks), weak_call(self._hook_failed), _warn_once)
+                                 weak_call(self._several_ranks), weak_call(self._hook_failed), warn_once)
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
         self._tp_group = None
         self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
-        self._failures: dict[str, int] = {}
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
         self._ref = weakref.ref(self)
@@ -278,7 +278,7 @@ class TrainerMon:
 
             self.collection.ownership.join_dp_group(dp_group)
         if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
-            _warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
+            warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
                        "use_orig_params=True, which accumulates gradients in its flat parameters, outside the "
                        "parameters' own gradient hooks: weight gradients before reduction (grad_unreduced) are "
                        "not recorded for them (with use_orig_params=False they are, per flat parameter: this "
@@ -349,14 +349,14 @@ class TrainerMon:
         info = runinfo.rank_info(self.process_group)
         if not info.distributed:
             if self.world_size > 1 and not runinfo.run_id_shared_now():
-                _warn_once("unshared_run", f"trainrec: rank {self.rank} of WORLD_SIZE={self.world_size} without "
+                warn_once("unshared_run", f"trainrec: rank {self.rank} of WORLD_SIZE={self.world_size} without "
                            "torch.distributed initialized, and no TRAINREC_RUN_ID or TORCHELASTIC_RUN_ID in the "
                            "environment: each rank's log is a run of its own, which replay does not merge. Set "
                            "TRAINREC_RUN_ID to one value in every rank's environment (torchrun: --rdzv-id or "
                            "--standalone), or initialize torch.distributed before monitor_gnorm_with_ad")
             return
         if info.rank != self.rank or info.world_size != self.world_size:
-            _warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
+            warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
                        f"its rank {info.rank} of {info.world_size} differs from the environment's "
                        f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
                        f"{self.output.rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
@@ -478,10 +478,7 @@ class TrainerMon:
         self.context.engine.release()
 
     def _emit_failure_totals(self) -> None:
-        for where, n in self._failures.items():
-            if n > _MAX_FAILURE_EVENTS:
-                self._emit(HookFailed(rank=self.rank, step=self._step, wall=time.time(), where=where,
-                                      error="(total)", count=n))
+        self.failures.emit_totals(self.rank, self._step)
 
     def __enter__(self) -> TrainerMon:
         self._check_open("with")
@@ -532,12 +529,12 @@ class TrainerMon:
             if attached:
                 self._attach()
         self.config = config
-        _warn_unrecorded(config, self.world_size)
+        warn_unrecorded(config, self.world_size)
         changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
         if changed and reason != "static":
             keeps = ("it writes no log (format 'api')" if self.output.writer is None else
                      "its log keeps everything, and `trainrec export` makes csv or tensorboard files from it")
-            _warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
+            warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
                        f"this run's output was set up at its start: {keeps}; the change applies at the next launch")
         if config.ops != old.ops or config.eps != old.eps:
             self.context.engine = StatsEngine(config.ops, config.eps)
@@ -578,7 +575,7 @@ class TrainerMon:
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
         targets = select_targets(self._chunks, cfg, self.rank, self.name_table.intern,
                                  several_ranks=self._several_ranks(), installed=self._installed,
-                                 fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=_warn_once)
+                                 fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=warn_once)
         self._sync_names()
         if self._tp_group is not None and self._distributed:
             mark_tp_duplicates(targets.params, self._tp_group)
@@ -889,51 +886,10 @@ class TrainerMon:
 
     # ------------------------------------------------------------------ failures
     def _hook_failed(self, where: str, exc: BaseException) -> None:
-        n = self._failures.get(where, 0) + 1
-        self._failures[where] = n
-        if n == 1:
-            log.warning("trainrec: %s failed (training goes on; further failures there are counted): %s",
-                        where, exc)
-        if n <= _MAX_FAILURE_EVENTS:
-            try:
-                self._emit(HookFailed(rank=self.rank, step=self._step, wall=time.time(), where=where,
-                                      error=f"{type(exc).__name__}: {exc}", count=n))
-            except Exception:  # noqa: BLE001 - a failing writer must not kill training either
-                pass
+        self.failures.failed(where, exc, self.rank, self._step)
 
 
-_MAX_FAILURE_EVENTS = 10
 _LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitpid) at step boundaries
-_warned: set[str] = set()
-
-
-
-
-def _warn_unrecorded(cfg: MonitorConfig, world_size: int, applied: bool = True) -> None:
-    """Say once that an option trainrec accepts (for config compatibility) but does not record is on,
-    that the config records nothing (no statistics option on, or collect_times 0), and that
-    module_ranks names no rank of the world (no rank records activations): the reference is silent
-    about these. Not ``applied`` (dynamic mode, before the switch), the config records nothing yet."""
-    options = ("xy_distribution", "wg_distribution", "param_distribution", "mv_distribution", "ur_distribution",
-               "mg_direction")
-    if applied and not cfg.print_struct and not any(getattr(cfg, k) for k in options):
-        _warn_once("no-options", f"trainrec: the config turns on none of {', '.join(options)}: no statistics are "
-                   "recorded (the log holds the steps and the module structure only)")
-    elif applied and cfg.collect_times == 0:
-        _warn_once("collect_times-0", "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)")
-    if (cfg.xy_distribution and cfg.module_ranks
-            and not any(0 <= r < world_size for r in cfg.module_ranks)):
-        _warn_once(f"module_ranks-{cfg.module_ranks}-{world_size}",
-                   f"trainrec: module_ranks {list(cfg.module_ranks)} names no rank of this run's world size "
-                   f"{world_size}: no rank records activations (xy_distribution)")
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message)
-
-
 _open_monitors: weakref.WeakSet = weakref.WeakSet()
 
 
