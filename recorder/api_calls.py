@@ -169,7 +169,7 @@ class ApiLevel:
     def _chunk_pre(self, vpp: int):
         def hook(module, args):
             mon = self.mon
-            st = mon._state
+            st = mon.context.state
             if (self.pass_ is not None or st is None or mon.output.writer is None or mon._compiled or not module.training
                     or not torch.is_grad_enabled() or in_backward() or not mon.config.api_level):
                 return

@@ -27,7 +27,7 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
             if module.training and not in_backward():
                 if vpp == 0:
                     mon._on_micro_step()
-                st = mon._state
+                st = mon.context.state
                 if st is not None:
                     # a training-mode forward under no_grad (a target computed with the model, a sample
                     # logged) is no micro step: its activations would take a micro step's place
@@ -37,9 +37,9 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
                         st.chunk_fwd[vpp] = st.chunk_fwd.get(vpp, 0) + 1
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             mon._hook_failed("micro step start", exc)
-        if mon._state is not None and (mon._state.pending or mon.step_hooks.fired):
+        if mon.context.state is not None and (mon.context.state.pending or mon.step_hooks.fired):
             try:
-                mon._settle_grads(in_backward())
+                mon.collection.grad_batch.settle(in_backward())
             except Exception as exc:  # noqa: BLE001
                 mon._hook_failed("gradient batch", exc)
 
@@ -75,7 +75,7 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
     count of its gradients is used."""
 
     def body(module, args, output):
-        st = mon._state
+        st = mon.context.state
         if st is not None:
             # (not nograd_fwd: the chunk's own target hook, registered after this one, still asks it)
             st.chunk_open = False
@@ -119,9 +119,9 @@ def _first_grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
 
 def _on_chunk_output_grad(mon_ref, st: StepState, vpp: int, micro: int, grad):
     mon = mon_ref()
-    if mon is not None and mon._state is st:
+    if mon is not None and mon.context.state is st:
         st.bwd_micro[vpp] = micro
         if mon.step_hooks.list_handles and not st.eob_queued:  # the list hooks' firings are handled at its end
             st.eob_queued = True
-            mon._queue_flush_at_end_of_backward()
+            mon.collection.grad_batch.queue_flush_at_end_of_backward()
     return None

@@ -117,15 +117,15 @@ def probes_for(mon) -> FlightProbes:
         m = ref()
         if m is None or m._closed:
             return None
-        return (m._step, m._step_t0) if m._chunks else ()  # (no model yet: nothing to time)
+        return (m._step, m.context.step_t0) if m._chunks else ()  # (no model yet: nothing to time)
 
     def collecting() -> bool:
         m = ref()
-        return m is not None and m._state is not None
+        return m is not None and m.context.state is not None
 
     def last_hook() -> tuple | None:
         m = ref()
-        st = m._state if m is not None else None
+        st = m.context.state if m is not None else None
         if st is None or not len(st.mod_ids):
             return None
         i = len(st.mod_ids) - 1

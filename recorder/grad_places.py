@@ -58,7 +58,7 @@ def main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | Non
     which runs after this one; with ``overlap_grad_reduce`` that hook then starts the bucket's
     reduction at once when this parameter completes the bucket. So, in a shared buffer, the value the
     owner is about to make, ``main_grad + added`` (``added``: ``.grad``), is measured now (see
-    :meth:`StepCollector._rows_of_sum`); ``main_grad`` alone where Megatron's fused weight-gradient
+    :meth:`GradBatch._rows_of_sum`); ``main_grad`` alone where Megatron's fused weight-gradient
     accumulation has added the gradient already (``grad_added_to_main_grad``) or ``.grad`` does not
     fit. A ``main_grad`` kept elsewhere is looked up when the batch is measured, at the end of the
     backward pass at the latest (None: after every hook of this backward has run)."""

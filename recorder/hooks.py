@@ -199,7 +199,7 @@ class StepState:
         self.written = False  # the step's records have gone to the writer (no more spills)
         self.nograd_fwd = False  # a model chunk's forward runs under no_grad: not a micro step, not recorded
         self.chunk_open = False  # between a model chunk's forward pre-hook and its forward hook
-        self.eob_queued = False  # the end-of-backward callback of the list hooks is queued (collect.py)
+        self.eob_queued = False  # the end-of-backward callback of the list hooks is queued (grad_batch.py)
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several
@@ -276,7 +276,7 @@ def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.nda
                 continue
         todo.append(k)
     if todo:
-        new = mon._engine.rows([xs[k] for k in todo])
+        new = mon.context.engine.rows([xs[k] for k in todo])
         for j, k in enumerate(todo):
             if keys[k] is not None:
                 x = xs[k]
@@ -401,7 +401,7 @@ def _grad_cb(mon_ref, st: StepState, users: list, once: _Once | None, grad):
             return None
         once.fired = True
     mon = mon_ref()  # weak: a graph kept alive (the last loss in a variable) must not keep the monitor
-    if mon is None or mon._state is not st:  # the step ended (or monitoring stopped) before this gradient
+    if mon is None or mon.context.state is not st:  # the step ended (or monitoring stopped) before this gradient
         return None
     rows = None
     # last hooked first: backward runs the forward in reverse. A module returning its child's output
@@ -528,7 +528,7 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True):
     check_in = want_in and sel_in is None and not (forward and "input" in t.wants and t.sel.get("input") is None)
 
     def hook(module, args, kwargs=None):  # (registered with_kwargs; see _KWARGS_GONE)
-        st = mon._state
+        st = mon.context.state
         if st is None or not module.training or not torch.is_grad_enabled():
             return
         try:
@@ -569,7 +569,7 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
 
     def hook(module, args, *kwargs_output):  # (registered with_kwargs: kwargs, output; see _KWARGS_GONE)
         kwargs, output = kwargs_output if len(kwargs_output) == 2 else (None, kwargs_output[0])
-        st = mon._state
+        st = mon.context.state
         if st is None or not module.training or (st.nograd_fwd if st.chunk_open else not torch.is_grad_enabled()):
             # a training-mode call under no_grad: inside a chunk's forward, as that forward began (reentrant
             # checkpointing runs its segment's first forward under no_grad, inside a recorded one); a
@@ -678,12 +678,12 @@ def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):
 
     def hook(param_or_grad):
         mon = ref()
-        if mon is None or mon._state is None:
+        if mon is None or mon.context.state is None:
             return
         try:
-            mon._on_grad_accumulated(index, param_or_grad if incoming else None)
+            mon.collection.grad_batch.grad_accumulated(index, param_or_grad if incoming else None)
         except Exception as exc:  # noqa: BLE001
-            mon._hook_failed(f"gradient hook of {mon._params[index].name!r}", exc)
+            mon._hook_failed(f"gradient hook of {mon.context.params[index].name!r}", exc)
 
     if incoming == "unsharded":
         def unsharded_hook(param):

@@ -23,11 +23,9 @@ from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
-    KIND_PARAM,
     KINDS,
     ConfigApplied,
     ConfigRejected,
-    HookFailed,
     MonitoringStopped,
     RunResumed,
     StepBegan,
@@ -38,14 +36,16 @@ from . import api_calls, fsdp, runinfo, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
-from .collect import StepCollector
+from .collect import Collection
 from .config import MonitorConfig, load_config, parse_config
+from .context import RecordingContext
 from .flight import probes_for
 from .hooks import StepState, eager
 from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
 from .output import Output
+from .session import HookFailures, warn_once, warn_unrecorded
 from .stats import StatsEngine
 from .step_output import StepOutput, spill_loop
 from .step_stats import StepStats
@@ -64,7 +64,7 @@ def _content_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class TrainerMon(StepCollector):
+class TrainerMon:
     """Drop-in for ``msprobe.pytorch.monitor.module_hook.TrainerMon`` (1.2.1).
 
     ``config_file_path`` may also be a config dict or a :class:`MonitorConfig` (native use);
@@ -102,7 +102,7 @@ class TrainerMon(StepCollector):
         self.dynamic = dynamic == "true"
         info = runinfo.rank_info(process_group)
         self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
-        _warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
+        warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
         self.group_mates = info.group_mates
         self._distributed = info.distributed
         self._run_id_shared = runinfo.run_id_shared_now()
@@ -115,10 +115,13 @@ class TrainerMon(StepCollector):
         # by the output's finalizer where this monitor is dropped without it (with its model)
         self.output = Output(self.rank, self.output_dir, bool(output_dir),
                              live_export if live_export is not None else "format" in self.config.raw)
-        self._engine = StatsEngine(self.config.ops, self.config.eps)
+        self.failures = HookFailures(weak_call(self._emit))  # counted per place; totals at close
+        # what the hooks and the collection parts read: the step's state, the parameters, the engine
+        self.context = RecordingContext(StatsEngine(self.config.ops, self.config.eps), self.params_have_main_grad,
+                                        weak_call(self._hook_failed))
         self.name_table = NameTable()
         self.step_output = StepOutput(self.output, self.name_table, self.rank)
-        self.step_hooks = StepHooks(weak_call(self._hook_failed), _warn_once)
+        self.step_hooks = StepHooks(weak_call(self._hook_failed), warn_once)
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
         self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
         self._no_tensor_warned: set[int] = set()  # modules where the default selection found no tensor (hooks)
@@ -131,9 +134,7 @@ class TrainerMon(StepCollector):
         self._closure_state: StepState | None = None
         self._closure_first = True
         self._closure_momenta: tuple | None = None
-        self._state: StepState | None = None
         self._step = 0
-        self._step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._live_check_at = 0.0  # when _begin_step looks at the live export next
         self._began = False
@@ -143,17 +144,15 @@ class TrainerMon(StepCollector):
         self._chunks: list[torch.nn.Module] = []
         self._fullgraph = False  # a chunk was given as torch.compile(..., fullgraph=True): no graph breaks
         self._targets: Targets | None = None
-        self._params: list[ParamInfo] = []
         self._check_handles: list = []  # selector checks at the first call, until the first step ends
         cls = type(self)  # (its set_wrapped_optimizer, read at binding time; the class, not this monitor)
         self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
-                                        lambda: cls._wrapped_optimizer, _warn_once)
+                                        lambda: cls._wrapped_optimizer, warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
-                                 weak_call(self._several_ranks), weak_call(self._hook_failed), _warn_once)
+                                 weak_call(self._several_ranks), weak_call(self._hook_failed), warn_once)
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
         self._tp_group = None
         self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
-        self._failures: dict[str, int] = {}
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
         self._ref = weakref.ref(self)
@@ -161,7 +160,7 @@ class TrainerMon(StepCollector):
         self.output.closed_with(self)  # (at exit, _close_open_monitors closes a live monitor in full)
         self._struct: dict | None = None
         self._closed = False
-        self._init_collection()
+        self.collection = Collection(self.context, self.binding, self.steps, self.step_hooks)
         if self.config.format != "api":
             self._open_output()
         else:
@@ -186,7 +185,7 @@ class TrainerMon(StepCollector):
     def _write_unfinished_step(self) -> None:
         """A step that never ended (an exception, SIGTERM, a NaN check that stopped the run): what it
         recorded is written, with no StepEnded after it, for the post-mortem. Once."""
-        st = self._state
+        st = self.context.state
         if st is not None and not st.written and (st.stats or st.pending or self.step_hooks.fired or len(st.mod_ids)):
             try:
                 self._write_step(st)
@@ -241,9 +240,9 @@ class TrainerMon(StepCollector):
         ops = list(value) if isinstance(value, (list, tuple)) else value  # (a str is no list of ops)
         new = parse_config({**self.config.raw, "ops": ops}, "ops")
         self.config = new
-        st = self._state
+        st = self.context.state
         if st is None or not (st.stats or st.pending or self.step_hooks.fired):
-            self._engine = StatsEngine(new.ops, new.eps)
+            self.context.engine = StatsEngine(new.ops, new.eps)
             if st is not None:
                 st.stats = StepStats(new.ops)
         # else _begin_step makes the engine for the new ops when this step has ended
@@ -276,12 +275,10 @@ class TrainerMon(StepCollector):
             self._join_process_group()
         fsdp1 = fsdp.fsdp1_units(self._chunks)
         if dp_group is not None and self._distributed and not fsdp1:  # FSDP1: every gradient is a shard
-            import torch.distributed as dist
 
-            self._dp_duplicate = dist.get_rank(group=dp_group) != 0
-            self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
+            self.collection.ownership.join_dp_group(dp_group)
         if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
-            _warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
+            warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
                        "use_orig_params=True, which accumulates gradients in its flat parameters, outside the "
                        "parameters' own gradient hooks: weight gradients before reduction (grad_unreduced) are "
                        "not recorded for them (with use_orig_params=False they are, per flat parameter: this "
@@ -352,14 +349,14 @@ class TrainerMon(StepCollector):
         info = runinfo.rank_info(self.process_group)
         if not info.distributed:
             if self.world_size > 1 and not runinfo.run_id_shared_now():
-                _warn_once("unshared_run", f"trainrec: rank {self.rank} of WORLD_SIZE={self.world_size} without "
+                warn_once("unshared_run", f"trainrec: rank {self.rank} of WORLD_SIZE={self.world_size} without "
                            "torch.distributed initialized, and no TRAINREC_RUN_ID or TORCHELASTIC_RUN_ID in the "
                            "environment: each rank's log is a run of its own, which replay does not merge. Set "
                            "TRAINREC_RUN_ID to one value in every rank's environment (torchrun: --rdzv-id or "
                            "--standalone), or initialize torch.distributed before monitor_gnorm_with_ad")
             return
         if info.rank != self.rank or info.world_size != self.world_size:
-            _warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
+            warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
                        f"its rank {info.rank} of {info.world_size} differs from the environment's "
                        f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
                        f"{self.output.rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
@@ -475,16 +472,13 @@ class TrainerMon(StepCollector):
             for h in handles:
                 h.remove()
             handles.clear()
-        self._state = None
+        self.context.state = None
         # (the probes write the exception that ended the recording, if any, to the log)
         self.output.close(reason, before_log_closes=self._emit_failure_totals)
-        self._engine.release()
+        self.context.engine.release()
 
     def _emit_failure_totals(self) -> None:
-        for where, n in self._failures.items():
-            if n > _MAX_FAILURE_EVENTS:
-                self._emit(HookFailed(rank=self.rank, step=self._step, wall=time.time(), where=where,
-                                      error="(total)", count=n))
+        self.failures.emit_totals(self.rank, self._step)
 
     def __enter__(self) -> TrainerMon:
         self._check_open("with")
@@ -531,19 +525,19 @@ class TrainerMon(StepCollector):
                 return
             attached = self.step_hooks.attached
             self._detach()
-            self._targets, self._params = targets, params
+            self._targets, self.context.params = targets, params
             if attached:
                 self._attach()
         self.config = config
-        _warn_unrecorded(config, self.world_size)
+        warn_unrecorded(config, self.world_size)
         changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
         if changed and reason != "static":
             keeps = ("it writes no log (format 'api')" if self.output.writer is None else
                      "its log keeps everything, and `trainrec export` makes csv or tensorboard files from it")
-            _warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
+            warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
                        f"this run's output was set up at its start: {keeps}; the change applies at the next launch")
         if config.ops != old.ops or config.eps != old.eps:
-            self._engine = StatsEngine(config.ops, config.eps)
+            self.context.engine = StatsEngine(config.ops, config.eps)
         if config.alert != old.alert:
             self.output.make_alerts(config, self.pp_stage, self.group_mates)
         self._collections = 0
@@ -574,14 +568,14 @@ class TrainerMon(StepCollector):
         self.step_output.sync_names(self._step)
 
     def _build(self, cfg: MonitorConfig) -> Targets:
-        targets, self._params = self._select(cfg)
+        targets, self.context.params = self._select(cfg)
         return targets
 
     def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
         targets = select_targets(self._chunks, cfg, self.rank, self.name_table.intern,
                                  several_ranks=self._several_ranks(), installed=self._installed,
-                                 fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=_warn_once)
+                                 fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=warn_once)
         self._sync_names()
         if self._tp_group is not None and self._distributed:
             mark_tp_duplicates(targets.params, self._tp_group)
@@ -613,12 +607,12 @@ class TrainerMon(StepCollector):
 
     def _begin_step(self) -> None:
         self.binding.drop_waiting_hook()
-        self._step_t0 = time.perf_counter()
+        self.context.step_t0 = time.perf_counter()
         self._step_wall0 = time.time()
         self._began = False
         live = self.output.live
-        if live is not None and self._step_t0 >= self._live_check_at:  # the live export died?
-            self._live_check_at = self._step_t0 + _LIVE_CHECK_S
+        if live is not None and self.context.step_t0 >= self._live_check_at:  # the live export died?
+            self._live_check_at = self.context.step_t0 + _LIVE_CHECK_S
             try:
                 live.check()
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
@@ -630,16 +624,16 @@ class TrainerMon(StepCollector):
             self._match_compiled()
             self._hook_unfrozen()
             cfg = self.config
-            if self._engine.ops != tuple(cfg.ops) or self._engine.eps != cfg.eps:
-                self._engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
-            self._state = StepState(self._step, cfg.ops, self._mark_began_weakly)
+            if self.context.engine.ops != tuple(cfg.ops) or self.context.engine.eps != cfg.eps:
+                self.context.engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
+            self.context.state = StepState(self._step, cfg.ops, self._mark_began_weakly)
         else:
             if self.step_hooks.attached:
                 self._detach()
-            self._state = None
+            self.context.state = None
         step_open = self.output.step_open
-        if (self._state is not None) != step_open.is_set():
-            if self._state is not None:
+        if (self.context.state is not None) != step_open.is_set():
+            if self.context.state is not None:
                 step_open.set()
             else:
                 step_open.clear()
@@ -651,7 +645,7 @@ class TrainerMon(StepCollector):
         at its first forward (layers are unfrozen in the loop, after the last step ended)."""
         t = self._targets
         if t is not None and ((t.frozen and any(map(_REQUIRES_GRAD, t.frozen)))
-                              or not all(map(_PARAM_REQUIRES_GRAD, self._params))):
+                              or not all(map(_PARAM_REQUIRES_GRAD, self.context.params))):
             self._select_unfrozen()
         elif self.step_hooks.unfrozen_since():
             self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
@@ -669,7 +663,7 @@ class TrainerMon(StepCollector):
             self._targets.frozen = [p for p in self._targets.frozen if not p.requires_grad]
             return
         self._detach()
-        self._targets, self._params = targets, params
+        self._targets, self.context.params = targets, params
 
     def _mark_began(self) -> None:
         """StepBegan is written at the step's first sign of life (a training forward of the model, a hook
@@ -693,19 +687,22 @@ class TrainerMon(StepCollector):
         t = self._targets
         if t is not None:
             wg = self.config.wg_distribution
-            self.step_hooks.attach(self, t, self._params, self._compiled, self._chunks if wg else None,
+            self.step_hooks.attach(self, t, self.context.params, self._compiled, self._chunks if wg else None,
                                    wg and self._list_hooks_allowed(), self.params_have_main_grad)
             if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
                 self.step_hooks.handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
+
+    def _list_hooks_allowed(self) -> bool:
+        return self.collection.grad_batch.list_hooks_allowed(self.config, self._compiled, self._several_ranks())
 
     def _hook_materialized(self) -> None:
         self.step_hooks.hook_materialized(self._list_hooks_allowed())
 
     def _detach(self) -> None:
-        if self.step_hooks.fired and self._state is not None:
+        if self.step_hooks.fired and self.context.state is not None:
             # the list hooks' firings since the last backward pass ended: measured first
             try:
-                self._drain_fired(expected=True)  # the hooks go now: no fallback to make
+                self.collection.grad_batch.drain_fired(expected=True)  # the hooks go now: no fallback to make
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                 self._hook_failed("gradient batch", exc)
         self.step_hooks.detach()
@@ -727,24 +724,16 @@ class TrainerMon(StepCollector):
             self._mark_began()
             # step(closure) (LBFGS always; SGD, Adam... where given one): its passes run after this hook
             closure = self.steps.optimizer_step_begins(args, kwargs)
-            st = self._state
+            st = self.context.state
             if st is None:
                 return
             # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
             first, _ = self.binding.part_of_step(opt)
-            if first:
-                self._settle_grads()
-            cfg = self.config
-            if closure:
-                # the gradients the step applies are the closure's: taken at the post-step hook
+            if closure:  # the gradients the step applies are the closure's: taken at the post-step hook
                 self._closure_state, self._closure_first = st, first
-                self._closure_momenta = self._momenta(snapshot=True) if cfg.mg_direction else None
-            elif cfg.wg_distribution:
-                self._reduced_grads(st, partitioned_only=not first)
-            if first and cfg.param_distribution:
-                self._param_rows(st, KIND_PARAM, *self._param_pieces())
-            if cfg.mg_direction and not closure:
-                self._mg_direction_rows(st, partitioned_only=not first)
+            momenta = self.collection.pre_step(st, self.config, first, closure)
+            if closure:
+                self._closure_momenta = momenta
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer pre-step", exc)
 
@@ -756,14 +745,9 @@ class TrainerMon(StepCollector):
         the update (the signs kept at the pre-step hook)."""
         st, momenta = self._closure_state, self._closure_momenta
         self._closure_state = self._closure_momenta = None
-        if st is None or st is not self._state:
+        if st is None or st is not self.context.state:
             return
-        self._settle_grads()
-        cfg = self.config
-        if cfg.wg_distribution:
-            self._reduced_grads(st, partitioned_only=not self._closure_first)
-        if cfg.mg_direction and momenta is not None:
-            self._mg_direction_rows(st, partitioned_only=not self._closure_first, momenta=momenta)
+        self.collection.closure_rows(st, self.config, self._closure_first, momenta)
 
     def _post_step(self, opt, args, kwargs) -> None:
         try:
@@ -791,7 +775,7 @@ class TrainerMon(StepCollector):
         # the step's first sign of life, before any module's hook: a rank that hangs in this forward (a
         # collective inside it) and is killed there leaves the step it was in, not the previous one's end
         self._mark_began()
-        if self.steps.forwards == 1 and self._state is not None:
+        if self.steps.forwards == 1 and self.context.state is not None:
             self._hook_unfrozen()
 
     def _end_foreign_passes(self) -> None:
@@ -804,15 +788,15 @@ class TrainerMon(StepCollector):
         try:
             if not self.steps.ends_in_foreign_passes():
                 return
-            st = self._state
+            st = self.context.state
             self._mark_began()
             if st is not None:
                 self._finish_step(st, foreign_passes=True)
             else:
                 self._emit(StepEnded(rank=self.rank, step=self._step, wall=time.time(),
-                                     duration=time.perf_counter() - self._step_t0, collected=False,
+                                     duration=time.perf_counter() - self.context.step_t0, collected=False,
                                      micro_steps=self.steps.grad_acc, foreign_passes=True))
-            self._state = None
+            self.context.state = None
         except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
             self._hook_failed("passes inside other optimizers' steps at close", exc)
 
@@ -829,11 +813,27 @@ class TrainerMon(StepCollector):
 
     def _gradients_non_finite(self) -> bool | None:
         """Whether the gradient rows this step recorded so far hold inf or NaN (None: none recorded)."""
-        st = self._state
+        st = self.context.state
         if st is None:
             return None
-        self._settle_grads()
+        self.collection.grad_batch.settle()
         return rows_non_finite(st.stats)
+
+    def _write_step(self, st: StepState) -> None:
+        """The step's hook firings and statistics, to the log (and to the api metrics)."""
+        self.collection.grad_batch.settle()
+        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
+            leaf.handle.remove()
+        st.leaf_hooks.clear()
+        self._collections += 1
+        self.step_output.write(st)
+
+    def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
+        self._write_step(st)
+        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
+                             duration=time.perf_counter() - self.context.step_t0, collected=True,
+                             micro_steps=max([self.steps.grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
+                             optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
 
     def _several_ranks(self) -> bool:
         return self._distributed and self.world_size > 1
@@ -845,23 +845,23 @@ class TrainerMon(StepCollector):
         self._check_handles.clear()
         micro = self.steps.step_ends(optimizer_skipped)
         finished = self._step
-        st = self._state
+        st = self.context.state
         self._mark_began()
         try:
             if st is not None:
                 if not optimizer_skipped:
                     try:
-                        self._optimizer_rows(st)
+                        self.collection.optimizer.optimizer_rows(st, self.config)
                     except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
                         self._hook_failed("optimizer state statistics", exc)
                 self._finish_step(st, optimizer_skipped)
             else:
                 self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
-                                     duration=time.perf_counter() - self._step_t0, collected=False,
+                                     duration=time.perf_counter() - self.context.step_t0, collected=False,
                                      micro_steps=micro, optimizer_skipped=optimizer_skipped))
         except Exception as exc:  # noqa: BLE001
             self._hook_failed("optimizer post-step", exc)
-        self._state = None
+        self.context.state = None
         if st is not None and self._monitoring and self._collections >= self.config.collect_times:
             self._stop("collect_times")
         self._step += 1
@@ -886,51 +886,10 @@ class TrainerMon(StepCollector):
 
     # ------------------------------------------------------------------ failures
     def _hook_failed(self, where: str, exc: BaseException) -> None:
-        n = self._failures.get(where, 0) + 1
-        self._failures[where] = n
-        if n == 1:
-            log.warning("trainrec: %s failed (training goes on; further failures there are counted): %s",
-                        where, exc)
-        if n <= _MAX_FAILURE_EVENTS:
-            try:
-                self._emit(HookFailed(rank=self.rank, step=self._step, wall=time.time(), where=where,
-                                      error=f"{type(exc).__name__}: {exc}", count=n))
-            except Exception:  # noqa: BLE001 - a failing writer must not kill training either
-                pass
+        self.failures.failed(where, exc, self.rank, self._step)
 
 
-_MAX_FAILURE_EVENTS = 10
 _LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitpid) at step boundaries
-_warned: set[str] = set()
-
-
-
-
-def _warn_unrecorded(cfg: MonitorConfig, world_size: int, applied: bool = True) -> None:
-    """Say once that an option trainrec accepts (for config compatibility) but does not record is on,
-    that the config records nothing (no statistics option on, or collect_times 0), and that
-    module_ranks names no rank of the world (no rank records activations): the reference is silent
-    about these. Not ``applied`` (dynamic mode, before the switch), the config records nothing yet."""
-    options = ("xy_distribution", "wg_distribution", "param_distribution", "mv_distribution", "ur_distribution",
-               "mg_direction")
-    if applied and not cfg.print_struct and not any(getattr(cfg, k) for k in options):
-        _warn_once("no-options", f"trainrec: the config turns on none of {', '.join(options)}: no statistics are "
-                   "recorded (the log holds the steps and the module structure only)")
-    elif applied and cfg.collect_times == 0:
-        _warn_once("collect_times-0", "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)")
-    if (cfg.xy_distribution and cfg.module_ranks
-            and not any(0 <= r < world_size for r in cfg.module_ranks)):
-        _warn_once(f"module_ranks-{cfg.module_ranks}-{world_size}",
-                   f"trainrec: module_ranks {list(cfg.module_ranks)} names no rank of this run's world size "
-                   f"{world_size}: no rank records activations (xy_distribution)")
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message)
-
-
 _open_monitors: weakref.WeakSet = weakref.WeakSet()
 
 

@@ -4,6 +4,7 @@ step's statistics for the api metrics (``generate_*_metrics``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -181,7 +182,7 @@ def _on_host(values) -> bool:
 
 def spill_loop(ref, stop: threading.Event, step_open: threading.Event) -> None:
     """The spill thread of a monitor (``ref``: a weak reference to it, so that the thread keeps nothing
-    alive): :meth:`StepCollector._spill` every SPILL_TICK_S seconds while a collected step is open
+    alive): :meth:`StepOutput.spill` of its step every SPILL_TICK_S seconds while a collected step is open
     (``step_open``), asleep otherwise (steps the config skips wake nothing), until ``stop`` is set."""
     while not stop.is_set():
         if not step_open.wait(SPILL_IDLE_S):
@@ -193,8 +194,9 @@ def spill_loop(ref, stop: threading.Event, step_open: threading.Event) -> None:
         mon = ref()
         if mon is None:
             return
+        ctx = mon.context
         try:
-            mon._spill()
+            mon.step_output.spill(ctx.state, ctx.step_t0, functools.partial(getattr, ctx, "state"))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            mon._hook_failed("writing the step in progress", exc)
-        del mon
+            ctx.hook_failed("writing the step in progress", exc)
+        del mon, ctx

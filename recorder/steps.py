@@ -16,8 +16,8 @@ from trainrec.schema.events import KIND_ACTV_GRAD, KIND_GRAD_UNREDUCED
 
 from . import zero
 from .binding import OptimizerBinding
-from .collect import _queue_end_of_backward
 from .fused import local_tensor
+from .grad_batch import queue_end_of_backward
 from .step_stats import StepStats
 from .targets import uninitialized
 
@@ -91,10 +91,10 @@ class StepTracker:
             # reduction leaves them) are looked at once this backward pass ends (queued from a callback:
             # after DDP's own)
             self._reduced_check_queued = True
-            _queue_end_of_backward(weak_call(self._queue_reduced_check))
+            queue_end_of_backward(weak_call(self._queue_reduced_check))
 
     def _queue_reduced_check(self) -> None:
-        _queue_end_of_backward(weak_call(self._check_reduced_grads))
+        queue_end_of_backward(weak_call(self._check_reduced_grads))
 
     def _check_reduced_grads(self) -> None:
         """Whether chunk 0's gradients hold an inf or NaN after the reduction (None: none to look at, as

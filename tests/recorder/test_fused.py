@@ -539,7 +539,7 @@ def test_an_environment_switch_with_a_value_it_does_not_take_is_a_warning(var, v
     import sys
 
     env = {**os.environ, var: value}
-    proc = subprocess.run([sys.executable, "-c", "import trainrec.recorder.collect"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", "import trainrec.recorder.grad_batch"], env=env, capture_output=True,
                           text=True, check=True)
     assert f"trainrec: {var}={value!r} is not one of its values" in proc.stderr
     assert "ignored" in proc.stderr
@@ -550,6 +550,6 @@ def test_environment_switches_with_their_values_are_quiet():
     import sys
 
     env = {**os.environ, "TRAINREC_THREADS": "pthreads", "TRAINREC_REUSE_UNCHANGED_GRADS": "1", "TRAINREC_FUSED": "1"}
-    proc = subprocess.run([sys.executable, "-c", "import trainrec.recorder.collect"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", "import trainrec.recorder.grad_batch"], env=env, capture_output=True,
                           text=True, check=True)
     assert "TRAINREC_" not in proc.stderr

@@ -1,4 +1,4 @@
-"""The weight-gradient batch (recorder/collect.py) must not keep alive gradients their owner drops.
+"""The weight-gradient batch (recorder/grad_batch.py) must not keep alive gradients their owner drops.
 
 DDP with ``gradient_as_bucket_view=True`` and ``zero_grad()`` (set_to_none, the default) gets a fresh
 gradient from autograd at every backward pass, copies it into its bucket in its own hook, right after
@@ -13,11 +13,11 @@ from __future__ import annotations
 import weakref
 
 from trainmon_util import ALL_OPS, loss_of, make
-from trainrec.recorder import TrainerMon, collect
+from trainrec.recorder import TrainerMon, grad_batch
 
 
 def test_gradients_swapped_out_by_their_owner_are_not_kept_to_the_end_of_backward(tmp_path, monkeypatch):
-    monkeypatch.setattr(collect, "PENDING_FLUSH_BYTES", 1)
+    monkeypatch.setattr(grad_batch, "PENDING_FLUSH_BYTES", 1)
     mon = TrainerMon({"wg_distribution": True, "ops": ALL_OPS, "format": "csv"}, live_export=False,
                      output_dir=str(tmp_path / "out"))
     model, opt = make(0)

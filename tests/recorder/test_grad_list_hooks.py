@@ -1,4 +1,4 @@
-"""The list hooks of weight gradients (recorder/collect.py, ``_drain_fired``): where nothing but this
+"""The list hooks of weight gradients (recorder/grad_batch.py, ``GradBatch.drain_fired``): where nothing but this
 process's autograd engine touches a gradient inside the backward pass, each monitored parameter's
 hook is the ``append`` of one list, handled at the end of the backward pass. They must record exactly
 what the Python hooks record, and fall back to the Python hooks where they cannot."""
@@ -30,7 +30,7 @@ def _run(out, python_hooks: bool, clip: bool = True, steps: int = 3, grad_acc: i
         mon.step_hooks.list_hooks_off = True  # the Python hooks, as distributed runs get them
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt)
     hooked = _list_hooks(model)
-    recorded = {id(i.param): i.name for i in mon._params}
+    recorded = {id(i.param): i.name for i in mon.context.params}
     names = {n: recorded[id(p)] for n, p in model.named_parameters()}  # torch's -> the log's
     for s in range(steps):
         for m in range(grad_acc):

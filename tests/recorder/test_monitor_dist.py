@@ -103,7 +103,8 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             warned: list = []
             handler = logging.Handler()
             handler.emit = lambda record: warned.append(record.getMessage())
-            logging.getLogger("trainrec.recorder.monitor").addHandler(handler)
+            for name in ("trainrec.recorder.monitor", "trainrec.recorder.session"):  # (warn_once's)
+                logging.getLogger(name).addHandler(handler)
             if mode == "fsdp1_flat":
                 import copy
 

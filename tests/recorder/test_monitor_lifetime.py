@@ -252,9 +252,9 @@ def test_ranks_from_the_environment_without_a_shared_run_id_are_warned_about(tmp
     of its own and replay lists as many one-rank runs; a warning says how to name the run."""
     import logging
 
-    from trainrec.recorder import monitor
+    from trainrec.recorder import session
 
-    monkeypatch.setattr(monitor, "_warned", set())
+    monkeypatch.setattr(session, "_warned", set())
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # what torchrun sets without a rendezvous id

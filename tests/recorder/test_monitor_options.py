@@ -282,7 +282,7 @@ def test_targets_select_params_on_segment_boundaries(tmp_path, out):
     cfg = {"wg_distribution": True, "targets": {"layers.1": {}}}
     mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
     mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert sorted(p.full for p in mon._params) == ["layers.1.bias", "layers.1.weight"]
+    assert sorted(p.full for p in mon.context.params) == ["layers.1.bias", "layers.1.weight"]
     mon.close()
 
 
@@ -661,7 +661,7 @@ def test_exception_in_a_hook_is_recorded_and_training_continues(tmp_path, out):
     def boom(tensors):
         raise RuntimeError("injected failure")
 
-    mon._engine.compute = mon._engine.rows = boom  # rows: the module hooks' entry
+    mon.context.engine.compute = mon.context.engine.rows = boom  # rows: the module hooks' entry
     before = model.head.weight.detach().clone()
     for s in range(2):
         loss_of(model, s).backward()
@@ -686,7 +686,7 @@ def test_a_failure_in_the_optimizer_state_statistics_keeps_the_steps_other_rows(
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure in the Adam state")
 
-    mon._optimizer_rows = boom
+    mon.collection.optimizer.optimizer_rows = boom
     for s in range(2):
         loss_of(model, s).backward()
         opt.step()
@@ -1089,10 +1089,9 @@ def test_native_record_without_steps_warns_and_start_iteration_numbers_steps(tmp
     """No optimizer and no rec.step(): every backward pass goes into step 0, and a warning says what to
     call (nothing did); start_iteration numbers the steps (the keyword was start_step, which is also a
     config key of another meaning, and a TypeError now says so)."""
-    from trainrec.recorder import monitor as monitor_module
-    from trainrec.recorder import record
+    from trainrec.recorder import record, session
 
-    monkeypatch.setattr(monitor_module, "_warned", set())
+    monkeypatch.setattr(session, "_warned", set())
     model, _ = make()
     with pytest.raises(TypeError, match="start_step is a config key"):
         record(model, start_step=3, output_dir=str(tmp_path / "bad"))
@@ -1217,10 +1216,10 @@ def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_con
 def test_a_dynamic_change_of_format_says_it_applies_at_the_next_launch(tmp_path, out, caplog, monkeypatch, first):
     """The output (log, live export) is set up when the monitor is made: a config switched on later with
     another format says so, and what this run gives instead, rather than writing nothing silently."""
-    from trainrec.recorder import monitor as monitor_module
+    from trainrec.recorder import session
     from trainrec.recorder.config import parse_config
 
-    monkeypatch.setattr(monitor_module, "_warned", set())
+    monkeypatch.setattr(session, "_warned", set())
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": first}), live_export=False)
     model, opt = make()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
@@ -1583,9 +1582,9 @@ def test_live_export_runs_at_lower_priority(tmp_path, out):
 
 
 def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
-    from trainrec.recorder import monitor as monitor_mod
+    from trainrec.recorder import session
 
-    monkeypatch.setattr(monitor_mod, "_warned", set())
+    monkeypatch.setattr(session, "_warned", set())
     cfg = {"wg_distribution": True, "mg_direction": True, "cc_distribution": {"enable": True}}
     with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
         for _ in range(2):
@@ -1610,7 +1609,7 @@ def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
         "the module structure only)",
         "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)"]
     caplog.clear()
-    monkeypatch.setattr(monitor_mod, "_warned", set())
+    monkeypatch.setattr(session, "_warned", set())
     monkeypatch.setenv("DYNAMIC_MONITOR", "true")  # a config that the switch has not turned on yet: nothing to say
     with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
         TrainerMon(write_config(tmp_path, {"switch": False}), live_export=False).close()

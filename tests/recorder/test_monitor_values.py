@@ -23,7 +23,7 @@ from trainmon_util import (
     stats_table,
     write_config,
 )
-from trainrec.recorder import TrainerMon, collect, fused
+from trainrec.recorder import TrainerMon, fused, grad_batch
 from trainrec.recorder.names import squash_all
 
 
@@ -177,7 +177,7 @@ def _wide(tmp_path, monkeypatch, reuse: bool, grad_acc: int = 1, d: int = 16):
     """A weight-gradient monitor (``TRAINREC_REUSE_UNCHANGED_GRADS`` as ``reuse`` says) on TinyNet with an
     embedding and a head of 4096 x ``d`` (64K elements or more), gradients large enough for fingerprints:
     (mon, model, opt)."""
-    monkeypatch.setattr(collect, "REUSE_UNCHANGED", reuse)
+    monkeypatch.setattr(grad_batch, "REUSE_UNCHANGED", reuse)
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ALL_OPS}), params_have_main_grad=False,
                      live_export=False)
@@ -338,9 +338,9 @@ def test_main_grad_accumulated_by_the_owners_hook_is_measured_with_this_micro_st
     The multi-process variant with overlap_grad_reduce is in test_megatron_ddp_standin.py."""
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     if buffer.endswith("-in-parts"):  # main_grad + .grad summed and measured 7 elements at a time
-        from trainrec.recorder import collect
+        from trainrec.recorder import grad_batch
 
-        monkeypatch.setattr(collect, "SUM_PART_NUMEL", 7)
+        monkeypatch.setattr(grad_batch, "SUM_PART_NUMEL", 7)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     fused_w = model[2].weight
@@ -422,7 +422,7 @@ def test_sparse_embedding_gradients_are_measured_as_the_dense_tensor(tmp_path, m
                 assert_close(table[(step, name, "", 0)], ref, rtol=1e-5, what=f"{kind} {name} step {step}")
     assert stats_table(ev, "mg_direction") == {}  # SGD: not of Adam's family, nothing (no Adam takes sparse grads)
     # mg_direction of a sparse gradient (SparseAdam's case) is that of the dense one it stands for
-    from trainrec.recorder.collect import mg_direction
+    from trainrec.recorder.optim_rows import mg_direction
 
     g = torch.sparse_coo_tensor(torch.tensor([[1, 5]]), torch.randn(2, 8), (64, 8))
     m = torch.randn(64, 8)
@@ -642,7 +642,7 @@ def test_negative_views_are_recorded_with_their_own_values(tmp_path, out, kernel
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     if kernel == "torch":
-        mon._engine.fused = False
+        mon.context.engine.fused = False
     seen = {}
     model.conj_imag.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o.detach().clone()))
     model(torch.randn(70, 64)).backward()

@@ -9,7 +9,7 @@ import sys
 import time
 
 from trainmon_util import events_of, loss_of, make, stats_table, write_config
-from trainrec.recorder import TrainerMon, collect, step_output
+from trainrec.recorder import TrainerMon, step_output
 from trainrec.schema.events import HookFailed, HooksFired, TensorStatsRecorded
 
 CFG = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True,
@@ -66,7 +66,7 @@ def test_the_spill_thread_sleeps_through_steps_that_are_not_collected(tmp_path, 
 
     calls = []
     monkeypatch.setattr(step_output, "SPILL_TICK_S", 0.01)
-    monkeypatch.setattr(collect.StepCollector, "_spill", lambda self: calls.append(self._state is not None))
+    monkeypatch.setattr(step_output.StepOutput, "spill", lambda self, st, step_t0, current: calls.append(st is not None))
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "ops": ["norm"], "start_step": 1,
                                              "collect_times": 1}),
                      params_have_main_grad=False, live_export=False, output_dir=str(tmp_path / "out"))

@@ -199,27 +199,19 @@ def test_mg_direction_of_a_model_on_two_devices(meta_as_cuda):
     devices)."""
     from types import SimpleNamespace
 
-    from trainrec.recorder.collect import StepCollector
+    from trainrec.recorder.context import RecordingContext
+    from trainrec.recorder.optim_rows import OptimizerRows
 
     grads = [torch.ones(4), torch.ones(4, device=ACCEL)]
     moms = [torch.ones(4), torch.ones(4, device=ACCEL)]
-
-    class Stub(StepCollector):
-        def __init__(self) -> None:
-            self.binding = SimpleNamespace(adam=SimpleNamespace(
-                adam_family=True, stepped=True,
-                lookup=lambda params, host_steps=True: [(i, m, m, 1.0, {}) for i, m in enumerate(moms)]))
-            self._params = [SimpleNamespace(param=torch.zeros(4)) for _ in grads]
-            self._engine = StatsEngine(OPS)
-            self.added: list = []
-
-        def _own_grad_lists(self, partitioned_only=False):
-            return [0, 1], grads
-
-        def _add_rows(self, st, kind, rows, indices):
-            self.added.append((kind, rows, indices))
-
-    stub = Stub()
-    stub._mg_direction_rows(None)
-    (kind, rows, indices), = stub.added
+    context = RecordingContext(StatsEngine(OPS), False, hook_failed=None)
+    context.params = [SimpleNamespace(param=torch.zeros(4)) for _ in grads]
+    binding = SimpleNamespace(adam=SimpleNamespace(
+        adam_family=True, stepped=True,
+        lookup=lambda params, host_steps=True: [(i, m, m, 1.0, {}) for i, m in enumerate(moms)]))
+    ownership = SimpleNamespace(own_grad_lists=lambda partitioned_only=False: ([0, 1], grads))
+    added: list = []
+    rows = SimpleNamespace(add_rows=lambda st, kind, rows, indices: added.append((kind, rows, indices)))
+    OptimizerRows(context, ownership, binding, rows).mg_direction_rows(None)
+    (kind, rows, indices), = added
     assert rows.shape == (2, len(OPS)) and rows.device == ACCEL and indices == [0, 1]
