@@ -183,7 +183,7 @@ def test_an_output_directory_that_cannot_be_written_is_a_clear_error_at_start(tm
 
 
 _WRITER_FAILS = """
-import json, logging, resource, signal, sys
+import json, logging, resource, signal, sys, time
 import torch
 from trainrec.recorder import record
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
@@ -197,11 +197,13 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Lin
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 hooks = []
 with record(model, opt, config={"wg_distribution": True, "xy_distribution": True}, output_dir=sys.argv[1]):
-    for step in range(400):
+    # (until 20 steps after the failure was noticed: how soon the writer thread writes depends on the load)
+    while len(hooks) < 20000 and not (len(hooks) > 20 and hooks[-20] == 2):
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
         hooks.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+        time.sleep(0.001)
 print(json.dumps({"hooks": hooks, "said": said}))
 """
 
@@ -218,7 +220,8 @@ def test_a_failed_log_writer_stops_the_collection_and_is_said_once(tmp_path):
     out = json.loads(proc.stdout.splitlines()[-1])
     hooks = out["hooks"]
     # the model chunk's two (the step's boundaries) stay; the statistics' hooks go
-    assert hooks[0] > 2 and hooks[-1] == 2 and len(hooks) == 400
+    assert hooks[0] > 2 and hooks[-20:] == [2] * 20 and len(hooks) < 20000
+    assert hooks == sorted(hooks, reverse=True)  # removed once, never put back
     assert any("writer" in m and "failed" in m for m in out["said"]), out["said"]
     assert not any("closing the log failed" in m for m in out["said"]), out["said"]
 
