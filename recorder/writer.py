@@ -50,9 +50,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import BinaryIO
 
-from trainrec.schema import codec, framing, layout, procid
+from trainrec.schema import codec, framing, procid
 from trainrec.schema.errors import WriterError
 from trainrec.schema.events import (
     Event,
@@ -67,6 +66,7 @@ from trainrec.schema.events import (
 )
 
 from . import failnote, writer_exit
+from .log_file import close_quietly, create_log_file, file_identity, write_all, writev_all
 from .step_index import StepIndexBuilder
 from .writer_exit import before_sigterm_close, install_sigterm_handler  # noqa: F401 - re-exported
 
@@ -113,66 +113,6 @@ def _torch_version() -> str:
         return version("torch")
     except Exception:  # noqa: BLE001 - torch absent
         return ""
-
-
-def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
-    """Write all of ``data`` to an unbuffered file (raw writes may be partial)."""
-    view = memoryview(data)
-    while view:
-        n = f.write(view)
-        if n is None:  # pragma: no cover - only for non-blocking files
-            raise OSError("non-blocking write would block")
-        view = view[n:]
-
-
-def _iov_max() -> int:
-    try:
-        value = os.sysconf("SC_IOV_MAX")
-    except (AttributeError, ValueError, OSError):
-        return 16  # the POSIX minimum
-    return 1024 if value <= 0 else min(value, 1024)
-
-
-_IOV_MAX = _iov_max()
-
-
-def _writev_all(fd: int, parts: list[bytes]) -> None:
-    """Write ``parts`` in order with as few system calls as possible (scatter-gather, partial writes resumed)."""
-    if not hasattr(os, "writev"):  # pragma: no cover - not POSIX
-        data = memoryview(b"".join(parts))
-        while data:
-            data = data[os.write(fd, data) :]
-        return
-    i = 0
-    n = len(parts)
-    while i < n:
-        batch = parts[i : i + _IOV_MAX]
-        written = os.writev(fd, batch)
-        if written == sum(map(len, batch)):
-            i += len(batch)
-            continue
-        for part in batch:  # a partial write: resume inside the first part not fully written
-            if written >= len(part):
-                written -= len(part)
-                i += 1
-            else:
-                parts[i] = memoryview(part)[written:]
-                break
-
-
-def create_log_file(rank_dir: str) -> tuple[str, BinaryIO, int]:
-    """Create the next log file of ``rank_dir`` exclusively; returns (path, unbuffered binary file, index)."""
-    layout.make_dirs(rank_dir)
-    for _ in range(1000):
-        existing = layout.list_logs(rank_dir)
-        last = layout.log_index(os.path.basename(existing[-1])) if existing else None
-        index = 0 if last is None else last + 1
-        path = os.path.join(rank_dir, layout.log_file_name(index))
-        try:
-            return path, open(path, "xb", buffering=0, opener=layout.private_opener), index  # noqa: SIM115 - owned by the writer
-        except FileExistsError:
-            continue
-    raise WriterError(f"{rank_dir}: could not create a new log file (too many concurrent creators)")
 
 
 class LogWriter:
@@ -263,8 +203,8 @@ class LogWriter:
         )
         try:
             head = framing.encode_file_header() + framing.encode_frame(codec.encode(self.header))
-            _write_all(self._file, head)
-            self._identity = _identity(os.fstat(self._file.fileno()))
+            write_all(self._file, head)
+            self.file_identity = file_identity(os.fstat(self._file.fileno()))
         except OSError as exc:
             self._file.close()
             raise WriterError(f"{self.path}: cannot write the file header: {exc}") from exc
@@ -397,7 +337,7 @@ class LogWriter:
                     raise WriterError(f"{self.path}: the writer did not finish closing within {timeout} s")
                 return
         elif first:  # pragma: no cover - the worker never exits before a stop
-            _close_quietly(self._file)
+            close_quietly(self._file)
         if first:
             self._check(allow_closed=True)
 
@@ -436,7 +376,7 @@ class LogWriter:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
             self._fail(exc)
-            _close_quietly(self._file)
+            close_quietly(self._file)
             self._discard_forever()
 
     def _discard_forever(self) -> None:  # pragma: no cover - only after a bug in _loop
@@ -557,7 +497,7 @@ class LogWriter:
         if buf and self._error is None:
             try:
                 self._check_file()
-                _writev_all(self._file.fileno(), buf)
+                writev_all(self._file.fileno(), buf)
                 if self._fsync:
                     os.fsync(self._file.fileno())
                 self._written_seq = self._seq
@@ -575,7 +515,7 @@ class LogWriter:
             st = os.stat(self.path)
         except FileNotFoundError:
             raise WriterError(f"{self.path}: the log file was removed while being written") from None
-        if _identity(st) != self._identity:
+        if file_identity(st) != self.file_identity:
             raise WriterError(f"{self.path}: the log file was replaced by another file while being written")
 
     def _leave_note(self, closing: str | None = None, retry: bool = False) -> None:
@@ -596,7 +536,7 @@ class LogWriter:
             data = b"".join(framing.encode_frame(codec.encode(ev, seq=seq + i)) for i, ev in enumerate(events))
             if isinstance(self._error, WriterError):  # the file was removed or replaced: not ours to write
                 raise OSError("the log file is not there")
-            _write_all(self._file, data)
+            write_all(self._file, data)
             self._note_seq = seq + 1
             return
         except Exception:  # noqa: BLE001 - the disk still refuses: the sidecar, at close
@@ -623,7 +563,7 @@ class LogWriter:
         if self._error is not None:  # (failed before, or in this last write-out)
             self._leave_note(closing=f"{reason}; the writer failed before")
         buf.clear()
-        _close_quietly(self._file)
+        close_quietly(self._file)
 
     def disown_in_fork_child(self) -> None:
         """In a forked child: this writer is the parent's; refuse every later call, write nothing."""
@@ -636,14 +576,3 @@ class LogWriter:
             self._error = exc
             log.error("trainrec: log writer for %s failed: %r; training goes on, and nothing more is recorded "
                       "in this log", self.path, exc)
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
-
-
-def _close_quietly(f: BinaryIO) -> None:
-    try:
-        f.close()
-    except OSError:
-        pass
