@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from trainrec.schema.events import ApiCallsRecorded
 
-from .hooks import in_backward, rows_for, stack_rows
+from .compile_mode import in_backward
+from .hooks import rows_for, stack_rows
 from .step_stats import StatsPart, StepStats
 
 log = logging.getLogger(__name__)

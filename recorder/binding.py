@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import zero
-from .hooks import eager
+from .compile_mode import eager
 from .optim import AdamState, chain_of, holder_of, torch_optimizer_of
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .hooks import StepState, eager, in_backward, is_compiling
+from .compile_mode import eager, in_backward, is_compiling
+from .hooks import StepState
 
 if TYPE_CHECKING:
     from .monitor import TrainerMon

@@ -25,9 +25,9 @@ import torch
 from trainrec.schema.events import KIND_GRAD_UNREDUCED
 
 from . import config, fused
+from .compile_mode import in_backward
 from .context import RecordingContext
 from .grad_places import any_in_shared_buffer, in_shared_buffer, main_grad_now
-from .hooks import in_backward
 from .step_rows import StepRows
 from .step_stats import StatsPart, placeholders
 

@@ -26,8 +26,8 @@ those calls in the order they selected it (as separate hooks would fire) and mea
 once.
 
 Under ``torch.compile`` the module hooks are inlined into the compiled forward: where the monitor
-knows the model runs compiled, every hook here is wrapped by :func:`eager`, so dynamo breaks the
-graph at it and never traces the monitor's own code (see :func:`eager` for why not always).
+knows the model runs compiled, every hook here is wrapped by :func:`.compile_mode.eager`, so dynamo breaks the
+graph at it and never traces the monitor's own code (see there for why not always). Selectors: :mod:`.selectors`.
 
 These hooks are attached only for steps that are collected (the monitor detaches them otherwise, so
 a skipped step pays nothing). On a collected step a hook resolves nothing by name (ids are prepared
@@ -42,12 +42,10 @@ import functools
 import logging
 import weakref
 from array import array
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
     DIR_BACKWARD,
     DIR_FORWARD,
@@ -59,107 +57,15 @@ from trainrec.schema.events import (
     SLOT_OUTPUT_GRAD,
 )
 
-from .config import Selector
+from .compile_mode import eager, in_backward
 from .fused import _PLAIN, local_tensor
+from .selectors import SLOTS, found_text, inputs_of, select
 from .step_stats import StatsPart, StepStats, gather_device, placeholders, to_device
 
 if TYPE_CHECKING:
     from .monitor import TrainerMon
 
 log = logging.getLogger(__name__)
-
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def eager(fn):
-    """``fn`` (a hook) as torch.compile should see it: not traced. Module hooks are inlined into the
-    graph of a compiled model, and dynamo would otherwise trace the monitor's own code, compile pieces
-    of it (seconds on the first collected steps) and recompile them whenever a guard on its
-    dictionaries fails, until its recompile limit. ``torch.compiler.disable``: a graph break at the
-    hook, which runs as Python on the real tensors, with dynamo off inside it. The wrapper costs 1 us
-    per call warm and 10-20 us inside a training step (about 2% of config b's step in the recorder
-    benchmark), so the monitor uses it only where the model runs compiled (``TrainerMon._compiled``)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return fn if disable is None else disable(fn)
-
-
-def _is_compiling_fn():
-    compiler = getattr(torch, "compiler", None)
-    fn = getattr(compiler, "is_compiling", None)
-    if fn is None:  # torch < 2.3
-        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    return fn if fn is not None else (lambda: False)
-
-
-is_compiling = _is_compiling_fn()
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass (a forward here is a recomputation)."""
-    return _graph_task_id is not None and _graph_task_id() != -1
-
-
-class SelectorMismatch(Exception):
-    """A target's selector does not fit the module's real input or output."""
-
-    def __init__(self, key: str, detail: str) -> None:
-        super().__init__(f"config key {key!r}: {detail}")
-        self.key = key
-        self.detail = detail
-
-
-def describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return "a tensor"
-    if isinstance(value, (tuple, list)):
-        return f"tuple[{len(value)}]"
-    return type(value).__name__
-
-
-def pick(value: Any, sel: Selector | None, key: str) -> Any:
-    """What a selector picks from a hook argument, a tensor or not (None: nothing there); raises
-    SelectorMismatch where the selector does not fit the argument's structure."""
-    if sel is None:  # default: the tensor, or element 0 of a tuple (the reference's struct default)
-        if isinstance(value, (tuple, list)):
-            return value[0] if value else None
-        if isinstance(value, Mapping):  # a dict, or HF's ModelOutput (which indexes as a tuple of its
-            # fields that are set): its first value set
-            return next((v for v in value.values() if v is not None), None)
-        return value
-    if sel.is_tensor:
-        if isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, (tuple, list)) and len(value) == 1:
-            return value[0]
-        raise SelectorMismatch(key, f"expected 'tensor', the module gives {describe(value)}")
-    if isinstance(value, torch.Tensor) and sel.length == 1:
-        # a tensor as a 1-tuple: the reference's gradient hooks see a module's gradients as a tuple, so
-        # its config (and module_struct.json) gives "tuple[1]:0" for the gradient of a tensor output
-        return value
-    if not isinstance(value, (tuple, list)) or len(value) != sel.length:
-        raise SelectorMismatch(key, f"expected tuple[{sel.length}], the module gives {describe(value)}")
-    return value[sel.index]
-
-
-def select(value: Any, sel: Selector | None, key: str) -> torch.Tensor | None:
-    """The tensor a selector picks from a hook argument; None (a NaN row) when it is not a tensor."""
-    v = pick(value, sel, key)
-    return v if isinstance(v, torch.Tensor) else None
-
-
-# _KWARGS_GONE: the module hooks here are registered with_kwargs, and are also called without the
-# keyword arguments: torch's Module._call_impl calls the hooks it listed before the first of them ran,
-# and one removed since (the chunk's pre-hook attaches a collected step's hooks anew, for a model found
-# compiled at that forward) is no longer known to take them.
-
-
-def inputs_of(args: tuple, kwargs: dict | None, sel: Selector | None) -> Any:
-    """What an input selector picks from: the positional arguments, or, for the default selection of a
-    module called with keyword arguments only (HF's decoder layers call their attention as
-    ``self_attn(hidden_states=...)``), the keyword arguments, whose first value set it takes.
-    Selectors pick from positional arguments only (see :func:`make_first_call_check`)."""
-    return kwargs if not args and kwargs and sel is None else args
-
 
 class StepState:
     """What the hooks of one collected step accumulate."""
@@ -313,7 +219,7 @@ class ModuleTarget:
         self.name = name
         self.vpp = vpp
         self.sel = sel
-        self.wants = frozenset(sel) if sel else frozenset(_SLOTS)
+        self.wants = frozenset(sel) if sel else frozenset(SLOTS)
         self.key = key if key is not None else name  # the targets key as written (errors name it)
 
 
@@ -478,25 +384,6 @@ def _with_nan_row(rows, nan_second: bool):
     return torch.cat((rows, nan) if nan_second else (nan, rows))
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "None"
-    if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__}[{len(value)}]"
-    return describe(value)
-
-
-def _found(value: Any) -> str:
-    """What the default selection looked at in ``value`` and found, for :func:`warn_no_tensor`."""
-    if isinstance(value, (tuple, list)):
-        return f"{_kind(value)}, whose first element is {_kind(value[0])}" if value else f"an empty {_kind(value)}"
-    if isinstance(value, Mapping):
-        first = next((v for v in value.values() if v is not None), None)
-        return (f"a {type(value).__name__} whose first value set is {_kind(first)}" if first is not None
-                else f"a {type(value).__name__} with no value set")
-    return _kind(value)
-
-
 def warn_no_tensor(mon: TrainerMon, t: ModuleTarget, module, found: dict) -> None:
     """Once per module: the default selection (no selector) found no tensor in its ``found`` sides
     (``{"input": value, "output": value}``, what it looked at), so the slots there get NaN rows and no
@@ -505,7 +392,7 @@ def warn_no_tensor(mon: TrainerMon, t: ModuleTarget, module, found: dict) -> Non
     if t.name_id in warned:
         return
     warned.add(t.name_id)
-    what = "; ".join(f"its {side}: {'no argument' if side == 'input' and not value else _found(value)}"
+    what = "; ".join(f"its {side}: {'no argument' if side == 'input' and not value else found_text(value)}"
                      for side, value in found.items())
     log.warning("trainrec: module %r (%s): the default selection (the tensor, element 0 of a tuple or list, the first "
                 "value set of a dict or ModelOutput; for an input given by keyword only, the first keyword argument "
@@ -614,57 +501,6 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
             mon._hook_failed(f"forward hook of {t.name!r}", exc)
 
     return hook
-
-
-_SLOTS = ("input", "input_grad", "output", "output_grad")
-
-
-def make_first_call_check(t: ModuleTarget, source: str | None = None,
-                          on_reject: Callable[[ConfigError], None] | None = None, inputs: bool = False):
-    """Hook installed until the run's first step ends: at the module's first call, its selectors
-    against its real inputs and outputs. One that does not fit is a ConfigError raised out of that
-    forward, at start-up, before training time is spent (later, in a step the monitor collects, the
-    same mismatch is a HookFailed and training goes on); ``on_reject`` is told first (the monitor
-    records it in the log, which would otherwise not say why the run stopped). With ``inputs``, a
-    forward pre-hook for the ``input`` and ``input_grad`` selectors (it runs before the monitor's own
-    pre-hook, which selects the tensor whose gradient ``input_grad`` records, and would otherwise
-    report the mismatch as a failed hook before the ConfigError); else a forward hook for ``output``
-    and ``output_grad``."""
-    sels = [(slot, t.sel[slot]) for slot in _SLOTS
-            if t.sel.get(slot) is not None and slot.startswith("input") == inputs]
-    done = False
-
-    def check(module, value, kwargs=None):
-        nonlocal done
-        if done:
-            return
-        done = True
-        for slot, sel in sels:
-            key = f"targets.{t.key}.{slot}"
-            try:
-                picked = pick(value, sel, key)
-                if picked is not None and not isinstance(picked, torch.Tensor):  # (None: an optional argument)
-                    raise SelectorMismatch(key, f"selects {describe(picked)}, not a tensor (a selector picks a "
-                                                "tensor at the top level of the module's "
-                                                f"{'inputs' if inputs else 'output'})")
-            except SelectorMismatch as exc:
-                called = ""
-                if kwargs and not value:  # selectors pick from positional arguments; HF's models pass
-                    # hidden_states= to their attention by keyword
-                    called = (f"; it was called with keyword arguments only "
-                              f"({', '.join(f'{k}={describe(v)}' for k, v in kwargs.items())}), "
-                              "which selectors do not pick from")
-                err = ConfigError(f"{exc.detail} (seen at its first call, a {type(module).__name__}, in the run's "
-                                  f"first step{called}; print_struct shows the real structure)", exc.key, source)
-                if on_reject is not None:
-                    on_reject(err)
-                raise err from None
-
-    if not sels:
-        return None
-    if inputs:  # (registered with_kwargs, to say where a module called with keywords only took its input)
-        return eager(lambda module, args, kwargs=None: check(module, args, kwargs))  # (see _KWARGS_GONE)
-    return eager(lambda module, args, output: check(module, output))
 
 
 def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):

@@ -56,6 +56,6 @@ def checked_arguments(grad_acc_steps, start_iteration) -> int:
 def uncompiled(model):
     """The module ``torch.compile`` wraps (its ``OptimizedModule`` names every submodule
     ``_orig_mod.*``): targets and recorded names stay those of the model the user wrote; the hooks on
-    its submodules are part of the compiled forward (see :func:`~trainrec.recorder.hooks.eager`)."""
+    its submodules are part of the compiled forward (see :func:`~trainrec.recorder.compile_mode.eager`)."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model

@@ -37,10 +37,11 @@ from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
 from .collect import Collection
+from .compile_mode import eager
 from .config import MonitorConfig, load_config, parse_config
 from .context import RecordingContext
 from .flight import probes_for
-from .hooks import StepState, eager
+from .hooks import StepState
 from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
@@ -150,7 +151,7 @@ class TrainerMon:
                                         lambda: cls._wrapped_optimizer, warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
                                  weak_call(self._several_ranks), weak_call(self._hook_failed), warn_once)
-        self._compiled = False  # the model runs under torch.compile: hooks are made for it (hooks.eager)
+        self._compiled = False  # the model runs under torch.compile: hooks are made for it (compile_mode.eager)
         self._tp_group = None
         self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the

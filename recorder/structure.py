@@ -22,7 +22,7 @@ import torch
 from trainrec.schema import layout
 from trainrec.schema.events import ModuleStructureRecorded
 
-from .hooks import eager
+from .compile_mode import eager
 from .targets import uninitialized
 
 log = logging.getLogger(__name__)

@@ -21,17 +21,12 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 from trainrec.schema.errors import ConfigError
 
+from .compile_mode import eager
 from .config import MonitorConfig
 from .grad_places import sharded_over
-from .hooks import (
-    ModuleTarget,
-    eager,
-    make_first_call_check,
-    make_forward_hook,
-    make_grad_hook,
-    make_pre_hook,
-)
+from .hooks import ModuleTarget, make_forward_hook, make_grad_hook, make_pre_hook
 from .names import module_matches, param_matches, squash, squash_all
+from .selectors import make_first_call_check
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +91,7 @@ class Targets:
 
     def _hook(self, mon, key: tuple, make, *args):
         """``make(mon, *args)``, made at the first call and reused when a later collected step attaches
-        the hooks again; where the model runs compiled, wrapped for it (:func:`.hooks.eager`, which
+        the hooks again; where the model runs compiled, wrapped for it (:func:`.compile_mode.eager`, which
         costs 5-10 us per function made)."""
         key += (mon._compiled,)
         fn = self.made.get(key)
@@ -107,7 +102,7 @@ class Targets:
 
     def first_call_checks(self, source: str | None = None, on_reject: Callable | None = None) -> list:
         """Hooks checking the selectors of the modules that have any at their first call (see
-        :func:`.hooks.make_first_call_check`); the monitor removes them when the first step ends.
+        :func:`.selectors.make_first_call_check`); the monitor removes them when the first step ends.
         Made before the monitor's own module hooks, they run before them."""
         handles = []
         for module, t in self.modules:
