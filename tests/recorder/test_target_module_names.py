@@ -6,8 +6,7 @@ the squashed name for every module under ``all_xy``."""
 from __future__ import annotations
 
 import pytest
-from test_monitor_options import train
-from trainmon_util import events_of, stats_table
+from trainmon_util import events_of, stats_table, train
 
 
 @pytest.mark.parametrize(("all_xy", "want"), [

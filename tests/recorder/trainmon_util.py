@@ -112,6 +112,29 @@ def write_config(tmp_path, cfg: dict, name: str = "config.json") -> str:
     return path
 
 
+def train(tmp_path, cfg: dict, steps: int = 3, grad_acc: int = 1, close: bool = True, **kw):
+    """A TrainerMon with config ``cfg`` on :func:`make`'s model, ``steps`` optimizer steps of
+    ``grad_acc`` micro-steps; returns (monitor, model, optimizer)."""
+    from trainrec.recorder import TrainerMon
+
+    mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
+    model, opt = make()
+    mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt, **kw)
+    for s in range(steps):
+        for m in range(grad_acc):
+            loss_of(model, s * 7 + m).backward()
+        opt.step()
+        opt.zero_grad()
+    if close:
+        mon.close()
+    return mon, model, opt
+
+
+def steps_with(events, kind: str) -> list[int]:
+    """The steps at which ``kind`` has statistics records."""
+    return sorted({e.step for e in events if isinstance(e, TensorStatsRecorded) and e.kind == kind})
+
+
 def rank_dirs(out_dir) -> list[str]:
     return sorted(d for d in glob.glob(os.path.join(str(out_dir), "*-rank*-*")) if os.path.isdir(d))
 
