@@ -135,7 +135,14 @@ class ApiCallsRecorded(Event):
     ``requires_grad`` (u8: 0, 1, 2 not a tensor) and a row of ``values`` (``ops`` columns, ``dtype``;
     a number's value as its statistics, NaN for other non-tensors). Where stacks were asked for,
     ``stack_depths`` (u16 per call) and ``stack_frames`` (u32, interned frame lines, innermost first,
-    the calls' one after the other); else both empty."""
+    the calls' one after the other); else both empty.
+
+    ``direction`` DIR_BACKWARD (a later field; older records read as forward): the gradients through the
+    calls of the step's backward passes of micro step ``micro_step``, named ``...backward``, the calls
+    in the order their gradients came; ``positions`` is then the step's hook firings before the
+    gradient came, ``module_ids`` the forward call's module, and the ports are the reference's:
+    ``input.i`` the gradient of the call's i-th autograd output, ``output.i`` the gradient it hands
+    to its autograd node's i-th input (one not computed has no port)."""
 
     TAG: ClassVar[str] = "ap"
     micro_step: int = 0
@@ -155,11 +162,14 @@ class ApiCallsRecorded(Event):
     values: bytes = b""
     stack_depths: bytes = b""
     stack_frames: bytes = b""
+    direction: int = DIR_FORWARD
 
     def __len__(self) -> int:
         return len(self.name_ids) // 4
 
     def check(self) -> str | None:
+        if self.direction not in (DIR_FORWARD, DIR_BACKWARD):
+            return f"direction {self.direction} is neither forward (0) nor backward (1)"
         if self.dtype not in ("f", "d"):
             return f"unknown value dtype {self.dtype!r}"
         n, rest = divmod(len(self.name_ids), 4)

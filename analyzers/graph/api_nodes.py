@@ -8,6 +8,13 @@ module has no forward node, under its nearest ancestor's; with no module, at the
 its arguments and results as recorded (``input.0``, ``output.0``, ``input.inplace``) with their dtypes
 and shapes, so exact matching compares shapes; in execution order a call comes right before the module
 call completing after it.
+
+The gradients through a call (records of direction backward) make its ``...backward`` node, whose
+ports are the reference's (``input.i``: gradients its autograd node took in, ``output.i``: those it
+handed on). It goes under the backward call of the forward's module that fired last before the
+gradients came, in its micro step (a module's backward call fires at its first gradient), or where
+that module has none, under its nearest ancestor's; with no module, at the top. In execution order it
+comes right after that firing and the backward nodes placed before it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from trainrec.replay.names import NameResolver
 from trainrec.replay.run import Run
-from trainrec.schema.events import ApiCallsRecorded, FileOpened, NamesInterned, unpack_array
+from trainrec.schema.events import DIR_BACKWARD, ApiCallsRecorded, FileOpened, NamesInterned, unpack_array
 
 from .model import API, OPS, ROOT_NAME, Port
 
@@ -31,8 +38,8 @@ _AFTER_CALL = 1 << 40  # (an order key placing a call after the module call befo
 
 @dataclass
 class ApiCall:
-    """One recorded API call: its name, enclosing module (None: none), micro step, hook position,
-    ports (with their rows in the step's values) and stack."""
+    """One recorded API call (or the gradients through one, ``backward``): its name, enclosing module
+    (None: none), micro step, hook position, ports (with their rows in the step's values) and stack."""
 
     name: str
     module: str | None
@@ -41,6 +48,7 @@ class ApiCall:
     ports: list
     rows: list
     stack: tuple = ()
+    backward: bool = False
 
 
 # the records :class:`ApiCallsReader` takes (the name tables and the API records)
@@ -93,7 +101,8 @@ class ApiCallsReader:
             if depths is not None:
                 stack, f = tuple(frames[f:f + depths[c]]), f + depths[c]
             self.calls[ev.step].append(ApiCall(name(nid), None if mid == _NO_MODULE else name(mid), ev.micro_step,
-                                               pos, ports, list(range(base + k, base + k + nport)), stack))
+                                               pos, ports, list(range(base + k, base + k + nport)), stack,
+                                               ev.direction == DIR_BACKWARD))
             k += nport
         self.ports[ev.step] = base + k
         self.values[ev.step].append(vals)
@@ -110,17 +119,21 @@ def api_calls_of_run(run: Run, rank: int) -> dict[int, tuple[list[ApiCall], np.n
     return reader.result()
 
 
-def place_api_calls(builder, step_calls: tuple[list[ApiCall], np.ndarray], forward_calls: dict) -> tuple:
-    """Make the nodes and ports of one step's API calls under the forward calls of ``builder``'s graph
-    (``forward_calls``: module -> [((micro, call id), node name)] in order). Returns ``(port indices,
-    values)`` of their rows."""
+def place_api_calls(builder, step_calls: tuple[list[ApiCall], np.ndarray], module_calls: tuple[dict, dict]) -> tuple:
+    """Make the nodes and ports of one step's API calls under the module calls of ``builder``'s graph
+    (``module_calls``: forward and backward calls, each module -> [((micro, call id), node name)] in
+    order). Returns ``(port indices, values)`` of their rows."""
     calls, values = step_calls
     graph = builder.graph
-    keys = {mod: [c for c, _ in lst] for mod, lst in forward_calls.items()}
+    keys = tuple({mod: [c for c, _ in lst] for mod, lst in d.items()} for d in module_calls)
     ports = np.full(len(values), -1, dtype=np.int64)
     for seq, call in enumerate(calls):
-        parent = _enclosing(builder, call, forward_calls, keys)
-        node = builder.node(call.name, parent, (False, (call.micro, call.position - 1, _AFTER_CALL, seq)), API)
+        if call.backward:
+            parent = _enclosing_backward(builder, call, module_calls[1], keys[1])
+        else:
+            parent = _enclosing(builder, call, module_calls[0], keys[0])
+        key = (call.backward, (call.micro, call.position - 1, _AFTER_CALL, seq))
+        node = builder.node(call.name, parent, key, API)
         if call.stack and not node.stack:
             node.stack = list(call.stack)
         for port, row in zip(call.ports, call.rows, strict=True):
@@ -137,6 +150,22 @@ def _enclosing(builder, call: ApiCall, forward_calls: dict, keys: dict) -> str:
             i = bisect_left(lst, (call.micro, call.position))
             if i < len(lst) and lst[i][0] == call.micro:
                 return forward_calls[mod][i][1]
+        mod = builder.parents.get(mod)
+    return ROOT_NAME
+
+
+def _enclosing_backward(builder, call: ApiCall, backward_calls: dict, keys: dict) -> str:
+    """The backward node a call's gradients sit under (see the module docstring)."""
+    mod = call.module
+    while mod is not None:
+        lst = keys.get(mod)
+        if lst:
+            i = bisect_left(lst, (call.micro, call.position)) - 1
+            if i >= 0 and lst[i][0] == call.micro:
+                return backward_calls[mod][i][1]
+            i += 1  # (none fired before it: the module's first in the micro step)
+            if i < len(lst) and lst[i][0] == call.micro:
+                return backward_calls[mod][i][1]
         mod = builder.parents.get(mod)
     return ROOT_NAME
 

@@ -8,7 +8,8 @@ before it. Parameters (``param``) are ports of the module's first forward call; 
 (``grad_reduced``, else ``grad_unreduced``) are ports of its ``parameters_grad`` node, under its last
 backward call. Only the recorder's first input and output tensor of a call are recorded (``input.0``,
 ``output.0``), without shapes or dtypes. API calls (the API level, ``api_xy``) sit under the forward call
-they were made in, with every argument and result as a port (:mod:`.api_nodes`).
+they were made in, with every argument and result as a port, and the gradients through them under the
+module's backward call (:mod:`.api_nodes`).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class _Builder:
         self.graph, self.classes, self.parents = graph, classes, parents
         self.first_order: dict[str, tuple] = {}
         self.forward_calls: dict[str, list] = {}  # module -> [((micro, call id), node name)] of the last step made
+        self.backward_calls: dict[str, list] = {}  # the same of the backward calls
 
     def label(self, path: str) -> str:
         cls = self.classes.get(path, "Module")
@@ -136,9 +138,9 @@ class _Builder:
             key = _layout(records)
             done = layouts.get(key)
             if done is None:
-                self.forward_calls = {}
+                self.forward_calls, self.backward_calls = {}, {}
                 ports = np.asarray(self.step(_rows(records)), dtype=np.int64)
-                done = layouts[key] = (ports, self.forward_calls)
+                done = layouts[key] = (ports, (self.forward_calls, self.backward_calls))
             ports = done[0]
             vals = np.concatenate([r[3] for r in records])
             if apis and step in apis:  # API calls under the forward calls they were made in
@@ -171,8 +173,9 @@ class _Builder:
             direction = "forward" if kind == "actv" else "backward"
             for n, c in enumerate(lst):
                 names[(kind, mod, c)] = f"{self.label(mod)}.{direction}.{n}"
-        self.forward_calls = {mod: [(c, names[("actv", mod, c)]) for c in lst]
-                              for (k, mod), lst in calls.items() if k == "actv"}
+        self.forward_calls, self.backward_calls = ({mod: [(c, names[(kind, mod, c)]) for c in lst]
+                                                    for (k, mod), lst in calls.items() if k == kind}
+                                                   for kind in ("actv", "actv_grad"))
         for kind in ("actv", "actv_grad"):
             order = sorted((c, mod) for (k, mod), lst in calls.items() if k == kind for c in lst)
             parents = _forward_parents(order) if kind == "actv" else _backward_parents(order)
