@@ -28,7 +28,7 @@ from trainrec.replay.names import NameResolver
 from trainrec.replay.run import Run
 from trainrec.schema.events import DIR_BACKWARD, ApiCallsRecorded, FileOpened, NamesInterned, unpack_array
 
-from .model import API, OPS, ROOT_NAME, Port
+from .model import API, OPS, ROOT_NAME, GraphInputError, Port
 
 _OP_OF = {"max": "Max", "min": "Min", "mean": "Mean", "norm": "Norm"}
 _NO_MODULE = 0xFFFFFFFF
@@ -57,9 +57,11 @@ API_TYPES = (ApiCallsRecorded, NamesInterned, FileOpened)
 
 class ApiCallsReader:
     """Fed one rank's records of :data:`API_TYPES` in order (with others of the same pass, which it
-    skips); :meth:`result` gives ``{step: (calls, values ports x 4)}`` (empty without any)."""
+    skips); :meth:`result` gives ``{step: (calls, values ports x 4)}`` (empty without any). ``where``
+    (the run) heads its errors."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: str = "") -> None:
+        self.where = where
         self.resolver = NameResolver()
         self.calls: dict[int, list[ApiCall]] = defaultdict(list)
         self.values: dict[int, list[np.ndarray]] = defaultdict(list)
@@ -88,6 +90,7 @@ class ApiCallsReader:
         frames = [name(i) for i in unpack_array("I", ev.stack_frames)]
         k = d = f = 0
         base = self.ports[ev.step]
+        suffix = ".backward" if ev.direction == DIR_BACKWARD else ".forward"
         for c, (nid, mid, pos, nport) in enumerate(zip(unpack_array("I", ev.name_ids), unpack_array("I", ev.module_ids),
                                                       unpack_array("I", ev.positions),
                                                       unpack_array("H", ev.port_counts), strict=True)):
@@ -100,6 +103,10 @@ class ApiCallsReader:
             stack = ()
             if depths is not None:
                 stack, f = tuple(frames[f:f + depths[c]]), f + depths[c]
+            if not name(nid).endswith(suffix):  # (a backward record cut short of its direction reads as forward)
+                raise GraphInputError(
+                    f"{self.where} (rank {ev.rank}, step {ev.step}, record {ev.seq}): API call {name(nid)!r} in a "
+                    f"record of {suffix[1:]} calls, whose names end in {suffix!r}: the record is damaged")
             self.calls[ev.step].append(ApiCall(name(nid), None if mid == _NO_MODULE else name(mid), ev.micro_step,
                                                pos, ports, list(range(base + k, base + k + nport)), stack,
                                                ev.direction == DIR_BACKWARD))
@@ -113,7 +120,7 @@ class ApiCallsReader:
 
 def api_calls_of_run(run: Run, rank: int) -> dict[int, tuple[list[ApiCall], np.ndarray]]:
     """``{step: (calls, values ports x 4)}`` of ``rank``'s API records (empty without any)."""
-    reader = ApiCallsReader()
+    reader = ApiCallsReader(run.where)
     for ev in run.events(rank, types=API_TYPES):
         reader.feed(ev)
     return reader.result()

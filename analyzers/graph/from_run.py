@@ -38,7 +38,7 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
         raise GraphInputError(f"{run.where}: rank {rank} is not in the run (ranks: {run.ranks})")
     classes: dict[str, str] = {}
     parents: dict[str, str | None] = {}
-    apis = ApiCallsReader()  # (in the same pass over the log: the API level's records)
+    apis = ApiCallsReader(run.where)  # (in the same pass over the log: the API level's records)
     for ev in run.events(rank, types=[ModuleStructureRecorded, *API_TYPES]):
         if type(ev) is not ModuleStructureRecorded:
             apis.feed(ev)
