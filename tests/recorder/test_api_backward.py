@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_api_calls import CONFIG, MODULES, Net, _calls, _stats, _train
+from trainrec.analyzers.graph import build_from_run
 from trainrec.recorder import record
+from trainrec.replay import open_run
 from trainrec.schema.events import DIR_BACKWARD
 
 API = {**CONFIG, "api_xy": True}
@@ -91,10 +93,19 @@ def test_micro_steps_each_their_own_record_and_calls_numbered_on(tmp_path):
                 model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-    back = [c for c in _calls(os.path.dirname(os.path.dirname(rec.log_path)), DIR_BACKWARD) if c["step"] == 1]
+    path = os.path.dirname(os.path.dirname(rec.log_path))
+    back = [c for c in _calls(path, DIR_BACKWARD) if c["step"] == 1]
     lin = [(c["name"], c["micro"], c["module"]) for c in back if c["name"].startswith("Functional.linear")]
     assert lin == [("Functional.linear.1.backward", 0, "blk.lin"), ("Functional.linear.0.backward", 0, "fc"),
                    ("Functional.linear.3.backward", 1, "blk.lin"), ("Functional.linear.2.backward", 1, "fc")]
+    # in the graph, each under its own micro step's backward call of its module
+    g = build_from_run(open_run(path))
+    assert {n: g.nodes[n].parent for n in ("Functional.linear.0.backward", "Functional.linear.2.backward",
+                                          "Functional.linear.3.backward", "Tensor.sum.1.backward")} == {
+        "Functional.linear.0.backward": "Module.fc.Linear.backward.0",
+        "Functional.linear.2.backward": "Module.fc.Linear.backward.1",
+        "Functional.linear.3.backward": "Module.blk.lin.Linear.backward.1",
+        "Tensor.sum.1.backward": "Module.Net.backward.1"}
 
 
 def test_a_graph_run_twice_records_its_first_backward_and_a_later_step_none_of_an_old_graph(tmp_path):
