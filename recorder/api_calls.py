@@ -41,6 +41,7 @@ from . import api_backward
 from .api_record import NO_MODULE, ApiPass, write_pass
 from .compile_mode import in_backward
 from .hooks import rows_for, stack_rows
+from .selectors import inputs_of, select
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +145,11 @@ class ApiLevel:
         for vpp, chunk in enumerate(chunks):
             # (after the monitor's own chunk pre-hook, which counts the micro step and may begin the step)
             handles.append(chunk.register_forward_pre_hook(self._chunk_pre(vpp)))
-            handles.append(chunk.register_forward_hook(self._chunk_post, always_call=True))
         for module, t in modules:
             handles.append(module.register_forward_pre_hook(self._module_pre(t.name_id)))
-            handles.append(module.register_forward_hook(self._module_post, always_call=True))
+            handles.append(module.register_forward_hook(self._module_post(t), with_kwargs=True, always_call=True))
+        for chunk in chunks:  # (after the modules' hooks: a chunk that is a monitored module closes its call first)
+            handles.append(chunk.register_forward_hook(self._chunk_post, always_call=True))
         return handles
 
     def _chunk_pre(self, vpp: int):
@@ -174,7 +176,7 @@ class ApiLevel:
         p, self.pass_ = self.pass_, None
         self.mode.__exit__(None, None, None)
         self.modules.clear()
-        if p is not None and len(p.names):
+        if p is not None and (len(p.names) or len(p.mod_calls)):
             try:
                 write_pass(self.mon, p)
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
@@ -187,9 +189,26 @@ class ApiLevel:
 
         return hook
 
-    def _module_post(self, module, args, output):
-        if self.pass_ is not None and self.modules:
-            self.modules.pop()
+    def _module_post(self, t):
+        """The module's forward hook: its call closed, with the dtypes and shapes of the tensors
+        module-level xy selects (the default selection, or the targets' selectors)."""
+        sel_in, sel_out = t.sel.get("input"), t.sel.get("output")
+
+        def hook(module, args, *kwargs_output):  # (registered with_kwargs; see selectors._KWARGS_GONE)
+            p = self.pass_
+            if p is None:
+                return
+            if self.modules:
+                self.modules.pop()
+            kwargs, output = kwargs_output if len(kwargs_output) == 2 else (None, kwargs_output[0])
+            try:
+                x = select(inputs_of(args, kwargs, sel_in), sel_in, f"targets.{t.key}.input")
+                y = select(output, sel_out, f"targets.{t.key}.output")
+                p.add_module_call(self.mon.name_table.intern, t.name_id, p.st.call, (x, y))
+            except Exception as exc:  # noqa: BLE001 - (a selector that does not fit: the xy hook says so)
+                log.debug("trainrec: no shapes of module %r's call: %s", t.name, exc)
+
+        return hook
 
     # ------------------------------------------------------------------ one call
     def record(self, name: str, func, args: tuple, kwargs: dict):

@@ -23,7 +23,8 @@ class ApiPass:
     """The calls of one pass, columnar: names, modules, positions, ports (their metadata) and rows."""
 
     __slots__ = ("st", "micro", "vpp", "direction", "names", "modules", "positions", "port_counts", "ports", "types",
-                 "dtypes", "ndims", "dims", "grads", "rows", "depths", "frames")
+                 "dtypes", "ndims", "dims", "grads", "rows", "depths", "frames", "mod_calls", "mod_positions",
+                 "mod_dtypes", "mod_ndims", "mod_dims")
 
     def __init__(self, st, micro: int, vpp: int, direction: int = DIR_FORWARD) -> None:
         self.st, self.micro, self.vpp, self.direction = st, micro, vpp, direction
@@ -33,6 +34,26 @@ class ApiPass:
         self.ndims, self.dims, self.grads = array("B"), array("q"), array("B")
         self.rows: list = []
         self.depths, self.frames = array("H"), array("I")
+        self.mod_calls, self.mod_positions, self.mod_dtypes = array("I"), array("I"), array("I")
+        self.mod_ndims, self.mod_dims = array("B"), array("q")
+
+    def add_module_call(self, intern, module: int, position: int, tensors: tuple) -> None:
+        """A monitored module call of the pass, completed at ``position``, and the dtype and shape of its
+        selected input and output (``tensors``, None where no tensor)."""
+        dtypes, ndims, dims = [], [], []
+        for x in tensors:
+            if isinstance(x, torch.Tensor):
+                dtypes.append(intern(str(x.dtype)))
+                ndims.append(min(x.dim(), _NO_SHAPE - 1))
+                dims.extend(x.shape[:_NO_SHAPE - 1])
+            else:
+                dtypes.append(intern(""))
+                ndims.append(_NO_SHAPE)
+        self.mod_calls.append(module)
+        self.mod_positions.append(position)
+        self.mod_dtypes.extend(dtypes)
+        self.mod_ndims.extend(ndims)
+        self.mod_dims.extend(dims)
 
     def add(self, intern, name: str, module: int, position: int, ports: list, block, stack: list | None) -> None:
         """One call: ``ports`` as ``(port name, value)`` in the record's order, ``block`` their rows
@@ -73,12 +94,14 @@ def write_pass(mon, p: ApiPass) -> None:
     """The pass's calls to the log: its rows copied to the host as a step's are, the record made on the
     writer's thread."""
     writer = mon.output.writer
-    if writer is None or writer.closed or writer.error is not None or not len(p.names):
+    if writer is None or writer.closed or writer.error is not None or not (len(p.names) or len(p.mod_calls)):
         return
-    stats = StepStats(p.st.stats.ops)
-    for block in p.rows:
-        stats.add(StatsPart("api", block, (0,) * len(block)))
-    hs = stats.finish(p.st.step)
+    hs = None
+    if p.rows:
+        stats = StepStats(p.st.stats.ops)
+        for block in p.rows:
+            stats.add(StatsPart("api", block, (0,) * len(block)))
+        hs = stats.finish(p.st.step)
     mon._sync_names()
     fids = mon.name_table.file_ids
     rank, step, ops = mon.rank, p.st.step, tuple(p.st.stats.ops)
@@ -94,10 +117,13 @@ def write_pass(mon, p: ApiPass) -> None:
                   ndims=p.ndims.tobytes(), dims=np.frombuffer(p.dims, dtype=np.int64).astype("<i8").tobytes(),
                   requires_grad=p.grads.tobytes(),
                   stack_depths=np.frombuffer(p.depths, dtype=np.uint16).astype("<u2").tobytes(),
-                  stack_frames=ids(p.frames), direction=p.direction)
+                  stack_frames=ids(p.frames), direction=p.direction, module_calls=ids(p.mod_calls),
+                  module_positions=np.frombuffer(p.mod_positions, dtype=np.uint32).astype("<u4").tobytes(),
+                  module_dtype_ids=ids(p.mod_dtypes), module_ndims=p.mod_ndims.tobytes(),
+                  module_dims=np.frombuffer(p.mod_dims, dtype=np.int64).astype("<i8").tobytes())
 
     def build() -> list:
-        values = np.ascontiguousarray(hs.wait(), dtype="<f4")
+        values = np.ascontiguousarray(hs.wait(), dtype="<f4") if hs is not None else np.empty(0, dtype="<f4")
         return [ApiCallsRecorded(rank=rank, step=step, wall=time.time(), values=values.tobytes(), **fields)]
 
     writer.write(build)

@@ -142,7 +142,15 @@ class ApiCallsRecorded(Event):
     in the order their gradients came; ``positions`` is then the step's hook firings before the
     gradient came, ``module_ids`` the forward call's module, and the ports are the reference's:
     ``input.i`` the gradient of the call's i-th autograd output, ``output.i`` the gradient it hands
-    to its autograd node's i-th input (one not computed has no port)."""
+    to its autograd node's i-th input (one not computed has no port).
+
+    Later fields still, in forward records: the monitored module calls of the pass, which the API calls
+    nest under, with the dtype and shape of the tensors module-level xy selects (its ``input.0`` and
+    ``output.0``), per call ``module_calls`` (u32 interned module name, in completion order) and
+    ``module_positions`` (u32, the step's hook firings at its completion: its forward firing is the
+    module's last one before that), two entries per call (input, output) in ``module_dtype_ids`` (u32,
+    "" no tensor) and ``module_ndims`` (u8, 255 no tensor), the dims one after the other in
+    ``module_dims`` (i64). Empty in older records."""
 
     TAG: ClassVar[str] = "ap"
     micro_step: int = 0
@@ -163,6 +171,11 @@ class ApiCallsRecorded(Event):
     stack_depths: bytes = b""
     stack_frames: bytes = b""
     direction: int = DIR_FORWARD
+    module_calls: bytes = b""
+    module_positions: bytes = b""
+    module_dtype_ids: bytes = b""
+    module_ndims: bytes = b""
+    module_dims: bytes = b""
 
     def __len__(self) -> int:
         return len(self.name_ids) // 4
@@ -196,4 +209,18 @@ class ApiCallsRecorded(Event):
         item = 4 if self.dtype == "f" else 8
         if len(self.values) != ports * len(self.ops) * item:
             return f"{len(self.values)} value bytes for {ports} ports x {len(self.ops)} ops"
+        return self._check_module_calls()
+
+    def _check_module_calls(self) -> str | None:
+        m, rest = divmod(len(self.module_calls), 4)
+        if rest:
+            return "module_calls is not a whole number of u32"
+        for arr, size, per_call, label in ((self.module_positions, 4, 1, "module_positions"),
+                                           (self.module_dtype_ids, 4, 2, "module_dtype_ids"),
+                                           (self.module_ndims, 1, 2, "module_ndims")):
+            if len(arr) != m * size * per_call:
+                return f"{label} has {len(arr) / size:g} entries for {m} module calls (want {m * per_call})"
+        dims = sum(d for d in self.module_ndims if d != 255)
+        if len(self.module_dims) != dims * 8:
+            return f"module_dims has {len(self.module_dims) / 8:g} entries for {dims} dimensions"
         return None

@@ -15,6 +15,10 @@ handed on). It goes under the backward call of the forward's module that fired l
 gradients came, in its micro step (a module's backward call fires at its first gradient), or where
 that module has none, under its nearest ancestor's; with no module, at the top. In execution order it
 comes right after that firing and the backward nodes placed before it.
+
+The forward records also list the pass's monitored module calls with the dtypes and shapes of the
+tensors module-level xy selected: :func:`shape_module_calls` gives them to the ports ``input.0`` and
+``output.0`` of those calls' nodes, so exact matching compares module shapes too.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class ApiCallsReader:
         self.calls: dict[int, list[ApiCall]] = defaultdict(list)
         self.values: dict[int, list[np.ndarray]] = defaultdict(list)
         self.ports: dict[int, int] = defaultdict(int)
+        # step -> [(module, micro, position, ((dtype, shape) of the input, of the output))]
+        self.module_shapes: dict[int, list] = defaultdict(list)
 
     def feed(self, ev) -> None:
         t = type(ev)
@@ -113,6 +119,21 @@ class ApiCallsReader:
             k += nport
         self.ports[ev.step] = base + k
         self.values[ev.step].append(vals)
+        if ev.module_calls:
+            self._add_module_calls(ev, name)
+
+    def _add_module_calls(self, ev: ApiCallsRecorded, name) -> None:
+        dtypes = [name(i) for i in unpack_array("I", ev.module_dtype_ids)]
+        dims = unpack_array("q", ev.module_dims).tolist()
+        d = 0
+        for c, (mid, pos) in enumerate(zip(unpack_array("I", ev.module_calls), unpack_array("I", ev.module_positions),
+                                           strict=True)):
+            io = []
+            for j in (2 * c, 2 * c + 1):
+                nd = ev.module_ndims[j]
+                io.append((dtypes[j], None if nd == _NO_SHAPE else tuple(dims[d:d + nd])))
+                d += 0 if nd == _NO_SHAPE else nd
+            self.module_shapes[ev.step].append((name(mid), ev.micro_step, pos, tuple(io)))
 
     def result(self) -> dict[int, tuple[list[ApiCall], np.ndarray]]:
         return {s: (self.calls[s], np.concatenate(self.values[s])) for s in self.calls}
@@ -161,6 +182,25 @@ def _enclosing(builder, call: ApiCall, forward_calls: dict, keys: dict) -> str:
     return ROOT_NAME
 
 
+def shape_module_calls(builder, calls: list, forward_calls: dict) -> None:
+    """Give the recorded dtypes and shapes of module calls (:attr:`ApiCallsReader.module_shapes` of a
+    step) to the ports ``input.0``/``output.0`` of their forward nodes (``forward_calls`` as in
+    :func:`place_api_calls`), where those ports have none yet."""
+    nodes = builder.graph.nodes
+    for mod, micro, position, io in calls:
+        lst = forward_calls.get(mod)
+        if not lst:
+            continue
+        i = bisect_left([c for c, _ in lst], (micro, position)) - 1  # (its firing: the last before its end)
+        if i < 0 or lst[i][0][0] != micro:
+            continue
+        node = nodes[lst[i][1]]
+        for port, (dtype, shape) in zip(("input.0", "output.0"), io, strict=True):
+            p = node.port(port)
+            if p is not None and p.shape is None and shape is not None:
+                p.dtype, p.shape = dtype, shape
+
+
 def _enclosing_backward(builder, call: ApiCall, backward_calls: dict, keys: dict) -> str:
     """The backward node a call's gradients sit under (see the module docstring)."""
     mod = call.module
@@ -177,4 +217,4 @@ def _enclosing_backward(builder, call: ApiCall, backward_calls: dict, keys: dict
     return ROOT_NAME
 
 
-__all__ = ["API_TYPES", "ApiCall", "ApiCallsReader", "api_calls_of_run", "place_api_calls"]
+__all__ = ["API_TYPES", "ApiCall", "ApiCallsReader", "api_calls_of_run", "place_api_calls", "shape_module_calls"]

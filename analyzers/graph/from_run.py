@@ -7,7 +7,7 @@ given at completion); a backward call's parent is the parent module's latest bac
 before it. Parameters (``param``) are ports of the module's first forward call; reduced gradients
 (``grad_reduced``, else ``grad_unreduced``) are ports of its ``parameters_grad`` node, under its last
 backward call. Only the recorder's first input and output tensor of a call are recorded (``input.0``,
-``output.0``), without shapes or dtypes. API calls (the API level, ``api_xy``) sit under the forward call
+``output.0``), with their shapes and dtypes where the API level recorded them. API calls (the API level, ``api_xy``) sit under the forward call
 they were made in, with every argument and result as a port, and the gradients through them under the
 module's backward call (:mod:`.api_nodes`).
 """
@@ -21,7 +21,7 @@ from trainrec.replay.rows import value_matrix
 from trainrec.replay.run import Run
 from trainrec.schema.events import SLOTS, ModuleStructureRecorded
 
-from .api_nodes import API_TYPES, ApiCallsReader, place_api_calls
+from .api_nodes import API_TYPES, ApiCallsReader, place_api_calls, shape_module_calls
 from .model import MODULE, OPS, ROOT_NAME, Graph, GraphInputError, Port
 
 KINDS = ("actv", "actv_grad", "param", "grad_reduced", "grad_unreduced")
@@ -61,7 +61,7 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
         raise GraphInputError(f"{run.where} (rank {rank}): no module input/output statistics (xy) with the ops "
                               f"min/max/mean/norm were recorded, so there is no graph to build; {_RECORD_HINT}")
     graph = Graph(run.where, "run")
-    return _Builder(graph, classes, parents).build(by_step, apis.result())
+    return _Builder(graph, classes, parents).build(by_step, apis.result(), apis.module_shapes)
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -129,8 +129,9 @@ class _Builder:
                 return mod, ".".join(parts[k:])
         return "", pname
 
-    def build(self, by_step: dict[int, list[tuple]], apis: dict | None = None) -> Graph:
-        """The graph of every step's records; ``apis``: the API calls of each step (:mod:`.api_nodes`)."""
+    def build(self, by_step: dict[int, list[tuple]], apis: dict | None = None, shapes: dict | None = None) -> Graph:
+        """The graph of every step's records; ``apis``: the API calls of each step, ``shapes``: the
+        module calls' dtypes and shapes the API level recorded (:mod:`.api_nodes`)."""
         layouts: dict[tuple, tuple] = {}
         filled = []
         for step in sorted(by_step):
@@ -146,6 +147,8 @@ class _Builder:
             if apis and step in apis:  # API calls under the forward calls they were made in
                 api_ports, api_vals = place_api_calls(self, apis[step], done[1])
                 ports, vals = np.concatenate([ports, api_ports]), np.concatenate([vals, api_vals])
+            if shapes and step in shapes:
+                shape_module_calls(self, shapes[step], done[1][0])
             keep = ports >= 0
             filled.append((step, ports[keep], vals[keep]))
         ranked = sorted(self.first_order, key=self.first_order.__getitem__)

@@ -166,7 +166,7 @@ def test_a_backward_record_cut_short_of_its_direction_is_a_clear_error(api_run, 
     """Without its last field a record reads as an older one, of forward calls: its backward names say otherwise."""
     out = str(tmp_path / "cut")
     shutil.copytree(api_run, out)
-    _rewrite_backward(out, lambda w: w.pop())
+    _rewrite_backward(out, lambda w: w.__delitem__(slice(F + _DIRECTION, None)))  # (it and the fields after it)
     assert main(["graph", "build", out, "-o", str(tmp_path / "g")]) == 2
     err = capsys.readouterr().err
     assert "trainrec graph: error:" in err and "Traceback" not in err
@@ -174,9 +174,52 @@ def test_a_backward_record_cut_short_of_its_direction_is_a_clear_error(api_run, 
     assert f"{out} (rank 0, step 0, record " in err
 
 
-def _rewrite_backward(out: str, change) -> int:
-    """Apply ``change`` to the wire list of the run's first backward API record; that frame's offset."""
+def _rewrite_backward(out: str, change, direction: int = 1) -> int:
+    """Apply ``change`` to the wire list of the run's first API record of ``direction`` (backward by
+    default); that frame's offset."""
     (log,) = glob.glob(os.path.join(out, "*", "*.trl"))
     aps = [w for w in frames(log)[1] if w[0] == "ap"]
-    which = next(i for i, w in enumerate(aps) if w[F + _DIRECTION] == 1)
+    which = next(i for i, w in enumerate(aps) if w[F + _DIRECTION] == direction)
     return rewrite(log, "ap", change, which)
+
+
+def test_a_forward_record_whose_module_shapes_do_not_add_up_is_damage(api_run, tmp_path, capsys):
+    out = str(tmp_path / "dims")
+    shutil.copytree(api_run, out)
+    offset = _rewrite_backward(out, lambda w: w.__setitem__(F + _DIRECTION + 5, b""), direction=0)  # module_dims
+    assert main(["check", out]) == 1
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "module_dims has 0 entries for" in ln)
+    assert line.startswith("damage") and f" {offset} " in line
+
+
+def test_module_calls_get_their_shapes_and_dtypes_where_the_api_level_recorded(api_run, tmp_path):
+    g = build_from_run(open_run(api_run))
+    want = {"Module.Net.forward.0": ((4, 6), (4, 3)), "Module.fc1.Linear.forward.0": ((4, 6), (4, 8)),
+            "Module.act.ReLU.forward.0": ((4, 8), (4, 8)), "Module.blk.Scaled.forward.0": ((4, 8), (4, 8)),
+            "Module.blk.lin.Linear.forward.0": ((4, 8), (4, 8)), "Module.out.Linear.forward.0": ((4, 8), (4, 3))}
+    for name, (shape_in, shape_out) in want.items():
+        ports = {p.name: p for p in g.nodes[name].ports}
+        assert (ports["input.0"].shape, ports["output.0"].shape) == (shape_in, shape_out), name
+        assert ports["input.0"].dtype == ports["output.0"].dtype == "torch.float32"
+    # without the API level, none (as before); exact matching then ignores shapes
+    plain = build_from_run(open_run(record_run(tmp_path / "plain", steps=1)))
+    assert plain.nodes["Module.fc1.Linear.forward.0"].port("input.0").shape is None
+
+
+def _batch5() -> Net:
+    """Net given 5 rows instead of 4 (its module calls' shapes differ, their names do not)."""
+    model = Net()
+    model.register_forward_pre_hook(lambda m, args: (torch.cat([args[0], args[0][:1]]),))
+    return model
+
+
+def test_exact_matching_tells_module_calls_of_other_shapes_apart(api_run, tmp_path):
+    torch.manual_seed(0)
+    other = build_from_run(open_run(record_run(tmp_path / "b5", steps=2, config=API_CONFIG, model=_batch5())))
+    cmp = compare(build_from_run(open_run(api_run)), other)
+    assert "Module.fc1.Linear.forward.0" in cmp.unmatched_debug and "Module.out.Linear.forward.0" in cmp.unmatched_debug
+    # the same two models recorded without the API level have no shapes: their module calls pair
+    torch.manual_seed(0)
+    plain = compare(build_from_run(open_run(record_run(tmp_path / "p4", steps=2))),
+                    build_from_run(open_run(record_run(tmp_path / "p5", steps=2, model=_batch5()))))
+    assert "Module.fc1.Linear.forward.0" in plain.pairs

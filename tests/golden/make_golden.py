@@ -358,10 +358,11 @@ def api_calls() -> Built:
 
 
 def api_calls_backward() -> Built:
-    """The API level's records with the gradients through the calls (``direction`` backward, a field
-    added after api_calls): a linear's forward, then its backward record, whose ports are the gradient
-    its autograd node took in (input.0) and those it handed on (output.0 the bias's, output.2 the
-    transposed weight's; output.1, the input's, not computed: no port)."""
+    """The API level's records with the fields added after api_calls: a linear's forward, with the
+    module call it nests under and that call's input and output dtype and shape (module_*), then its
+    backward record (``direction`` backward), whose ports are the gradient its autograd node took in
+    (input.0) and those it handed on (output.0 the bias's, output.2 the transposed weight's; output.1,
+    the input's, not computed: no port)."""
     g = Builder()
     g.add(header_event())
     g.add(NamesInterned(**env(1, 0), first_id=0, names=(
@@ -374,7 +375,9 @@ def api_calls_backward() -> Built:
         module_ids=pack_array("I", [0]), positions=pack_array("I", [0]), port_counts=pack_array("H", [4]),
         port_ids=pack_array("I", [3, 4, 5, 6]), type_ids=pack_array("I", [8] * 4), dtype_ids=pack_array("I", [9] * 4),
         ndims=bytes([2, 2, 1, 2]), dims=pack_array("q", [4, 6, 8, 6, 8, 4, 8]), requires_grad=bytes([0, 1, 1, 1]),
-        values=pack_array("f", [-2.0, 2.0, 0.0, 5.0] * 4)))
+        values=pack_array("f", [-2.0, 2.0, 0.0, 5.0] * 4), module_calls=pack_array("I", [0]),
+        module_positions=pack_array("I", [1]), module_dtype_ids=pack_array("I", [9, 9]),
+        module_ndims=bytes([2, 2]), module_dims=pack_array("q", [4, 6, 4, 8])))
     g.add(ApiCallsRecorded(
         **env(4, 0, 0.2), micro_step=0, vpp_stage=0, ops=ops, dtype="f", name_ids=pack_array("I", [2]),
         module_ids=pack_array("I", [0]), positions=pack_array("I", [2]), port_counts=pack_array("H", [3]),
