@@ -8,8 +8,10 @@ import os
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from test_api_calls import CONFIG, MODULES, Net, _calls, _stats, _train
+from test_api_calls import CONFIG, MODULES, Block, Net, _calls, _stats, _train
+from torch.utils.checkpoint import checkpoint
 from trainrec.analyzers.graph import build_from_run
 from trainrec.recorder import record
 from trainrec.replay import open_run
@@ -125,3 +127,31 @@ def test_a_graph_run_twice_records_its_first_backward_and_a_later_step_none_of_a
     for step in (0, 1):
         names = [c["name"] for c in back if c["step"] == step]
         assert len(names) == len(set(names)) == 7
+
+
+class Checkpointed(nn.Module):
+    """Net with its block under activation checkpointing."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.blk = Block()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(self.blk, self.fc(x), use_reentrant=self.reentrant).sum(dim=1)
+
+
+@pytest.mark.parametrize("reentrant, inside", [(False, True), (True, False)])
+def test_activation_checkpointing(tmp_path, reentrant, inside):
+    """Non-reentrant: the training forward's graph runs backward, every call has its gradients.
+    Reentrant: the segment's first forward runs without gradients and its recomputation in backward
+    is not recorded, so the calls inside it have none (a limit, documented)."""
+    torch.manual_seed(0)
+    path, _ = _train(tmp_path / "out", API, steps=1, model=Checkpointed(reentrant))
+    back = [c["name"] for c in _calls(path, DIR_BACKWARD)]
+    assert len(_calls(path)) == 7
+    outside = ["Tensor.sum.0.backward", "Functional.linear.0.backward"]
+    assert back == (["Tensor.sum.0.backward", "Tensor.mul.0.backward", "Torch.matmul.0.backward",
+                     "Tensor.transpose.0.backward", "Functional.relu.0.backward", "Functional.linear.1.backward",
+                     "Functional.linear.0.backward"] if inside else outside)
