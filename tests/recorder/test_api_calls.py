@@ -298,3 +298,7 @@ def test_trainrec_dump_shows_the_records_with_names_resolved(tmp_path, capsys):
     assert len(rec["values"]) == len(rec["ports"]) == sum(rec["port_counts"]) and len(rec["values"][0]) == 4
     assert rec["types"][rec["ports"].index("input.inplace")] == "bool"
     assert len(rec["frames"]) == sum(rec["stack_depths"]) and rec["frames"][0].startswith("File ")
+    # the module calls of the pass, in completion order, with their input's and output's dtype and shape
+    assert rec["module_call_names"] == ["fc", "blk.lin", "blk", ""]
+    assert rec["module_dtypes"] == ["torch.float32"] * 8 and rec["module_ndims"] == [2, 2, 2, 2, 2, 2, 2, 1]
+    assert rec["module_dims"] == [4, 6, 4, 8, 4, 8, 4, 8, 4, 8, 4, 4, 4, 6, 4]
