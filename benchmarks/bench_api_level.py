@@ -1,6 +1,6 @@
 """Price of the recorder's API level (``api_xy``): step time of a small transformer-ish CPU model with no
-monitoring, with module inputs and outputs (xy) and with xy plus the API level (with and without
-stacks), paired in one process: every round runs each configuration for the same steps, in a rotating
+monitoring, with module inputs and outputs (xy) and with xy plus the API level (forward calls only,
+with the gradients through them in backward as by default, and with stacks), paired in one process: every round runs each configuration for the same steps, in a rotating
 order; the figures are medians over rounds of each round's median step, and of the ratios of
 configurations within each round. Also prints API calls per
 step and log bytes per collected step. Prints the figures; nothing is asserted.
@@ -22,12 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from trainrec.recorder import record
 from trainrec.replay import open_run
-from trainrec.schema.events import ApiCallsRecorded
+from trainrec.schema.events import DIR_BACKWARD, ApiCallsRecorded
 
 # (no "format": record() writes the log and no CSV or TensorBoard files beside it)
 XY = {"xy_distribution": True, "all_xy": True, "ops": ["min", "max", "mean", "norm"]}
-CONFIGS = {"none": None, "xy": XY, "xy+api": {**XY, "api_xy": True},
-           "xy+api+stack": {**XY, "api_xy": {"stack": True}}}
+CONFIGS = {"none": None, "xy": XY, "xy+api-fwd": {**XY, "api_xy": {"backward": False}},
+           "xy+api": {**XY, "api_xy": True}, "xy+api+stack": {**XY, "api_xy": {"stack": True}}}
 
 
 class Attention(nn.Module):
@@ -129,16 +129,20 @@ def main() -> int:
             print(f"{name:>13}: {m * 1e3:7.2f} ms/step  ({m / base:.2f}x no monitoring, "
                   f"rounds {', '.join(f'{x * 1e3:.1f}' for x in medians[name])}){extra}")
         # paired: each round's ratio (the load of a shared machine changes between rounds)
-        for a, b in (("xy", "none"), ("xy+api", "none"), ("xy+api", "xy"), ("xy+api+stack", "xy")):
+        for a, b in (("xy", "none"), ("xy+api", "none"), ("xy+api-fwd", "xy"), ("xy+api", "xy"),
+                     ("xy+api", "xy+api-fwd"), ("xy+api+stack", "xy")):
             ratios = [x / y for x, y in zip(medians[a], medians[b], strict=True)]
             print(f"paired {a} / {b}: median {statistics.median(ratios):.2f}x "
                   f"(rounds {', '.join(f'{r:.2f}' for r in ratios)})")
-        xy, api = statistics.median(medians["xy"]), statistics.median(medians["xy+api"])
-        print(f"API level over xy: +{(api - xy) * 1e3:.2f} ms/step")
-        calls = sum(len(ev) for ev in open_run(os.path.dirname(os.path.dirname(logs["xy+api"]))).events(
-            types=[ApiCallsRecorded])) / (args.warmup + args.steps)
-        print(f"API calls recorded per step: {calls:.0f} "
-              f"(+{(api - xy) * 1e6 / max(calls, 1):.1f} us per call)")
+        xy, fwd, api = (statistics.median(medians[k]) for k in ("xy", "xy+api-fwd", "xy+api"))
+        print(f"API level over xy: +{(fwd - xy) * 1e3:.2f} ms/step forward only, +{(api - xy) * 1e3:.2f} ms/step "
+              f"with backward (+{(api - fwd) * 1e3:.2f} ms/step for the backward)")
+        n = {0: 0, DIR_BACKWARD: 0}
+        for ev in open_run(os.path.dirname(os.path.dirname(logs["xy+api"]))).events(types=[ApiCallsRecorded]):
+            n[ev.direction] += len(ev)
+        calls, back = n[0] / (args.warmup + args.steps), n[DIR_BACKWARD] / (args.warmup + args.steps)
+        print(f"API calls recorded per step: {calls:.0f} forward (+{(fwd - xy) * 1e6 / max(calls, 1):.1f} us per "
+              f"call), {back:.0f} backward (+{(api - fwd) * 1e6 / max(back, 1):.1f} us per call)")
     return 0
 
 

@@ -11,7 +11,10 @@ counter per name and step (``Functional.linear.0.forward``), and gets the statis
 inputs and outputs (the xy path: :func:`.hooks.rows_for`, which measures a tensor already measured
 in the step once), their shapes, dtypes and ``requires_grad``, numbers as their values, and, with
 ``"api_xy": {"stack": true}``, its call stack. One :class:`~trainrec.schema.events.ApiCallsRecorded`
-per forward pass goes to the log (its rows copied to the host as the step's other rows are).
+per forward pass goes to the log (its rows copied to the host as the step's other rows are; the record
+itself: :mod:`.api_record`). A call whose first output needs a gradient has the gradients through it
+recorded in backward as well (``...backward``, :mod:`.api_backward`; not with ``"backward": false`` or
+``forward_only``).
 
 Which calls are recorded (the rule): a call made while torch already runs the mode's handler (nested
 calls inside an API, the recorder's own statistics) is not seen, as torch pops the mode there; a call
@@ -28,18 +31,17 @@ import logging
 import math
 import os
 import sys
-import time
-from array import array
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from trainrec.schema.events import ApiCallsRecorded
 
+from . import api_backward
+from .api_record import NO_MODULE, ApiPass, write_pass
 from .compile_mode import in_backward
 from .hooks import rows_for, stack_rows
-from .step_stats import StatsPart, StepStats
+from .selectors import inputs_of, select
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +61,6 @@ _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__",
 _FUNCTIONAL = {id(v): k for k, v in vars(F).items() if callable(v) and not isinstance(v, type)}
 _RECORDER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_NO_MODULE = 0xFFFFFFFF
-_NO_SHAPE = 255
-_NOT_TENSOR = 2
-_TENSOR = "torch.Tensor"
 _names: dict = {}  # func -> reference name without counter, or None (skipped)
 _UNKNOWN = object()
 
@@ -124,30 +122,16 @@ def _stack(intern, frames: dict) -> list[int]:
     return out
 
 
-class _Pass:
-    """What one forward pass of a model chunk records."""
-
-    __slots__ = ("st", "micro", "vpp", "names", "modules", "positions", "port_counts", "ports", "types", "dtypes",
-                 "ndims", "dims", "grads", "rows", "depths", "frames")
-
-    def __init__(self, st, micro: int, vpp: int) -> None:
-        self.st, self.micro, self.vpp = st, micro, vpp
-        self.names, self.modules, self.positions = array("I"), array("I"), array("I")
-        self.port_counts = array("H")
-        self.ports, self.types, self.dtypes = array("I"), array("I"), array("I")
-        self.ndims, self.dims, self.grads = array("B"), array("q"), array("B")
-        self.rows: list = []
-        self.depths, self.frames = array("H"), array("I")
-
-
 class ApiLevel:
     """The API level of one monitor: its hooks, the mode, and the calls of the pass in progress."""
 
     def __init__(self, mon) -> None:
         self.mon = mon
         self.stack_wanted = bool(mon.config.api_xy.get("stack"))
+        # the gradients through the calls (api_backward.py), where xy records backward too
+        self.backward_wanted = bool(mon.config.api_xy.get("backward", True)) and not mon.config.forward_only
         self.mode = ApiMode(self)
-        self.pass_: _Pass | None = None
+        self.pass_: ApiPass | None = None
         self.modules: list[int] = []  # name ids of the monitored modules whose forward is open
         self.counts: dict[str, int] = {}  # calls per name in the step (self.counted's)
         self.counted = None  # the StepState they count
@@ -161,10 +145,11 @@ class ApiLevel:
         for vpp, chunk in enumerate(chunks):
             # (after the monitor's own chunk pre-hook, which counts the micro step and may begin the step)
             handles.append(chunk.register_forward_pre_hook(self._chunk_pre(vpp)))
-            handles.append(chunk.register_forward_hook(self._chunk_post, always_call=True))
         for module, t in modules:
             handles.append(module.register_forward_pre_hook(self._module_pre(t.name_id)))
-            handles.append(module.register_forward_hook(self._module_post, always_call=True))
+            handles.append(module.register_forward_hook(self._module_post(t), with_kwargs=True, always_call=True))
+        for chunk in chunks:  # (after the modules' hooks: a chunk that is a monitored module closes its call first)
+            handles.append(chunk.register_forward_hook(self._chunk_post, always_call=True))
         return handles
 
     def _chunk_pre(self, vpp: int):
@@ -175,7 +160,7 @@ class ApiLevel:
                     or not torch.is_grad_enabled() or in_backward() or not mon.config.api_level):
                 return
             fwd = st.chunk_fwd.get(vpp, 1)
-            self.pass_ = _Pass(st, (fwd - 1) % mon.steps.grad_acc, vpp)
+            self.pass_ = ApiPass(st, (fwd - 1) % mon.steps.grad_acc, vpp)
             if self.counted is not st:
                 self.counted, self.counts = st, {}
             self.modules.clear()
@@ -191,9 +176,9 @@ class ApiLevel:
         p, self.pass_ = self.pass_, None
         self.mode.__exit__(None, None, None)
         self.modules.clear()
-        if p is not None and len(p.names):
+        if p is not None and (len(p.names) or len(p.mod_calls)):
             try:
-                self._write(p)
+                write_pass(self.mon, p)
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
                 self.mon._hook_failed("the API level's records", exc)
 
@@ -204,9 +189,26 @@ class ApiLevel:
 
         return hook
 
-    def _module_post(self, module, args, output):
-        if self.pass_ is not None and self.modules:
-            self.modules.pop()
+    def _module_post(self, t):
+        """The module's forward hook: its call closed, with the dtypes and shapes of the tensors
+        module-level xy selects (the default selection, or the targets' selectors)."""
+        sel_in, sel_out = t.sel.get("input"), t.sel.get("output")
+
+        def hook(module, args, *kwargs_output):  # (registered with_kwargs; see selectors._KWARGS_GONE)
+            p = self.pass_
+            if p is None:
+                return
+            if self.modules:
+                self.modules.pop()
+            kwargs, output = kwargs_output if len(kwargs_output) == 2 else (None, kwargs_output[0])
+            try:
+                x = select(inputs_of(args, kwargs, sel_in), sel_in, f"targets.{t.key}.input")
+                y = select(output, sel_out, f"targets.{t.key}.output")
+                p.add_module_call(self.mon.name_table.intern, t.name_id, p.st.call, (x, y))
+            except Exception as exc:  # noqa: BLE001 - (a selector that does not fit: the xy hook says so)
+                log.debug("trainrec: no shapes of module %r's call: %s", t.name, exc)
+
+        return hook
 
     # ------------------------------------------------------------------ one call
     def record(self, name: str, func, args: tuple, kwargs: dict):
@@ -231,8 +233,8 @@ class ApiLevel:
             self.mon._hook_failed(f"API call {name}", exc)
         return out
 
-    def _add(self, p: _Pass, name: str, positional: list, keywords: list, out, before: list | None) -> None:
-        """The call's record in the pass: made in full first, then appended (a failure leaves none)."""
+    def _add(self, p: ApiPass, name: str, positional: list, keywords: list, out, before: list | None) -> None:
+        """The call's record in the pass, and the watch on its gradients (:mod:`.api_backward`)."""
         ins = positional + keywords
         outs = _flatten("output", enumerate(out) if isinstance(out, (tuple, list)) else ((0, out),))
         if not any(isinstance(v, torch.Tensor) for _, v in ins + outs):
@@ -240,43 +242,20 @@ class ApiLevel:
         rows = before + self._rows(p, outs) if before is not None else self._rows(p, ins + outs)
         # the reference's order: positional inputs, outputs, keyword inputs
         n_pos = len(positional)
-        ports = positional + outs + keywords
         block = stack_rows(rows[:n_pos] + rows[len(ins):] + rows[n_pos:len(ins)])
         intern = self.mon.name_table.intern
-        port_ids, types, dtypes, ndims, dims, grads = [], [], [], [], [], []
-        for port, v in ports:
-            port_ids.append(intern(port))
-            if isinstance(v, torch.Tensor):
-                types.append(intern(_TENSOR))
-                dtypes.append(intern(str(v.dtype)))
-                ndims.append(min(v.dim(), _NO_SHAPE - 1))
-                dims.extend(v.shape[:_NO_SHAPE - 1])
-                grads.append(int(v.requires_grad))
-            else:
-                types.append(intern(_type_name(v)))
-                dtypes.append(intern(""))
-                ndims.append(_NO_SHAPE)
-                grads.append(_NOT_TENSOR)
         stack = _stack(intern, self.frames) if self.stack_wanted else None
         n = self.counts.get(name, 0)
-        call_name = intern(f"{name}.{n}.forward")
+        module = self.modules[-1] if self.modules else NO_MODULE
+        p.add(intern, f"{name}.{n}.forward", module, p.st.call, positional + outs + keywords, block, stack)
         self.counts[name] = n + 1
-        p.names.append(call_name)
-        p.modules.append(self.modules[-1] if self.modules else _NO_MODULE)
-        p.positions.append(p.st.call)
-        p.port_counts.append(len(ports))
-        p.ports.extend(port_ids)
-        p.types.extend(types)
-        p.dtypes.extend(dtypes)
-        p.ndims.extend(ndims)
-        p.dims.extend(dims)
-        p.grads.extend(grads)
-        p.rows.append(block)
-        if stack is not None:
-            p.depths.append(min(len(stack), 0xFFFF))
-            p.frames.extend(stack[:0xFFFF])
+        if self.backward_wanted:
+            first = api_backward.first_tensor(outs)
+            if first is not None and first.requires_grad:
+                api_backward.watch(self.mon, p.st, first, api_backward.BackwardCall(
+                    f"{name}.{n}.backward", module, p.micro, p.vpp))
 
-    def _rows(self, p: _Pass, items: list) -> list:
+    def _rows(self, p: ApiPass, items: list) -> list:
         """One row per ``(port, value)``: the statistics of a tensor, a number's value, else NaN."""
         ops = p.st.stats.ops
         out: list = [None] * len(items)
@@ -290,40 +269,6 @@ class ApiLevel:
             if out[k] is None:
                 out[k] = _number_row(v, ops, eps)
         return out
-
-    def _write(self, p: _Pass) -> None:
-        """The pass's calls to the log: its rows copied to the host as a step's are, the record made on
-        the writer's thread."""
-        mon = self.mon
-        writer = mon.output.writer
-        if writer is None or writer.closed or writer.error is not None:
-            return
-        stats = StepStats(p.st.stats.ops)
-        for block in p.rows:
-            stats.add(StatsPart("api", block, (0,) * len(block)))
-        hs = stats.finish(p.st.step)
-        mon._sync_names()
-        fids = mon.name_table.file_ids
-        rank, step, ops = mon.rank, p.st.step, tuple(p.st.stats.ops)
-
-        def ids(col: array) -> bytes:
-            return fids[np.frombuffer(col, dtype=np.uint32)].astype("<u4").tobytes() if len(col) else b""
-
-        fields = dict(micro_step=p.micro, vpp_stage=p.vpp, ops=ops, dtype="f", name_ids=ids(p.names),
-                      module_ids=_file_ids_or_none(fids, p.modules),
-                      positions=np.frombuffer(p.positions, dtype=np.uint32).astype("<u4").tobytes(),
-                      port_counts=np.frombuffer(p.port_counts, dtype=np.uint16).astype("<u2").tobytes(),
-                      port_ids=ids(p.ports), type_ids=ids(p.types), dtype_ids=ids(p.dtypes),
-                      ndims=p.ndims.tobytes(), dims=np.frombuffer(p.dims, dtype=np.int64).astype("<i8").tobytes(),
-                      requires_grad=p.grads.tobytes(),
-                      stack_depths=np.frombuffer(p.depths, dtype=np.uint16).astype("<u2").tobytes(),
-                      stack_frames=ids(p.frames))
-
-        def build() -> list:
-            values = np.ascontiguousarray(hs.wait(), dtype="<f4")
-            return [ApiCallsRecorded(rank=rank, step=step, wall=time.time(), values=values.tobytes(), **fields)]
-
-        writer.write(build)
 
 
 class ApiMode(TorchFunctionMode):
@@ -368,19 +313,6 @@ def _number_row(v, ops: tuple, eps: float) -> np.ndarray:
                 "nans": float(math.isnan(x))}
         return np.asarray([cols[op] for op in ops], dtype=np.float32)
     return np.full(len(ops), np.nan, dtype=np.float32)
-
-
-def _file_ids_or_none(fids: np.ndarray, local: array) -> bytes:
-    """Monitor-local name ids as the file's, :data:`_NO_MODULE` kept."""
-    ids = np.frombuffer(local, dtype=np.uint32)
-    none = ids == _NO_MODULE
-    return np.where(none, _NO_MODULE, fids[np.where(none, 0, ids)]).astype("<u4").tobytes()
-
-
-def _type_name(v) -> str:
-    """The reference's type name of a value that is no tensor: ``int``, ``float``, ``torch.dtype``, ..."""
-    t = type(v)
-    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
 
 
 __all__ = ["SKIPPED", "ApiLevel", "ApiMode", "api_name"]

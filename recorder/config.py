@@ -282,16 +282,18 @@ def _parse_watchdog(raw: Any, source: str | None) -> dict:
     return out
 
 
-API_XY_DEFAULTS = {"enable": True, "stack": False}
+API_XY_DEFAULTS = {"enable": True, "stack": False, "backward": True}
 
 
 def _parse_api_xy(raw: Any, source: str | None) -> dict:
-    """``api_xy`` (trainrec's key): ``true``, or ``{"enable", "stack"}``: the API level, the torch
-    functions and tensor methods called inside monitored forward passes (msprobe's ``mix`` level), with
-    each call's stack where ``stack`` is true (see :mod:`.api_calls`)."""
+    """``api_xy`` (trainrec's key): ``true``, or ``{"enable", "stack", "backward"}``: the API level, the
+    torch functions and tensor methods called inside monitored forward passes (msprobe's ``mix`` level),
+    with each call's stack where ``stack`` is true and the gradients through each call in backward
+    unless ``backward`` is false (see :mod:`.api_calls`, :mod:`.api_backward`)."""
     out = _switch_object(raw, API_XY_DEFAULTS, "api_xy", source)
-    if not isinstance(out["stack"], bool):
-        raise ConfigError(f"expected true or false, got {out['stack']!r}", "api_xy.stack", source)
+    for k in ("stack", "backward"):
+        if not isinstance(out[k], bool):
+            raise ConfigError(f"expected true or false, got {out[k]!r}", f"api_xy.{k}", source)
     return out
 
 

@@ -73,7 +73,7 @@ class StepState:
     __slots__ = ("step", "stats", "call", "mod_ids", "dirs", "call_ids", "micro", "fwd_count", "bwd_count",
                  "grad_count", "pending", "pending_set", "pending_bytes", "pending_lookup", "last_unreduced", "on_first_fire", "memo", "chunk_fwd",
                  "open_calls", "grad_hooks", "leaf_hooks", "bwd_micro", "spilled_parts", "spilled_fires", "written",
-                 "nograd_fwd", "chunk_open", "eob_queued")
+                 "nograd_fwd", "chunk_open", "eob_queued", "api_passes")
 
     def __init__(self, step: int, ops: tuple, on_first_fire=None) -> None:
         self.step = step
@@ -106,6 +106,7 @@ class StepState:
         self.nograd_fwd = False  # a model chunk's forward runs under no_grad: not a micro step, not recorded
         self.chunk_open = False  # between a model chunk's forward pre-hook and its forward hook
         self.eob_queued = False  # the end-of-backward callback of the list hooks is queued (grad_batch.py)
+        self.api_passes: dict = {}  # (micro step, vpp stage) -> ApiPass of the API calls' gradients (api_backward.py)
 
     def micro_of(self, vpp: int, mid: int, counts: dict, grad_acc: int) -> int:
         """The micro step of a module call: its chunk's forward count, so a module called several

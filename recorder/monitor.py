@@ -32,7 +32,7 @@ from trainrec.schema.events import (
     StepEnded,
 )
 
-from . import api_calls, fsdp, runinfo, structure
+from . import api_backward, api_calls, fsdp, runinfo, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
@@ -826,6 +826,11 @@ class TrainerMon:
         for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
             leaf.handle.remove()
         st.leaf_hooks.clear()
+        if st.api_passes:  # the gradients through the API calls (api_backward.py)
+            try:
+                api_backward.write_backward(self, st)
+            except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
+                self._hook_failed("the API calls' gradients", exc)
         self._collections += 1
         self.step_output.write(st)
 

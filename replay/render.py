@@ -63,10 +63,13 @@ _COLUMN_TYPES = {
 _API_COLUMN_TYPES = {
     "positions": "<u4", "port_counts": "<u2", "port_ids": "<u4", "type_ids": "<u4", "dtype_ids": "<u4",
     "ndims": "u1", "dims": "<i8", "requires_grad": "u1", "stack_depths": "<u2", "stack_frames": "<u4",
+    "module_calls": "<u4", "module_positions": "<u4", "module_dtype_ids": "<u4", "module_ndims": "u1",
+    "module_dims": "<i8",
 }
 # its interned columns, and the key of their resolved names
 _API_NAMES = {"name_ids": "names", "module_ids": "modules", "port_ids": "ports", "type_ids": "types",
-              "dtype_ids": "dtypes", "stack_frames": "frames"}
+              "dtype_ids": "dtypes", "stack_frames": "frames", "module_calls": "module_call_names",
+              "module_dtype_ids": "module_dtypes"}
 _ENVELOPE = ("rank", "seq", "step", "wall")
 
 

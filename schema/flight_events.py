@@ -135,7 +135,22 @@ class ApiCallsRecorded(Event):
     ``requires_grad`` (u8: 0, 1, 2 not a tensor) and a row of ``values`` (``ops`` columns, ``dtype``;
     a number's value as its statistics, NaN for other non-tensors). Where stacks were asked for,
     ``stack_depths`` (u16 per call) and ``stack_frames`` (u32, interned frame lines, innermost first,
-    the calls' one after the other); else both empty."""
+    the calls' one after the other); else both empty.
+
+    ``direction`` DIR_BACKWARD (a later field; older records read as forward): the gradients through the
+    calls of the step's backward passes of micro step ``micro_step``, named ``...backward``, the calls
+    in the order their gradients came; ``positions`` is then the step's hook firings before the
+    gradient came, ``module_ids`` the forward call's module, and the ports are the reference's:
+    ``input.i`` the gradient of the call's i-th autograd output, ``output.i`` the gradient it hands
+    to its autograd node's i-th input (one not computed has no port).
+
+    Later fields still, in forward records: the monitored module calls of the pass, which the API calls
+    nest under, with the dtype and shape of the tensors module-level xy selects (its ``input.0`` and
+    ``output.0``), per call ``module_calls`` (u32 interned module name, in completion order) and
+    ``module_positions`` (u32, the step's hook firings at its completion: its forward firing is the
+    module's last one before that), two entries per call (input, output) in ``module_dtype_ids`` (u32,
+    "" no tensor) and ``module_ndims`` (u8, 255 no tensor), the dims one after the other in
+    ``module_dims`` (i64). Empty in older records."""
 
     TAG: ClassVar[str] = "ap"
     micro_step: int = 0
@@ -155,11 +170,19 @@ class ApiCallsRecorded(Event):
     values: bytes = b""
     stack_depths: bytes = b""
     stack_frames: bytes = b""
+    direction: int = DIR_FORWARD
+    module_calls: bytes = b""
+    module_positions: bytes = b""
+    module_dtype_ids: bytes = b""
+    module_ndims: bytes = b""
+    module_dims: bytes = b""
 
     def __len__(self) -> int:
         return len(self.name_ids) // 4
 
     def check(self) -> str | None:
+        if self.direction not in (DIR_FORWARD, DIR_BACKWARD):
+            return f"direction {self.direction} is neither forward (0) nor backward (1)"
         if self.dtype not in ("f", "d"):
             return f"unknown value dtype {self.dtype!r}"
         n, rest = divmod(len(self.name_ids), 4)
@@ -186,4 +209,18 @@ class ApiCallsRecorded(Event):
         item = 4 if self.dtype == "f" else 8
         if len(self.values) != ports * len(self.ops) * item:
             return f"{len(self.values)} value bytes for {ports} ports x {len(self.ops)} ops"
+        return self._check_module_calls()
+
+    def _check_module_calls(self) -> str | None:
+        m, rest = divmod(len(self.module_calls), 4)
+        if rest:
+            return "module_calls is not a whole number of u32"
+        for arr, size, per_call, label in ((self.module_positions, 4, 1, "module_positions"),
+                                           (self.module_dtype_ids, 4, 2, "module_dtype_ids"),
+                                           (self.module_ndims, 1, 2, "module_ndims")):
+            if len(arr) != m * size * per_call:
+                return f"{label} has {len(arr) / size:g} entries for {m} module calls (want {m * per_call})"
+        dims = sum(d for d in self.module_ndims if d != 255)
+        if len(self.module_dims) != dims * 8:
+            return f"module_dims has {len(self.module_dims) / 8:g} entries for {dims} dimensions"
         return None

@@ -7,8 +7,9 @@ given at completion); a backward call's parent is the parent module's latest bac
 before it. Parameters (``param``) are ports of the module's first forward call; reduced gradients
 (``grad_reduced``, else ``grad_unreduced``) are ports of its ``parameters_grad`` node, under its last
 backward call. Only the recorder's first input and output tensor of a call are recorded (``input.0``,
-``output.0``), without shapes or dtypes. API calls (the API level, ``api_xy``) sit under the forward call
-they were made in, with every argument and result as a port (:mod:`.api_nodes`).
+``output.0``), with their shapes and dtypes where the API level recorded them. API calls (the API level, ``api_xy``) sit under the forward call
+they were made in, with every argument and result as a port, and the gradients through them under the
+module's backward call (:mod:`.api_nodes`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from trainrec.replay.rows import value_matrix
 from trainrec.replay.run import Run
 from trainrec.schema.events import SLOTS, ModuleStructureRecorded
 
-from .api_nodes import API_TYPES, ApiCallsReader, place_api_calls
+from .api_nodes import API_TYPES, ApiCallsReader, place_api_calls, shape_module_calls
 from .model import MODULE, OPS, ROOT_NAME, Graph, GraphInputError, Port
 
 KINDS = ("actv", "actv_grad", "param", "grad_reduced", "grad_unreduced")
@@ -37,7 +38,7 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
         raise GraphInputError(f"{run.where}: rank {rank} is not in the run (ranks: {run.ranks})")
     classes: dict[str, str] = {}
     parents: dict[str, str | None] = {}
-    apis = ApiCallsReader()  # (in the same pass over the log: the API level's records)
+    apis = ApiCallsReader(run.where)  # (in the same pass over the log: the API level's records)
     for ev in run.events(rank, types=[ModuleStructureRecorded, *API_TYPES]):
         if type(ev) is not ModuleStructureRecorded:
             apis.feed(ev)
@@ -60,7 +61,7 @@ def build_from_run(run: Run, rank: int | None = None) -> Graph:
         raise GraphInputError(f"{run.where} (rank {rank}): no module input/output statistics (xy) with the ops "
                               f"min/max/mean/norm were recorded, so there is no graph to build; {_RECORD_HINT}")
     graph = Graph(run.where, "run")
-    return _Builder(graph, classes, parents).build(by_step, apis.result())
+    return _Builder(graph, classes, parents).build(by_step, apis.result(), apis.module_shapes)
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -114,6 +115,7 @@ class _Builder:
         self.graph, self.classes, self.parents = graph, classes, parents
         self.first_order: dict[str, tuple] = {}
         self.forward_calls: dict[str, list] = {}  # module -> [((micro, call id), node name)] of the last step made
+        self.backward_calls: dict[str, list] = {}  # the same of the backward calls
 
     def label(self, path: str) -> str:
         cls = self.classes.get(path, "Module")
@@ -127,8 +129,9 @@ class _Builder:
                 return mod, ".".join(parts[k:])
         return "", pname
 
-    def build(self, by_step: dict[int, list[tuple]], apis: dict | None = None) -> Graph:
-        """The graph of every step's records; ``apis``: the API calls of each step (:mod:`.api_nodes`)."""
+    def build(self, by_step: dict[int, list[tuple]], apis: dict | None = None, shapes: dict | None = None) -> Graph:
+        """The graph of every step's records; ``apis``: the API calls of each step, ``shapes``: the
+        module calls' dtypes and shapes the API level recorded (:mod:`.api_nodes`)."""
         layouts: dict[tuple, tuple] = {}
         filled = []
         for step in sorted(by_step):
@@ -136,14 +139,16 @@ class _Builder:
             key = _layout(records)
             done = layouts.get(key)
             if done is None:
-                self.forward_calls = {}
+                self.forward_calls, self.backward_calls = {}, {}
                 ports = np.asarray(self.step(_rows(records)), dtype=np.int64)
-                done = layouts[key] = (ports, self.forward_calls)
+                done = layouts[key] = (ports, (self.forward_calls, self.backward_calls))
             ports = done[0]
             vals = np.concatenate([r[3] for r in records])
             if apis and step in apis:  # API calls under the forward calls they were made in
                 api_ports, api_vals = place_api_calls(self, apis[step], done[1])
                 ports, vals = np.concatenate([ports, api_ports]), np.concatenate([vals, api_vals])
+            if shapes and step in shapes:
+                shape_module_calls(self, shapes[step], done[1][0])
             keep = ports >= 0
             filled.append((step, ports[keep], vals[keep]))
         ranked = sorted(self.first_order, key=self.first_order.__getitem__)
@@ -171,8 +176,9 @@ class _Builder:
             direction = "forward" if kind == "actv" else "backward"
             for n, c in enumerate(lst):
                 names[(kind, mod, c)] = f"{self.label(mod)}.{direction}.{n}"
-        self.forward_calls = {mod: [(c, names[("actv", mod, c)]) for c in lst]
-                              for (k, mod), lst in calls.items() if k == "actv"}
+        self.forward_calls, self.backward_calls = ({mod: [(c, names[(kind, mod, c)]) for c in lst]
+                                                    for (k, mod), lst in calls.items() if k == kind}
+                                                   for kind in ("actv", "actv_grad"))
         for kind in ("actv", "actv_grad"):
             order = sorted((c, mod) for (k, mod), lst in calls.items() if k == kind for c in lst)
             parents = _forward_parents(order) if kind == "actv" else _backward_parents(order)

@@ -30,7 +30,7 @@ def api_run(tmp_path_factory):
 
 def test_api_nodes_sit_under_the_module_call_they_were_made_in(api_run):
     g = build_from_run(open_run(api_run))
-    apis = {n for n, node in g.nodes.items() if node.node_type == API}
+    apis = {n for n, node in g.nodes.items() if node.node_type == API and n.endswith(".forward")}
     assert apis == {"Functional.linear.0.forward", "Functional.relu.0.forward", "Functional.linear.1.forward",
                     "Tensor.mul.0.forward", "Functional.linear.2.forward"}
     parent = {n: g.nodes[n].parent for n in apis}
@@ -59,10 +59,19 @@ def test_a_run_with_the_api_level_compares_with_msprobe_dumps_api_nodes_included
     run = build_from_run(open_run(api_run))
     same = compare(run, build_from_dump(os.path.join(MSPROBE, "bench")), fuzzy=True)
     apis = [n for n, node in run.nodes.items() if node.node_type == API]
-    # every API call of the run pairs with the dump's (msprobe's Tensor.__mul__ is torch's Tensor.mul)
-    assert {n: same.pairs[n] for n in apis} == {n: n for n in apis} | {"Tensor.mul.0.forward": "Tensor.__mul__.0.forward"}
-    assert same.unmatched_debug == ["Module.Net.forward.0", "Module.Net.backward.0"]
+    # every API call of the run, forward and backward, pairs with the dump's (msprobe's Tensor.__mul__ is
+    # torch's Tensor.mul) but one: msprobe puts the first layer's linear backward at the top, not under
+    # its module's backward call
+    mul = {f"Tensor.mul.0.{d}": f"Tensor.__mul__.0.{d}" for d in ("forward", "backward")}
+    paired = [n for n in apis if n != "Functional.linear.0.backward"]
+    assert {n: same.pairs[n] for n in paired} == {n: n for n in paired} | mul
+    assert same.unmatched_debug == ["Module.Net.forward.0", "Module.Net.backward.0", "Functional.linear.0.backward"]
     assert same.first is None and np.nanmax(same.errors[:, :, 7]) < 1e-5  # float32 rounding
+    # the gradients through the calls are the reference's: the same ports (names, shapes), the same values
+    lin = "Functional.linear.1.backward"
+    assert [(p.name, p.shape) for p in run.nodes[lin].ports] == [(p.name, p.shape) for p in same.bench.nodes[lin].ports]
+    assert [p.name for p in run.nodes[lin].ports] == ["input.0", "output.0", "output.1", "output.2"]
+    assert np.isfinite(same.output_err[:, same.nodes.index(lin)]).all()
     k = same.nodes.index("Functional.linear.1.forward")
     assert np.isfinite(same.output_err[:, k]).all()
     # against the dump whose blk was scaled at step 1: the multiply there got another factor (its input),

@@ -357,6 +357,39 @@ def api_calls() -> Built:
     return g.b
 
 
+def api_calls_backward() -> Built:
+    """The API level's records with the fields added after api_calls: a linear's forward, with the
+    module call it nests under and that call's input and output dtype and shape (module_*), then its
+    backward record (``direction`` backward), whose ports are the gradient its autograd node took in
+    (input.0) and those it handed on (output.0 the bias's, output.2 the transposed weight's; output.1,
+    the input's, not computed: no port)."""
+    g = Builder()
+    g.add(header_event())
+    g.add(NamesInterned(**env(1, 0), first_id=0, names=(
+        "fc", "Functional.linear.0.forward", "Functional.linear.0.backward", "input.0", "input.1", "input.2",
+        "output.0", "output.2", "torch.Tensor", "torch.float32")))
+    g.add(StepBegan(**env(2, 0)))
+    ops = ("min", "max", "mean", "norm")
+    g.add(ApiCallsRecorded(
+        **env(3, 0, 0.1), micro_step=0, vpp_stage=0, ops=ops, dtype="f", name_ids=pack_array("I", [1]),
+        module_ids=pack_array("I", [0]), positions=pack_array("I", [0]), port_counts=pack_array("H", [4]),
+        port_ids=pack_array("I", [3, 4, 5, 6]), type_ids=pack_array("I", [8] * 4), dtype_ids=pack_array("I", [9] * 4),
+        ndims=bytes([2, 2, 1, 2]), dims=pack_array("q", [4, 6, 8, 6, 8, 4, 8]), requires_grad=bytes([0, 1, 1, 1]),
+        values=pack_array("f", [-2.0, 2.0, 0.0, 5.0] * 4), module_calls=pack_array("I", [0]),
+        module_positions=pack_array("I", [1]), module_dtype_ids=pack_array("I", [9, 9]),
+        module_ndims=bytes([2, 2]), module_dims=pack_array("q", [4, 6, 4, 8])))
+    g.add(ApiCallsRecorded(
+        **env(4, 0, 0.2), micro_step=0, vpp_stage=0, ops=ops, dtype="f", name_ids=pack_array("I", [2]),
+        module_ids=pack_array("I", [0]), positions=pack_array("I", [2]), port_counts=pack_array("H", [3]),
+        port_ids=pack_array("I", [3, 6, 7]), type_ids=pack_array("I", [8] * 3), dtype_ids=pack_array("I", [9] * 3),
+        ndims=bytes([2, 1, 2]), dims=pack_array("q", [4, 8, 8, 6, 8]), requires_grad=bytes([0, 0, 0]),
+        values=pack_array("f", [-0.5, 0.5, 0.0, 1.0, -1.0, 1.0, 0.25, 1.5, -0.75, 0.75, 0.0, 2.0]),
+        direction=DIR_BACKWARD))
+    g.add(StepEnded(**env(5, 0, 0.3), duration=0.3, collected=True))
+    g.add(FileClosed(**env(6, 0, 0.4), records=6, reason="close"))
+    return g.b
+
+
 def _body(g: Builder, steps: int = 4) -> None:
     g.add(header_event())
     g.add(NamesInterned(**env(1, 0), first_id=0, names=("a", "b", "c")))
@@ -546,6 +579,7 @@ SCENARIOS: dict[str, Callable[[], Built]] = {
     "flight": flight,
     "reliability": reliability,
     "api_calls": api_calls,
+    "api_calls_backward": api_calls_backward,
     "step_index": step_index,
 }
 

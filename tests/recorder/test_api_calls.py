@@ -15,7 +15,7 @@ from trainrec.recorder import record
 from trainrec.replay import open_run
 from trainrec.replay.names import NameResolver
 from trainrec.schema.errors import ConfigError
-from trainrec.schema.events import ApiCallsRecorded, unpack_array
+from trainrec.schema.events import DIR_FORWARD, ApiCallsRecorded, unpack_array
 
 CONFIG = {"xy_distribution": True, "all_xy": True, "ops": ["min", "max", "mean", "norm"]}
 
@@ -65,12 +65,13 @@ def _train(out, config: dict, steps: int = 2, model: nn.Module | None = None, pr
     return os.path.dirname(os.path.dirname(rec.log_path)), losses
 
 
-def _calls(path) -> list[dict]:
-    """Every recorded API call, decoded: step, micro step, name, module, position, ports, stack."""
+def _calls(path, direction: int = DIR_FORWARD) -> list[dict]:
+    """Every recorded API call of ``direction`` (forward calls, or the gradients through them), decoded:
+    step, micro step, name, module, position, ports, stack."""
     res, out = NameResolver(), []
     for ev in open_run(path).events():
         res.feed(ev)
-        if not isinstance(ev, ApiCallsRecorded):
+        if not isinstance(ev, ApiCallsRecorded) or ev.direction != direction:
             continue
         assert ev.check() is None
         name = lambda i, r=ev.rank: res.name(r, i)  # noqa: E731
@@ -245,6 +246,7 @@ def test_reload_xy_off_stops_it(tmp_path):
     ({"stack": 1}, {}, "api_xy.stack"),
     ({"depth": True}, {}, "unknown key 'depth'"),
     ("yes", {}, "expected true, false or an object"),
+    ({"backward": "no"}, {}, "api_xy.backward"),
 ])
 def test_bad_api_xy_config_is_refused(tmp_path, api_xy, extra, match):
     with pytest.raises(ConfigError, match=match):
@@ -289,9 +291,14 @@ def test_trainrec_dump_shows_the_records_with_names_resolved(tmp_path, capsys):
     path, _ = _train(tmp_path / "out", {**CONFIG, "api_xy": {"stack": True}}, steps=1)
     assert main(["dump", path, "--type", "ap"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(lines) == 1 and lines[0]["type"] == "ApiCallsRecorded"
+    assert [(r["type"], r["direction"]) for r in lines] == [("ApiCallsRecorded", 0), ("ApiCallsRecorded", 1)]
+    assert sorted(lines[1]["names"]) == sorted(n.replace(".forward", ".backward") for n in EXPECTED)
     rec = lines[0]
     assert sorted(rec["names"]) == sorted(EXPECTED) and rec["modules"][rec["names"].index("Tensor.sum.0.forward")] == ""
     assert len(rec["values"]) == len(rec["ports"]) == sum(rec["port_counts"]) and len(rec["values"][0]) == 4
     assert rec["types"][rec["ports"].index("input.inplace")] == "bool"
     assert len(rec["frames"]) == sum(rec["stack_depths"]) and rec["frames"][0].startswith("File ")
+    # the module calls of the pass, in completion order, with their input's and output's dtype and shape
+    assert rec["module_call_names"] == ["fc", "blk.lin", "blk", ""]
+    assert rec["module_dtypes"] == ["torch.float32"] * 8 and rec["module_ndims"] == [2, 2, 2, 2, 2, 2, 2, 1]
+    assert rec["module_dims"] == [4, 6, 4, 8, 4, 8, 4, 8, 4, 8, 4, 4, 4, 6, 4]

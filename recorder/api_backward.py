@@ -1,0 +1,83 @@
+"""The API level's backward (``api_xy``'s ``backward``, on with it): the gradients through each
+recorded API call, the reference's ``Functional.linear.0.backward``.
+
+The reference (mindstudio-probe 1.2.1) puts a backward hook on the autograd node that made a call's
+first output tensor (``grad_fn.register_hook``) and records the gradients that node takes in as the
+backward call's inputs (``input.i``: the gradient of the node's i-th output) and those it hands on as
+its outputs (``output.i``: the gradient to the node's i-th input; for ``F.linear`` on 2-D input,
+``AddmmBackward0``'s bias, input and transposed weight). A gradient not computed (the reference's
+null: an input that needs none) has no port. Here the same: one post-hook per call on that node, made
+at the forward (a call whose first output tensor needs no gradient gets none), measures the gradients
+with the xy statistics and adds the call to its micro step's backward pass in the step; the passes go
+to the log with the step's records (:func:`write_backward`). A node that never runs (a view's node
+replaced by a later in-place change) records nothing; one run again (``retain_graph``), its first run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from trainrec.schema.events import DIR_BACKWARD
+
+from .api_record import ApiPass, write_pass
+from .hooks import rows_for
+
+
+class BackwardCall:
+    """One recorded call whose gradients are awaited: its backward name, module, micro step, stage."""
+
+    __slots__ = ("name", "module", "micro", "vpp", "fired")
+
+    def __init__(self, name: str, module: int, micro: int, vpp: int) -> None:
+        self.name, self.module, self.micro, self.vpp = name, module, micro, vpp
+        self.fired = False
+
+
+def first_tensor(outs: list) -> torch.Tensor | None:
+    """The tensor whose autograd node the reference hooks: the first among a call's outputs."""
+    return next((v for _, v in outs if isinstance(v, torch.Tensor)), None)
+
+
+def watch(mon, st, out: torch.Tensor, call: BackwardCall) -> bool:
+    """Have the gradients through the node that made ``out`` recorded for ``call``; False where
+    ``out`` was made by no node (it needs no gradient, or it is a leaf)."""
+    node = out.grad_fn
+    if node is None:
+        return False
+    # (the hook lives as long as the autograd graph, which frees it: no handle to keep)
+    node.register_hook(functools.partial(_grad_cb, mon._ref, st, call))
+    return True
+
+
+def _grad_cb(mon_ref, st, call: BackwardCall, grad_inputs, grad_outputs):
+    if call.fired:
+        return None
+    call.fired = True
+    mon = mon_ref()  # weak: a graph kept alive must not keep the monitor
+    if mon is None or mon.context.state is not st or st.written:
+        return None  # the step ended (or monitoring stopped) before this gradient
+    try:
+        ports = [(f"input.{i}", g) for i, g in enumerate(grad_outputs) if isinstance(g, torch.Tensor)]
+        ports += [(f"output.{i}", g) for i, g in enumerate(grad_inputs) if isinstance(g, torch.Tensor)]
+        if not ports:
+            return None
+        block = rows_for(mon, st, tuple(g for _, g in ports))
+        key = (call.micro, call.vpp)
+        p = st.api_passes.get(key)
+        if p is None:
+            p = st.api_passes[key] = ApiPass(st, call.micro, call.vpp, DIR_BACKWARD)
+        p.add(mon.name_table.intern, call.name, call.module, st.call, ports, block, None)
+    except Exception as exc:  # noqa: BLE001 - monitoring never kills training
+        mon._hook_failed(f"API call {call.name}", exc)
+    return None
+
+
+def write_backward(mon, st) -> None:
+    """The step's backward passes to the log, in the order their first gradients came (at the step's end)."""
+    passes, st.api_passes = st.api_passes, {}
+    for p in passes.values():
+        write_pass(mon, p)
+
+
+__all__ = ["BackwardCall", "first_tensor", "watch", "write_backward"]
