@@ -8,6 +8,7 @@ import dataclasses
 import glob
 import os
 import random
+from collections import Counter
 
 import msgpack
 import pytest
@@ -15,6 +16,7 @@ from hostile_logs import F, frames, good_log, rewrite
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import open_run
 from trainrec.replay.stats_columns import _FIELDS, StatsColumns, decode_columns
+from trainrec.replay.summary import summarize
 from trainrec.schema import codec, framing
 from trainrec.schema.errors import CorruptRecordError, FormatError
 from trainrec.schema.events import TensorStatsRecorded
@@ -228,3 +230,14 @@ def test_run_events_with_columns(tmp_path):
     assert stats and all(type(ev) is StatsColumns for ev in stats)
     selected = list(open_run(str(tmp_path)).events(steps=[(1, 1)], columnar=True))
     assert [_plain(ev) for ev in selected] == list(open_run(str(tmp_path)).events(steps=[(1, 1)]))
+
+
+def test_summary_counts_columns_as_stats_records(tmp_path):
+    path = good_log(str(tmp_path), steps=4)
+    rewrite(path, "ts", _set(4, 3), which=2)  # (one stats record the codec decodes: wall as an int)
+    rank = summarize(open_run(str(tmp_path))).ranks[0]
+    full = list(open_run(str(tmp_path)).events())
+    assert rank.counts == Counter(type(ev).__name__ for ev in full)
+    stats = [ev for ev in full if type(ev) is TensorStatsRecorded]
+    assert rank.stat_values == sum(len(ev) * len(ev.ops) for ev in stats) and len(stats) == 8
+    assert rank.stats_steps == {ev.step for ev in stats}
