@@ -101,7 +101,11 @@ def _fits(wire) -> bool:
     n, odd = divmod(len(ids), 4)
     if item is None or odd or len(values) != n * len(ops) * item:
         return False
-    if ops not in _GOOD_OPS:
+    try:
+        known = ops in _GOOD_OPS
+    except TypeError:  # (an op that is a map: the codec says what is wrong)
+        return False
+    if not known:
         if not all(type(op) is str and op for op in ops) or len(set(ops)) != len(ops):
             return False
         if len(_GOOD_OPS) < 64:

@@ -47,7 +47,7 @@ def _read(path: str, columnar: bool, chunk_size: int = 4 << 20):
 
 def _outcome(decode, payload):
     try:
-        return "ok", _plain(decode(payload))
+        return "ok", repr(_plain(decode(payload)))  # (repr: NaN values compare equal)
     except CorruptRecordError as exc:
         return "error", str(exc)
 
@@ -94,6 +94,13 @@ def _resize_ops(ops):
     return change
 
 
+def _nested(depth: int) -> list:
+    out: list = ["x"]
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
 # (what, change of a stats record's wire list, what both decoders must make of it)
 HOSTILE = [
     ("wall as an int", _set(4, 7), "event"),  # the codec takes it (as 7.0): the columns path hands it over
@@ -107,6 +114,9 @@ HOSTILE = [
     ("an empty op", _resize_ops(["min", ""]), "error"),
     ("an op twice", _resize_ops(["min", "min"]), "error"),
     ("an op list nested deep", _set(OPS_, [[[[["x"]]]]] * 2), "error"),
+    ("an op that is a map", _resize_ops(["min", {"a": 1}]), "error"),
+    ("ops nested past the codec's depth", _set(OPS_, ["min", _nested(40)]), "error"),
+    ("kind as a map", _set(KIND, {"a": 1}), "error"),
     ("too many ops for a record", _set(OPS_, ["op"] * 5000), "error"),
     ("dtype unknown", _set(DTYPE, "h"), "error"),
     ("dtype not a string", _set(DTYPE, 1.5), "error"),
@@ -180,6 +190,33 @@ def test_random_mutations_decode_as_the_codec_decodes(tmp_path):
         seen[full[0]] += 1
         seen["columns"] += full[0] == "ok" and type(decode_columns(data)) is StatsColumns
     assert seen["error"] > 100 and seen["columns"] > 100  # (both sides of the fence were exercised)
+
+
+def test_random_field_values_decode_as_the_codec_decodes(tmp_path):
+    """Stats records with fields (or ops) replaced by values of every msgpack type: the same outcome."""
+    path = good_log(str(tmp_path), steps=1)
+    _, wires = frames(path)
+    stats = [w for w in wires if w[0] == "ts"]
+    pool = [None, True, 0, -1, 1 << 40, -(1 << 63), 2.5, float("nan"), "", "f", "min", "ts", b"", b"\x00" * 8,
+            [], ["min"], [["min"]], {}, {"min": 1}, {1: [2]}, _nested(40), msgpack.ExtType(1, b"x")]
+    rng = random.Random(3434)
+    outcomes = set()
+    for _ in range(2000):
+        wire = list(rng.choice(stats))
+        for _ in range(rng.randint(1, 2)):
+            i = rng.randrange(1, len(wire) + 1)
+            value = rng.choice(pool)
+            if i == OPS_ and rng.random() < 0.5:  # an op of the list, not the list
+                wire[OPS_] = [*wire[OPS_][:-1], value]
+            elif i == len(wire):
+                wire.append(value)
+            else:
+                wire[i] = value
+        payload = msgpack.packb(wire, use_bin_type=True)
+        fast, full = _outcome(decode_columns, payload), _outcome(codec.decode, payload)
+        assert fast == full, wire
+        outcomes.add(full[0])
+    assert outcomes == {"ok", "error"}
 
 
 def test_damaged_and_torn_files_read_the_same(tmp_path):
