@@ -88,10 +88,10 @@ def _fits(wire) -> bool:
     """Whether ``wire`` is a stats record of the layout this path knows (14 fields, or 15 with
     placeholders), every field of its exact type, consistent as ``TensorStatsRecorded.check`` wants.
     False sends the payload to the codec, which accepts it in another form or says what is wrong."""
-    if type(wire) is not tuple or wire[0] != _TAG:
+    if type(wire) is not tuple:
         return False
     types = tuple(map(type, wire))
-    if types != _TYPES and types != _TYPES[:14]:
+    if (types != _TYPES and types != _TYPES[:14]) or wire[0] != _TAG:
         return False
     _, seq, rank, step, _, _, ops, dtype, ids, values, micro, calls, slots, vpp = wire[:14]
     flags = wire[14] if len(wire) > 14 else b""
