@@ -465,12 +465,12 @@ class LogReader:
             _add_range(ranges, lo, hi)
             return what
         ids = ev.module_ids if type(ev) is HooksFired else ev.name_ids  # type: ignore[attr-defined]
-        if not ids or ids in self._known_ids:  # (ids only ever become known: a column known stays known)
+        if not ids or (len(ids) <= 1 << 16 and ids in self._known_ids):  # (a column known stays known)
             return None
         # (numpy's max: a Python max over the ids boxed each one, and took half the reading time)
         top = int(np.frombuffer(ids, dtype="<u4").max())
         if top < ranges[0][1] or self._lost or self._unknown_ids_reported:
-            if top < ranges[0][1] and len(self._known_ids) < 256:
+            if top < ranges[0][1] and len(ids) <= 1 << 16 and len(self._known_ids) < 64:  # (4 MiB at most)
                 self._known_ids.add(ids)
             return None
         col = unpack_array("I", ids)

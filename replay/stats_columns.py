@@ -27,7 +27,7 @@ _SLOT_BYTES = bytes(range(len(SLOTS)))  # (translate deletes them: what is left 
 _FLAG_BYTES = b"\x00\x01"
 # the exact type of each wire element (tag, envelope, then the fields below; the last may be absent)
 _TYPES = (str, int, int, int, float, str, tuple, str, bytes, bytes, bytes, bytes, bytes, bytes, bytes)
-_GOOD_OPS: set[tuple] = set()  # op lists found to be names without repeats (a few per run)
+_GOOD_OPS: set[tuple] = set()  # op lists found to be names without repeats (a few per run, short ones)
 # the fields of TensorStatsRecorded after the envelope, in wire order (a test holds them to the class)
 _FIELDS = ("kind", "ops", "dtype", "name_ids", "values", "micro_steps", "call_ids", "slots", "vpp_stages",
            "placeholders")
@@ -108,7 +108,7 @@ def _fits(wire) -> bool:
     if not known:
         if not all(type(op) is str and op for op in ops) or len(set(ops)) != len(ops):
             return False
-        if len(_GOOD_OPS) < 64:
+        if len(_GOOD_OPS) < 64 and sum(map(len, ops)) <= 1024:  # (bounded: logs are untrusted)
             _GOOD_OPS.add(ops)
     if (micro and len(micro) != 2 * n) or (calls and len(calls) != 4 * n) or (slots and len(slots) != n) \
             or (vpp and len(vpp) != n) or (flags and len(flags) != n):

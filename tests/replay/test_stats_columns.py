@@ -12,14 +12,15 @@ from collections import Counter
 
 import msgpack
 import pytest
-from hostile_logs import F, frames, good_log, rewrite
+from hostile_logs import F, frames, good_log, rewrite, write_frames
+from trainrec.replay import stats_columns
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import open_run
 from trainrec.replay.stats_columns import _FIELDS, StatsColumns, decode_columns
 from trainrec.replay.summary import summarize
 from trainrec.schema import codec, framing
 from trainrec.schema.errors import CorruptRecordError, FormatError
-from trainrec.schema.events import TensorStatsRecorded
+from trainrec.schema.events import OPS, TensorStatsRecorded
 
 GOLDEN = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden",
                                        "v*", "*.trl")))
@@ -278,3 +279,32 @@ def test_summary_counts_columns_as_stats_records(tmp_path):
     stats = [ev for ev in full if type(ev) is TensorStatsRecorded]
     assert rank.stat_values == sum(len(ev) * len(ev.ops) for ev in stats) and len(stats) == 8
     assert rank.stats_steps == {ev.step for ev in stats}
+
+
+def test_what_the_columns_path_remembers_is_bounded(tmp_path):
+    """Logs are untrusted: long op names are checked every time, not remembered (a hostile log of
+    megabyte-long op names would otherwise stay in memory); so are id columns past 64 KiB or 64 of them."""
+    long_ops = ("x" * 4000, "y" * 4000)
+    payload = codec.encode(TensorStatsRecorded(seq=1, rank=0, step=0, wall=1.0, kind="param", ops=long_ops))
+    assert type(decode_columns(payload)) is StatsColumns
+    assert long_ops not in stats_columns._GOOD_OPS
+    path = good_log(str(tmp_path), steps=1)
+
+    def many_columns(wires):
+        stats = next(w for w in wires if w[0] == "ts")
+        for k in range(100):  # 100 stats records of distinct id columns, every id interned (0 or 1)
+            w = list(stats)
+            w[IDS] = bytes([k & 1, 0, 0, 0]) * 2 + bytes(4 * (k + 1))
+            w[VALUES] = bytes(4 * len(OPS) * (k + 3))
+            w[SLOTS] = w[CALLS] = b""
+            wires.insert(wires.index(stats) + 1, w)
+        for i, w in enumerate(wires):
+            w[1] = i  # (sequence numbers in order)
+
+    head, wires = frames(path)
+    many_columns(wires)
+    write_frames(path, head, wires)
+    reader = LogReader(path, columnar=True)
+    events = reader.poll()
+    assert sum(type(ev) is StatsColumns for ev in events) > 100 and reader.problems == []
+    assert len(reader._known_ids) == 64
