@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 from trainrec.replay.names import NameResolver
+from trainrec.replay.stats_columns import StatsColumns
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import (
     SLOTS,
@@ -96,10 +97,11 @@ class AnomalyScan:
             self.feed(ev)
         return self
 
-    def feed(self, ev: Event) -> list[AnomalyDetected]:
-        """Consume one event; returns the anomalies it brought (recorded or re-detected)."""
+    def feed(self, ev: Event | StatsColumns) -> list[AnomalyDetected]:
+        """Consume one event (or a stats record as columns); returns the anomalies it brought (recorded or
+        re-detected)."""
         t = type(ev)
-        if t is TensorStatsRecorded:
+        if t is TensorStatsRecorded or t is StatsColumns:
             self.stats_records += 1
             self.ranks.add(ev.rank)
             self._saw_step(ev.step)

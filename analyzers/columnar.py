@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from trainrec.replay.stats_columns import StatsColumns
 from trainrec.schema.events import SLOTS, AnomalyDetected, TensorStatsRecorded
 from trainrec.schema.naming import reference_tag
 from trainrec.schema.rules import Detector, Rule, anomaly_message
@@ -28,12 +29,12 @@ from .vector_rules import block_flags
 __all__ = ["ColumnarScan", "ScanPart", "merge_parts"]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
     """What a found anomaly needs of its record (values go into the block)."""
 
     seq: int  # arrival order in the scan
-    rec: TensorStatsRecorded
+    rec: TensorStatsRecorded | StatsColumns
     names: list[str]
     sids: np.ndarray
     pp_stage: int
@@ -96,7 +97,7 @@ class ColumnarScan(AnomalyScan):
             return []
         if names is None:
             names = self._row_names(rec)
-        n = len(rec)
+        n = len(rec.name_ids) // 4  # (rows; len() of a StatsColumns is a Python call)
         if n == 0 or not rec.ops:
             return []
         pp_stage, mates = info if info is not None else self._rank_info.get(rec.rank, (0, ()))

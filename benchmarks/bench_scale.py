@@ -19,7 +19,7 @@ memory of the largest process (``ru_maxrss`` of the command and its waited-for w
   per-rank time times 1,000 ranks over 2 processes (and that rank's peak memory, the bound of one process).
 
     .venv/bin/python benchmarks/bench_scale.py [--dir /tmp/trainrec-scale] [--ranks 256] [--steps 400]
-        [--keep] [--skip-before] [--skip-dask]
+        [--keep] [--skip-before] [--skip-dask] [--skip-io] [--only-floor]
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the synthesised logs")
     ap.add_argument("--skip-before", action="store_true", help="skip the record-by-record scan (slow)")
     ap.add_argument("--skip-dask", action="store_true")
+    ap.add_argument("--skip-io", action="store_true", help="skip export csv and dump")
     ap.add_argument("--only-floor", action="store_true", help="only the in-memory figures (after synthesising)")
     a = ap.parse_args()
     run_dir = os.path.join(a.dir, "run")
@@ -159,13 +160,13 @@ def main() -> None:
             line("record-by-record AnomalyScan (before)", measure([sys.executable, "-c", before, run_dir]), values)
         sel = f"0-{min(a.io_ranks, a.ranks) - 1}"
         ranks_args = [x for r in range(min(a.io_ranks, a.ranks)) for x in ("--rank", str(r))]
-        for jobs in ("1", "2"):
+        for jobs in () if a.skip_io else ("1", "2"):
             out = os.path.join(a.dir, f"csv{jobs}")
             shutil.rmtree(out, ignore_errors=True)
             line(f"export csv --ranks {sel} -j {jobs}",
                  measure([*TRAINREC, "export", "csv", run_dir, "-o", out, "--ranks", sel, "-j", jobs]), io_values)
             shutil.rmtree(out, ignore_errors=True)
-        for jobs in ("1", "2"):
+        for jobs in () if a.skip_io else ("1", "2"):
             line(f"dump (ranks {sel}) -j {jobs}", measure([*TRAINREC, "dump", run_dir, *ranks_args, "-j", jobs]),
                  io_values)
         # projection: two ranks of 10,000 steps, per-rank time scaled to 1,000 ranks on 2 processes

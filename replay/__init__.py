@@ -8,6 +8,7 @@
 * :mod:`.names`: resolving interned name ids.
 * :mod:`.summary`: per-rank summaries and integrity findings (``trainrec inspect`` / ``check``).
 * :mod:`.stepindex`: reading only some steps of a log through its step index (``--steps``).
+* :mod:`.stats_columns`: stats records decoded straight into columns (``columnar=True``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .names import NameResolver
 from .reader import LogReader, Problem, SeqGap, read_head, read_log
 from .rows import execution_order, rows_from_events, value_matrix
 from .run import Run, open_run, resolve_types
+from .stats_columns import StatsColumns
 from .stepindex import FileIndex, load_index, read_steps
 from .summary import Finding, RunSummary, findings, summarize
 
@@ -32,6 +34,7 @@ __all__ = [
     "RunInfo",
     "RunSummary",
     "SeqGap",
+    "StatsColumns",
     "execution_order",
     "findings",
     "follow",

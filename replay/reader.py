@@ -71,6 +71,7 @@ from trainrec.schema.events import (
 )
 
 from .sequence import DUPLICATE, SeqGap, Sequence
+from .stats_columns import StatsColumns, decode_columns
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ _DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, agai
 # Problems and gaps listed one by one per file; past that they are only counted (a hostile file of
 # millions of tiny damaged frames would otherwise fill memory with their descriptions).
 MAX_LISTED = 1000
+_NAMED = frozenset((NamesInterned, TensorStatsRecorded, HooksFired, StatsColumns))  # records using name ids
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,14 @@ class LogReader:
 
     ``poll()`` returns new events as a list; iterating the reader yields them chunk by chunk. Both
     continue where the previous call stopped. A missing file reads as empty (a follower may see it
-    before it exists); an unreadable one raises :class:`FormatError` naming the path.
+    before it exists); an unreadable one raises :class:`FormatError` naming the path. ``columnar``: stats
+    records come as :class:`~trainrec.replay.stats_columns.StatsColumns` (decoded straight into columns).
     """
 
-    def __init__(self, path: str, max_frame: int = framing.MAX_FRAME, chunk_size: int = _CHUNK) -> None:
+    def __init__(self, path: str, max_frame: int = framing.MAX_FRAME, chunk_size: int = _CHUNK,
+                 columnar: bool = False) -> None:
         self.path = path
+        self._decode = decode_columns if columnar else codec.decode
         self.max_frame = max_frame
         self.chunk_size = max(4096, chunk_size)
         self.version: int | None = None
@@ -139,6 +144,7 @@ class LogReader:
         self._lost = False  # a frame of this file could not be read: later unknown name ids follow from it
         self._unknown_ids_reported = False
         self._rank_reported = False
+        self._known_ids: set[bytes] = set()  # id columns whose ids were all interned (tables only grow)
 
     # ------------------------------------------------------------------ state
     @property
@@ -327,7 +333,7 @@ class LogReader:
         version = self.version or framing.FORMAT_VERSION
         unpack = _HDR.unpack_from
         crc = _crc32
-        decode = codec.decode
+        decode = self._decode
         pos = 0
         self._need = 0
         with memoryview(buf) as mv:
@@ -404,7 +410,7 @@ class LogReader:
                     out.extend(self._repeated_names(ev))
                     pos = stop
                     continue
-                elif t is NamesInterned or t is TensorStatsRecorded or t is HooksFired:
+                elif t in _NAMED:
                     what = self._names_problem(ev)
                     if what is not None:
                         self._problem(base + pos, f"inconsistent record: {what}", 0)
@@ -458,12 +464,14 @@ class LogReader:
                         "was lost (ids are dense per file)")
             _add_range(ranges, lo, hi)
             return what
-        ids = ev.name_ids if isinstance(ev, TensorStatsRecorded) else ev.module_ids  # type: ignore[attr-defined]
-        if not ids:
+        ids = ev.module_ids if type(ev) is HooksFired else ev.name_ids  # type: ignore[attr-defined]
+        if not ids or (len(ids) <= 1 << 16 and ids in self._known_ids):  # (a column known stays known)
             return None
         # (numpy's max: a Python max over the ids boxed each one, and took half the reading time)
         top = int(np.frombuffer(ids, dtype="<u4").max())
         if top < ranges[0][1] or self._lost or self._unknown_ids_reported:
+            if top < ranges[0][1] and len(ids) <= 1 << 16 and len(self._known_ids) < 64:  # (4 MiB at most)
+                self._known_ids.add(ids)
             return None
         col = unpack_array("I", ids)
         unknown = next((i for i in col if not _in_ranges(ranges, i)), None)

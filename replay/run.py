@@ -48,6 +48,7 @@ from .discover import LogFile, RunInfo, find_run
 from .names import NameResolver
 from .reader import LogReader
 from .rows import rows_from_events
+from .stats_columns import StatsColumns
 from .stepindex import StepRanges, read_steps
 
 log = logging.getLogger(__name__)
@@ -160,20 +161,23 @@ class Run:
     # ------------------------------------------------------------------ events
     def events(
         self, rank: int | Iterable[int] | None = None, types: Iterable[str | type[Event]] | None = None,
-        steps: StepRanges | None = None,
+        steps: StepRanges | None = None, columnar: bool = False,
     ) -> Iterator[Event]:
         """Events of ``rank`` (default: all ranks, merged; see the module docstring for the order),
         optionally only those of ``types`` (classes, tags or class names). ``steps``: ranges
         ``(first, last or None)``: only what a step selection keeps, read through the files' step
-        indexes where they have valid ones (see :mod:`trainrec.replay.stepindex`)."""
+        indexes where they have valid ones (see :mod:`trainrec.replay.stepindex`). ``columnar``: stats
+        records come as :class:`~trainrec.replay.stats_columns.StatsColumns` where they can."""
         ranks = self._select_ranks(rank)
         wanted = resolve_types(types) if types is not None else None
+        if wanted is not None and columnar and TensorStatsRecorded in wanted:
+            wanted |= {StatsColumns}
         if len(ranks) == 1:
-            for ev in self._rank_events(ranks[0], steps=steps):
+            for ev in self._rank_events(ranks[0], steps=steps, columnar=columnar):
                 if wanted is None or type(ev) in wanted:
                     yield ev
             return
-        for item in heapq.merge(*(self._keyed(r, wanted, steps) for r in ranks)):
+        for item in heapq.merge(*(self._keyed(r, wanted, steps, columnar) for r in ranks)):
             yield item[3]
 
     def step_span(self, ranks: Iterable[int] | None = None) -> tuple[int, int] | None:
@@ -225,17 +229,19 @@ class Run:
             raise ValueError(f"rank(s) {missing} not in run {self.run_id!r} (ranks: {self.ranks})")
         return sorted(set(wanted))
 
-    def _keyed(self, rank: int, wanted: frozenset[type[Event]] | None, steps: StepRanges | None = None) -> Iterator[tuple]:
+    def _keyed(self, rank: int, wanted: frozenset[type[Event]] | None, steps: StepRanges | None = None,
+               columnar: bool = False) -> Iterator[tuple]:
         step = -1
         i = 0
-        for ev in self._rank_events(rank, steps=steps):
+        for ev in self._rank_events(rank, steps=steps, columnar=columnar):
             if ev.step > step:
                 step = ev.step
             i += 1
             if wanted is None or type(ev) in wanted:
                 yield (step, rank, i, ev)
 
-    def _rank_events(self, rank: int, only_unread: bool = False, steps: StepRanges | None = None) -> Iterator[Event]:
+    def _rank_events(self, rank: int, only_unread: bool = False, steps: StepRanges | None = None,
+                     columnar: bool = False) -> Iterator[Event]:
         for lf in self._files[rank]:
             path = lf.path
             if path in self.file_errors or (only_unread and path in self._readers):
@@ -243,10 +249,10 @@ class Run:
             cut = self.cutoffs.get(path)
             span = None
             if steps is None:
-                reader = LogReader(path, chunk_size=self._chunk)
+                reader = LogReader(path, chunk_size=self._chunk, columnar=columnar)
                 stream: Iterable[Event] = reader
             else:
-                reader, stream, span = read_steps(path, steps, self._chunk)
+                reader, stream, span = read_steps(path, steps, self._chunk, columnar)
             dropped = 0
             report, done = self.on_bytes, 0
             try:

@@ -88,6 +88,16 @@ class Sequence:
         """Check the number of the frame at ``offset``: None in sequence, DUPLICATE (to be dropped), or
         the SeqGap it opens (kept)."""
         expected = self._next
+        if seq == expected and self._jumped is None:  # (in order, as nearly every frame is)
+            seqs = self._ring_seq
+            i = seq % REMEMBERED_FRAMES
+            if i == len(seqs):
+                seqs.append(seq)
+                self._ring_crc.append(pcrc)
+                self._next = seq + 1
+            else:
+                self._advance(seq, pcrc)
+            return None
         jumped, self._jumped = self._jumped, None
         if jumped is not None and seq == jumped.expected + 1 and seq != expected:
             fixed = SeqGap(jumped.path, jumped.offset, jumped.expected, jumped.got, 0)

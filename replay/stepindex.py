@@ -256,11 +256,12 @@ def _plan(f, ix: FileIndex, ranges: StepRanges, version: int) -> list[tuple[int,
     return plan
 
 
-def read_steps(path: str, ranges: StepRanges, chunk_size: int = 4 << 20) -> tuple[LogReader, Iterator[Event], list[int]]:
+def read_steps(path: str, ranges: StepRanges, chunk_size: int = 4 << 20,
+               columnar: bool = False) -> tuple[LogReader, Iterator[Event], list[int]]:
     """The reader of ``path``, the events a selection of ``ranges`` keeps (see the module docstring),
     read through the file's index where it has a valid one, and ``[lowest, highest]`` step >= 0 of the
-    file's records (``[-1, -1]``: none), complete once the events are read."""
-    reader = LogReader(path, chunk_size=chunk_size)
+    file's records (``[-1, -1]``: none), complete once the events are read. ``columnar``: see LogReader."""
+    reader = LogReader(path, chunk_size=chunk_size, columnar=columnar)
     ix, why = load_index(path)
     plan = _checked_plan(path, ix, ranges) if ix is not None else None
     if ix is not None and isinstance(plan, str):

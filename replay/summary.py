@@ -50,6 +50,7 @@ from .discover import LogFile
 from .follow import writer_running
 from .reader import Problem, SeqGap
 from .run import Run
+from .stats_columns import StatsColumns
 
 _STEP_TYPES = (StepBegan, StepEnded, TensorStatsRecorded, HooksFired)
 
@@ -239,14 +240,16 @@ def summarize_rank(run: Run, r: int) -> RankSummary:
     began: set[int] = set()
     ended: set[int] = set()
     foreign: set[int] = set()
-    for ev in run.events(rank=r):
+    for ev in run.events(rank=r, columnar=True):  # (stats records as columns: the same, decoded faster)
         t = type(ev)
+        if t is StatsColumns:
+            t = TensorStatsRecorded
         counts[t.__name__] += 1
         if t in _STEP_TYPES and ev.step >= 0:
             rs.steps.add(ev.step)
             if t is TensorStatsRecorded:
                 rs.stats_steps.add(ev.step)
-                rs.stat_values += len(ev) * len(ev.ops)
+                rs.stat_values += len(ev.name_ids) // 4 * len(ev.ops)
             elif t is StepEnded:
                 ended.add(ev.step)
                 if ev.optimizer_skipped:

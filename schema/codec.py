@@ -172,12 +172,13 @@ def encode(event: Event, seq: int | None = None) -> bytes:
     return msgpack.packb(wire, use_bin_type=True, default=_default)
 
 
-def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
-    """Decode one payload. Raises CorruptRecordError (without path/offset; the reader adds them)."""
-    peeked = peek_tag(payload)
+def unpack_wire(payload, peeked: str):
+    """The msgpack object of one payload whose tag is ``peeked`` (:func:`peek_tag`), under the limits
+    :func:`decode` applies, without building an event: for a reader that checks one record type's
+    fields itself (:mod:`trainrec.replay.stats_columns`). Raises CorruptRecordError as decode does."""
     budget = MAX_VALUES.get(peeked, MAX_VALUES_DEFAULT)
     try:
-        wire = _unpack(payload, budget)
+        return _unpack(payload, budget)
     except _TooManyValues:
         raise CorruptRecordError(f"record {peeked!r} holds more than {budget} values (the most one of its type may)") from None
     except ValueError as exc:
@@ -187,6 +188,11 @@ def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
         raise CorruptRecordError(f"record {peeked or '?'!r}: a length beyond what it may hold ({exc})") from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CorruptRecordError(f"payload is not msgpack ({exc.__class__.__name__}: {exc!r})") from None
+
+
+def decode(payload: bytes, version: int = FORMAT_VERSION) -> Event:
+    """Decode one payload. Raises CorruptRecordError (without path/offset; the reader adds them)."""
+    wire = unpack_wire(payload, peek_tag(payload))
     if not isinstance(wire, tuple) or len(wire) < 1 + _N_ENV or not isinstance(wire[0], str):
         raise CorruptRecordError("payload is not a [tag, seq, rank, step, wall, ...] array")
     tag = wire[0]

@@ -53,7 +53,7 @@ def scan_ranks(info: RunInfo, ranks: Sequence[int], rules: Sequence[Rule], kinds
     foreign = False
     for r in ranks:
         scan = ColumnarScan([type(rule)(**rule.args) for rule in rules], kinds)
-        for ev in run.events(rank=r, steps=steps):
+        for ev in run.events(rank=r, steps=steps, columnar=True):
             if ev.rank != r:
                 foreign = True
             scan.feed(ev)
@@ -72,7 +72,7 @@ def _recorded_span(part: ScanPart, run: Run, ranks: Sequence[int], steps) -> Non
 
 
 def _serial(run: Run, rules: Sequence[Rule], kinds: Sequence[str] | None, steps=None) -> ScanPart:
-    scan = AnomalyScan([type(rule)(**rule.args) for rule in rules], kinds).feed_all(run.events(steps=steps))
+    scan = AnomalyScan([type(rule)(**rule.args) for rule in rules], kinds).feed_all(run.events(steps=steps, columnar=True))
     out = ScanPart(
         detected=scan.detected, recorded=scan.recorded, first_step=scan.first_step, last_step=scan.last_step,
         ranks=scan.ranks, stats_records=scan.stats_records, bad_records=scan.bad_records,
