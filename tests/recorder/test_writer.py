@@ -23,6 +23,7 @@ from trainrec.replay.names import NameResolver
 from trainrec.replay.reader import LogReader, read_log
 from trainrec.schema.errors import WriterError
 from trainrec.schema.events import (
+    DIR_BACKWARD,
     EVENT_TYPES,
     OPS,
     AnomalyDetected,
@@ -53,6 +54,17 @@ from trainrec.schema.events import (
 )
 
 TIMEOUT = 60  # seconds any subprocess or wait may take on a loaded machine
+
+
+# fields a sample may leave at their default: the envelope's, the only format version, name tables that
+# begin at id 0, and FileClosed's step index (FileClosed is the writer's own, made at close)
+_ENVELOPE = ("seq", "rank")
+_DEFAULT_ONLY = {
+    "FileOpened": (*_ENVELOPE, "format_version"),
+    "NamesInterned": (*_ENVELOPE, "first_id"),
+    "NamesRepeated": (*_ENVELOPE, "first_id"),
+    "FileClosed": (*_ENVELOPE, "index_steps", "index_offsets", "index_seqs", "index_low_steps", "index_names"),
+}
 
 
 def _rank_dir(tmp_path, rank: int = 0) -> str:
@@ -99,8 +111,8 @@ def every_event(rank: int = 0) -> list[Event]:
             **env,
         ),
         StepBegan(**env),
-        StepEnded(duration=0.25, collected=True, micro_steps=2, **env),
-        dataclasses.replace(_stats(3, [0, 1], rank), wall=1234.5),
+        StepEnded(duration=0.25, collected=True, micro_steps=2, optimizer_skipped=True, foreign_passes=True, **env),
+        dataclasses.replace(_stats(3, [0, 1], rank), wall=1234.5, placeholders=bytes([0, 1])),
         TensorStatsRecorded(
             kind="param", ops=("norm",), dtype="d", name_ids=pack_array("I", [1]),
             values=pack_array("d", [2.5]), **env,
@@ -118,8 +130,10 @@ def every_event(rank: int = 0) -> list[Event]:
         RunResumed(previous_files=("a/trainrec-00000.trl",), last_step=2, reason="resume", **env),
         RecordsDropped(count=5, **env),
         HookFailed(where="forward hook", error="ValueError('x')", count=2, **env),
+        CollectiveCalled(op="broadcast", group="3", group_ranks=(0, 2), group_seq=5, shapes=((2, 2),), dtypes=("float32",),
+                         reduce_op="", codeline="t.py[4]", async_op=True, peer=2, **env),
         CollectiveCalled(op="all_gather", group="3", group_ranks=(0, 2), group_seq=4, shapes=((2, 2), (2, 2), (2, 2)),
-                         dtypes=("float16",) * 3, reduce_op="", codeline="t.py[3]", ops=("norm",),
+                         dtypes=("float16",) * 3, reduce_op="sum", codeline="t.py[3]", ops=("norm",),
                          pre_values=pack_array("f", [1.0, 2.0, 3.0]), **env),
         CollectiveCompleted(op="all_gather", group="3", group_seq=4, duration=0.5, ops=("norm",),
                             values=pack_array("f", [1.0, 2.0, 3.0]), **env),
@@ -133,11 +147,19 @@ def every_event(rank: int = 0) -> list[Event]:
                          type_ids=pack_array("I", [4, 4]), dtype_ids=pack_array("I", [5, 5]), ndims=bytes([1, 1]),
                          dims=pack_array("q", [3, 3]), requires_grad=bytes([0, 1]),
                          values=pack_array("f", [1.0, 2.0]), stack_depths=pack_array("H", [1]),
-                         stack_frames=pack_array("I", [6]), **env),
+                         stack_frames=pack_array("I", [6]), vpp_stage=1,
+                         module_calls=pack_array("I", [0]), module_positions=pack_array("I", [1]),
+                         module_dtype_ids=pack_array("I", [5, 5]), module_ndims=bytes([2, 255]),
+                         module_dims=pack_array("q", [4, 3]), **env),
+        ApiCallsRecorded(micro_step=1, ops=("norm",), dtype="d", name_ids=pack_array("I", [1]),
+                         module_ids=pack_array("I", [0]), positions=pack_array("I", [3]),
+                         port_counts=pack_array("H", [1]), port_ids=pack_array("I", [2]), type_ids=pack_array("I", [4]),
+                         dtype_ids=pack_array("I", [5]), ndims=bytes([1]), dims=pack_array("q", [3]),
+                         requires_grad=bytes([0]), values=pack_array("d", [0.5]), direction=DIR_BACKWARD, **env),
         WriterFailed(error="OSError(28, 'No space left on device')", first_lost_seq=3, discarded=7, last_step=2, **env),
         FileOpened(run_id="r", world_size=2, host="h", pid=9, start_time=1.5, trainrec_version="9",
                    torch_version="8", format_version=1, file_index=3, dir_name="d", pp_stage=1,
-                   group_mates=(0, 1), **env),
+                   group_mates=(0, 1), writer_id="w-1", proc_start=42, boot_id="boot-1", **env),
         FileClosed(records=4, dropped=1, reason="test", **env),
     ]
 
@@ -182,6 +204,11 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 def test_every_event_type_round_trips_through_writer_and_reader(tmp_path):
     written = every_event()
     assert {type(e) for e in written} == set(EVENT_TYPES), "a new event type needs a sample here"
+    for etype in EVENT_TYPES:  # a new field needs a sample value here too
+        samples = [e for e in written if type(e) is etype]
+        for f in dataclasses.fields(etype):
+            if f.name not in _DEFAULT_ONLY.get(etype.__name__, _ENVELOPE) and f.default is not dataclasses.MISSING:
+                assert any(getattr(e, f.name) != f.default for e in samples), f"{etype.__name__}.{f.name}"
     # (FileClosed ends a file: the reader ignores what follows one; the writer's own close makes it)
     written = [e for e in written if not isinstance(e, FileClosed)]
     with LogWriter(_rank_dir(tmp_path), rank=0, world_size=2, run_id="rt") as w:
