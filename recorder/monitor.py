@@ -32,7 +32,7 @@ from trainrec.schema.events import (
     StepEnded,
 )
 
-from . import api_calls, fsdp, runinfo, structure
+from . import api_calls, fsdp, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
@@ -46,6 +46,7 @@ from .model_args import checked_arguments, checked_model, compiled_fullgraph, un
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
 from .output import Output
+from .rank_identity import RankIdentity
 from .session import HookFailures, warn_once, warn_unrecorded
 from .stats import StatsEngine
 from .step_output import StepOutput, spill_loop
@@ -85,7 +86,6 @@ class TrainerMon:
         else:
             self.config = load_config(config_file_path)
         self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None
-        self.process_group = process_group
         if not isinstance(params_have_main_grad, (bool, int)) or params_have_main_grad not in (0, 1):
             # ("no" would be taken as true: main_grad looked for, where a run has none, .grad used)
             raise ConfigError(f"expected True or False, got {params_have_main_grad!r}", "params_have_main_grad",
@@ -101,13 +101,8 @@ class TrainerMon:
                         "(only 'true' turns it on); the config applies as it is, from the start",
                         os.environ["DYNAMIC_MONITOR"])
         self.dynamic = dynamic == "true"
-        info = runinfo.rank_info(process_group)
-        self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
+        self.identity = RankIdentity(process_group)  # rank, world, pipeline stage, the run id the ranks share
         warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
-        self.group_mates = info.group_mates
-        self._distributed = info.distributed
-        self._run_id_shared = runinfo.run_id_shared_now()
-        self.run_id = runinfo.shared_run_id()
         if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
             raise TypeError(f"output_dir: expected a directory path (str or os.PathLike), got "
                             f"{type(output_dir).__name__}")
@@ -150,7 +145,7 @@ class TrainerMon:
         self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
                                         lambda: cls._wrapped_optimizer, warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
-                                 weak_call(self._several_ranks), weak_call(self._hook_failed), warn_once)
+                                 self.identity.several_ranks, weak_call(self._hook_failed), warn_once)
         self._compiled = False  # the model runs under torch.compile: hooks are made for it (compile_mode.eager)
         self._tp_group = None
         self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
@@ -178,7 +173,8 @@ class TrainerMon:
     def _open_output(self) -> None:
         """Open the log (again, after a config error discarded the empty one): names are announced to the
         new file anew; the spill thread starts once per monitor."""
-        self.run_id = self.output.open(self.config, self.run_id, self.world_size, self.pp_stage, self.group_mates)
+        ident = self.identity
+        ident.run_id = self.output.open(self.config, ident.run_id, ident.world_size, ident.pp_stage, ident.group_mates)
         self.name_table.new_file()
         if self.output.start_spilling(functools.partial(spill_loop, weakref.ref(self))):
             before_sigterm_close(self._write_unfinished_step)
@@ -213,6 +209,14 @@ class TrainerMon:
         """Hand an event to the log; a failed writer is reported once and never raised into training."""
         if not self.output.emit(event):
             self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
+
+    # who this process is in the run (msprobe's attributes), kept by the rank identity part
+    process_group = property(lambda self: self.identity.process_group)
+    rank = property(lambda self: self.identity.rank)
+    world_size = property(lambda self: self.identity.world_size)
+    pp_stage = property(lambda self: self.identity.pp_stage)
+    group_mates = property(lambda self: self.identity.group_mates)
+    run_id = property(lambda self: self.identity.run_id)
 
     @property
     def rank_dir(self) -> str | None:
@@ -272,10 +276,11 @@ class TrainerMon:
         self.steps.grad_acc = acc
         self._step = int(start_iteration)
         self._tp_group = tp_group
-        if not self._distributed:
-            self._join_process_group()
+        if not self.identity.distributed:
+            self.identity.join_process_group(self.output, append_output=bool(self.config.append_output),
+                                             reopen=self._open_output, hook_failed=self._hook_failed)
         fsdp1 = fsdp.fsdp1_units(self._chunks)
-        if dp_group is not None and self._distributed and not fsdp1:  # FSDP1: every gradient is a shard
+        if dp_group is not None and self.identity.distributed and not fsdp1:  # FSDP1: every gradient is a shard
 
             self.collection.ownership.join_dp_group(dp_group)
         if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
@@ -341,68 +346,6 @@ class TrainerMon:
             # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
             # the monitor (which holds the model) would keep both alive until exit
             self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(weak_call(self.steps.on_backward))))
-
-    def _join_process_group(self) -> None:
-        """torch.distributed was initialized after this monitor was made (msprobe's documentation makes
-        the monitor first): its rank and world size came from the environment (``RANK``,
-        ``WORLD_SIZE``, as torchrun sets them), which named the rank directory and the log's header
-        and stay the log's; from here on ``dp_group`` and ``tp_group`` deduplicate."""
-        info = runinfo.rank_info(self.process_group)
-        if not info.distributed:
-            if self.world_size > 1 and not runinfo.run_id_shared_now():
-                warn_once("unshared_run", f"trainrec: rank {self.rank} of WORLD_SIZE={self.world_size} without "
-                           "torch.distributed initialized, and no TRAINREC_RUN_ID or TORCHELASTIC_RUN_ID in the "
-                           "environment: each rank's log is a run of its own, which replay does not merge. Set "
-                           "TRAINREC_RUN_ID to one value in every rank's environment (torchrun: --rdzv-id or "
-                           "--standalone), or initialize torch.distributed before monitor_gnorm_with_ad")
-            return
-        if info.rank != self.rank or info.world_size != self.world_size:
-            warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
-                       f"its rank {info.rank} of {info.world_size} differs from the environment's "
-                       f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
-                       f"{self.output.rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
-        self._distributed = True
-        # the pipeline stage and group mates, as a monitor made after init_process_group has them (the
-        # environment gave stage 0 and this rank alone): the log's header and the anomalies carry them
-        header = (self.pp_stage, self.group_mates)
-        restage = (info.pp_stage, tuple(info.group_mates)) != (self.pp_stage, tuple(self.group_mates))
-        self.pp_stage, self.group_mates = info.pp_stage, info.group_mates
-        if self.output.watcher is not None:  # dynamic mode: the ranks agree on the step a change applies at
-            try:
-                self.output.watcher.join_group()
-            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                self._hook_failed("dynamic config watcher", exc)
-        if not self._share_run_id(restage) and restage and self.output.writer is not None:
-            # the log keeps its header (it holds events, or continues a run): so do its anomalies
-            self.pp_stage, self.group_mates = header
-
-    def _share_run_id(self, restage: bool = False) -> bool:
-        """The run id was chosen before torch.distributed was up, with no TRAINREC_RUN_ID or
-        TORCHELASTIC_RUN_ID to share: each rank made its own, and replay would list every rank as a run
-        of its own. The ranks agree on one now (through the process group's store), and the log, still
-        empty, is opened again under it (in a new rank directory). ``restage``: the pipeline stage or
-        group mates changed since the log's header was written: the empty log is opened again for them
-        also where the run id was shared already. Returns whether the log was opened again."""
-        rid = self.run_id
-        if not self._run_id_shared:
-            self._run_id_shared = True
-            rid = runinfo.shared_run_id()
-        if (rid == self.run_id and not restage) or self.config.append_output:
-            return False
-        if self.output.writer is None:  # format api: no log
-            self.run_id = rid
-            return False
-        if self.output.emitted or not self.output.made_rank_dir:
-            if rid != self.run_id:
-                log.warning("trainrec: rank %d: torch.distributed was initialized after TrainerMon was made and "
-                            "its log already holds events, so its run id stays this rank's own: replay lists "
-                            "this rank's log as a run of its own. Make TrainerMon after init_process_group, or "
-                            "set TRAINREC_RUN_ID in every rank's environment", self.rank)
-            return False
-        self.run_id = rid
-        self.output.discard_if_empty()
-        self._open_output()
-        return True
 
     def generate_wgrad_metrics(self) -> tuple[dict, dict]:
         """``(reduced, unreduced)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""
@@ -575,10 +518,10 @@ class TrainerMon:
     def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
         """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
         targets = select_targets(self._chunks, cfg, self.rank, self.name_table.intern,
-                                 several_ranks=self._several_ranks(), installed=self._installed,
+                                 several_ranks=self.identity.several_ranks(), installed=self._installed,
                                  fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=warn_once)
         self._sync_names()
-        if self._tp_group is not None and self._distributed:
+        if self._tp_group is not None and self.identity.distributed:
             mark_tp_duplicates(targets.params, self._tp_group)
         return targets, targets.params
 
@@ -694,7 +637,7 @@ class TrainerMon:
                 self.step_hooks.handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
 
     def _list_hooks_allowed(self) -> bool:
-        return self.collection.grad_batch.list_hooks_allowed(self.config, self._compiled, self._several_ranks())
+        return self.collection.grad_batch.list_hooks_allowed(self.config, self._compiled, self.identity.several_ranks())
 
     def _hook_materialized(self) -> None:
         self.step_hooks.hook_materialized(self._list_hooks_allowed())
@@ -835,9 +778,6 @@ class TrainerMon:
                              duration=time.perf_counter() - self.context.step_t0, collected=True,
                              micro_steps=max([self.steps.grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
                              optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
-
-    def _several_ranks(self) -> bool:
-        return self._distributed and self.world_size > 1
 
     def _end_step(self, optimizer_skipped: bool = False) -> None:
         self.binding.step_ended()
