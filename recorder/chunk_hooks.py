@@ -27,7 +27,7 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
             mon._match_compiled()  # dynamo may be about to trace the modules inside: their hooks made for it
             if module.training and not in_backward():
                 if vpp == 0:
-                    mon._on_micro_step()
+                    mon.cycle.on_micro_step()
                 st = mon.context.state
                 if st is not None:
                     # a training-mode forward under no_grad (a target computed with the model, a sample

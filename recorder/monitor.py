@@ -26,10 +26,7 @@ from trainrec.schema.events import (
     KINDS,
     ConfigApplied,
     ConfigRejected,
-    MonitoringStopped,
     RunResumed,
-    StepBegan,
-    StepEnded,
 )
 
 from . import api_calls, fsdp, structure
@@ -41,7 +38,6 @@ from .compile_mode import eager
 from .config import MonitorConfig, load_config, parse_config
 from .context import RecordingContext
 from .flight import probes_for
-from .hooks import StepState
 from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
@@ -49,9 +45,10 @@ from .output import Output
 from .rank_identity import RankIdentity
 from .session import HookFailures, warn_once, warn_unrecorded
 from .stats import StatsEngine
+from .step_cycle import StepCycle
 from .step_output import StepOutput, spill_loop
 from .step_stats import StepStats
-from .steps import StepTracker, rows_non_finite, weak_call
+from .steps import StepTracker, weak_call
 from .targets import ParamInfo, Targets, mark_tp_duplicates, select_targets, uninitialized
 from .writer import before_sigterm_close
 
@@ -124,23 +121,9 @@ class TrainerMon:
         self._struct_handles: list = []
         self._chunk_handles: list = []
         self._lazy_chunks: set[int] = set()  # chunks with lazy modules' parameters not made when installed
-        # step(closure): the rows that need the gradients the step applies are taken at its post-step
-        # hook (_closure_rows): the step's state at its pre-step hook, whether that call began the step
-        # (DeepSpeed: one param group at a time), and mg_direction's momenta before the update
-        self._closure_state: StepState | None = None
-        self._closure_first = True
-        self._closure_momenta: tuple | None = None
-        self._step = 0
-        self._step_wall0 = time.time()
-        self._live_check_at = 0.0  # when _begin_step looks at the live export next
-        self._began = False
-        self._collections = 0
-        self._monitoring = False
-        self._first_step = 0
         self._chunks: list[torch.nn.Module] = []
         self._fullgraph = False  # a chunk was given as torch.compile(..., fullgraph=True): no graph breaks
         self._targets: Targets | None = None
-        self._check_handles: list = []  # selector checks at the first call, until the first step ends
         cls = type(self)  # (its set_wrapped_optimizer, read at binding time; the class, not this monitor)
         self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
                                         lambda: cls._wrapped_optimizer, warn_once)
@@ -152,11 +135,13 @@ class TrainerMon:
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
         self._ref = weakref.ref(self)
-        self._mark_began_weakly = weak_call(self._mark_began)  # each collected step's first-firing callback
         self.output.closed_with(self)  # (at exit, _close_open_monitors closes a live monitor in full)
         self._struct: dict | None = None
         self._closed = False
         self.collection = Collection(self.context, self.binding, self.steps, self.step_hooks)
+        # the step boundaries, the step counter and the collection schedule
+        self.cycle = StepCycle(self, self.rank, self.context, self.output, self.steps, self.binding, self.collection,
+                               self.step_hooks, self.step_output, weak_call(self._emit), weak_call(self._hook_failed))
         if self.config.format != "api":
             self._open_output()
         else:
@@ -177,17 +162,7 @@ class TrainerMon:
         ident.run_id = self.output.open(self.config, ident.run_id, ident.world_size, ident.pp_stage, ident.group_mates)
         self.name_table.new_file()
         if self.output.start_spilling(functools.partial(spill_loop, weakref.ref(self))):
-            before_sigterm_close(self._write_unfinished_step)
-
-    def _write_unfinished_step(self) -> None:
-        """A step that never ended (an exception, SIGTERM, a NaN check that stopped the run): what it
-        recorded is written, with no StepEnded after it, for the post-mortem. Once."""
-        st = self.context.state
-        if st is not None and not st.written and (st.stats or st.pending or self.step_hooks.fired or len(st.mod_ids)):
-            try:
-                self._write_step(st)
-            except Exception as exc:  # noqa: BLE001
-                self._hook_failed("the unfinished step at close", exc)
+            before_sigterm_close(self.cycle.write_unfinished)
 
     def _config_source(self) -> str | None:
         return os.fspath(self.config_file_path) if self.config_file_path is not None else None
@@ -198,7 +173,7 @@ class TrainerMon:
         its log closed), as where monitor_gnorm_with_ad rejects a config: a notebook that fixes the
         config and makes a new monitor on the same model has that one only."""
         try:
-            self._emit(ConfigRejected(rank=self.rank, step=self._step, wall=time.time(), content_hash="",
+            self._emit(ConfigRejected(rank=self.rank, step=self.cycle.step, wall=time.time(), content_hash="",
                                       path=self._config_source() or "", reason=str(exc),
                                       keys=(exc.key,) if exc.key else ()))
             self._close(f"config rejected: {exc.key}" if exc.key else "config rejected")
@@ -208,7 +183,7 @@ class TrainerMon:
     def _emit(self, event) -> None:
         """Hand an event to the log; a failed writer is reported once and never raised into training."""
         if not self.output.emit(event):
-            self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
+            self.cycle.monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
 
     # who this process is in the run (msprobe's attributes), kept by the rank identity part
     process_group = property(lambda self: self.identity.process_group)
@@ -226,7 +201,7 @@ class TrainerMon:
     @property
     def step_count(self) -> int:
         """The current step's number (counted from ``start_iteration``)."""
-        return self._step
+        return self.cycle.step
 
     @property
     def log_path(self) -> str | None:
@@ -250,7 +225,7 @@ class TrainerMon:
             self.context.engine = StatsEngine(new.ops, new.eps)
             if st is not None:
                 st.stats = StepStats(new.ops)
-        # else _begin_step makes the engine for the new ops when this step has ended
+        # else the cycle's begin() makes the engine for the new ops when this step has ended
 
     @classmethod
     def set_wrapped_optimizer(cls, _wrapped_optimizer) -> None:
@@ -274,7 +249,7 @@ class TrainerMon:
         self._fullgraph = any(map(compiled_fullgraph, given))
         self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
         self.steps.grad_acc = acc
-        self._step = int(start_iteration)
+        self.cycle.step = int(start_iteration)
         self._tp_group = tp_group
         if not self.identity.distributed:
             self.identity.join_process_group(self.output, append_output=bool(self.config.append_output),
@@ -320,24 +295,24 @@ class TrainerMon:
             self._chunk_handles.append(register_optimizer_step_post_hook(eager(weak_call(self.steps.other_stepped))))
         self._bind_optimizer(optimizer)
         if self.output.resumed_from:
-            if self._step == 0:
+            if self.cycle.step == 0:
                 log.warning("trainrec: append_output resumes the run in this launch, but training starts "
                             "at step 0 here (start_iteration not given, or 0): replay takes every step from 0 on as "
                             "re-run, so what the earlier launches recorded is superseded (hidden from inspect, "
                             "exports and anomalies; the live CSV export removes its files). Pass "
                             "monitor_gnorm_with_ad(..., start_iteration=<the step training resumes at>)")
-            self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
-                                  previous_files=self.output.resumed_from, last_step=self._step - 1,
+            self._emit(RunResumed(rank=self.rank, step=self.cycle.step, wall=time.time(),
+                                  previous_files=self.output.resumed_from, last_step=self.cycle.step - 1,
                                   reason="append_output"))
         if self.config.print_struct and not self.dynamic:
             self._attach_struct_hooks()
         else:
             # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
-            self._check_handles = self._targets.first_call_checks(self._config_source(),
+            self.cycle.check_handles = self._targets.first_call_checks(self._config_source(),
                                                                   weak_call(self._rejected_at_first_call))
             if not self.dynamic:
-                self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
-        self._begin_step()
+                self._apply_config(self.config, self.cycle.step - 1, _content_hash(self.config.raw), reason="static")
+        self.cycle.begin()
 
     def _mark_params(self) -> None:
         """A backward ran in this step: a hook on chunk 0's first and last parameters tells the step
@@ -403,16 +378,16 @@ class TrainerMon:
         """:meth:`close`, with ``reason`` in the log's FileClosed ("exit..." when the process ends)."""
         if self._closed:
             return
-        self._end_skipped_last_step()
+        self.cycle.end_skipped_last_step()
         if reason in ("close", "exit"):  # (after an exception or a signal, a step begun stays open)
-            self._end_foreign_passes()
+            self.cycle.end_foreign_passes()
         self._closed = True
         _open_monitors.discard(self)
         self.output.stop_spilling()  # (before the step in progress is written here)
         self._detach()
-        self._write_unfinished_step()
+        self.cycle.write_unfinished()
         self.binding.close()
-        for handles in (self._struct_handles, self._chunk_handles, self._check_handles):
+        for handles in (self._struct_handles, self._chunk_handles, self.cycle.check_handles):
             for h in handles:
                 h.remove()
             handles.clear()
@@ -422,7 +397,7 @@ class TrainerMon:
         self.context.engine.release()
 
     def _emit_failure_totals(self) -> None:
-        self.failures.emit_totals(self.rank, self._step)
+        self.failures.emit_totals(self.rank, self.cycle.step)
 
     def __enter__(self) -> TrainerMon:
         self._check_open("with")
@@ -447,7 +422,7 @@ class TrainerMon:
         self._checked = None
         if self._chunks and config is not self.config:
             self._checked = (config, self._select(config))
-        return config.first_collected(self._step)
+        return config.first_collected(self.cycle.step)
 
     def _apply_config(self, config: MonitorConfig, step: int, content_hash: str, reason: str = "dynamic") -> None:
         """Make ``config`` the active one from step ``step + 1`` (dynamic glue; static calls it once).
@@ -484,9 +459,7 @@ class TrainerMon:
             self.context.engine = StatsEngine(config.ops, config.eps)
         if config.alert != old.alert:
             self.output.make_alerts(config, self.pp_stage, self.group_mates)
-        self._collections = 0
-        self._first_step = step + 1
-        self._monitoring = True
+        self.cycle.schedule_from(step)
         if config.print_struct and self._chunks and self._struct is None and reason != "static":
             self._attach_struct_hooks()  # switched on with print_struct: the next step writes it and ends the run
         self._emit(ConfigApplied(rank=self.rank, step=step, wall=time.time(),
@@ -494,22 +467,10 @@ class TrainerMon:
                                  content_hash=content_hash, config=dict(config.raw),
                                  start_step=config.first_collected(step + 1), reason=reason))
 
-    def _stop(self, reason: str, notify_watcher: bool = True, step: int | None = None) -> None:
-        """Monitoring ends after ``step`` (default: the current step)."""
-        self._monitoring = False
-        self._detach()
-        self._emit(MonitoringStopped(rank=self.rank, step=self._step if step is None else step, wall=time.time(),
-                                     reason=reason, collections=self._collections))
-        if self.output.watcher is not None and notify_watcher:
-            try:
-                self.output.watcher.collection_finished(self._step)
-            except Exception as exc:  # noqa: BLE001
-                self._hook_failed("dynamic config watcher", exc)
-
     # ------------------------------------------------------------------ names and targets
     def _sync_names(self) -> None:
         """Announce new names to the log once (the spill thread writes records too)."""
-        self.step_output.sync_names(self._step)
+        self.step_output.sync_names(self.cycle.step)
 
     def _build(self, cfg: MonitorConfig) -> Targets:
         targets, self.context.params = self._select(cfg)
@@ -526,7 +487,7 @@ class TrainerMon:
         return targets, targets.params
 
     def _write_structure(self, vpp: int | None = None) -> None:
-        for ev in structure.structure_events(self._chunks, None, None, self.rank, self._step, vpp):
+        for ev in structure.structure_events(self._chunks, None, None, self.rank, self.cycle.step, vpp):
             self._emit(ev)
 
     def _materialized(self, vpp: int) -> None:
@@ -546,41 +507,17 @@ class TrainerMon:
             self.binding.bind(optimizer, self._chunks)
 
     # ------------------------------------------------------------------ step boundaries
-    def _collects(self, step: int) -> bool:
-        return self._monitoring and step >= self._first_step and self.config.is_collected(step, self._collections)
-
-    def _begin_step(self) -> None:
-        self.binding.drop_waiting_hook()
-        self.context.step_t0 = time.perf_counter()
-        self._step_wall0 = time.time()
-        self._began = False
-        live = self.output.live
-        if live is not None and self.context.step_t0 >= self._live_check_at:  # the live export died?
-            self._live_check_at = self.context.step_t0 + _LIVE_CHECK_S
-            try:
-                live.check()
-            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                self._hook_failed("checking the live export", exc)
-        self.steps.step_begins()
+    def _hooks_for_step(self, collected: bool) -> None:
+        """At a step's begin (:meth:`StepCycle.begin`): the step's hooks on the model where it is
+        ``collected`` (made for the model as it runs now: compiled or not, parameters unfrozen since),
+        else taken off."""
         if not self._compiled and self._chunks_compiled():
             self._compiled = True
-        if self._collects(self._step):
+        if collected:
             self._match_compiled()
             self._hook_unfrozen()
-            cfg = self.config
-            if self.context.engine.ops != tuple(cfg.ops) or self.context.engine.eps != cfg.eps:
-                self.context.engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
-            self.context.state = StepState(self._step, cfg.ops, self._mark_began_weakly)
-        else:
-            if self.step_hooks.attached:
-                self._detach()
-            self.context.state = None
-        step_open = self.output.step_open
-        if (self.context.state is not None) != step_open.is_set():
-            if self.context.state is not None:
-                step_open.set()
-            else:
-                step_open.clear()
+        elif self.step_hooks.attached:
+            self._detach()
 
     def _hook_unfrozen(self) -> None:
         """The step's hooks attached, also on parameters frozen when they were attached or chosen that
@@ -608,14 +545,6 @@ class TrainerMon:
             return
         self._detach()
         self._targets, self.context.params = targets, params
-
-    def _mark_began(self) -> None:
-        """StepBegan is written at the step's first sign of life (a training forward of the model, a hook
-        firing, an optimizer step),
-        with the wall time of the step's start, so a run that ends between steps has no dangling step."""
-        if not self._began:
-            self._began = True
-            self._emit(StepBegan(rank=self.rank, step=self._step, wall=self._step_wall0))
 
     def _match_compiled(self) -> None:
         """Attached step hooks made for the other mode (the model was compiled since) are made again."""
@@ -656,7 +585,7 @@ class TrainerMon:
 
     def _print_struct_and_exit(self) -> None:
         structure.write_module_struct(self._struct or {}, self.output_dir)
-        for ev in structure.structure_events(self._chunks, self._targets, self._struct or {}, self.rank, self._step):
+        for ev in structure.structure_events(self._chunks, self._targets, self._struct or {}, self.rank, self.cycle.step):
             self._emit(ev)
         self.close()
         raise Exception(PRINT_STRUCT_EXIT)  # noqa: TRY002 - the reference's documented behaviour
@@ -664,160 +593,13 @@ class TrainerMon:
     def _pre_step(self, opt, args, kwargs) -> None:
         if self._struct is not None and not self._closed:
             self._print_struct_and_exit()  # raises, as the reference does, to end the run after one step
-        try:
-            self._mark_began()
-            # step(closure) (LBFGS always; SGD, Adam... where given one): its passes run after this hook
-            closure = self.steps.optimizer_step_begins(args, kwargs)
-            st = self.context.state
-            if st is None:
-                return
-            # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
-            first, _ = self.binding.part_of_step(opt)
-            if closure:  # the gradients the step applies are the closure's: taken at the post-step hook
-                self._closure_state, self._closure_first = st, first
-            momenta = self.collection.pre_step(st, self.config, first, closure)
-            if closure:
-                self._closure_momenta = momenta
-        except Exception as exc:  # noqa: BLE001
-            self._hook_failed("optimizer pre-step", exc)
-
-    def _closure_rows(self) -> None:
-        """At the post-step hook of ``step(closure)``: the rows the pre-step hook takes from the gradients
-        where there is no closure (reduced gradients, mg_direction), of the gradients the closure's last
-        evaluation left, which the step applied (LBFGS: its last evaluation's; one row set per step,
-        however many evaluations it made). mg_direction compares them with the momentum as it was before
-        the update (the signs kept at the pre-step hook)."""
-        st, momenta = self._closure_state, self._closure_momenta
-        self._closure_state = self._closure_momenta = None
-        if st is None or st is not self.context.state:
-            return
-        self.collection.closure_rows(st, self.config, self._closure_first, momenta)
+        self.cycle.pre_step(opt, args, kwargs)
 
     def _post_step(self, opt, args, kwargs) -> None:
-        try:
-            if self.steps.closure_ended():
-                try:
-                    self._closure_rows()
-                except Exception as exc:  # noqa: BLE001 - the step still ends
-                    self._hook_failed("optimizer post-step (closure)", exc)
-            last = self.binding.part_of_step(opt)[1]
-            self.binding.stepped(opt)
-            if last:  # else the step goes on with the next param group or optimizer
-                self._end_step()
-        except Exception as exc:  # noqa: BLE001 - the step's bookkeeping never kills training
-            self._hook_failed("optimizer post-step", exc)
-
-    def _on_micro_step(self) -> None:
-        """A training forward of chunk 0 begins: where it shows that the step so far was one whose
-        optimizer step never ran (:meth:`StepTracker.forward_begins`), that step ends here, marked so,
-        and this forward begins the next (without it, the next step's rows would land in the skipped one)."""
-        if not torch.is_grad_enabled():
-            return  # no backward follows: not a micro step
-        if self.steps.forward_begins():
-            self._end_step(optimizer_skipped=True)
-            self.steps.skipped_step_ended()
-        # the step's first sign of life, before any module's hook: a rank that hangs in this forward (a
-        # collective inside it) and is killed there leaves the step it was in, not the previous one's end
-        self._mark_began()
-        if self.steps.forwards == 1 and self.context.state is not None:
-            self._hook_unfrozen()
-
-    def _end_foreign_passes(self) -> None:
-        """At a close that is no failure: the run ended after this model's last optimizer step with
-        passes inside other optimizers' steps only (the discriminator's in the generator's). They are no
-        step of this model's: recorded with a StepEnded that says so (``foreign_passes``), and the step
-        count stays that of the training steps."""
-        if self._closed:
-            return
-        try:
-            if not self.steps.ends_in_foreign_passes():
-                return
-            st = self.context.state
-            self._mark_began()
-            if st is not None:
-                self._finish_step(st, foreign_passes=True)
-            else:
-                self._emit(StepEnded(rank=self.rank, step=self._step, wall=time.time(),
-                                     duration=time.perf_counter() - self.context.step_t0, collected=False,
-                                     micro_steps=self.steps.grad_acc, foreign_passes=True))
-            self.context.state = None
-        except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
-            self._hook_failed("passes inside other optimizers' steps at close", exc)
-
-    def _end_skipped_last_step(self) -> None:
-        """At close: the last step's optimizer step never ran (a loss scaler skipped it) and no forward
-        came after it to notice that; it is ended as such a forward would have ended it."""
-        if self._closed:
-            return
-        try:
-            if self.steps.last_step_skipped():
-                self._end_step(optimizer_skipped=True)
-        except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
-            self._hook_failed("the skipped step at close", exc)
+        self.cycle.post_step(opt, args, kwargs)
 
     def _gradients_non_finite(self) -> bool | None:
-        """Whether the gradient rows this step recorded so far hold inf or NaN (None: none recorded)."""
-        st = self.context.state
-        if st is None:
-            return None
-        self.collection.grad_batch.settle()
-        return rows_non_finite(st.stats)
-
-    def _write_step(self, st: StepState) -> None:
-        """The step's hook firings and statistics, to the log (and to the api metrics)."""
-        self.collection.grad_batch.settle()
-        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
-            leaf.handle.remove()
-        st.leaf_hooks.clear()
-        self._collections += 1
-        self.step_output.write(st)
-
-    def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
-        self._write_step(st)
-        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
-                             duration=time.perf_counter() - self.context.step_t0, collected=True,
-                             micro_steps=max([self.steps.grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
-                             optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
-
-    def _end_step(self, optimizer_skipped: bool = False) -> None:
-        self.binding.step_ended()
-        for h in self._check_handles:  # the first step ran: selectors are checked by the hooks from now on
-            h.remove()
-        self._check_handles.clear()
-        micro = self.steps.step_ends(optimizer_skipped)
-        finished = self._step
-        st = self.context.state
-        self._mark_began()
-        try:
-            if st is not None:
-                if not optimizer_skipped:
-                    try:
-                        self.collection.optimizer.optimizer_rows(st, self.config)
-                    except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
-                        self._hook_failed("optimizer state statistics", exc)
-                self._finish_step(st, optimizer_skipped)
-            else:
-                self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
-                                     duration=time.perf_counter() - self.context.step_t0, collected=False,
-                                     micro_steps=micro, optimizer_skipped=optimizer_skipped))
-        except Exception as exc:  # noqa: BLE001
-            self._hook_failed("optimizer post-step", exc)
-        self.context.state = None
-        if st is not None and self._monitoring and self._collections >= self.config.collect_times:
-            self._stop("collect_times")
-        self._step += 1
-        if self.output.watcher is not None:
-            try:
-                update = self.output.watcher.poll(finished)
-            except Exception as exc:  # noqa: BLE001
-                update = None
-                self._hook_failed("dynamic config watcher", exc)
-            if update is not None:
-                if getattr(update, "switch", True):
-                    self._apply_config(update.config, finished, update.content_hash)
-                elif self._monitoring:
-                    self._stop("switch_off", notify_watcher=False, step=finished)
-        self._begin_step()
+        return self.cycle.gradients_non_finite()
 
     def step(self) -> None:
         """End the current step by hand (for loops without a hooked optimizer)."""
@@ -827,10 +609,9 @@ class TrainerMon:
 
     # ------------------------------------------------------------------ failures
     def _hook_failed(self, where: str, exc: BaseException) -> None:
-        self.failures.failed(where, exc, self.rank, self._step)
+        self.failures.failed(where, exc, self.rank, self.cycle.step)
 
 
-_LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitpid) at step boundaries
 _open_monitors: weakref.WeakSet = weakref.WeakSet()
 
 
