@@ -6,18 +6,14 @@ table, collector); how a step is recorded, and which part does what: ``docs/reco
 
 from __future__ import annotations
 
-import atexit
 import functools
 import hashlib
 import json
 import logging
-import operator
 import os
-import sys
 import time
 import weakref
 
-import torch
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
@@ -29,7 +25,7 @@ from trainrec.schema.events import (
     RunResumed,
 )
 
-from . import api_calls, fsdp, structure
+from . import fsdp, open_monitors, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
@@ -38,7 +34,8 @@ from .compile_mode import eager
 from .config import MonitorConfig, load_config, parse_config
 from .context import RecordingContext
 from .flight import probes_for
-from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
+from .model_args import checked_arguments, checked_model, compiled_fullgraph
+from .monitored import MonitoredModel
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
 from .output import Output
@@ -49,12 +46,10 @@ from .step_cycle import StepCycle
 from .step_output import StepOutput, spill_loop
 from .step_stats import StepStats
 from .steps import StepTracker, weak_call
-from .targets import ParamInfo, Targets, mark_tp_duplicates, select_targets, uninitialized
+from .targets import uninitialized
 from .writer import before_sigterm_close
 
 log = logging.getLogger(__name__)
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_PARAM_REQUIRES_GRAD = operator.attrgetter("param.requires_grad")
 
 PRINT_STRUCT_EXIT = "exit after first monitor step when print model struct"
 
@@ -116,32 +111,29 @@ class TrainerMon:
         self.step_output = StepOutput(self.output, self.name_table, self.rank)
         self.step_hooks = StepHooks(weak_call(self._hook_failed), warn_once)
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
-        self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
         self._no_tensor_warned: set[int] = set()  # modules where the default selection found no tensor (hooks)
         self._struct_handles: list = []
         self._chunk_handles: list = []
         self._lazy_chunks: set[int] = set()  # chunks with lazy modules' parameters not made when installed
-        self._chunks: list[torch.nn.Module] = []
-        self._fullgraph = False  # a chunk was given as torch.compile(..., fullgraph=True): no graph breaks
-        self._targets: Targets | None = None
         cls = type(self)  # (its set_wrapped_optimizer, read at binding time; the class, not this monitor)
         self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
                                         lambda: cls._wrapped_optimizer, warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
                                  self.identity.several_ranks, weak_call(self._hook_failed), warn_once)
-        self._compiled = False  # the model runs under torch.compile: hooks are made for it (compile_mode.eager)
-        self._tp_group = None
-        self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
         self._ref = weakref.ref(self)
-        self.output.closed_with(self)  # (at exit, _close_open_monitors closes a live monitor in full)
+        self.output.closed_with(self)  # (at exit, open_monitors closes a live monitor in full)
         self._struct: dict | None = None
         self._closed = False
         self.collection = Collection(self.context, self.binding, self.steps, self.step_hooks)
+        # the model's chunks, its targets and the step's hooks on them
+        self.monitored = MonitoredModel(self, self.context, self.step_hooks, self.collection.grad_batch, self.identity,
+                                        self.name_table, weak_call(self._sync_names), weak_call(self._hook_failed))
         # the step boundaries, the step counter and the collection schedule
         self.cycle = StepCycle(self, self.rank, self.context, self.output, self.steps, self.binding, self.collection,
-                               self.step_hooks, self.step_output, weak_call(self._emit), weak_call(self._hook_failed))
+                               self.monitored, self.step_hooks, self.step_output, weak_call(self._emit),
+                               weak_call(self._hook_failed))
         if self.config.format != "api":
             self._open_output()
         else:
@@ -152,7 +144,7 @@ class TrainerMon:
                 path, validate=lambda raw: parse_config(raw, os.fspath(path)), emit=weak_call(self._emit),
                 check=weak_call(self._check_config))
         self.output.probes = probes_for(self)  # collectives, stall watchdog (flight.py)
-        _open_monitors.add(self)  # closed at exit (_close_open_monitors)
+        open_monitors.add(self)  # closed at exit
 
     # ------------------------------------------------------------------ output
     def _open_output(self) -> None:
@@ -204,6 +196,11 @@ class TrainerMon:
         return self.cycle.step
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or the process's exit closed it): nothing more is recorded."""
+        return self._closed
+
+    @property
     def log_path(self) -> str | None:
         w = self.output.writer
         return w.path if w is not None else None
@@ -235,26 +232,20 @@ class TrainerMon:
     def monitor_gnorm_with_ad(self, model, grad_acc_steps: int = 1, optimizer=None, dp_group=None, tp_group=None,
                               start_iteration: int = 0) -> None:
         """Install the hooks on ``model`` (a module or a list of virtual-pipeline chunks)."""
-        if self._chunks:
+        if self.monitored.chunks:
             raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
         try:
             given, acc = checked_model(model), checked_arguments(grad_acc_steps, start_iteration)
         except (ConfigError, TypeError):
             self.output.discard_if_empty()  # nothing installed: no empty run left beside a fixed one
             raise
-        self._chunks = [uncompiled(m) for m in given]
-        # 2-D DDP + TP's local Parameters, which the module lists no more after its first forward (see
-        # targets._displaced); those alone: the others, held for good, might be a model's replaced weights
-        self._installed = [{n: p for n, p in c.named_parameters() if hasattr(p, "_st_info")} for c in self._chunks]
-        self._fullgraph = any(map(compiled_fullgraph, given))
-        self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
+        self.monitored.install(given, tp_group)
         self.steps.grad_acc = acc
         self.cycle.step = int(start_iteration)
-        self._tp_group = tp_group
         if not self.identity.distributed:
             self.identity.join_process_group(self.output, append_output=bool(self.config.append_output),
                                              reopen=self._open_output, hook_failed=self._hook_failed)
-        fsdp1 = fsdp.fsdp1_units(self._chunks)
+        fsdp1 = fsdp.fsdp1_units(self.monitored.chunks)
         if dp_group is not None and self.identity.distributed and not fsdp1:  # FSDP1: every gradient is a shard
 
             self.collection.ownership.join_dp_group(dp_group)
@@ -267,26 +258,26 @@ class TrainerMon:
                        "state are this rank's shards; activations are recorded as usual. FSDP2 "
                        "(torch.distributed.fsdp.fully_shard) records every parameter's unreduced gradient.")
         try:
-            self._targets = self._build(self.config)  # raises ConfigError before any training
+            self.monitored.build(self.config)  # raises ConfigError before any training
         except ConfigError as exc:
-            self._chunks = []  # nothing installed: the caller may fix the config and call again
+            self.monitored.chunks = []  # nothing installed: the caller may fix the config and call again
             self.output.discard_if_empty()
             raise exc.with_source(self._config_source()) from None
         if self.output.discarded:  # an earlier call failed on the config: this one records
             self._open_output()
         self._write_structure()
-        self._warn_if_monitored_already()
+        open_monitors.warn_if_monitored_already(self)
         # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step; on the
         # wrapper of a chunk compiled with fullgraph=True, whose own hooks run outside the graph (inside
         # it, a hook that dynamo may not trace is a graph break, which fullgraph makes an error)
-        hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, self._chunks, strict=True)]
+        hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, self.monitored.chunks, strict=True)]
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
                                for vpp, chunk in enumerate(hooked)]
         self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self, vpp))
                                 for vpp, chunk in enumerate(hooked)]
-        self.steps.chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
+        self.steps.chunk0_params = [p for p in self.monitored.chunks[0].parameters() if p.requires_grad]
         self._mark_params()
-        self._lazy_chunks = {vpp for vpp, c in enumerate(self._chunks) if any(map(uninitialized, c.parameters()))}
+        self._lazy_chunks = {vpp for vpp, c in enumerate(self.monitored.chunks) if any(map(uninitialized, c.parameters()))}
         if not self.steps.manual:
             # every optimizer's step, once each: another optimizer's (a GAN's other model's) tells the
             # passes of this model inside that model's step from this model's own (_other_stepped)
@@ -308,7 +299,7 @@ class TrainerMon:
             self._attach_struct_hooks()
         else:
             # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
-            self.cycle.check_handles = self._targets.first_call_checks(self._config_source(),
+            self.cycle.check_handles = self.monitored.targets.first_call_checks(self._config_source(),
                                                                   weak_call(self._rejected_at_first_call))
             if not self.dynamic:
                 self._apply_config(self.config, self.cycle.step - 1, _content_hash(self.config.raw), reason="static")
@@ -342,37 +333,16 @@ class TrainerMon:
         stacked. As in the reference, whose signature this is, a call without argument turns it off."""
         cfg = parse_config({**self.config.raw, "xy_distribution": bool(xy_distribution)}, "reload_xy")
         self.config = cfg
-        if self._chunks:
+        if self.monitored.chunks:
             attached = self.step_hooks.attached
-            self._detach()
-            self._targets = self._build(cfg)
+            self.monitored.detach()
+            self.monitored.build(cfg)
             if attached:
-                self._attach()
+                self.monitored.attach()
 
     def close(self) -> None:
         """Remove every hook, stop the watcher, close the log and wait for the live export. Idempotent."""
         self._close("close")
-
-    def _warn_if_monitored_already(self) -> None:
-        """Another open monitor hooks one of these modules (a notebook or sweep that made a new monitor on
-        the same model without closing the last): both record every step, each at its own cost."""
-        mine = {id(c) for c in self._chunks}
-        for other in list(_open_monitors):
-            if other is not self and not other._closed and any(id(c) in mine for c in other._chunks):
-                log.warning("trainrec: this model is also monitored by another TrainerMon that is still open "
-                            "(its log: %s): both record every step, each at its own cost; close() the other one "
-                            "(or use `with TrainerMon(...)`/`with record(...)`)", other.log_path or "none, format api")
-                return
-        # two models of one process (a GAN's generator and discriminator) logged side by side: one run id,
-        # one rank, two launches in one directory, of which replay shows one
-        here = os.path.realpath(self.output_dir)
-        for other in list(_open_monitors):
-            if (other is not self and not other._closed and self.output.writer is not None and other.output.writer is not None
-                    and other.rank == self.rank and os.path.realpath(other.output_dir) == here):
-                log.warning("trainrec: another open monitor of this process writes to the same output directory "
-                            "%s (its log: %s): replay shows one launch per directory, so one of the two logs would "
-                            "be hidden; give each its own output_dir (or $MONITOR_OUTPUT_DIR)", here, other.log_path)
-                return
 
     def _close(self, reason: str) -> None:
         """:meth:`close`, with ``reason`` in the log's FileClosed ("exit..." when the process ends)."""
@@ -382,9 +352,9 @@ class TrainerMon:
         if reason in ("close", "exit"):  # (after an exception or a signal, a step begun stays open)
             self.cycle.end_foreign_passes()
         self._closed = True
-        _open_monitors.discard(self)
+        open_monitors.remove(self)
         self.output.stop_spilling()  # (before the step in progress is written here)
-        self._detach()
+        self.monitored.detach()
         self.cycle.write_unfinished()
         self.binding.close()
         for handles in (self._struct_handles, self._chunk_handles, self.cycle.check_handles):
@@ -420,8 +390,8 @@ class TrainerMon:
         (raises ConfigError, e.g. a target that matches no module), kept for :meth:`_apply_config`;
         returns the first step it would collect, applied after this one."""
         self._checked = None
-        if self._chunks and config is not self.config:
-            self._checked = (config, self._select(config))
+        if self.monitored.chunks and config is not self.config:
+            self._checked = (config, self.monitored.select(config))
         return config.first_collected(self.cycle.step)
 
     def _apply_config(self, config: MonitorConfig, step: int, content_hash: str, reason: str = "dynamic") -> None:
@@ -431,22 +401,18 @@ class TrainerMon:
         ``collect_times`` counted from here.
         """
         old = self.config
-        if self._chunks and (config is not old):
+        if self.monitored.chunks and (config is not old):
             checked, self._checked = self._checked, None
             try:
                 # may raise ConfigError: nothing changed yet
-                targets, params = checked[1] if checked and checked[0] is config else self._select(config)
+                targets, params = checked[1] if checked and checked[0] is config else self.monitored.select(config)
             except ConfigError as exc:
                 log.warning("trainrec: config not applied at step %d: %s", step, exc)
                 self._emit(ConfigRejected(rank=self.rank, step=step, wall=time.time(), content_hash=content_hash,
                                           path=os.fspath(self.config_file_path) if self.config_file_path else "",
                                           reason=str(exc), keys=(exc.key,) if exc.key else ()))
                 return
-            attached = self.step_hooks.attached
-            self._detach()
-            self._targets, self.context.params = targets, params
-            if attached:
-                self._attach()
+            self.monitored.retarget(targets, params)
         self.config = config
         warn_unrecorded(config, self.world_size)
         changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
@@ -460,7 +426,7 @@ class TrainerMon:
         if config.alert != old.alert:
             self.output.make_alerts(config, self.pp_stage, self.group_mates)
         self.cycle.schedule_from(step)
-        if config.print_struct and self._chunks and self._struct is None and reason != "static":
+        if config.print_struct and self.monitored.chunks and self._struct is None and reason != "static":
             self._attach_struct_hooks()  # switched on with print_struct: the next step writes it and ends the run
         self._emit(ConfigApplied(rank=self.rank, step=step, wall=time.time(),
                                  path=os.fspath(self.config_file_path) if self.config_file_path else "",
@@ -472,22 +438,8 @@ class TrainerMon:
         """Announce new names to the log once (the spill thread writes records too)."""
         self.step_output.sync_names(self.cycle.step)
 
-    def _build(self, cfg: MonitorConfig) -> Targets:
-        targets, self.context.params = self._select(cfg)
-        return targets
-
-    def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
-        """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
-        targets = select_targets(self._chunks, cfg, self.rank, self.name_table.intern,
-                                 several_ranks=self.identity.several_ranks(), installed=self._installed,
-                                 fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=warn_once)
-        self._sync_names()
-        if self._tp_group is not None and self.identity.distributed:
-            mark_tp_duplicates(targets.params, self._tp_group)
-        return targets, targets.params
-
     def _write_structure(self, vpp: int | None = None) -> None:
-        for ev in structure.structure_events(self._chunks, None, None, self.rank, self.cycle.step, vpp):
+        for ev in structure.structure_events(self.monitored.chunks, None, None, self.rank, self.cycle.step, vpp):
             self._emit(ev)
 
     def _materialized(self, vpp: int) -> None:
@@ -504,88 +456,15 @@ class TrainerMon:
     # ------------------------------------------------------------------ optimizer binding
     def _bind_optimizer(self, optimizer) -> None:
         if not self.steps.manual:  # (the native Recorder without an optimizer: steps come from step())
-            self.binding.bind(optimizer, self._chunks)
+            self.binding.bind(optimizer, self.monitored.chunks)
 
     # ------------------------------------------------------------------ step boundaries
-    def _hooks_for_step(self, collected: bool) -> None:
-        """At a step's begin (:meth:`StepCycle.begin`): the step's hooks on the model where it is
-        ``collected`` (made for the model as it runs now: compiled or not, parameters unfrozen since),
-        else taken off."""
-        if not self._compiled and self._chunks_compiled():
-            self._compiled = True
-        if collected:
-            self._match_compiled()
-            self._hook_unfrozen()
-        elif self.step_hooks.attached:
-            self._detach()
-
-    def _hook_unfrozen(self) -> None:
-        """The step's hooks attached, also on parameters frozen when they were attached or chosen that
-        require grad now (fine-tuning that unfreezes layers as it goes), and without the parameters
-        frozen since they were chosen (an adapter switched off): at a collected step's begin, and again
-        at its first forward (layers are unfrozen in the loop, after the last step ended)."""
-        t = self._targets
-        if t is not None and ((t.frozen and any(map(_REQUIRES_GRAD, t.frozen)))
-                              or not all(map(_PARAM_REQUIRES_GRAD, self.context.params))):
-            self._select_unfrozen()
-        elif self.step_hooks.unfrozen_since():
-            self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
-        if not self.step_hooks.attached:
-            self._attach()
-
-    def _select_unfrozen(self) -> None:
-        """A parameter frozen when the targets were chosen now requires grad, or one chosen is frozen now:
-        choose them again, so that it is recorded from this step on (fine-tuning that unfreezes layers
-        as it goes), or no longer (no parameter or optimizer-state rows of a parameter not trained)."""
-        try:
-            targets, params = self._select(self.config)
-        except ConfigError as exc:  # (the same config was accepted before; the model may have changed)
-            self._hook_failed("targets of unfrozen parameters", exc)
-            self._targets.frozen = [p for p in self._targets.frozen if not p.requires_grad]
-            return
-        self._detach()
-        self._targets, self.context.params = targets, params
-
-    def _match_compiled(self) -> None:
-        """Attached step hooks made for the other mode (the model was compiled since) are made again."""
-        if self.step_hooks.attached and self.step_hooks.compiled != self._compiled:
-            self._detach()
-            self._attach()
-
-    def _chunks_compiled(self) -> bool:
-        """Whether a chunk was compiled in place (``nn.Module.compile()``)."""
-        return any(getattr(c, "_compiled_call_impl", None) is not None for c in self._chunks)
-
-    def _attach(self) -> None:
-        t = self._targets
-        if t is not None:
-            wg = self.config.wg_distribution
-            self.step_hooks.attach(self, t, self.context.params, self._compiled, self._chunks if wg else None,
-                                   wg and self._list_hooks_allowed(), self.params_have_main_grad)
-            if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
-                self.step_hooks.handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
-
-    def _list_hooks_allowed(self) -> bool:
-        return self.collection.grad_batch.list_hooks_allowed(self.config, self._compiled, self.identity.several_ranks())
-
-    def _hook_materialized(self) -> None:
-        self.step_hooks.hook_materialized(self._list_hooks_allowed())
-
-    def _detach(self) -> None:
-        if self.step_hooks.fired and self.context.state is not None:
-            # the list hooks' firings since the last backward pass ended: measured first
-            try:
-                self.collection.grad_batch.drain_fired(expected=True)  # the hooks go now: no fallback to make
-            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                self._hook_failed("gradient batch", exc)
-        self.step_hooks.detach()
-
     def _attach_struct_hooks(self) -> None:
-        self._struct, self._struct_handles = structure.attach_struct_hooks(self._chunks, self._targets)
+        self._struct, self._struct_handles = structure.attach_struct_hooks(self.monitored.chunks, self.monitored.targets)
 
     def _print_struct_and_exit(self) -> None:
         structure.write_module_struct(self._struct or {}, self.output_dir)
-        for ev in structure.structure_events(self._chunks, self._targets, self._struct or {}, self.rank, self.cycle.step):
+        for ev in structure.structure_events(self.monitored.chunks, self.monitored.targets, self._struct or {}, self.rank, self.cycle.step):
             self._emit(ev)
         self.close()
         raise Exception(PRINT_STRUCT_EXIT)  # noqa: TRY002 - the reference's documented behaviour
@@ -610,23 +489,3 @@ class TrainerMon:
     # ------------------------------------------------------------------ failures
     def _hook_failed(self, where: str, exc: BaseException) -> None:
         self.failures.failed(where, exc, self.rank, self.cycle.step)
-
-
-_open_monitors: weakref.WeakSet = weakref.WeakSet()
-
-
-def _close_open_monitors() -> None:
-    """At exit: close every monitor still open (one handler for all: a registration per monitor stayed
-    for the process's life, one per monitor ever made)."""
-    # the FileClosed says how the process ended: after an uncaught exception (the interpreter keeps it
-    # in sys.last_value for us), or without the monitor's close()
-    exc = getattr(sys, "last_value", None)
-    reason = f"exit after an uncaught {type(exc).__name__}" if exc is not None else "exit"
-    for mon in list(_open_monitors):
-        try:
-            mon._close(reason)
-        except Exception:  # noqa: BLE001
-            pass
-
-
-atexit.register(_close_open_monitors)

@@ -1,7 +1,7 @@
 """The step boundaries of a recording: a step's begin (collected or not), the optimizer's pre- and
 post-step hooks, a micro step's start, and a step's end, which writes what the step recorded. The
-step counter and the collection schedule live here; the monitor decides the step's hooks on the model
-and config changes (:class:`StepHost`)."""
+step counter and the collection schedule live here; the step's hooks on the model are the
+:class:`MonitoredModel`'s, config changes the monitor's (:class:`StepHost`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .collect import Collection
 from .config import MonitorConfig
 from .context import RecordingContext
 from .hooks import StepState
+from .monitored import MonitoredModel
 from .output import Output
 from .stats import StatsEngine
 from .step_output import StepOutput
@@ -28,20 +29,10 @@ _LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitp
 
 
 class StepHost(Protocol):
-    """What the step cycle needs of its monitor (``TrainerMon``; held weakly): the active config, the
-    step's hooks on the model (they follow the monitor's targets) and a config change that the dynamic
-    watcher decided at a step's end."""
+    """What the step cycle needs of its monitor (``TrainerMon``; held weakly): the active config, and a
+    config change that the dynamic watcher decided at a step's end, applied."""
 
     config: MonitorConfig
-
-    def _hooks_for_step(self, collected: bool) -> None:
-        """At a step's begin: the step's hooks attached where it is ``collected``, else taken off."""
-
-    def _hook_unfrozen(self) -> None:
-        """At a collected step's first forward: parameters unfrozen since its begin hooked too."""
-
-    def _detach(self) -> None:
-        """The step's hooks taken off the model."""
 
     def _apply_config(self, config: MonitorConfig, step: int, content_hash: str) -> None:
         """``config`` active from step ``step + 1``."""
@@ -54,13 +45,15 @@ class StepCycle:
     step ends. ``emit`` and ``hook_failed`` are the monitor's."""
 
     def __init__(self, host: StepHost, rank: int, context: RecordingContext, output: Output,
-                 tracker: StepTracker, binding: OptimizerBinding, collection: Collection, step_hooks: StepHooks,
+                 tracker: StepTracker, binding: OptimizerBinding, collection: Collection, monitored: MonitoredModel,
+                 step_hooks: StepHooks,
                  step_output: StepOutput, emit: Callable[[object], None],
                  hook_failed: Callable[[str, BaseException], None]) -> None:
         self._host = weakref.proxy(host)
         self._rank = rank
         self._context, self._output, self._tracker, self._binding = context, output, tracker, binding
-        self._collection, self._step_hooks, self._step_output = collection, step_hooks, step_output
+        self._collection, self._monitored = collection, monitored
+        self._step_hooks, self._step_output = step_hooks, step_output
         self._emit, self._hook_failed = emit, hook_failed
         self.step = 0
         self.monitoring = False
@@ -104,7 +97,7 @@ class StepCycle:
                 self._hook_failed("checking the live export", exc)
         self._tracker.step_begins()
         collected = self.collects(self.step)
-        self._host._hooks_for_step(collected)
+        self._monitored.hooks_for_step(collected)
         if collected:
             cfg = self._host.config
             if ctx.engine.ops != tuple(cfg.ops) or ctx.engine.eps != cfg.eps:
@@ -186,7 +179,7 @@ class StepCycle:
         # collective inside it) and is killed there leaves the step it was in, not the previous one's end
         self.mark_began()
         if self._tracker.forwards == 1 and self._context.state is not None:
-            self._host._hook_unfrozen()
+            self._monitored.hook_unfrozen()
 
     def end_foreign_passes(self) -> None:
         """At a close that is no failure: the run ended after this model's last optimizer step with
@@ -298,7 +291,7 @@ class StepCycle:
     def stop(self, reason: str, notify_watcher: bool = True, step: int | None = None) -> None:
         """Monitoring ends after ``step`` (default: the current step)."""
         self.monitoring = False
-        self._host._detach()
+        self._monitored.detach()
         self._emit(MonitoringStopped(rank=self._rank, step=self.step if step is None else step, wall=time.time(),
                                      reason=reason, collections=self.collections))
         if self._output.watcher is not None and notify_watcher:
