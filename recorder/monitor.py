@@ -1,11 +1,13 @@
 """``TrainerMon``: mindstudio-probe 1.2.1's monitor API, recording into the per-rank trainrec log.
 
-The msprobe face over the recorder's parts (output, optimizer binding, step tracker, step hooks, name
-table, collector); how a step is recorded, and which part does what: ``docs/recorder-internals.md``.
+The msprobe face over the recorder's parts (rank identity, output, optimizer binding, step tracker, step
+cycle, monitored model, step hooks, name table, collection): its signature, argument checks and config
+application; how a step is recorded, and which part does what: ``docs/recorder-internals.md``.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
@@ -489,3 +491,7 @@ class TrainerMon:
     # ------------------------------------------------------------------ failures
     def _hook_failed(self, where: str, exc: BaseException) -> None:
         self.failures.failed(where, exc, self.rank, self.cycle.step)
+
+
+# (registered here, after the writers' own exit handler: atexit runs it first, while the logs are open)
+atexit.register(open_monitors.close_all_at_exit)

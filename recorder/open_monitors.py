@@ -4,7 +4,6 @@ is warned of another open one that records the same model or writes to the same 
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -46,8 +45,9 @@ def warn_if_monitored_already(mon) -> None:
             return
 
 
-def _close_open_monitors() -> None:
-    """At exit: close every monitor still open (``TrainerMon._close``, with the reason in its FileClosed)."""
+def close_all_at_exit() -> None:
+    """At exit: close every monitor still open (``TrainerMon._close``, with the reason in its FileClosed).
+    Registered by the monitor module, after the writers' exit handler: it runs before that one."""
     # the FileClosed says how the process ended: after an uncaught exception (the interpreter keeps it
     # in sys.last_value for us), or without the monitor's close()
     exc = getattr(sys, "last_value", None)
@@ -57,6 +57,3 @@ def _close_open_monitors() -> None:
             mon._close(reason)
         except Exception:  # noqa: BLE001
             pass
-
-
-atexit.register(_close_open_monitors)
