@@ -301,8 +301,8 @@ class TrainerMon:
             self._attach_struct_hooks()
         else:
             # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
-            self.cycle.check_handles = self.monitored.targets.first_call_checks(self._config_source(),
-                                                                  weak_call(self._rejected_at_first_call))
+            self.cycle.check_handles = self.monitored.targets.first_call_checks(
+                self._config_source(), weak_call(self._rejected_at_first_call))
             if not self.dynamic:
                 self._apply_config(self.config, self.cycle.step - 1, _content_hash(self.config.raw), reason="static")
         self.cycle.begin()
