@@ -45,10 +45,9 @@ class StepCycle:
     step ends. ``emit`` and ``hook_failed`` are the monitor's."""
 
     def __init__(self, host: StepHost, rank: int, context: RecordingContext, output: Output,
-                 tracker: StepTracker, binding: OptimizerBinding, collection: Collection, monitored: MonitoredModel,
-                 step_hooks: StepHooks,
-                 step_output: StepOutput, emit: Callable[[object], None],
-                 hook_failed: Callable[[str, BaseException], None]) -> None:
+                 tracker: StepTracker, binding: OptimizerBinding, collection: Collection,
+                 monitored: MonitoredModel, step_hooks: StepHooks, step_output: StepOutput,
+                 emit: Callable[[object], None], hook_failed: Callable[[str, BaseException], None]) -> None:
         self._host = weakref.proxy(host)
         self._rank = rank
         self._context, self._output, self._tracker, self._binding = context, output, tracker, binding
