@@ -156,7 +156,7 @@ class ApiLevel:
         def hook(module, args):
             mon = self.mon
             st = mon.context.state
-            if (self.pass_ is not None or st is None or mon.output.writer is None or mon._compiled or not module.training
+            if (self.pass_ is not None or st is None or mon.output.writer is None or mon.monitored.compiled or not module.training
                     or not torch.is_grad_enabled() or in_backward() or not mon.config.api_level):
                 return
             fwd = st.chunk_fwd.get(vpp, 1)

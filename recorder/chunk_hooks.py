@@ -24,10 +24,10 @@ def make_chunk_pre_hook(mon: TrainerMon, vpp: int):
 
     def body(module, args):
         try:
-            mon._match_compiled()  # dynamo may be about to trace the modules inside: their hooks made for it
+            mon.monitored.match_compiled()  # dynamo may be about to trace the modules inside: their hooks made for it
             if module.training and not in_backward():
                 if vpp == 0:
-                    mon._on_micro_step()
+                    mon.cycle.on_micro_step()
                 st = mon.context.state
                 if st is not None:
                     # a training-mode forward under no_grad (a target computed with the model, a sample
@@ -51,7 +51,7 @@ def _run_hook(mon: TrainerMon, body):
     """``body`` as a hook installed on a model chunk for the whole run: plain where the model runs
     uncompiled (:func:`eager` costs 10-20 us per call inside a step), through :func:`eager` where it
     runs compiled or dynamo is tracing it."""
-    if mon._compiled:
+    if mon.monitored.compiled:
         return eager(body)
     body_eager = eager(body)
 
@@ -60,7 +60,7 @@ def _run_hook(mon: TrainerMon, body):
         # attribute is set (a side effect of the traced code) before the graph break at body_eager,
         # which then reattaches the step's hooks made for compilation before dynamo reaches them
         if is_compiling():
-            mon._compiled = True
+            mon.monitored.compiled = True
             return body_eager(module, *args)
         return body(module, *args)
 
@@ -83,7 +83,7 @@ def make_chunk_hook(mon: TrainerMon, vpp: int):
             if mon.step_hooks.fsdp2_waiting:
                 mon.step_hooks.hook_fsdp2()  # FSDP2 has made its unsharded parameters by the end of the first forward
             if mon.step_hooks.lazy_waiting:
-                mon._hook_materialized()  # lazy modules (LazyLinear) make theirs at their first forward
+                mon.monitored.hook_materialized()  # lazy modules (LazyLinear) make theirs at their first forward
         if mon._lazy_chunks and vpp in mon._lazy_chunks and module.training and torch.is_grad_enabled():
             try:
                 mon._materialized(vpp)  # its lazy modules (LazyLinear) have made their parameters

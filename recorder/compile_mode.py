@@ -15,7 +15,7 @@ def eager(fn):
     dictionaries fails, until its recompile limit. ``torch.compiler.disable``: a graph break at the
     hook, which runs as Python on the real tensors, with dynamo off inside it. The wrapper costs 1 us
     per call warm and 10-20 us inside a training step (about 2% of config b's step in the recorder
-    benchmark), so the monitor uses it only where the model runs compiled (``TrainerMon._compiled``)."""
+    benchmark), so the monitor uses it only where the model runs compiled (``MonitoredModel.compiled``)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return fn if disable is None else disable(fn)
 

@@ -111,13 +111,13 @@ def probes_for(mon) -> FlightProbes:
 
     def step() -> int:
         m = ref()
-        return m._step if m is not None else -1
+        return m.cycle.step if m is not None else -1
 
     def progress() -> tuple | None:
         m = ref()
         if m is None or m._closed:
             return None
-        return (m._step, m.context.step_t0) if m._chunks else ()  # (no model yet: nothing to time)
+        return (m.cycle.step, m.context.step_t0) if m.monitored.chunks else ()  # (no model yet: nothing to time)
 
     def collecting() -> bool:
         m = ref()
@@ -136,7 +136,7 @@ def probes_for(mon) -> FlightProbes:
 
     def module_names() -> dict:
         m = ref()
-        chunks = list(m._chunks) if m is not None else []
+        chunks = list(m.monitored.chunks) if m is not None else []
         key = tuple(map(id, chunks))
         if names_cache.get("key") != key:
             several = len(chunks) > 1

@@ -274,7 +274,7 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
         return
     base = x._base
     whole_view = (base is not None and base.grad_fn is not None and base.numel() == x.numel()
-                  and not mon._compiled)
+                  and not mon.monitored.compiled)
     once = _Once() if x.is_leaf or whole_view else None
     once_handle = x.register_hook(_make_grad_cb(mon, st, users, once))
     if once is not None:
@@ -372,7 +372,7 @@ def _grad_cb_eager():
 def _make_grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once | None = None):
     """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
     tensor, several per module call, cost 5-10 us each)."""
-    return functools.partial(_grad_cb_eager() if mon._compiled else _grad_cb, mon._ref, st, users, once)
+    return functools.partial(_grad_cb_eager() if mon.monitored.compiled else _grad_cb, mon._ref, st, users, once)
 
 
 def _with_nan_row(rows, nan_second: bool):

@@ -1,7 +1,8 @@
 """``TrainerMon``: mindstudio-probe 1.2.1's monitor API, recording into the per-rank trainrec log.
 
-The msprobe face over the recorder's parts (output, optimizer binding, step tracker, step hooks, name
-table, collector); how a step is recorded, and which part does what: ``docs/recorder-internals.md``.
+The msprobe face over the recorder's parts (rank identity, output, optimizer binding, step tracker, step
+cycle, monitored model, step hooks, name table, collection): its signature, argument checks and config
+application; how a step is recorded, and which part does what: ``docs/recorder-internals.md``.
 """
 
 from __future__ import annotations
@@ -11,13 +12,10 @@ import functools
 import hashlib
 import json
 import logging
-import operator
 import os
-import sys
 import time
 import weakref
 
-import torch
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import (
@@ -26,13 +24,10 @@ from trainrec.schema.events import (
     KINDS,
     ConfigApplied,
     ConfigRejected,
-    MonitoringStopped,
     RunResumed,
-    StepBegan,
-    StepEnded,
 )
 
-from . import api_backward, api_calls, fsdp, runinfo, structure
+from . import api_backward, fsdp, open_monitors, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
 from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
@@ -42,21 +37,22 @@ from .config import MonitorConfig, load_config, parse_config
 from .context import RecordingContext
 from .flight import probes_for
 from .hooks import StepState
-from .model_args import checked_arguments, checked_model, compiled_fullgraph, uncompiled
+from .model_args import checked_arguments, checked_model, compiled_fullgraph
+from .monitored import MonitoredModel
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
 from .output import Output
+from .rank_identity import RankIdentity
 from .session import HookFailures, warn_once, warn_unrecorded
 from .stats import StatsEngine
+from .step_cycle import StepCycle
 from .step_output import StepOutput, spill_loop
 from .step_stats import StepStats
-from .steps import StepTracker, rows_non_finite, weak_call
-from .targets import ParamInfo, Targets, mark_tp_duplicates, select_targets, uninitialized
+from .steps import StepTracker, weak_call
+from .targets import uninitialized
 from .writer import before_sigterm_close
 
 log = logging.getLogger(__name__)
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_PARAM_REQUIRES_GRAD = operator.attrgetter("param.requires_grad")
 
 PRINT_STRUCT_EXIT = "exit after first monitor step when print model struct"
 
@@ -85,7 +81,6 @@ class TrainerMon:
         else:
             self.config = load_config(config_file_path)
         self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None
-        self.process_group = process_group
         if not isinstance(params_have_main_grad, (bool, int)) or params_have_main_grad not in (0, 1):
             # ("no" would be taken as true: main_grad looked for, where a run has none, .grad used)
             raise ConfigError(f"expected True or False, got {params_have_main_grad!r}", "params_have_main_grad",
@@ -101,13 +96,8 @@ class TrainerMon:
                         "(only 'true' turns it on); the config applies as it is, from the start",
                         os.environ["DYNAMIC_MONITOR"])
         self.dynamic = dynamic == "true"
-        info = runinfo.rank_info(process_group)
-        self.rank, self.world_size, self.pp_stage = info.rank, info.world_size, info.pp_stage
+        self.identity = RankIdentity(process_group)  # rank, world, pipeline stage, the run id the ranks share
         warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
-        self.group_mates = info.group_mates
-        self._distributed = info.distributed
-        self._run_id_shared = runinfo.run_id_shared_now()
-        self.run_id = runinfo.shared_run_id()
         if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
             raise TypeError(f"output_dir: expected a directory path (str or os.PathLike), got "
                             f"{type(output_dir).__name__}")
@@ -124,44 +114,29 @@ class TrainerMon:
         self.step_output = StepOutput(self.output, self.name_table, self.rank)
         self.step_hooks = StepHooks(weak_call(self._hook_failed), warn_once)
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
-        self._lazy_warned: set[str] = set()  # targets keys warned of for naming such parameters
         self._no_tensor_warned: set[int] = set()  # modules where the default selection found no tensor (hooks)
         self._struct_handles: list = []
         self._chunk_handles: list = []
         self._lazy_chunks: set[int] = set()  # chunks with lazy modules' parameters not made when installed
-        # step(closure): the rows that need the gradients the step applies are taken at its post-step
-        # hook (_closure_rows): the step's state at its pre-step hook, whether that call began the step
-        # (DeepSpeed: one param group at a time), and mg_direction's momenta before the update
-        self._closure_state: StepState | None = None
-        self._closure_first = True
-        self._closure_momenta: tuple | None = None
-        self._step = 0
-        self._step_wall0 = time.time()
-        self._live_check_at = 0.0  # when _begin_step looks at the live export next
-        self._began = False
-        self._collections = 0
-        self._monitoring = False
-        self._first_step = 0
-        self._chunks: list[torch.nn.Module] = []
-        self._fullgraph = False  # a chunk was given as torch.compile(..., fullgraph=True): no graph breaks
-        self._targets: Targets | None = None
-        self._check_handles: list = []  # selector checks at the first call, until the first step ends
         cls = type(self)  # (its set_wrapped_optimizer, read at binding time; the class, not this monitor)
         self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
                                         lambda: cls._wrapped_optimizer, warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
-                                 weak_call(self._several_ranks), weak_call(self._hook_failed), warn_once)
-        self._compiled = False  # the model runs under torch.compile: hooks are made for it (compile_mode.eager)
-        self._tp_group = None
-        self._installed: list = []  # each chunk's {name: DDP + TP local parameter} at monitor_gnorm_with_ad
+                                 self.identity.several_ranks, weak_call(self._hook_failed), warn_once)
         # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
         # monitor through this: out of the collector's sight, a strong reference there keeps it alive
         self._ref = weakref.ref(self)
-        self._mark_began_weakly = weak_call(self._mark_began)  # each collected step's first-firing callback
-        self.output.closed_with(self)  # (at exit, _close_open_monitors closes a live monitor in full)
+        self.output.closed_with(self)  # (at exit, open_monitors closes a live monitor in full)
         self._struct: dict | None = None
         self._closed = False
         self.collection = Collection(self.context, self.binding, self.steps, self.step_hooks)
+        # the model's chunks, its targets and the step's hooks on them
+        self.monitored = MonitoredModel(self, self.context, self.step_hooks, self.collection.grad_batch, self.identity,
+                                        self.name_table, weak_call(self._sync_names), weak_call(self._hook_failed))
+        # the step boundaries, the step counter and the collection schedule
+        self.cycle = StepCycle(self, self.rank, self.context, self.output, self.steps, self.binding, self.collection,
+                               self.monitored, self.step_hooks, self.step_output, weak_call(self._emit),
+                               weak_call(self._hook_failed))
         if self.config.format != "api":
             self._open_output()
         else:
@@ -172,26 +147,17 @@ class TrainerMon:
                 path, validate=lambda raw: parse_config(raw, os.fspath(path)), emit=weak_call(self._emit),
                 check=weak_call(self._check_config))
         self.output.probes = probes_for(self)  # collectives, stall watchdog (flight.py)
-        _open_monitors.add(self)  # closed at exit (_close_open_monitors)
+        open_monitors.add(self)  # closed at exit
 
     # ------------------------------------------------------------------ output
     def _open_output(self) -> None:
         """Open the log (again, after a config error discarded the empty one): names are announced to the
         new file anew; the spill thread starts once per monitor."""
-        self.run_id = self.output.open(self.config, self.run_id, self.world_size, self.pp_stage, self.group_mates)
+        ident = self.identity
+        ident.run_id = self.output.open(self.config, ident.run_id, ident.world_size, ident.pp_stage, ident.group_mates)
         self.name_table.new_file()
         if self.output.start_spilling(functools.partial(spill_loop, weakref.ref(self))):
-            before_sigterm_close(self._write_unfinished_step)
-
-    def _write_unfinished_step(self) -> None:
-        """A step that never ended (an exception, SIGTERM, a NaN check that stopped the run): what it
-        recorded is written, with no StepEnded after it, for the post-mortem. Once."""
-        st = self.context.state
-        if st is not None and not st.written and (st.stats or st.pending or self.step_hooks.fired or len(st.mod_ids)):
-            try:
-                self._write_step(st)
-            except Exception as exc:  # noqa: BLE001
-                self._hook_failed("the unfinished step at close", exc)
+            before_sigterm_close(self.cycle.write_unfinished)
 
     def _config_source(self) -> str | None:
         return os.fspath(self.config_file_path) if self.config_file_path is not None else None
@@ -202,7 +168,7 @@ class TrainerMon:
         its log closed), as where monitor_gnorm_with_ad rejects a config: a notebook that fixes the
         config and makes a new monitor on the same model has that one only."""
         try:
-            self._emit(ConfigRejected(rank=self.rank, step=self._step, wall=time.time(), content_hash="",
+            self._emit(ConfigRejected(rank=self.rank, step=self.cycle.step, wall=time.time(), content_hash="",
                                       path=self._config_source() or "", reason=str(exc),
                                       keys=(exc.key,) if exc.key else ()))
             self._close(f"config rejected: {exc.key}" if exc.key else "config rejected")
@@ -212,7 +178,15 @@ class TrainerMon:
     def _emit(self, event) -> None:
         """Hand an event to the log; a failed writer is reported once and never raised into training."""
         if not self.output.emit(event):
-            self._monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
+            self.cycle.monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
+
+    # who this process is in the run (msprobe's attributes), kept by the rank identity part
+    process_group = property(lambda self: self.identity.process_group)
+    rank = property(lambda self: self.identity.rank)
+    world_size = property(lambda self: self.identity.world_size)
+    pp_stage = property(lambda self: self.identity.pp_stage)
+    group_mates = property(lambda self: self.identity.group_mates)
+    run_id = property(lambda self: self.identity.run_id)
 
     @property
     def rank_dir(self) -> str | None:
@@ -222,7 +196,12 @@ class TrainerMon:
     @property
     def step_count(self) -> int:
         """The current step's number (counted from ``start_iteration``)."""
-        return self._step
+        return self.cycle.step
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or the process's exit closed it): nothing more is recorded."""
+        return self._closed
 
     @property
     def log_path(self) -> str | None:
@@ -246,7 +225,7 @@ class TrainerMon:
             self.context.engine = StatsEngine(new.ops, new.eps)
             if st is not None:
                 st.stats = StepStats(new.ops)
-        # else _begin_step makes the engine for the new ops when this step has ended
+        # else the cycle's begin() makes the engine for the new ops when this step has ended
 
     @classmethod
     def set_wrapped_optimizer(cls, _wrapped_optimizer) -> None:
@@ -256,26 +235,21 @@ class TrainerMon:
     def monitor_gnorm_with_ad(self, model, grad_acc_steps: int = 1, optimizer=None, dp_group=None, tp_group=None,
                               start_iteration: int = 0) -> None:
         """Install the hooks on ``model`` (a module or a list of virtual-pipeline chunks)."""
-        if self._chunks:
+        if self.monitored.chunks:
             raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
         try:
             given, acc = checked_model(model), checked_arguments(grad_acc_steps, start_iteration)
         except (ConfigError, TypeError):
             self.output.discard_if_empty()  # nothing installed: no empty run left beside a fixed one
             raise
-        self._chunks = [uncompiled(m) for m in given]
-        # 2-D DDP + TP's local Parameters, which the module lists no more after its first forward (see
-        # targets._displaced); those alone: the others, held for good, might be a model's replaced weights
-        self._installed = [{n: p for n, p in c.named_parameters() if hasattr(p, "_st_info")} for c in self._chunks]
-        self._fullgraph = any(map(compiled_fullgraph, given))
-        self._compiled = any(m is not c for m, c in zip(given, self._chunks, strict=True)) or self._chunks_compiled()
+        self.monitored.install(given, tp_group)
         self.steps.grad_acc = acc
-        self._step = int(start_iteration)
-        self._tp_group = tp_group
-        if not self._distributed:
-            self._join_process_group()
-        fsdp1 = fsdp.fsdp1_units(self._chunks)
-        if dp_group is not None and self._distributed and not fsdp1:  # FSDP1: every gradient is a shard
+        self.cycle.step = int(start_iteration)
+        if not self.identity.distributed:
+            self.identity.join_process_group(self.output, append_output=bool(self.config.append_output),
+                                             reopen=self._open_output, hook_failed=self._hook_failed)
+        fsdp1 = fsdp.fsdp1_units(self.monitored.chunks)
+        if dp_group is not None and self.identity.distributed and not fsdp1:  # FSDP1: every gradient is a shard
 
             self.collection.ownership.join_dp_group(dp_group)
         if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
@@ -287,26 +261,26 @@ class TrainerMon:
                        "state are this rank's shards; activations are recorded as usual. FSDP2 "
                        "(torch.distributed.fsdp.fully_shard) records every parameter's unreduced gradient.")
         try:
-            self._targets = self._build(self.config)  # raises ConfigError before any training
+            self.monitored.build(self.config)  # raises ConfigError before any training
         except ConfigError as exc:
-            self._chunks = []  # nothing installed: the caller may fix the config and call again
+            self.monitored.chunks = []  # nothing installed: the caller may fix the config and call again
             self.output.discard_if_empty()
             raise exc.with_source(self._config_source()) from None
         if self.output.discarded:  # an earlier call failed on the config: this one records
             self._open_output()
         self._write_structure()
-        self._warn_if_monitored_already()
+        open_monitors.warn_if_monitored_already(self)
         # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step; on the
         # wrapper of a chunk compiled with fullgraph=True, whose own hooks run outside the graph (inside
         # it, a hook that dynamo may not trace is a graph break, which fullgraph makes an error)
-        hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, self._chunks, strict=True)]
+        hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, self.monitored.chunks, strict=True)]
         self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
                                for vpp, chunk in enumerate(hooked)]
         self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self, vpp))
                                 for vpp, chunk in enumerate(hooked)]
-        self.steps.chunk0_params = [p for p in self._chunks[0].parameters() if p.requires_grad]
+        self.steps.chunk0_params = [p for p in self.monitored.chunks[0].parameters() if p.requires_grad]
         self._mark_params()
-        self._lazy_chunks = {vpp for vpp, c in enumerate(self._chunks) if any(map(uninitialized, c.parameters()))}
+        self._lazy_chunks = {vpp for vpp, c in enumerate(self.monitored.chunks) if any(map(uninitialized, c.parameters()))}
         if not self.steps.manual:
             # every optimizer's step, once each: another optimizer's (a GAN's other model's) tells the
             # passes of this model inside that model's step from this model's own (_other_stepped)
@@ -315,24 +289,24 @@ class TrainerMon:
             self._chunk_handles.append(register_optimizer_step_post_hook(eager(weak_call(self.steps.other_stepped))))
         self._bind_optimizer(optimizer)
         if self.output.resumed_from:
-            if self._step == 0:
+            if self.cycle.step == 0:
                 log.warning("trainrec: append_output resumes the run in this launch, but training starts "
                             "at step 0 here (start_iteration not given, or 0): replay takes every step from 0 on as "
                             "re-run, so what the earlier launches recorded is superseded (hidden from inspect, "
                             "exports and anomalies; the live CSV export removes its files). Pass "
                             "monitor_gnorm_with_ad(..., start_iteration=<the step training resumes at>)")
-            self._emit(RunResumed(rank=self.rank, step=self._step, wall=time.time(),
-                                  previous_files=self.output.resumed_from, last_step=self._step - 1,
+            self._emit(RunResumed(rank=self.rank, step=self.cycle.step, wall=time.time(),
+                                  previous_files=self.output.resumed_from, last_step=self.cycle.step - 1,
                                   reason="append_output"))
         if self.config.print_struct and not self.dynamic:
             self._attach_struct_hooks()
         else:
             # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
-            self._check_handles = self._targets.first_call_checks(self._config_source(),
-                                                                  weak_call(self._rejected_at_first_call))
+            self.cycle.check_handles = self.monitored.targets.first_call_checks(
+                self._config_source(), weak_call(self._rejected_at_first_call))
             if not self.dynamic:
-                self._apply_config(self.config, self._step - 1, _content_hash(self.config.raw), reason="static")
-        self._begin_step()
+                self._apply_config(self.config, self.cycle.step - 1, _content_hash(self.config.raw), reason="static")
+        self.cycle.begin()
 
     def _mark_params(self) -> None:
         """A backward ran in this step: a hook on chunk 0's first and last parameters tells the step
@@ -341,68 +315,6 @@ class TrainerMon:
             # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
             # the monitor (which holds the model) would keep both alive until exit
             self._chunk_handles.append(p.register_post_accumulate_grad_hook(eager(weak_call(self.steps.on_backward))))
-
-    def _join_process_group(self) -> None:
-        """torch.distributed was initialized after this monitor was made (msprobe's documentation makes
-        the monitor first): its rank and world size came from the environment (``RANK``,
-        ``WORLD_SIZE``, as torchrun sets them), which named the rank directory and the log's header
-        and stay the log's; from here on ``dp_group`` and ``tp_group`` deduplicate."""
-        info = runinfo.rank_info(self.process_group)
-        if not info.distributed:
-            if self.world_size > 1 and not runinfo.run_id_shared_now():
-                warn_once("unshared_run", f"trainrec: rank {self.rank} of WORLD_SIZE={self.world_size} without "
-                           "torch.distributed initialized, and no TRAINREC_RUN_ID or TORCHELASTIC_RUN_ID in the "
-                           "environment: each rank's log is a run of its own, which replay does not merge. Set "
-                           "TRAINREC_RUN_ID to one value in every rank's environment (torchrun: --rdzv-id or "
-                           "--standalone), or initialize torch.distributed before monitor_gnorm_with_ad")
-            return
-        if info.rank != self.rank or info.world_size != self.world_size:
-            warn_once("late_dist", f"trainrec: torch.distributed was initialized after TrainerMon was made, and "
-                       f"its rank {info.rank} of {info.world_size} differs from the environment's "
-                       f"(RANK={self.rank}, WORLD_SIZE={self.world_size}) that named the log directory "
-                       f"{self.output.rank_dir}; make TrainerMon after init_process_group, or set RANK and WORLD_SIZE")
-        self._distributed = True
-        # the pipeline stage and group mates, as a monitor made after init_process_group has them (the
-        # environment gave stage 0 and this rank alone): the log's header and the anomalies carry them
-        header = (self.pp_stage, self.group_mates)
-        restage = (info.pp_stage, tuple(info.group_mates)) != (self.pp_stage, tuple(self.group_mates))
-        self.pp_stage, self.group_mates = info.pp_stage, info.group_mates
-        if self.output.watcher is not None:  # dynamic mode: the ranks agree on the step a change applies at
-            try:
-                self.output.watcher.join_group()
-            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                self._hook_failed("dynamic config watcher", exc)
-        if not self._share_run_id(restage) and restage and self.output.writer is not None:
-            # the log keeps its header (it holds events, or continues a run): so do its anomalies
-            self.pp_stage, self.group_mates = header
-
-    def _share_run_id(self, restage: bool = False) -> bool:
-        """The run id was chosen before torch.distributed was up, with no TRAINREC_RUN_ID or
-        TORCHELASTIC_RUN_ID to share: each rank made its own, and replay would list every rank as a run
-        of its own. The ranks agree on one now (through the process group's store), and the log, still
-        empty, is opened again under it (in a new rank directory). ``restage``: the pipeline stage or
-        group mates changed since the log's header was written: the empty log is opened again for them
-        also where the run id was shared already. Returns whether the log was opened again."""
-        rid = self.run_id
-        if not self._run_id_shared:
-            self._run_id_shared = True
-            rid = runinfo.shared_run_id()
-        if (rid == self.run_id and not restage) or self.config.append_output:
-            return False
-        if self.output.writer is None:  # format api: no log
-            self.run_id = rid
-            return False
-        if self.output.emitted or not self.output.made_rank_dir:
-            if rid != self.run_id:
-                log.warning("trainrec: rank %d: torch.distributed was initialized after TrainerMon was made and "
-                            "its log already holds events, so its run id stays this rank's own: replay lists "
-                            "this rank's log as a run of its own. Make TrainerMon after init_process_group, or "
-                            "set TRAINREC_RUN_ID in every rank's environment", self.rank)
-            return False
-        self.run_id = rid
-        self.output.discard_if_empty()
-        self._open_output()
-        return True
 
     def generate_wgrad_metrics(self) -> tuple[dict, dict]:
         """``(reduced, unreduced)``: ``{tag: {op: 0-dim tensor}}`` of the latest collected step."""
@@ -424,52 +336,31 @@ class TrainerMon:
         stacked. As in the reference, whose signature this is, a call without argument turns it off."""
         cfg = parse_config({**self.config.raw, "xy_distribution": bool(xy_distribution)}, "reload_xy")
         self.config = cfg
-        if self._chunks:
+        if self.monitored.chunks:
             attached = self.step_hooks.attached
-            self._detach()
-            self._targets = self._build(cfg)
+            self.monitored.detach()
+            self.monitored.build(cfg)
             if attached:
-                self._attach()
+                self.monitored.attach()
 
     def close(self) -> None:
         """Remove every hook, stop the watcher, close the log and wait for the live export. Idempotent."""
         self._close("close")
 
-    def _warn_if_monitored_already(self) -> None:
-        """Another open monitor hooks one of these modules (a notebook or sweep that made a new monitor on
-        the same model without closing the last): both record every step, each at its own cost."""
-        mine = {id(c) for c in self._chunks}
-        for other in list(_open_monitors):
-            if other is not self and not other._closed and any(id(c) in mine for c in other._chunks):
-                log.warning("trainrec: this model is also monitored by another TrainerMon that is still open "
-                            "(its log: %s): both record every step, each at its own cost; close() the other one "
-                            "(or use `with TrainerMon(...)`/`with record(...)`)", other.log_path or "none, format api")
-                return
-        # two models of one process (a GAN's generator and discriminator) logged side by side: one run id,
-        # one rank, two launches in one directory, of which replay shows one
-        here = os.path.realpath(self.output_dir)
-        for other in list(_open_monitors):
-            if (other is not self and not other._closed and self.output.writer is not None and other.output.writer is not None
-                    and other.rank == self.rank and os.path.realpath(other.output_dir) == here):
-                log.warning("trainrec: another open monitor of this process writes to the same output directory "
-                            "%s (its log: %s): replay shows one launch per directory, so one of the two logs would "
-                            "be hidden; give each its own output_dir (or $MONITOR_OUTPUT_DIR)", here, other.log_path)
-                return
-
     def _close(self, reason: str) -> None:
         """:meth:`close`, with ``reason`` in the log's FileClosed ("exit..." when the process ends)."""
         if self._closed:
             return
-        self._end_skipped_last_step()
+        self.cycle.end_skipped_last_step()
         if reason in ("close", "exit"):  # (after an exception or a signal, a step begun stays open)
-            self._end_foreign_passes()
+            self.cycle.end_foreign_passes()
         self._closed = True
-        _open_monitors.discard(self)
+        open_monitors.remove(self)
         self.output.stop_spilling()  # (before the step in progress is written here)
-        self._detach()
-        self._write_unfinished_step()
+        self.monitored.detach()
+        self.cycle.write_unfinished()
         self.binding.close()
-        for handles in (self._struct_handles, self._chunk_handles, self._check_handles):
+        for handles in (self._struct_handles, self._chunk_handles, self.cycle.check_handles):
             for h in handles:
                 h.remove()
             handles.clear()
@@ -479,7 +370,7 @@ class TrainerMon:
         self.context.engine.release()
 
     def _emit_failure_totals(self) -> None:
-        self.failures.emit_totals(self.rank, self._step)
+        self.failures.emit_totals(self.rank, self.cycle.step)
 
     def __enter__(self) -> TrainerMon:
         self._check_open("with")
@@ -502,9 +393,9 @@ class TrainerMon:
         (raises ConfigError, e.g. a target that matches no module), kept for :meth:`_apply_config`;
         returns the first step it would collect, applied after this one."""
         self._checked = None
-        if self._chunks and config is not self.config:
-            self._checked = (config, self._select(config))
-        return config.first_collected(self._step)
+        if self.monitored.chunks and config is not self.config:
+            self._checked = (config, self.monitored.select(config))
+        return config.first_collected(self.cycle.step)
 
     def _apply_config(self, config: MonitorConfig, step: int, content_hash: str, reason: str = "dynamic") -> None:
         """Make ``config`` the active one from step ``step + 1`` (dynamic glue; static calls it once).
@@ -513,22 +404,18 @@ class TrainerMon:
         ``collect_times`` counted from here.
         """
         old = self.config
-        if self._chunks and (config is not old):
+        if self.monitored.chunks and (config is not old):
             checked, self._checked = self._checked, None
             try:
                 # may raise ConfigError: nothing changed yet
-                targets, params = checked[1] if checked and checked[0] is config else self._select(config)
+                targets, params = checked[1] if checked and checked[0] is config else self.monitored.select(config)
             except ConfigError as exc:
                 log.warning("trainrec: config not applied at step %d: %s", step, exc)
                 self._emit(ConfigRejected(rank=self.rank, step=step, wall=time.time(), content_hash=content_hash,
                                           path=os.fspath(self.config_file_path) if self.config_file_path else "",
                                           reason=str(exc), keys=(exc.key,) if exc.key else ()))
                 return
-            attached = self.step_hooks.attached
-            self._detach()
-            self._targets, self.context.params = targets, params
-            if attached:
-                self._attach()
+            self.monitored.retarget(targets, params)
         self.config = config
         warn_unrecorded(config, self.world_size)
         changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
@@ -541,49 +428,21 @@ class TrainerMon:
             self.context.engine = StatsEngine(config.ops, config.eps)
         if config.alert != old.alert:
             self.output.make_alerts(config, self.pp_stage, self.group_mates)
-        self._collections = 0
-        self._first_step = step + 1
-        self._monitoring = True
-        if config.print_struct and self._chunks and self._struct is None and reason != "static":
+        self.cycle.schedule_from(step)
+        if config.print_struct and self.monitored.chunks and self._struct is None and reason != "static":
             self._attach_struct_hooks()  # switched on with print_struct: the next step writes it and ends the run
         self._emit(ConfigApplied(rank=self.rank, step=step, wall=time.time(),
                                  path=os.fspath(self.config_file_path) if self.config_file_path else "",
                                  content_hash=content_hash, config=dict(config.raw),
                                  start_step=config.first_collected(step + 1), reason=reason))
 
-    def _stop(self, reason: str, notify_watcher: bool = True, step: int | None = None) -> None:
-        """Monitoring ends after ``step`` (default: the current step)."""
-        self._monitoring = False
-        self._detach()
-        self._emit(MonitoringStopped(rank=self.rank, step=self._step if step is None else step, wall=time.time(),
-                                     reason=reason, collections=self._collections))
-        if self.output.watcher is not None and notify_watcher:
-            try:
-                self.output.watcher.collection_finished(self._step)
-            except Exception as exc:  # noqa: BLE001
-                self._hook_failed("dynamic config watcher", exc)
-
     # ------------------------------------------------------------------ names and targets
     def _sync_names(self) -> None:
         """Announce new names to the log once (the spill thread writes records too)."""
-        self.step_output.sync_names(self._step)
-
-    def _build(self, cfg: MonitorConfig) -> Targets:
-        targets, self.context.params = self._select(cfg)
-        return targets
-
-    def _select(self, cfg: MonitorConfig) -> tuple[Targets, list[ParamInfo]]:
-        """Resolve targets and names for ``cfg`` (raises ConfigError before changing anything)."""
-        targets = select_targets(self._chunks, cfg, self.rank, self.name_table.intern,
-                                 several_ranks=self._several_ranks(), installed=self._installed,
-                                 fullgraph=self._fullgraph, lazy_warned=self._lazy_warned, warn_once=warn_once)
-        self._sync_names()
-        if self._tp_group is not None and self._distributed:
-            mark_tp_duplicates(targets.params, self._tp_group)
-        return targets, targets.params
+        self.step_output.sync_names(self.cycle.step)
 
     def _write_structure(self, vpp: int | None = None) -> None:
-        for ev in structure.structure_events(self._chunks, None, None, self.rank, self._step, vpp):
+        for ev in structure.structure_events(self.monitored.chunks, None, None, self.rank, self.cycle.step, vpp):
             self._emit(ev)
 
     def _materialized(self, vpp: int) -> None:
@@ -600,120 +459,15 @@ class TrainerMon:
     # ------------------------------------------------------------------ optimizer binding
     def _bind_optimizer(self, optimizer) -> None:
         if not self.steps.manual:  # (the native Recorder without an optimizer: steps come from step())
-            self.binding.bind(optimizer, self._chunks)
+            self.binding.bind(optimizer, self.monitored.chunks)
 
     # ------------------------------------------------------------------ step boundaries
-    def _collects(self, step: int) -> bool:
-        return self._monitoring and step >= self._first_step and self.config.is_collected(step, self._collections)
-
-    def _begin_step(self) -> None:
-        self.binding.drop_waiting_hook()
-        self.context.step_t0 = time.perf_counter()
-        self._step_wall0 = time.time()
-        self._began = False
-        live = self.output.live
-        if live is not None and self.context.step_t0 >= self._live_check_at:  # the live export died?
-            self._live_check_at = self.context.step_t0 + _LIVE_CHECK_S
-            try:
-                live.check()
-            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                self._hook_failed("checking the live export", exc)
-        self.steps.step_begins()
-        if not self._compiled and self._chunks_compiled():
-            self._compiled = True
-        if self._collects(self._step):
-            self._match_compiled()
-            self._hook_unfrozen()
-            cfg = self.config
-            if self.context.engine.ops != tuple(cfg.ops) or self.context.engine.eps != cfg.eps:
-                self.context.engine = StatsEngine(cfg.ops, cfg.eps)  # ops set in the middle of the last step
-            self.context.state = StepState(self._step, cfg.ops, self._mark_began_weakly)
-        else:
-            if self.step_hooks.attached:
-                self._detach()
-            self.context.state = None
-        step_open = self.output.step_open
-        if (self.context.state is not None) != step_open.is_set():
-            if self.context.state is not None:
-                step_open.set()
-            else:
-                step_open.clear()
-
-    def _hook_unfrozen(self) -> None:
-        """The step's hooks attached, also on parameters frozen when they were attached or chosen that
-        require grad now (fine-tuning that unfreezes layers as it goes), and without the parameters
-        frozen since they were chosen (an adapter switched off): at a collected step's begin, and again
-        at its first forward (layers are unfrozen in the loop, after the last step ended)."""
-        t = self._targets
-        if t is not None and ((t.frozen and any(map(_REQUIRES_GRAD, t.frozen)))
-                              or not all(map(_PARAM_REQUIRES_GRAD, self.context.params))):
-            self._select_unfrozen()
-        elif self.step_hooks.unfrozen_since():
-            self._detach()  # a parameter frozen at attach time was unfrozen: hook it too
-        if not self.step_hooks.attached:
-            self._attach()
-
-    def _select_unfrozen(self) -> None:
-        """A parameter frozen when the targets were chosen now requires grad, or one chosen is frozen now:
-        choose them again, so that it is recorded from this step on (fine-tuning that unfreezes layers
-        as it goes), or no longer (no parameter or optimizer-state rows of a parameter not trained)."""
-        try:
-            targets, params = self._select(self.config)
-        except ConfigError as exc:  # (the same config was accepted before; the model may have changed)
-            self._hook_failed("targets of unfrozen parameters", exc)
-            self._targets.frozen = [p for p in self._targets.frozen if not p.requires_grad]
-            return
-        self._detach()
-        self._targets, self.context.params = targets, params
-
-    def _mark_began(self) -> None:
-        """StepBegan is written at the step's first sign of life (a training forward of the model, a hook
-        firing, an optimizer step),
-        with the wall time of the step's start, so a run that ends between steps has no dangling step."""
-        if not self._began:
-            self._began = True
-            self._emit(StepBegan(rank=self.rank, step=self._step, wall=self._step_wall0))
-
-    def _match_compiled(self) -> None:
-        """Attached step hooks made for the other mode (the model was compiled since) are made again."""
-        if self.step_hooks.attached and self.step_hooks.compiled != self._compiled:
-            self._detach()
-            self._attach()
-
-    def _chunks_compiled(self) -> bool:
-        """Whether a chunk was compiled in place (``nn.Module.compile()``)."""
-        return any(getattr(c, "_compiled_call_impl", None) is not None for c in self._chunks)
-
-    def _attach(self) -> None:
-        t = self._targets
-        if t is not None:
-            wg = self.config.wg_distribution
-            self.step_hooks.attach(self, t, self.context.params, self._compiled, self._chunks if wg else None,
-                                   wg and self._list_hooks_allowed(), self.params_have_main_grad)
-            if self.config.api_level:  # the API level (api_calls.py): its hooks, made per attach
-                self.step_hooks.handles += api_calls.ApiLevel(self).attach(self._chunks, t.modules)
-
-    def _list_hooks_allowed(self) -> bool:
-        return self.collection.grad_batch.list_hooks_allowed(self.config, self._compiled, self._several_ranks())
-
-    def _hook_materialized(self) -> None:
-        self.step_hooks.hook_materialized(self._list_hooks_allowed())
-
-    def _detach(self) -> None:
-        if self.step_hooks.fired and self.context.state is not None:
-            # the list hooks' firings since the last backward pass ended: measured first
-            try:
-                self.collection.grad_batch.drain_fired(expected=True)  # the hooks go now: no fallback to make
-            except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                self._hook_failed("gradient batch", exc)
-        self.step_hooks.detach()
-
     def _attach_struct_hooks(self) -> None:
-        self._struct, self._struct_handles = structure.attach_struct_hooks(self._chunks, self._targets)
+        self._struct, self._struct_handles = structure.attach_struct_hooks(self.monitored.chunks, self.monitored.targets)
 
     def _print_struct_and_exit(self) -> None:
         structure.write_module_struct(self._struct or {}, self.output_dir)
-        for ev in structure.structure_events(self._chunks, self._targets, self._struct or {}, self.rank, self._step):
+        for ev in structure.structure_events(self.monitored.chunks, self.monitored.targets, self._struct or {}, self.rank, self.cycle.step):
             self._emit(ev)
         self.close()
         raise Exception(PRINT_STRUCT_EXIT)  # noqa: TRY002 - the reference's documented behaviour
@@ -721,168 +475,17 @@ class TrainerMon:
     def _pre_step(self, opt, args, kwargs) -> None:
         if self._struct is not None and not self._closed:
             self._print_struct_and_exit()  # raises, as the reference does, to end the run after one step
-        try:
-            self._mark_began()
-            # step(closure) (LBFGS always; SGD, Adam... where given one): its passes run after this hook
-            closure = self.steps.optimizer_step_begins(args, kwargs)
-            st = self.context.state
-            if st is None:
-                return
-            # a later group of a step made one group at a time (DeepSpeed) adds its gradients' pieces only
-            first, _ = self.binding.part_of_step(opt)
-            if closure:  # the gradients the step applies are the closure's: taken at the post-step hook
-                self._closure_state, self._closure_first = st, first
-            momenta = self.collection.pre_step(st, self.config, first, closure)
-            if closure:
-                self._closure_momenta = momenta
-        except Exception as exc:  # noqa: BLE001
-            self._hook_failed("optimizer pre-step", exc)
-
-    def _closure_rows(self) -> None:
-        """At the post-step hook of ``step(closure)``: the rows the pre-step hook takes from the gradients
-        where there is no closure (reduced gradients, mg_direction), of the gradients the closure's last
-        evaluation left, which the step applied (LBFGS: its last evaluation's; one row set per step,
-        however many evaluations it made). mg_direction compares them with the momentum as it was before
-        the update (the signs kept at the pre-step hook)."""
-        st, momenta = self._closure_state, self._closure_momenta
-        self._closure_state = self._closure_momenta = None
-        if st is None or st is not self.context.state:
-            return
-        self.collection.closure_rows(st, self.config, self._closure_first, momenta)
+        self.cycle.pre_step(opt, args, kwargs)
 
     def _post_step(self, opt, args, kwargs) -> None:
-        try:
-            if self.steps.closure_ended():
-                try:
-                    self._closure_rows()
-                except Exception as exc:  # noqa: BLE001 - the step still ends
-                    self._hook_failed("optimizer post-step (closure)", exc)
-            last = self.binding.part_of_step(opt)[1]
-            self.binding.stepped(opt)
-            if last:  # else the step goes on with the next param group or optimizer
-                self._end_step()
-        except Exception as exc:  # noqa: BLE001 - the step's bookkeeping never kills training
-            self._hook_failed("optimizer post-step", exc)
-
-    def _on_micro_step(self) -> None:
-        """A training forward of chunk 0 begins: where it shows that the step so far was one whose
-        optimizer step never ran (:meth:`StepTracker.forward_begins`), that step ends here, marked so,
-        and this forward begins the next (without it, the next step's rows would land in the skipped one)."""
-        if not torch.is_grad_enabled():
-            return  # no backward follows: not a micro step
-        if self.steps.forward_begins():
-            self._end_step(optimizer_skipped=True)
-            self.steps.skipped_step_ended()
-        # the step's first sign of life, before any module's hook: a rank that hangs in this forward (a
-        # collective inside it) and is killed there leaves the step it was in, not the previous one's end
-        self._mark_began()
-        if self.steps.forwards == 1 and self.context.state is not None:
-            self._hook_unfrozen()
-
-    def _end_foreign_passes(self) -> None:
-        """At a close that is no failure: the run ended after this model's last optimizer step with
-        passes inside other optimizers' steps only (the discriminator's in the generator's). They are no
-        step of this model's: recorded with a StepEnded that says so (``foreign_passes``), and the step
-        count stays that of the training steps."""
-        if self._closed:
-            return
-        try:
-            if not self.steps.ends_in_foreign_passes():
-                return
-            st = self.context.state
-            self._mark_began()
-            if st is not None:
-                self._finish_step(st, foreign_passes=True)
-            else:
-                self._emit(StepEnded(rank=self.rank, step=self._step, wall=time.time(),
-                                     duration=time.perf_counter() - self.context.step_t0, collected=False,
-                                     micro_steps=self.steps.grad_acc, foreign_passes=True))
-            self.context.state = None
-        except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
-            self._hook_failed("passes inside other optimizers' steps at close", exc)
-
-    def _end_skipped_last_step(self) -> None:
-        """At close: the last step's optimizer step never ran (a loss scaler skipped it) and no forward
-        came after it to notice that; it is ended as such a forward would have ended it."""
-        if self._closed:
-            return
-        try:
-            if self.steps.last_step_skipped():
-                self._end_step(optimizer_skipped=True)
-        except Exception as exc:  # noqa: BLE001 - closing never fails on the bookkeeping
-            self._hook_failed("the skipped step at close", exc)
+        self.cycle.post_step(opt, args, kwargs)
 
     def _gradients_non_finite(self) -> bool | None:
-        """Whether the gradient rows this step recorded so far hold inf or NaN (None: none recorded)."""
-        st = self.context.state
-        if st is None:
-            return None
-        self.collection.grad_batch.settle()
-        return rows_non_finite(st.stats)
+        return self.cycle.gradients_non_finite()
 
-    def _write_step(self, st: StepState) -> None:
-        """The step's hook firings and statistics, to the log (and to the api metrics)."""
-        self.collection.grad_batch.settle()
-        for leaf in st.leaf_hooks:  # gradient hooks on leaf tensors outlive backward passes: not this step
-            leaf.handle.remove()
-        st.leaf_hooks.clear()
-        if st.api_passes:  # the gradients through the API calls (api_backward.py)
-            try:
-                api_backward.write_backward(self, st)
-            except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
-                self._hook_failed("the API calls' gradients", exc)
-        self._collections += 1
-        self.step_output.write(st)
-
-    def _finish_step(self, st: StepState, optimizer_skipped: bool = False, foreign_passes: bool = False) -> None:
-        self._write_step(st)
-        self._emit(StepEnded(rank=self.rank, step=st.step, wall=time.time(),
-                             duration=time.perf_counter() - self.context.step_t0, collected=True,
-                             micro_steps=max([self.steps.grad_acc, *(st.chunk_fwd or st.fwd_count).values()]),
-                             optimizer_skipped=optimizer_skipped, foreign_passes=foreign_passes))
-
-    def _several_ranks(self) -> bool:
-        return self._distributed and self.world_size > 1
-
-    def _end_step(self, optimizer_skipped: bool = False) -> None:
-        self.binding.step_ended()
-        for h in self._check_handles:  # the first step ran: selectors are checked by the hooks from now on
-            h.remove()
-        self._check_handles.clear()
-        micro = self.steps.step_ends(optimizer_skipped)
-        finished = self._step
-        st = self.context.state
-        self._mark_began()
-        try:
-            if st is not None:
-                if not optimizer_skipped:
-                    try:
-                        self.collection.optimizer.optimizer_rows(st, self.config)
-                    except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
-                        self._hook_failed("optimizer state statistics", exc)
-                self._finish_step(st, optimizer_skipped)
-            else:
-                self._emit(StepEnded(rank=self.rank, step=finished, wall=time.time(),
-                                     duration=time.perf_counter() - self.context.step_t0, collected=False,
-                                     micro_steps=micro, optimizer_skipped=optimizer_skipped))
-        except Exception as exc:  # noqa: BLE001
-            self._hook_failed("optimizer post-step", exc)
-        self.context.state = None
-        if st is not None and self._monitoring and self._collections >= self.config.collect_times:
-            self._stop("collect_times")
-        self._step += 1
-        if self.output.watcher is not None:
-            try:
-                update = self.output.watcher.poll(finished)
-            except Exception as exc:  # noqa: BLE001
-                update = None
-                self._hook_failed("dynamic config watcher", exc)
-            if update is not None:
-                if getattr(update, "switch", True):
-                    self._apply_config(update.config, finished, update.content_hash)
-                elif self._monitoring:
-                    self._stop("switch_off", notify_watcher=False, step=finished)
-        self._begin_step()
+    def _write_api_backward(self, st: StepState) -> None:
+        """The step's gradients through the API calls, to the log (api_backward.py)."""
+        api_backward.write_backward(self, st)
 
     def step(self) -> None:
         """End the current step by hand (for loops without a hooked optimizer)."""
@@ -892,25 +495,8 @@ class TrainerMon:
 
     # ------------------------------------------------------------------ failures
     def _hook_failed(self, where: str, exc: BaseException) -> None:
-        self.failures.failed(where, exc, self.rank, self._step)
+        self.failures.failed(where, exc, self.rank, self.cycle.step)
 
 
-_LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitpid) at step boundaries
-_open_monitors: weakref.WeakSet = weakref.WeakSet()
-
-
-def _close_open_monitors() -> None:
-    """At exit: close every monitor still open (one handler for all: a registration per monitor stayed
-    for the process's life, one per monitor ever made)."""
-    # the FileClosed says how the process ended: after an uncaught exception (the interpreter keeps it
-    # in sys.last_value for us), or without the monitor's close()
-    exc = getattr(sys, "last_value", None)
-    reason = f"exit after an uncaught {type(exc).__name__}" if exc is not None else "exit"
-    for mon in list(_open_monitors):
-        try:
-            mon._close(reason)
-        except Exception:  # noqa: BLE001
-            pass
-
-
-atexit.register(_close_open_monitors)
+# (registered here, after the writers' own exit handler: atexit runs it first, while the logs are open)
+atexit.register(open_monitors.close_all_at_exit)

@@ -61,7 +61,7 @@ class Targets:
     backward: bool = True
     made: dict = field(default_factory=dict, repr=False)  # hook functions, made once, reattached per step
     # parameters selected but frozen (requires_grad False) when the targets were chosen: chosen again
-    # at the first collected step after one of them is unfrozen (TrainerMon._hook_unfrozen)
+    # at the first collected step after one of them is unfrozen (MonitoredModel.hook_unfrozen)
     frozen: list = field(default_factory=list, repr=False)
     # targets keys that match only such parameters, where parameter statistics are on (a warning)
     frozen_only: list = field(default_factory=list)
@@ -93,11 +93,11 @@ class Targets:
         """``make(mon, *args)``, made at the first call and reused when a later collected step attaches
         the hooks again; where the model runs compiled, wrapped for it (:func:`.compile_mode.eager`, which
         costs 5-10 us per function made)."""
-        key += (mon._compiled,)
+        key += (mon.monitored.compiled,)
         fn = self.made.get(key)
         if fn is None:
             fn = make(mon, *args)
-            fn = self.made[key] = eager(fn) if mon._compiled else fn
+            fn = self.made[key] = eager(fn) if mon.monitored.compiled else fn
         return fn
 
     def first_call_checks(self, source: str | None = None, on_reject: Callable | None = None) -> list:

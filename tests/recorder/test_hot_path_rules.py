@@ -192,5 +192,5 @@ def test_the_device_path_reads_no_value_back_on_the_training_thread(tmp_path, mo
     train_batches(model, opt, steps=3)
     monkeypatch.undo()
     mon.close()
-    assert mon._collections == 3  # it did record
+    assert mon.cycle.collections == 3  # it did record
     assert {k: n for k, n in seen.items() if k[:2] not in _ALLOWED_READS} == {}

@@ -11,8 +11,7 @@ import time
 
 import torch
 import torch.nn as nn
-from trainrec.recorder import monitor as monitor_mod
-from trainrec.recorder import record
+from trainrec.recorder import record, step_cycle
 
 LOGGER = "trainrec.recorder.runinfo"
 
@@ -29,7 +28,7 @@ def _said(caplog):
 
 
 def test_a_live_export_killed_mid_run_is_reported_while_training_goes_on(out, caplog, monkeypatch):
-    monkeypatch.setattr(monitor_mod, "_LIVE_CHECK_S", 0.0)  # look at every step boundary
+    monkeypatch.setattr(step_cycle, "_LIVE_CHECK_S", 0.0)  # look at every step boundary
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -53,7 +52,7 @@ def test_a_live_export_killed_mid_run_is_reported_while_training_goes_on(out, ca
 
 
 def test_a_live_export_that_ends_well_says_nothing(out, caplog, monkeypatch):
-    monkeypatch.setattr(monitor_mod, "_LIVE_CHECK_S", 0.0, raising=False)
+    monkeypatch.setattr(step_cycle, "_LIVE_CHECK_S", 0.0, raising=False)
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger=LOGGER):

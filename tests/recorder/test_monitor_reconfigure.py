@@ -57,7 +57,7 @@ def test_reload_xy_switches_activation_hooks_without_stacking(tmp_path, out):
     opt.step()
     mon.reload_xy()  # the reference's default: xy_distribution=False
     # left: the run's own hook on each model chunk (micro steps of weight gradients), no activation hook
-    assert sum(len(m._forward_hooks) for m in model.modules()) == len(mon._chunks)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == len(mon.monitored.chunks)
     loss_of(model, 1).backward()
     opt.step()
     mon.reload_xy(True)
