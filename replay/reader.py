@@ -65,6 +65,8 @@ from trainrec.schema.events import (
     HooksFired,
     NamesInterned,
     NamesRepeated,
+    StepBegan,
+    StepEnded,
     TensorStatsRecorded,
     WriterFailed,
     unpack_array,
@@ -90,6 +92,8 @@ _DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, agai
 # millions of tiny damaged frames would otherwise fill memory with their descriptions).
 MAX_LISTED = 1000
 _NAMED = frozenset((NamesInterned, TensorStatsRecorded, HooksFired, StatsColumns))  # records using name ids
+_STATS = frozenset((TensorStatsRecorded, StatsColumns))
+_PLAIN = frozenset((StepBegan, StepEnded))  # records the reader keeps no account of
 
 
 @dataclass(frozen=True)
@@ -336,7 +340,9 @@ class LogReader:
         unpack = _HDR.unpack_from
         crc = _crc32
         decode = self._decode
-        pos = 0
+        seq_check = self._sequence.check
+        known_ids = self._known_ids
+        pos = frames = 0
         self._need = 0
         with memoryview(buf) as mv:
             while n - pos >= _HDR_SIZE:
@@ -364,7 +370,8 @@ class LogReader:
                     self._problem(base + pos, f"frame cut short (announced {length} bytes)", later - pos)
                     pos = later
                     continue
-                if crc(mv[start:stop]) != pcrc:
+                payload = mv[start:stop]
+                if crc(payload) != pcrc:
                     inner, _ = find_frame(buf, start, stop, False, max_frame)
                     if inner is None and undecided(buf, start, stop):
                         break  # a header may start near the end of the data: decide with more bytes
@@ -373,9 +380,9 @@ class LogReader:
                     self._problem(base + pos, what, nxt - pos)
                     pos = nxt
                     continue
-                self.frames += 1
+                frames += 1
                 try:
-                    ev = decode(mv[start:stop], version)
+                    ev = decode(payload, version)
                 except Exception as exc:  # noqa: BLE001 - untrusted input: any decode failure is damage
                     self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
                     pos = stop
@@ -386,13 +393,14 @@ class LogReader:
                     self._problem(base + pos, _AFTER_CLOSE, stop - pos)
                     pos = stop
                     continue
-                verdict = self._sequence.check(ev.seq, pcrc, base + pos)
-                if verdict is DUPLICATE:
-                    self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
-                    pos = stop
-                    continue
-                if verdict is not None and verdict.lost:
-                    self._lost = True
+                verdict = seq_check(ev.seq, pcrc, base + pos)
+                if verdict is not None:
+                    if verdict is DUPLICATE:
+                        self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
+                        pos = stop
+                        continue
+                    if verdict.lost:
+                        self._lost = True
                 h = self.header
                 if h is not None and ev.rank != h.rank and not self._rank_reported:
                     # (kept, as an unknown name id: merged with the others under the rank it names)
@@ -400,7 +408,9 @@ class LogReader:
                     self._problem(base + pos, f"inconsistent record: rank {ev.rank} in the log of rank {h.rank} "
                                   "(later ones of this file are not reported)", 0)
                 t = type(ev)
-                if t is FileOpened:
+                if t in _PLAIN or (t in _STATS and ev.name_ids in known_ids):  # (as nearly every record)
+                    pass  # (a column of ids all interned before: nothing to check, see _names_problem)
+                elif t is FileOpened:
                     if self.header is None:
                         self.header = ev
                 elif t is FileClosed:
@@ -418,6 +428,7 @@ class LogReader:
                         self._problem(base + pos, f"inconsistent record: {what}", 0)
                 out.append(ev)
                 pos = stop
+        self.frames += frames
         self.events_read += len(out)
         if pos:
             self._buf = buf[pos:]
