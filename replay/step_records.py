@@ -35,8 +35,6 @@ _SMALL = 64  # longest payload taken here: a step record of this layout is at mo
 _unpackb = msgpack.unpackb
 _LIMITS = dict(raw=False, use_list=False, strict_map_key=False, max_bin_len=MAX_FRAME, max_str_len=codec.MAX_STR,
                max_array_len=codec.MAX_VALUES["se"], max_map_len=codec.MAX_VALUES["se"], max_ext_len=1024)
-# the codec upgrades a step record of an older format version: such a record goes to the codec
-_UPGRADED = any(tag in (StepBegan.TAG, StepEnded.TAG) for _, tag in codec.UPGRADES)
 # The events are built by setting their slots, as their __init__ would (without its keyword parsing):
 # only while the classes hold exactly these fields (a field appended later sends them to the codec).
 _ENVELOPE = ("seq", "rank", "step", "wall")
@@ -72,7 +70,10 @@ def decode_record_columnar(payload, version: int = FORMAT_VERSION):
 
 def _step_record(payload, head, version: int):
     """The step record of ``payload`` when it is of the writer's layout and checks out, else None."""
-    if len(payload) > _SMALL or version != FORMAT_VERSION or _UPGRADED or not _FAST:
+    if len(payload) > _SMALL or version != FORMAT_VERSION or not _FAST:
+        return None
+    upgrades = codec.UPGRADES  # (a record the codec upgrades is the codec's)
+    if upgrades and ((version, StepBegan.TAG) in upgrades or (version, StepEnded.TAG) in upgrades):
         return None
     try:
         wire = _unpackb(payload, **_LIMITS)

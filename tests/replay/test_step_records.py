@@ -106,6 +106,18 @@ def test_the_writers_step_records_never_reach_the_codec(tmp_path, monkeypatch):
         assert got == expected and len(got) == 6
 
 
+def test_a_step_record_the_codec_upgrades_is_the_codecs(monkeypatch):
+    def upgrade(wire: list) -> list:
+        wire[COLLECTED] = not wire[COLLECTED]
+        return wire
+
+    payload = codec.encode(StepEnded(seq=1, rank=0, step=2, wall=1.0, collected=True))
+    assert decode_record(payload).collected is True
+    monkeypatch.setitem(codec.UPGRADES, (framing.FORMAT_VERSION, "se"), upgrade)
+    assert decode_record(payload) == codec.decode(payload) and decode_record(payload).collected is False
+    assert decode_record_columnar(payload).collected is False
+
+
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: os.path.basename(p))
 def test_golden_logs_read_the_same(path, codec_reader):
     for columnar in (False, True):
