@@ -34,6 +34,7 @@ from trainrec.schema.events import (
     Event,
     FileOpened,
     NamesInterned,
+    StepBegan,
     StepEnded,
     TensorStatsRecorded,
 )
@@ -104,10 +105,14 @@ class AnomalyScan:
         if t is TensorStatsRecorded or t is StatsColumns:
             self.stats_records += 1
             self.ranks.add(ev.rank)
-            self._saw_step(ev.step)
+            first, step = self.first_step, ev.step
+            if first is None or not first <= step <= self.last_step:  # (a step seen before: nothing to note)
+                self._saw_step(step)
             if self.detector is None or (self.kinds is not None and ev.kind not in self.kinds):
                 return []
             return self._detect(ev)
+        if t is StepBegan:
+            return []
         if t is AnomalyDetected:
             self.ranks.add(ev.rank)
             self._saw_step(ev.step)

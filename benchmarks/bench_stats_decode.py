@@ -1,6 +1,8 @@
 """Decoding one stats record: the codec's full decode (a frozen TensorStatsRecorded) against the columns
 path (:func:`trainrec.replay.stats_columns.decode_columns`, a StatsColumns), per record, on records of the
-sizes replay meets; and, given log files, reading them whole with a LogReader both ways (CPU seconds).
+sizes replay meets; one step record, the codec against :mod:`trainrec.replay.step_records` (where that
+module exists: the script also runs against older trees); and, given log files, reading them whole with
+a LogReader both ways (CPU seconds).
 
     .venv/bin/python benchmarks/bench_stats_decode.py [LOG ...] [--rounds 3]
 """
@@ -20,7 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainrec.replay.reader import LogReader  # noqa: E402
 from trainrec.replay.stats_columns import StatsColumns, decode_columns  # noqa: E402
 from trainrec.schema import codec  # noqa: E402
-from trainrec.schema.events import OPS, TensorStatsRecorded  # noqa: E402
+from trainrec.schema.events import OPS, StepBegan, StepEnded, TensorStatsRecorded  # noqa: E402
+
+try:
+    from trainrec.replay.step_records import decode_record  # noqa: E402
+except ImportError:  # (a tree before it)
+    decode_record = None
 
 
 def record(rows: int, slots: bool) -> TensorStatsRecorded:
@@ -47,6 +54,23 @@ def per_record(rounds: int) -> None:
                   f"decode_columns {cols:6.2f} us   {full / cols:4.1f}x")
 
 
+def per_step_record(rounds: int) -> None:
+    if decode_record is None:
+        print("per step record: no trainrec.replay.step_records in this tree")
+        return
+    print("per step record (best of 5 x N, a memoryview)")
+    for ev in (StepBegan(seq=12345, rank=17, step=300, wall=1.7e9),
+               StepEnded(seq=12346, rank=17, step=300, wall=1.7e9, duration=0.25, collected=True)):
+        payload = memoryview(codec.encode(ev))
+        assert decode_record(payload) == codec.decode(payload) == ev
+        n = 100_000
+        for r in range(rounds):
+            full = min(timeit.repeat(lambda p=payload: codec.decode(p), number=n, repeat=5)) / n * 1e6
+            fast = min(timeit.repeat(lambda p=payload: decode_record(p), number=n, repeat=5)) / n * 1e6
+            print(f"  {type(ev).__name__:10s} ({len(payload):2d} bytes), round {r}: codec.decode {full:5.2f} us   "
+                  f"step_records {fast:5.2f} us   {full / fast:4.1f}x")
+
+
 def read_files(paths: list[str], rounds: int) -> None:
     for r in range(rounds):
         got = {}
@@ -71,6 +95,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     per_record(a.rounds)
+    per_step_record(a.rounds)
     if a.logs:
         print("LogReader over whole files")
         read_files(a.logs, a.rounds)

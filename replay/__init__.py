@@ -9,6 +9,8 @@
 * :mod:`.summary`: per-rank summaries and integrity findings (``trainrec inspect`` / ``check``).
 * :mod:`.stepindex`: reading only some steps of a log through its step index (``--steps``).
 * :mod:`.stats_columns`: stats records decoded straight into columns (``columnar=True``).
+* :mod:`.step_records`: step records decoded without the codec's generic walk (the same events).
+* :mod:`.frame_search`: finding the next valid frame in damaged bytes (the reader's resynchronisation).
 """
 
 from __future__ import annotations

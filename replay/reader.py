@@ -56,7 +56,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from trainrec.schema import codec, framing
+from trainrec.schema import framing
 from trainrec.schema.errors import FormatError, NotALogError, UnsupportedVersionError
 from trainrec.schema.events import (
     Event,
@@ -65,13 +65,17 @@ from trainrec.schema.events import (
     HooksFired,
     NamesInterned,
     NamesRepeated,
+    StepBegan,
+    StepEnded,
     TensorStatsRecorded,
     WriterFailed,
     unpack_array,
 )
 
+from .frame_search import find_frame, resync, undecided
 from .sequence import DUPLICATE, SeqGap, Sequence
-from .stats_columns import StatsColumns, decode_columns
+from .stats_columns import StatsColumns
+from .step_records import decode_record, decode_record_columnar
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,6 @@ _HEAD_CHUNK = 64 << 10
 _HDR = struct.Struct("<IIII")
 _HDR_SIZE = framing.FRAME_HEADER_SIZE
 _MAGIC = framing.FRAME_MAGIC
-_MAGIC_BYTES = framing.FRAME_MAGIC_BYTES
 _crc32 = zlib.crc32
 _AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
 _DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
@@ -89,6 +92,8 @@ _DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, agai
 # millions of tiny damaged frames would otherwise fill memory with their descriptions).
 MAX_LISTED = 1000
 _NAMED = frozenset((NamesInterned, TensorStatsRecorded, HooksFired, StatsColumns))  # records using name ids
+_STATS = frozenset((TensorStatsRecorded, StatsColumns))
+_PLAIN = frozenset((StepBegan, StepEnded))  # records the reader keeps no account of
 
 
 @dataclass(frozen=True)
@@ -112,12 +117,13 @@ class LogReader:
     continue where the previous call stopped. A missing file reads as empty (a follower may see it
     before it exists); an unreadable one raises :class:`FormatError` naming the path. ``columnar``: stats
     records come as :class:`~trainrec.replay.stats_columns.StatsColumns` (decoded straight into columns).
+    Step records are decoded by :mod:`trainrec.replay.step_records` (the codec's events, built faster).
     """
 
     def __init__(self, path: str, max_frame: int = framing.MAX_FRAME, chunk_size: int = _CHUNK,
                  columnar: bool = False) -> None:
         self.path = path
-        self._decode = decode_columns if columnar else codec.decode
+        self._decode = decode_record_columnar if columnar else decode_record
         self.max_frame = max_frame
         self.chunk_size = max(4096, chunk_size)
         self.version: int | None = None
@@ -334,18 +340,20 @@ class LogReader:
         unpack = _HDR.unpack_from
         crc = _crc32
         decode = self._decode
-        pos = 0
+        seq_check = self._sequence.check
+        known_ids = self._known_ids
+        pos = frames = 0
         self._need = 0
         with memoryview(buf) as mv:
             while n - pos >= _HDR_SIZE:
                 magic, length, pcrc, hcrc = unpack(buf, pos)
                 if magic != _MAGIC or crc(mv[pos : pos + 12]) != hcrc:
-                    nxt = self._resync(buf, pos + 1, n)
+                    nxt = resync(buf, pos + 1, n, max_frame)
                     self._problem(base + pos, "bad frame header", nxt - pos)
                     pos = nxt
                     continue
                 if length > max_frame:
-                    nxt = self._resync(buf, pos + 1, n)
+                    nxt = resync(buf, pos + 1, n, max_frame)
                     self._problem(base + pos, f"frame length {length} above the cap of {max_frame}", nxt - pos)
                     pos = nxt
                     continue
@@ -354,7 +362,7 @@ class LogReader:
                 if stop > n:
                     # Incomplete: normal while the writer writes, unless a complete valid frame
                     # follows inside the bytes we have, which means this one was cut short.
-                    later, retry_from = self._find_frame(buf, max(start, self._scan_abs - base), n, True)
+                    later, retry_from = find_frame(buf, max(start, self._scan_abs - base), n, True, max_frame)
                     if later is None:
                         self._scan_abs = base + retry_from
                         self._need = stop - n
@@ -362,18 +370,19 @@ class LogReader:
                     self._problem(base + pos, f"frame cut short (announced {length} bytes)", later - pos)
                     pos = later
                     continue
-                if crc(mv[start:stop]) != pcrc:
-                    inner, _ = self._find_frame(buf, start, stop, False)
-                    if inner is None and self._undecided(buf, start, stop):
+                payload = mv[start:stop]
+                if crc(payload) != pcrc:
+                    inner, _ = find_frame(buf, start, stop, False, max_frame)
+                    if inner is None and undecided(buf, start, stop):
                         break  # a header may start near the end of the data: decide with more bytes
                     nxt = stop if inner is None else inner
                     what = "payload CRC mismatch" if inner is None else "payload CRC mismatch (frame cut short)"
                     self._problem(base + pos, what, nxt - pos)
                     pos = nxt
                     continue
-                self.frames += 1
+                frames += 1
                 try:
-                    ev = decode(mv[start:stop], version)
+                    ev = decode(payload, version)
                 except Exception as exc:  # noqa: BLE001 - untrusted input: any decode failure is damage
                     self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
                     pos = stop
@@ -384,13 +393,14 @@ class LogReader:
                     self._problem(base + pos, _AFTER_CLOSE, stop - pos)
                     pos = stop
                     continue
-                verdict = self._sequence.check(ev.seq, pcrc, base + pos)
-                if verdict is DUPLICATE:
-                    self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
-                    pos = stop
-                    continue
-                if verdict is not None and verdict.lost:
-                    self._lost = True
+                verdict = seq_check(ev.seq, pcrc, base + pos)
+                if verdict is not None:
+                    if verdict is DUPLICATE:
+                        self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
+                        pos = stop
+                        continue
+                    if verdict.lost:
+                        self._lost = True
                 h = self.header
                 if h is not None and ev.rank != h.rank and not self._rank_reported:
                     # (kept, as an unknown name id: merged with the others under the rank it names)
@@ -398,7 +408,9 @@ class LogReader:
                     self._problem(base + pos, f"inconsistent record: rank {ev.rank} in the log of rank {h.rank} "
                                   "(later ones of this file are not reported)", 0)
                 t = type(ev)
-                if t is FileOpened:
+                if t in _PLAIN or (t in _STATS and ev.name_ids in known_ids):  # (as nearly every record)
+                    pass  # (a column of ids all interned before: nothing to check, see _names_problem)
+                elif t is FileOpened:
                     if self.header is None:
                         self.header = ev
                 elif t is FileClosed:
@@ -416,6 +428,7 @@ class LogReader:
                         self._problem(base + pos, f"inconsistent record: {what}", 0)
                 out.append(ev)
                 pos = stop
+        self.frames += frames
         self.events_read += len(out)
         if pos:
             self._buf = buf[pos:]
@@ -482,67 +495,6 @@ class LogReader:
                 "later unknown ids of this file are not reported)")
 
     # ------------------------------------------------------------------ damage handling
-    def _header_ok(self, buf: bytes, i: int) -> int | None:
-        """Length of the frame at ``i`` when its header checks out, else None."""
-        _, length, _, hcrc = _HDR.unpack_from(buf, i)
-        if length <= self.max_frame and _crc32(buf[i : i + 12]) == hcrc:
-            return length
-        return None
-
-    def _resync(self, buf: bytes, i: int, n: int) -> int:
-        """Offset of the next header that checks out at or after ``i``; a possible partial header at
-        the end is kept (it may be completed by the writer); ``n`` when there is none."""
-        while True:
-            j = buf.find(_MAGIC_BYTES, i, n)
-            if j < 0:
-                for k in (3, 2, 1):
-                    if n - k >= i and _MAGIC_BYTES.startswith(buf[n - k : n]):
-                        return n - k
-                return n
-            if n - j < _HDR_SIZE:
-                return j
-            if self._header_ok(buf, j) is not None:
-                return j
-            i = j + 1
-
-    def _find_frame(self, buf: bytes, lo: int, hi: int, need_complete: bool) -> tuple[int | None, int]:
-        """First valid frame starting in ``[lo, hi)``. With ``need_complete`` its payload must be in the
-        buffer and check out; otherwise a header that checks out is enough. Also returns where a
-        later search must start again (a candidate that could not be confirmed yet)."""
-        n = len(buf)
-        i = lo
-        retry = max(lo, hi - _HDR_SIZE + 1)
-        limit = min(n, hi + len(_MAGIC_BYTES) - 1)  # a magic starting before hi may end after it
-        while True:
-            j = buf.find(_MAGIC_BYTES, i, limit)
-            if j < 0:
-                return None, retry
-            if n - j < _HDR_SIZE:
-                return None, min(retry, j)
-            length = self._header_ok(buf, j)
-            if length is not None:
-                end = j + _HDR_SIZE + length
-                if end > n:
-                    if not need_complete:
-                        return j, retry
-                    retry = min(retry, j)
-                else:
-                    _, _, pcrc, _ = _HDR.unpack_from(buf, j)
-                    with memoryview(buf) as mv:
-                        ok = _crc32(mv[j + _HDR_SIZE : end]) == pcrc
-                    if ok:
-                        return j, retry
-            i = j + 1
-
-    @staticmethod
-    def _undecided(buf: bytes, lo: int, hi: int) -> bool:
-        """Whether a frame header could start in ``[lo, hi)`` but runs past the end of ``buf``."""
-        n = len(buf)
-        for j in range(max(lo, n - _HDR_SIZE + 1), min(hi, n)):
-            if _MAGIC_BYTES.startswith(buf[j : min(n, j + 4)]):
-                return True
-        return False
-
     def _problem(self, offset: int, what: str, skipped: int, lost: bool = True) -> None:
         """Record damage; ``lost``: its skipped bytes held records of the file (not a duplicate's)."""
         last = self.problems[-1] if self.problems else None

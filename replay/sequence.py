@@ -94,9 +94,13 @@ class Sequence:
             if i == len(seqs):
                 seqs.append(seq)
                 self._ring_crc.append(pcrc)
-                self._next = seq + 1
+            elif i < len(seqs):  # (the ring is full: the oldest frame makes room)
+                seqs[i] = seq
+                self._ring_crc[i] = pcrc
             else:
                 self._advance(seq, pcrc)
+                return None
+            self._next = seq + 1
             return None
         jumped, self._jumped = self._jumped, None
         if jumped is not None and seq == jumped.expected + 1 and seq != expected:

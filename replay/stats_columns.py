@@ -27,6 +27,7 @@ _SLOT_BYTES = bytes(range(len(SLOTS)))  # (translate deletes them: what is left 
 _FLAG_BYTES = b"\x00\x01"
 # the exact type of each wire element (tag, envelope, then the fields below; the last may be absent)
 _TYPES = (str, int, int, int, float, str, tuple, str, bytes, bytes, bytes, bytes, bytes, bytes, bytes)
+_TYPES_14 = _TYPES[:14]  # (a record of an older writer: no placeholders)
 _GOOD_OPS: set[tuple] = set()  # op lists found to be names without repeats (a few per run, short ones)
 # the fields of TensorStatsRecorded after the envelope, in wire order (a test holds them to the class)
 _FIELDS = ("kind", "ops", "dtype", "name_ids", "values", "micro_steps", "call_ids", "slots", "vpp_stages",
@@ -91,7 +92,7 @@ def _fits(wire) -> bool:
     if type(wire) is not tuple:
         return False
     types = tuple(map(type, wire))
-    if (types != _TYPES and types != _TYPES[:14]) or wire[0] != _TAG:
+    if (types != _TYPES and types != _TYPES_14) or wire[0] != _TAG:
         return False
     _, seq, rank, step, _, _, ops, dtype, ids, values, micro, calls, slots, vpp = wire[:14]
     flags = wire[14] if len(wire) > 14 else b""
