@@ -1,4 +1,5 @@
-"""LogWriter with real files, real threads and real processes: round trips, crashes, failures, policies.
+"""LogWriter with real files, real threads and real processes: round trips, close and flush,
+interning, full-queue policies and failures (crashes: test_writer_crashes.py).
 
 Subprocess tests run small scripts with this interpreter; each one is bounded by a timeout, and each
 waits for what it needs by reading the log file (never by sleeping a fixed time).
@@ -10,22 +11,17 @@ import dataclasses
 import inspect
 import json
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
 import pytest
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay.names import NameResolver
-from trainrec.replay.reader import LogReader, read_log
+from trainrec.replay.reader import LogReader
 from trainrec.schema.errors import WriterError
 from trainrec.schema.events import (
     DIR_BACKWARD,
     EVENT_TYPES,
-    OPS,
     AnomalyDetected,
     ApiCallsRecorded,
     CollectiveCalled,
@@ -52,9 +48,7 @@ from trainrec.schema.events import (
     WriterFailed,
     pack_array,
 )
-
-TIMEOUT = 60  # seconds any subprocess or wait may take on a loaded machine
-
+from writer_util import TIMEOUT, rank_dir, read, run_script, script, stall, stats_event, wait_for
 
 # fields a sample may leave at their default: the envelope's, the only format version, name tables that
 # begin at id 0, and FileClosed's step index (FileClosed is the writer's own, made at close)
@@ -65,27 +59,6 @@ _DEFAULT_ONLY = {
     "NamesRepeated": (*_ENVELOPE, "first_id"),
     "FileClosed": (*_ENVELOPE, "index_steps", "index_offsets", "index_seqs", "index_low_steps", "index_names"),
 }
-
-
-def _rank_dir(tmp_path, rank: int = 0) -> str:
-    return str(tmp_path / f"Nov30_11-13-33-rank{rank}-0000abcd")
-
-
-def _stats(step: int, ids: list[int], rank: int = 0) -> TensorStatsRecorded:
-    n = len(ids)
-    return TensorStatsRecorded(
-        rank=rank,
-        step=step,
-        wall=100.0 + step,
-        kind="actv",
-        ops=OPS,
-        name_ids=pack_array("I", ids),
-        values=pack_array("f", [step + r * 0.5 + o for r in range(n) for o in range(len(OPS))]),
-        micro_steps=pack_array("H", [1] * n),
-        call_ids=pack_array("I", range(n)),
-        slots=bytes([2] * n),
-        vpp_stages=bytes(n),
-    )
 
 
 def every_event(rank: int = 0) -> list[Event]:
@@ -112,7 +85,7 @@ def every_event(rank: int = 0) -> list[Event]:
         ),
         StepBegan(**env),
         StepEnded(duration=0.25, collected=True, micro_steps=2, optimizer_skipped=True, foreign_passes=True, **env),
-        dataclasses.replace(_stats(3, [0, 1], rank), wall=1234.5, placeholders=bytes([0, 1])),
+        dataclasses.replace(stats_event(3, [0, 1], rank), wall=1234.5, placeholders=bytes([0, 1])),
         TensorStatsRecorded(
             kind="param", ops=("norm",), dtype="d", name_ids=pack_array("I", [1]),
             values=pack_array("d", [2.5]), **env,
@@ -164,42 +137,6 @@ def every_event(rank: int = 0) -> list[Event]:
     ]
 
 
-def _read(path: str) -> tuple[LogReader, list[Event]]:
-    reader, events = read_log(path)
-    return reader, events
-
-
-def _wait_for(predicate, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def _script(body: str) -> str:
-    return textwrap.dedent(body)
-
-
-def _spawn(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=TIMEOUT, check=False
-    )
-
-
 # ---------------------------------------------------------------------------------------------- round trips
 def test_every_event_type_round_trips_through_writer_and_reader(tmp_path):
     written = every_event()
@@ -211,10 +148,10 @@ def test_every_event_type_round_trips_through_writer_and_reader(tmp_path):
                 assert any(getattr(e, f.name) != f.default for e in samples), f"{etype.__name__}.{f.name}"
     # (FileClosed ends a file: the reader ignores what follows one; the writer's own close makes it)
     written = [e for e in written if not isinstance(e, FileClosed)]
-    with LogWriter(_rank_dir(tmp_path), rank=0, world_size=2, run_id="rt") as w:
+    with LogWriter(rank_dir(tmp_path), rank=0, world_size=2, run_id="rt") as w:
         for ev in written:
             w.write(ev)
-    reader, events = _read(w.path)
+    reader, events = read(w.path)
     assert reader.problems == [] and reader.pending_bytes == 0
     assert events[0] == w.header and isinstance(events[0], FileOpened)
     assert [e.seq for e in events] == list(range(len(events)))
@@ -226,14 +163,14 @@ def test_every_event_type_round_trips_through_writer_and_reader(tmp_path):
 
 
 def test_header_describes_the_writer(tmp_path):
-    rdir = _rank_dir(tmp_path, 3)
+    rdir = rank_dir(tmp_path, 3)
     with LogWriter(rdir, rank=3, world_size=8, run_id="run-x", pp_stage=1, group_mates=(2, 3)) as w:
         h = w.header
     assert (h.rank, h.world_size, h.run_id, h.pp_stage, h.group_mates) == (3, 8, "run-x", 1, (2, 3))
     assert h.pid == os.getpid() and h.file_index == 0 and h.dir_name == os.path.basename(rdir)
     assert h.format_version == 1 and h.trainrec_version and h.host
     assert os.path.basename(w.path) == "trainrec-00000.trl"
-    reader, _ = _read(w.path)
+    reader, _ = read(w.path)
     assert reader.header == h
 
 
@@ -247,7 +184,7 @@ def test_deferred_callables_run_on_the_worker_and_failures_are_recorded_not_fata
     def broken():
         raise ValueError("stats went wrong")
 
-    with LogWriter(_rank_dir(tmp_path)) as w:
+    with LogWriter(rank_dir(tmp_path)) as w:
         w.write(deferred)
         w.write(broken)
         w.write(StepBegan(rank=0, step=2, wall=object()))  # cannot be encoded
@@ -255,7 +192,7 @@ def test_deferred_callables_run_on_the_worker_and_failures_are_recorded_not_fata
         w.flush()
         assert w.error is None
     assert threads == [w._thread]
-    reader, events = _read(w.path)
+    reader, events = read(w.path)
     kinds = [type(e).__name__ for e in events]
     assert kinds == ["FileOpened", "StepBegan", "StepEnded", "HookFailed", "HookFailed", "StepBegan", "FileClosed"]
     assert "stats went wrong" in events[3].error and "broken" in events[3].where
@@ -265,7 +202,7 @@ def test_deferred_callables_run_on_the_worker_and_failures_are_recorded_not_fata
 
 # ---------------------------------------------------------------------------------------------- close / flush
 def test_close_is_idempotent_and_later_calls_behave(tmp_path):
-    w = LogWriter(_rank_dir(tmp_path))
+    w = LogWriter(rank_dir(tmp_path))
     w.write(StepBegan(rank=0, step=0))
     w.close()
     w.close()
@@ -274,21 +211,21 @@ def test_close_is_idempotent_and_later_calls_behave(tmp_path):
     assert w.closed
     with pytest.raises(WriterError, match="closed"):
         w.write(StepBegan(rank=0, step=1))
-    _, events = _read(w.path)
+    _, events = read(w.path)
     assert [type(e) for e in events] == [FileOpened, StepBegan, FileClosed]
 
 
 def test_flush_makes_everything_visible_and_interval_flushes_without_asking(tmp_path):
     assert inspect.signature(LogWriter).parameters["flush_interval"].default == 0.2
-    w = LogWriter(_rank_dir(tmp_path), flush_interval=0.05)
+    w = LogWriter(rank_dir(tmp_path), flush_interval=0.05)
     try:
         for s in range(50):
-            w.write(_stats(s, [0, 1, 2]))
+            w.write(stats_event(s, [0, 1, 2]))
         w.flush()
         reader = LogReader(w.path)
         assert len(reader.poll()) == 51 and reader.pending_bytes == 0
         w.write(StepEnded(rank=0, step=50))  # no flush(): the interval must bring it out
-        got = _wait_for(lambda: reader.poll(), "the periodic flush")
+        got = wait_for(lambda: reader.poll(), "the periodic flush")
         assert [type(e) for e in got] == [StepEnded]
     finally:
         w.close()
@@ -306,7 +243,7 @@ def test_the_worker_takes_an_interval_of_items_in_one_go_and_wakes_early_when_as
             return [StepBegan(rank=0, step=step)]
         return build
 
-    w = LogWriter(_rank_dir(tmp_path), flush_interval=60.0, queue_size=8)
+    w = LogWriter(rank_dir(tmp_path), flush_interval=60.0, queue_size=8)
     try:
         t0 = time.monotonic()
         w.write(deferred(0))
@@ -320,19 +257,19 @@ def test_the_worker_takes_an_interval_of_items_in_one_go_and_wakes_early_when_as
         assert [e.step for e in reader.poll()] == [0, 1]
         for s in range(2, 7):  # the queue reaches half its size: the worker takes it without a flush
             w.write(deferred(s))
-        _wait_for(lambda: len(ran) >= 6, "the worker to wake at a half-full queue", timeout=20)
+        wait_for(lambda: len(ran) >= 6, "the worker to wake at a half-full queue", timeout=20)
         w.write(deferred(7))
     finally:
         w.close()  # wakes it too: the close does not wait out the 60 s
     assert time.monotonic() - t0 < 30
-    _, events = _read(w.path)
+    _, events = read(w.path)
     assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(8))
 
 
 def test_a_drain_that_items_keep_feeding_still_writes_out_every_interval(tmp_path):
     """Items arriving as fast as the worker takes them keep it in one drain: what it has encoded still
     reaches the OS every flush_interval, not only when the queue is found empty."""
-    w = LogWriter(_rank_dir(tmp_path), flush_interval=0.05)
+    w = LogWriter(rank_dir(tmp_path), flush_interval=0.05)
     ran = []
 
     def link(step):  # each item hands over the next one while the worker is busy with it
@@ -348,18 +285,18 @@ def test_a_drain_that_items_keep_feeding_still_writes_out_every_interval(tmp_pat
         reader = LogReader(w.path)
         reader.poll()
         w.write(link(0))
-        got = _wait_for(lambda: [e for e in reader.poll() if isinstance(e, StepBegan)], "a write-out mid-drain")
+        got = wait_for(lambda: [e for e in reader.poll() if isinstance(e, StepBegan)], "a write-out mid-drain")
         assert len(ran) < 149  # written while the chain still ran
         assert got[0].step == 0
-        _wait_for(lambda: len(ran) == 150, "the chain to end")
+        wait_for(lambda: len(ran) == 150, "the chain to end")
     finally:
         w.close()
-    _, events = _read(w.path)
+    _, events = read(w.path)
     assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(150))
 
 
 def test_second_writer_in_a_rank_dir_gets_the_next_file_and_fresh_ids(tmp_path):
-    rdir = _rank_dir(tmp_path)
+    rdir = rank_dir(tmp_path)
     with LogWriter(rdir) as a:
         assert a.intern(["x", "y"]) == [0, 1]
     with LogWriter(rdir) as b:
@@ -369,26 +306,26 @@ def test_second_writer_in_a_rank_dir_gets_the_next_file_and_fresh_ids(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- intern
 def test_intern_ids_are_stable_dense_and_announced_once(tmp_path):
-    with LogWriter(_rank_dir(tmp_path)) as w:
+    with LogWriter(rank_dir(tmp_path)) as w:
         assert w.intern(["a", "b", "a"], step=0) == [0, 1, 0]
         assert w.intern(("b", "a")) == [1, 0]
         assert w.intern(iter(["c", "a", "d", "c"]), step=2) == [2, 0, 3, 2]
         assert w.intern([]) == []
-    _, events = _read(w.path)
+    _, events = read(w.path)
     interned = [e for e in events if isinstance(e, NamesInterned)]
     assert [(e.first_id, e.names, e.step) for e in interned] == [(0, ("a", "b"), 0), (2, ("c", "d"), 2)]
 
 
 def test_concurrent_interning_never_uses_an_id_before_it_is_announced(tmp_path):
     """Several threads intern overlapping names and write stats with the ids: every id resolves."""
-    w = LogWriter(_rank_dir(tmp_path), queue_size=64)
+    w = LogWriter(rank_dir(tmp_path), queue_size=64)
     errors = []
 
     def producer(k: int) -> None:
         try:
             for step in range(40):
                 names = [f"m{(k * 7 + step + j) % 90}" for j in range(5)]
-                w.write(_stats(step, w.intern(names, step)))
+                w.write(stats_event(step, w.intern(names, step)))
         except Exception as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
@@ -399,7 +336,7 @@ def test_concurrent_interning_never_uses_an_id_before_it_is_announced(tmp_path):
         t.join(TIMEOUT)
     w.close()
     assert errors == []
-    _, events = _read(w.path)
+    _, events = read(w.path)
     resolver = NameResolver()
     rows = 0
     for ev in events:
@@ -414,24 +351,9 @@ def test_concurrent_interning_never_uses_an_id_before_it_is_announced(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- full queue
-def _stall(w: LogWriter) -> threading.Event:
-    """Park the worker inside a deferred callable until the returned event is set."""
-    release = threading.Event()
-    entered = threading.Event()
-
-    def park():
-        entered.set()
-        release.wait(TIMEOUT)
-        return ()
-
-    w.write(park)
-    assert entered.wait(TIMEOUT)
-    return release
-
-
 def test_full_queue_with_drop_policy_records_how_many_were_dropped(tmp_path):
-    w = LogWriter(_rank_dir(tmp_path), queue_size=8, on_full="drop")
-    release = _stall(w)
+    w = LogWriter(rank_dir(tmp_path), queue_size=8, on_full="drop")
+    release = stall(w)
     for s in range(8):
         w.write(StepBegan(rank=0, step=s))  # fills the queue
     for s in range(8, 13):
@@ -442,7 +364,7 @@ def test_full_queue_with_drop_policy_records_how_many_were_dropped(tmp_path):
     w.flush()
     w.write(StepBegan(rank=0, step=20))
     w.close()
-    reader, events = _read(w.path)
+    reader, events = read(w.path)
     steps = [e.step for e in events if isinstance(e, StepBegan)]
     assert steps == [*range(8), 20]
     dropped = [e for e in events if isinstance(e, RecordsDropped)]
@@ -453,8 +375,8 @@ def test_full_queue_with_drop_policy_records_how_many_were_dropped(tmp_path):
 
 
 def test_full_queue_with_block_policy_waits_and_loses_nothing(tmp_path):
-    w = LogWriter(_rank_dir(tmp_path), queue_size=4)
-    release = _stall(w)
+    w = LogWriter(rank_dir(tmp_path), queue_size=4)
+    release = stall(w)
     done = threading.Event()
 
     def producer():
@@ -464,20 +386,20 @@ def test_full_queue_with_block_policy_waits_and_loses_nothing(tmp_path):
 
     t = threading.Thread(target=producer)
     t.start()
-    _wait_for(lambda: w._queue.qsize() >= 4, "the queue to fill")
+    wait_for(lambda: w._queue.qsize() >= 4, "the queue to fill")
     assert not done.is_set()  # the producer waits for room (it cannot have written 200 into 4 slots)
     release.set()
     t.join(TIMEOUT)
     assert done.is_set()
     w.close()
-    reader, events = _read(w.path)
+    reader, events = read(w.path)
     assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(200))
     assert reader.closed_event.dropped == 0 and not any(isinstance(e, RecordsDropped) for e in events)
 
 
 # ---------------------------------------------------------------------------------------------- failures
 def test_log_file_removed_is_reported_on_the_next_call_and_never_blocks(tmp_path):
-    w = LogWriter(_rank_dir(tmp_path), queue_size=4)
+    w = LogWriter(rank_dir(tmp_path), queue_size=4)
     w.write(StepBegan(rank=0, step=0))
     w.flush()
     os.remove(w.path)
@@ -499,7 +421,7 @@ def test_log_file_removed_is_reported_on_the_next_call_and_never_blocks(tmp_path
 
 
 def test_log_file_replaced_is_reported(tmp_path):
-    w = LogWriter(_rank_dir(tmp_path))
+    w = LogWriter(rank_dir(tmp_path))
     w.write(StepBegan(rank=0, step=0))
     w.flush()
     other = str(tmp_path / "other")
@@ -552,7 +474,7 @@ print(json.dumps({"first_error": first_error, "steps_after": steps_after, "secon
 
 
 def test_disk_full_like_failure_efbig_is_reported_and_training_goes_on(tmp_path):
-    proc = _run(_script(_EFBIG), _rank_dir(tmp_path))
+    proc = run_script(script(_EFBIG), rank_dir(tmp_path))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     step, message = out["first_error"]
@@ -560,7 +482,7 @@ def test_disk_full_like_failure_efbig_is_reported_and_training_goes_on(tmp_path)
     assert out["steps_after"] == 2000 - step - 1  # every later step ran (and was told, cheaply)
     size = os.path.getsize(out["path"])
     assert size <= out["limit"]
-    reader, events = _read(out["path"])
+    reader, events = read(out["path"])
     # What reached the disk reads back cleanly: whole frames, at most one torn frame at the end.
     assert reader.problems == [] and reader.gaps == []
     assert [e.seq for e in events] == list(range(len(events)))
@@ -568,265 +490,3 @@ def test_disk_full_like_failure_efbig_is_reported_and_training_goes_on(tmp_path)
     stats = [e for e in events if isinstance(e, TensorStatsRecorded)]
     assert stats and [e.step for e in stats] == list(range(len(stats)))
     assert stats[-1].step < step  # nothing after the reported failure claims to be on disk
-
-
-# ---------------------------------------------------------------------------------------------- crashes
-_KILLED = """
-import sys
-from trainrec.recorder.writer import LogWriter
-from trainrec.schema.events import StepBegan, StepEnded, TensorStatsRecorded, OPS, pack_array
-mode = sys.argv[2]
-w = LogWriter(sys.argv[1], rank=0, flush_interval=0.05 if mode == "interval" else 3600.0)
-ids = w.intern([f"layer.{i}" for i in range(20)])
-step = 0
-while True:
-    w.write(StepBegan(rank=0, step=step))
-    w.write(TensorStatsRecorded(rank=0, step=step, kind="actv", ops=OPS, name_ids=pack_array("I", ids),
-                                values=pack_array("f", [step + i for i in range(120)])))
-    w.write(StepEnded(rank=0, step=step, duration=0.001))
-    if mode == "flush":
-        w.flush()  # everything up to this step's end is on the OS now
-    step += 1
-    if mode == "interval" and step == 30:
-        import time
-        while True:  # stop producing: only the periodic flush can bring the steps out
-            time.sleep(1)
-"""
-
-
-def _steps_complete(events) -> list[int]:
-    return [e.step for e in events if isinstance(e, StepEnded)]
-
-
-def _check_prefix(events, last_step_seen: int) -> None:
-    assert [e.seq for e in events] == list(range(len(events)))
-    assert isinstance(events[0], FileOpened) and isinstance(events[1], NamesInterned)
-    for ev in events:
-        if isinstance(ev, TensorStatsRecorded):
-            assert list(ev.value_array()) == [ev.step + i for i in range(120)]
-    ended = _steps_complete(events)
-    assert ended == list(range(len(ended))) and ended[-1] >= last_step_seen
-
-
-def test_sigkill_after_flushes_loses_nothing_that_was_flushed(tmp_path):
-    rdir = _rank_dir(tmp_path)
-    proc = _spawn(_script(_KILLED), rdir, "flush")
-    try:
-        path = _wait_for(lambda: next(iter(os.listdir(rdir)), None) if os.path.isdir(rdir) else None, "the log")
-        path = os.path.join(rdir, path)
-        reader = LogReader(path)
-        seen: list[Event] = []
-
-        def past_flush():
-            seen.extend(reader.poll())
-            ended = _steps_complete(seen)
-            return ended and ended[-1] >= 40
-
-        _wait_for(past_flush, "step 40 to be flushed")
-        last_seen = _steps_complete(seen)[-1]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(TIMEOUT)
-    finally:
-        proc.kill()
-        proc.communicate(timeout=TIMEOUT)
-    assert proc.returncode == -signal.SIGKILL
-    after, events = _read(path)
-    _check_prefix(events, last_seen)
-    assert events[: len(seen)] == seen
-    assert after.problems == [] and after.gaps == [] and not after.closed_cleanly
-    assert after.pending_bytes < 16 + 600  # at most one torn frame (a stats frame is ~560 bytes)
-
-
-def test_sigkill_loses_nothing_older_than_the_flush_interval(tmp_path):
-    rdir = _rank_dir(tmp_path)
-    proc = _spawn(_script(_KILLED), rdir, "interval")
-    try:
-        path = _wait_for(lambda: next(iter(os.listdir(rdir)), None) if os.path.isdir(rdir) else None, "the log")
-        path = os.path.join(rdir, path)
-        reader = LogReader(path)
-        seen: list[Event] = []
-
-        def all_out():
-            seen.extend(reader.poll())
-            return len(_steps_complete(seen)) == 30
-
-        _wait_for(all_out, "the periodic flush of 30 steps (no flush() called)")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(TIMEOUT)
-    finally:
-        proc.kill()
-        proc.communicate(timeout=TIMEOUT)
-    after, events = _read(path)
-    _check_prefix(events, 29)
-    assert after.problems == [] and after.pending_bytes == 0 and not after.closed_cleanly
-
-
-_TERMINATED = """
-import signal, sys
-from trainrec.recorder.writer import LogWriter, install_sigterm_handler
-from trainrec.schema.events import StepBegan
-mode = sys.argv[2]
-if mode == "chained":
-    def mine(signum, frame):
-        print("previous handler ran", flush=True)
-        sys.exit(3)
-    signal.signal(signal.SIGTERM, mine)
-assert install_sigterm_handler() and install_sigterm_handler()
-w = LogWriter(sys.argv[1], rank=0, flush_interval=3600.0, queue_size=16)
-step = 0
-while True:  # busy in write(): SIGTERM lands anywhere inside it, full queue waits included
-    w.write(StepBegan(rank=0, step=step))
-    if step == 100:
-        w.flush()
-        print("ready", flush=True)
-    step += 1
-"""
-
-
-@pytest.mark.parametrize("mode", ["default", "chained"])
-def test_sigterm_closes_the_log_cleanly_and_keeps_the_previous_disposition(tmp_path, mode):
-    rdir = _rank_dir(tmp_path)
-    proc = _spawn(_script(_TERMINATED), rdir, mode)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        proc.kill()
-    if mode == "default":
-        assert proc.returncode == -signal.SIGTERM, err
-    else:
-        assert proc.returncode == 3 and "previous handler ran" in out, err
-    (name,) = os.listdir(rdir)
-    reader, events = _read(os.path.join(rdir, name))
-    assert reader.problems == [] and reader.pending_bytes == 0
-    assert reader.closed_cleanly and reader.closed_event.reason == "sigterm"
-    steps = [e.step for e in events if isinstance(e, StepBegan)]
-    assert steps == list(range(len(steps))) and len(steps) > 100
-    assert [e.seq for e in events] == list(range(len(events)))
-    assert reader.closed_event.records == len(events) - 1
-
-
-_GRACEFUL = """
-import signal, sys
-from trainrec.recorder.writer import LogWriter, install_sigterm_handler
-from trainrec.schema.events import StepBegan
-stop = []
-signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # a preemption handler: finish up
-assert install_sigterm_handler()
-w = LogWriter(sys.argv[1], rank=0, flush_interval=3600.0, queue_size=16)
-step = 0
-while not stop:
-    w.write(StepBegan(rank=0, step=step))
-    if step == 100:
-        w.flush()
-        print("ready", flush=True)
-    step += 1
-for _ in range(50):  # the steps after the signal: the run saves its checkpoint and ends on its own
-    w.write(StepBegan(rank=0, step=step))
-    step += 1
-print(step, flush=True)
-w.close()
-"""
-
-
-def test_sigterm_with_a_handler_that_lets_training_finish_keeps_recording(tmp_path):
-    """A preemption handler installed before the recorder's sets a flag and returns: the process goes
-    on, and so does the log (it was closed at the signal, and the steps after it were lost)."""
-    rdir = _rank_dir(tmp_path)
-    proc = _spawn(_script(_GRACEFUL), rdir)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
-    (name,) = os.listdir(rdir)
-    reader, events = _read(os.path.join(rdir, name))
-    assert reader.problems == [] and reader.closed_cleanly and reader.closed_event.reason == "close"
-    assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(int(out.split()[-1])))
-
-
-_EXITING = """
-import os, sys
-from trainrec.recorder.writer import LogWriter
-from trainrec.schema.errors import WriterError
-from trainrec.schema.events import StepBegan
-w = LogWriter(sys.argv[1], rank=0, flush_interval=3600.0)
-for s in range(10):
-    w.write(StepBegan(rank=0, step=s))
-w.flush()
-pid = os.fork()
-if pid == 0:  # a forked child (e.g. a data loader worker) must never touch the parent's log
-    try:
-        w.write(StepBegan(rank=0, step=99))
-        code = 1
-    except WriterError:
-        code = 0
-    w.close()
-    os._exit(code)
-_, status = os.waitpid(pid, 0)
-assert os.waitstatus_to_exitcode(status) == 0, status
-for s in range(10, 20):
-    w.write(StepBegan(rank=0, step=s))
-# no close(): interpreter exit closes the log
-"""
-
-
-def test_interpreter_exit_closes_the_log_and_a_forked_child_cannot_write_into_it(tmp_path):
-    rdir = _rank_dir(tmp_path)
-    proc = _run(_script(_EXITING), rdir)
-    assert proc.returncode == 0, proc.stderr
-    (name,) = os.listdir(rdir)
-    reader, events = _read(os.path.join(rdir, name))
-    assert reader.problems == [] and reader.pending_bytes == 0
-    assert [e.step for e in events if isinstance(e, StepBegan)] == list(range(20))
-    assert reader.closed_event.reason == "exit"
-    assert sum(isinstance(e, FileClosed) for e in events) == 1
-
-
-def test_constructor_rejects_bad_arguments_and_unwritable_places(tmp_path):
-    with pytest.raises(ValueError, match="on_full"):
-        LogWriter(_rank_dir(tmp_path), on_full="spill")
-    with pytest.raises(ValueError, match="flush_interval"):
-        LogWriter(_rank_dir(tmp_path), flush_interval=0)
-    blocker = tmp_path / "a-file"
-    blocker.write_bytes(b"")
-    with pytest.raises(WriterError, match="a-file"):
-        LogWriter(str(blocker / "rank0"))
-
-
-def test_fsync_mode_writes_the_same_log(tmp_path):
-    with LogWriter(_rank_dir(tmp_path), fsync=True) as w:
-        ids = w.intern(["a", "b"])
-        for s in range(5):
-            w.write(_stats(s, ids))
-        w.flush()
-    reader, events = _read(w.path)
-    assert reader.problems == [] and reader.closed_cleanly
-    assert [e.step for e in events if isinstance(e, TensorStatsRecorded)] == list(range(5))
-
-
-def test_flush_with_a_timeout_reports_a_stalled_worker(tmp_path):
-    w = LogWriter(_rank_dir(tmp_path))
-    release = _stall(w)
-    try:
-        with pytest.raises(WriterError, match="did not finish within"):
-            w.flush(timeout=0.05)
-    finally:
-        release.set()
-    w.flush()
-    w.close()
-    assert read_log(w.path)[0].closed_cleanly
-
-
-def test_sigterm_handler_is_not_installed_over_an_ignored_sigterm():
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        from trainrec.recorder.writer import install_sigterm_handler
-
-        assert install_sigterm_handler() is False
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGTERM, previous)
