@@ -5,6 +5,9 @@
   number, type and shape (shape only where both sides recorded one).
 * :func:`match_fuzzy` (``-f``): modules pair by name without the ancestor check; API calls lose their
   call counters and pair by (counterpart of their parent, name without counter, order within the parent).
+  Between a run and a dump, a backward API call left over then pairs by its full name (call counter
+  included) where only its parent differs in the one way msprobe places it differently
+  (:func:`pair_displaced_backward`).
 
 Both return ``{debug name: bench name}``; the root always pairs with the root.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from .model import API, ROOT_NAME, Graph, Node
+from .model import API, MODULE, ROOT_NAME, Graph, Node
 
 _COUNTER = re.compile(r"\.\d+(?=\.(forward|backward)$)|\.\d+$")
 
@@ -59,12 +62,16 @@ _OPERATORS = {
 def api_key(name: str) -> str:
     """An API call's name without its call counter: ``Functional.linear.0.forward`` -> ``Functional.linear.forward``
     (a tensor operator by its method's name: ``Tensor.__mul__`` -> ``Tensor.mul``)."""
-    key = _COUNTER.sub("", name, count=1)
-    if key.startswith("Tensor.__"):
-        head, _, rest = key[len("Tensor."):].partition(".")
+    return _method_name(_COUNTER.sub("", name, count=1))
+
+
+def _method_name(name: str) -> str:
+    """``name`` with a tensor operator by its method's name (``Tensor.__mul__.0.backward`` -> ``Tensor.mul.0.backward``)."""
+    if name.startswith("Tensor.__"):
+        head, _, rest = name[len("Tensor."):].partition(".")
         if head in _OPERATORS:
-            key = f"Tensor.{_OPERATORS[head]}.{rest}" if rest else f"Tensor.{_OPERATORS[head]}"
-    return key
+            return f"Tensor.{_OPERATORS[head]}.{rest}" if rest else f"Tensor.{_OPERATORS[head]}"
+    return name
 
 
 def match_fuzzy(debug: Graph, bench: Graph) -> dict[str, str]:
@@ -100,7 +107,60 @@ def pair_apis(debug: Graph, bench: Graph, pairs: dict[str, str]) -> dict[str, st
                     and same_signature(debug.nodes[child], bench.nodes[hit])):
                 pairs[child] = hit
                 taken.add(hit)
+    if {debug.kind, bench.kind} == {"run", "dump"}:
+        pair_displaced_backward(debug, bench, pairs)
     return pairs
 
 
-__all__ = ["api_key", "io_signature", "match_exact", "match_fuzzy", "pair_apis", "same_signature"]
+def pair_displaced_backward(debug: Graph, bench: Graph, pairs: dict[str, str]) -> dict[str, str]:
+    """Add to ``pairs`` the backward API calls (``...backward``) that a run and a msprobe dump place apart.
+
+    msprobe 1.2.1 puts a call's backward under the module whose backward call is still open when the
+    gradients come; a module whose inputs need no gradient (the first layer) has closed its backward
+    call by then, so the call lands under an ancestor's, or at the top. trainrec puts it under its own
+    module's backward call. A still unpaired backward call pairs with the other side's of the same name,
+    call counter included (tensor operators by their method's name), the same inputs and outputs, where
+    the dump side's module parent (collections skipped) is a proper ancestor, the top included, of the
+    counterpart of the run side's parent. Which graph is the run is taken from :attr:`Graph.kind`.
+    """
+    taken = set(pairs.values())
+    by_name: dict[str, str | None] = {}
+    for name, node in bench.nodes.items():
+        if node.node_type == API and name.endswith(".backward") and name not in taken:
+            key = _method_name(name)
+            by_name[key] = None if key in by_name else name  # (two of one name: neither)
+    inverse = {b: d for d, b in pairs.items()}
+    for name in debug.preorder():
+        node = debug.nodes[name]
+        if node.node_type != API or not name.endswith(".backward") or name in pairs:
+            continue
+        hit = by_name.get(_method_name(name))
+        if hit is None or hit in taken or not same_signature(node, bench.nodes[hit]):
+            continue
+        if debug.kind == "run":
+            placed_apart = _above(bench, _module_parent(bench, hit), pairs.get(node.parent))
+        else:
+            placed_apart = _above(debug, _module_parent(debug, name), inverse.get(bench.nodes[hit].parent))
+        if placed_apart:
+            pairs[name] = hit
+            taken.add(hit)
+    return pairs
+
+
+def _module_parent(graph: Graph, name: str) -> str:
+    """The nearest module (or the root) above ``name``, past collections (``Apis_Between_Modules.N``)."""
+    parent = graph.nodes[name].parent
+    while parent != ROOT_NAME and graph.nodes[parent].node_type != MODULE:
+        parent = graph.nodes[parent].parent
+    return parent
+
+
+def _above(graph: Graph, upper: str, name: str | None) -> bool:
+    """Whether ``upper`` is a proper ancestor of the (module) node ``name``, the root included."""
+    if name is None or name == ROOT_NAME or name not in graph.nodes:
+        return False
+    return upper == ROOT_NAME or upper in graph.ancestors(name)
+
+
+__all__ = ["api_key", "io_signature", "match_exact", "match_fuzzy", "pair_apis", "pair_displaced_backward",
+           "same_signature"]
