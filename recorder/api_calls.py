@@ -123,13 +123,15 @@ def _stack(intern, frames: dict) -> list[int]:
 
 
 class ApiLevel:
-    """The API level of one monitor: its hooks, the mode, and the calls of the pass in progress."""
+    """The API level of one monitor: its hooks, the mode, and the calls of the pass in progress.
+    ``ctx``: the monitor's :class:`~.hook_context.HookContext`."""
 
-    def __init__(self, mon) -> None:
-        self.mon = mon
-        self.stack_wanted = bool(mon.config.api_xy.get("stack"))
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        cfg = ctx.recording.config
+        self.stack_wanted = bool(cfg.api_xy.get("stack"))
         # the gradients through the calls (api_backward.py), where xy records backward too
-        self.backward_wanted = bool(mon.config.api_xy.get("backward", True)) and not mon.config.forward_only
+        self.backward_wanted = bool(cfg.api_xy.get("backward", True)) and not cfg.forward_only
         self.mode = ApiMode(self)
         self.pass_: ApiPass | None = None
         self.modules: list[int] = []  # name ids of the monitored modules whose forward is open
@@ -154,13 +156,14 @@ class ApiLevel:
 
     def _chunk_pre(self, vpp: int):
         def hook(module, args):
-            mon = self.mon
-            st = mon.context.state
-            if (self.pass_ is not None or st is None or mon.output.writer is None or mon.monitored.compiled or not module.training
-                    or not torch.is_grad_enabled() or in_backward() or not mon.config.api_level):
+            ctx = self.ctx
+            rec = ctx.recording
+            st = rec.state
+            if (self.pass_ is not None or st is None or ctx.output.writer is None or ctx.monitored.compiled
+                    or not module.training or not torch.is_grad_enabled() or in_backward() or not rec.config.api_level):
                 return
             fwd = st.chunk_fwd.get(vpp, 1)
-            self.pass_ = ApiPass(st, (fwd - 1) % mon.steps.grad_acc, vpp)
+            self.pass_ = ApiPass(st, (fwd - 1) % ctx.grad_acc, vpp)
             if self.counted is not st:
                 self.counted, self.counts = st, {}
             self.modules.clear()
@@ -178,9 +181,9 @@ class ApiLevel:
         self.modules.clear()
         if p is not None and (len(p.names) or len(p.mod_calls)):
             try:
-                write_pass(self.mon, p)
+                write_pass(self.ctx, p)
             except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-                self.mon._hook_failed("the API level's records", exc)
+                self.ctx.hook_failed("the API level's records", exc)
 
     def _module_pre(self, name_id: int):
         def hook(module, args):
@@ -204,7 +207,7 @@ class ApiLevel:
             try:
                 x = select(inputs_of(args, kwargs, sel_in), sel_in, f"targets.{t.key}.input")
                 y = select(output, sel_out, f"targets.{t.key}.output")
-                p.add_module_call(self.mon.name_table.intern, t.name_id, p.st.call, (x, y))
+                p.add_module_call(self.ctx.name_table.intern, t.name_id, p.st.call, (x, y))
             except Exception as exc:  # noqa: BLE001 - (a selector that does not fit: the xy hook says so)
                 log.debug("trainrec: no shapes of module %r's call: %s", t.name, exc)
 
@@ -224,13 +227,13 @@ class ApiLevel:
             if inplace and positional + keywords:  # in place: the inputs as they were
                 before = self._rows(p, positional + keywords)
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            self.mon._hook_failed(f"API call {name}", exc)
+            self.ctx.hook_failed(f"API call {name}", exc)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         try:
             self._add(p, name, positional, keywords, out, before)
         except Exception as exc:  # noqa: BLE001
-            self.mon._hook_failed(f"API call {name}", exc)
+            self.ctx.hook_failed(f"API call {name}", exc)
         return out
 
     def _add(self, p: ApiPass, name: str, positional: list, keywords: list, out, before: list | None) -> None:
@@ -243,7 +246,7 @@ class ApiLevel:
         # the reference's order: positional inputs, outputs, keyword inputs
         n_pos = len(positional)
         block = stack_rows(rows[:n_pos] + rows[len(ins):] + rows[n_pos:len(ins)])
-        intern = self.mon.name_table.intern
+        intern = self.ctx.name_table.intern
         stack = _stack(intern, self.frames) if self.stack_wanted else None
         n = self.counts.get(name, 0)
         module = self.modules[-1] if self.modules else NO_MODULE
@@ -252,7 +255,7 @@ class ApiLevel:
         if self.backward_wanted:
             first = api_backward.first_tensor(outs)
             if first is not None and first.requires_grad:
-                api_backward.watch(self.mon, p.st, first, api_backward.BackwardCall(
+                api_backward.watch(self.ctx, p.st, first, api_backward.BackwardCall(
                     f"{name}.{n}.backward", module, p.micro, p.vpp))
 
     def _rows(self, p: ApiPass, items: list) -> list:
@@ -261,10 +264,10 @@ class ApiLevel:
         out: list = [None] * len(items)
         tensors = [k for k, (_, v) in enumerate(items) if isinstance(v, torch.Tensor)]
         if tensors:
-            rows = rows_for(self.mon, p.st, tuple(items[k][1] for k in tensors))
+            rows = rows_for(self.ctx.recording, p.st, tuple(items[k][1] for k in tensors))
             for j, k in enumerate(tensors):
                 out[k] = rows[j]
-        eps = self.mon.config.eps
+        eps = self.ctx.recording.config.eps
         for k, (_, v) in enumerate(items):
             if out[k] is None:
                 out[k] = _number_row(v, ops, eps)

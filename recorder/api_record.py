@@ -90,10 +90,10 @@ class ApiPass:
             self.frames.extend(stack[:0xFFFF])
 
 
-def write_pass(mon, p: ApiPass) -> None:
+def write_pass(ctx, p: ApiPass) -> None:
     """The pass's calls to the log: its rows copied to the host as a step's are, the record made on the
-    writer's thread."""
-    writer = mon.output.writer
+    writer's thread (``ctx``: the monitor's :class:`~.hook_context.HookContext`)."""
+    writer = ctx.output.writer
     if writer is None or writer.closed or writer.error is not None or not (len(p.names) or len(p.mod_calls)):
         return
     hs = None
@@ -102,9 +102,9 @@ def write_pass(mon, p: ApiPass) -> None:
         for block in p.rows:
             stats.add(StatsPart("api", block, (0,) * len(block)))
         hs = stats.finish(p.st.step)
-    mon._sync_names()
-    fids = mon.name_table.file_ids
-    rank, step, ops = mon.rank, p.st.step, tuple(p.st.stats.ops)
+    ctx.sync_names()
+    fids = ctx.name_table.file_ids
+    rank, step, ops = ctx.identity.rank, p.st.step, tuple(p.st.stats.ops)
 
     def ids(col: array) -> bytes:
         return fids[np.frombuffer(col, dtype=np.uint32)].astype("<u4").tobytes() if len(col) else b""

@@ -11,7 +11,6 @@ it makes the unsharded parameter, where this rank's own gradient accumulates).
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 
 from . import fsdp, zero
@@ -24,8 +23,8 @@ log = logging.getLogger(__name__)
 class StepHooks:
     """The hooks of the steps collected, on the model.
 
-    ``hook_failed(where, exc)`` and ``warn_once(key, message)``: the monitor's. ``owner`` (given to
-    :meth:`attach`, held weakly) is what the hooks report to (``Targets.attach``).
+    ``hook_failed(where, exc)`` and ``warn_once(key, message)``: the monitor's. ``hooks`` (the
+    :class:`~.hook_context.HookContext` given to :meth:`attach`, held weakly) is what the hooks get.
     """
 
     def __init__(self, hook_failed: Callable[[str, BaseException], None],
@@ -43,7 +42,7 @@ class StepHooks:
         self.list_hooked: dict[int, int] = {}
         self.list_handles: list = []
         self.list_hooks_off = False
-        self._owner = lambda: None
+        self._hooks = lambda: None
         self._targets: Targets | None = None
         self._params: list[ParamInfo] = []
         self._main_grad = False
@@ -52,14 +51,14 @@ class StepHooks:
     def attached(self) -> bool:
         return bool(self.handles)
 
-    def attach(self, owner, targets: Targets, params: list[ParamInfo], compiled: bool, grad_hooks_of: list | None,
+    def attach(self, hooks, targets: Targets, params: list[ParamInfo], compiled: bool, grad_hooks_of: list | None,
                fast: bool, main_grad: bool) -> None:
         """Module hooks of ``targets``, and where ``grad_hooks_of`` (the model's chunks) is given, the
         weight-gradient hooks of ``params`` (``fast``: list hooks allowed; ``main_grad``: a parameter's
         Megatron main_grad is measured instead of ``.grad``, which takes a Python hook)."""
-        self._owner, self._targets, self._params, self._main_grad = weakref.ref(owner), targets, params, main_grad
+        self._hooks, self._targets, self._params, self._main_grad = hooks.ref, targets, params, main_grad
         self.compiled = compiled
-        self.handles = targets.attach(owner)
+        self.handles = targets.attach(hooks)
         self.frozen = []
         self.fsdp2_waiting = []
         self.lazy_waiting = []
@@ -106,13 +105,13 @@ class StepHooks:
             if zero.is_partitioned(p.param):
                 # DeepSpeed's own post-accumulate-grad hook (registered first, so run first) moves
                 # the gradient into its buckets, where it is reduced while backward goes on
-                h = p.param.register_hook(t.grad_hook(self._owner(), i, incoming=True))
+                h = p.param.register_hook(t.grad_hook(self._hooks(), i, incoming=True))
             elif fast and not (self._main_grad and getattr(p.param, "main_grad", None) is not None):
                 h = p.param.register_post_accumulate_grad_hook(self.fired.append)
                 self.list_hooked[id(p.param)] = i
                 self.list_handles.append(h)
             else:
-                h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self._owner(), i, incoming=False))
+                h = p.param.register_post_accumulate_grad_hook(t.grad_hook(self._hooks(), i, incoming=False))
         except RuntimeError as exc:  # one parameter's hook never costs the others theirs
             self._hook_failed(f"weight-gradient hook of {p.name!r}", exc)
             return
@@ -140,7 +139,7 @@ class StepHooks:
                 continue
             try:
                 self.handles.append(u.register_post_accumulate_grad_hook(
-                    self._targets.grad_hook(self._owner(), i, incoming="unsharded")))
+                    self._targets.grad_hook(self._hooks(), i, incoming="unsharded")))
             except RuntimeError as exc:
                 self._hook_failed(f"weight-gradient hook of {self._params[i].name!r}", exc)
         self.fsdp2_waiting = waiting
@@ -158,7 +157,7 @@ class StepHooks:
         for i in sorted(set(self.list_hooked.values())):
             try:
                 self.handles.append(self._params[i].param.register_post_accumulate_grad_hook(
-                    t.grad_hook(self._owner(), i, incoming=False)))
+                    t.grad_hook(self._hooks(), i, incoming=False)))
             except RuntimeError as exc:
                 self._hook_failed(f"weight-gradient hook of {self._params[i].name!r}", exc)
         self.list_hooked = {}

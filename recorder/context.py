@@ -1,5 +1,6 @@
 """What the hooks and the collection parts read of a running recording, in one small object the
-monitor owns and updates: the collected step's state, the monitored parameters, the statistics engine."""
+monitor owns and updates: the collected step's state, the monitored parameters, the statistics engine,
+the active config."""
 
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ class RecordingContext:
     collected); ``params``: the monitored parameters (:class:`~trainrec.recorder.targets.ParamInfo`);
     ``engine``: the :class:`~trainrec.recorder.stats.StatsEngine` of the config's ops; ``step_t0``: when
     the current step began (``time.perf_counter``); ``params_have_main_grad``: the monitor's argument;
-    ``hook_failed(where, exc)``: reports a failure inside a hook (a HookFailed record; training goes on).
+    ``hook_failed(where, exc)``: reports a failure inside a hook (a HookFailed record; training goes on);
+    ``config``: the active :class:`~trainrec.recorder.config.MonitorConfig` (the monitor's ``config``).
     """
 
-    __slots__ = ("engine", "hook_failed", "params", "params_have_main_grad", "state", "step_t0")
+    __slots__ = ("config", "engine", "hook_failed", "params", "params_have_main_grad", "state", "step_t0")
 
-    def __init__(self, engine, params_have_main_grad: bool, hook_failed: Callable[[str, BaseException], None]) -> None:
+    def __init__(self, engine, params_have_main_grad: bool, hook_failed: Callable[[str, BaseException], None],
+                 config=None) -> None:
         self.state = None
         self.params: list = []
         self.engine = engine
         self.step_t0 = time.perf_counter()
         self.params_have_main_grad = params_have_main_grad
         self.hook_failed = hook_failed
+        self.config = config

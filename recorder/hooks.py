@@ -32,8 +32,9 @@ graph at it and never traces the monitor's own code (see there for why not alway
 These hooks are attached only for steps that are collected (the monitor detaches them otherwise, so
 a skipped step pays nothing). On a collected step a hook resolves nothing by name (ids are prepared
 once), appends its firing to columnar arrays, and computes the statistics of its few tensors at once,
-keeping the results on the device. An exception inside a hook is caught and reported to the monitor
-(HookFailed), never raised into training.
+keeping the results on the device. An exception inside a hook is caught and reported (HookFailed),
+never raised into training. The hooks get the monitor's :class:`~.hook_context.HookContext`, not the
+monitor; those on tensors hold it weakly (``ctx.ref``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ from .selectors import SLOTS, found_text, inputs_of, select
 from .step_stats import StatsPart, StepStats, gather_device, placeholders, to_device
 
 if TYPE_CHECKING:
-    from .monitor import TrainerMon
+    from .context import RecordingContext
+    from .hook_context import HookContext
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +151,7 @@ class StepState:
 MEMO_MIN_NUMEL = 4096
 
 
-def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.ndarray:
+def rows_for(rec: RecordingContext, st: StepState, xs: tuple) -> torch.Tensor | np.ndarray:
     """Stats rows of a hook's tensors (a numpy array on the kernel's path, see ``StatsEngine.rows``).
     A module's output is usually the next module's input (and a gradient is handed on the same way),
     often as another tensor object viewing the same memory: a tensor already measured in this step
@@ -183,7 +185,7 @@ def rows_for(mon: TrainerMon, st: StepState, xs: tuple) -> torch.Tensor | np.nda
                 continue
         todo.append(k)
     if todo:
-        new = mon.context.engine.rows([xs[k] for k in todo])
+        new = rec.engine.rows([xs[k] for k in todo])
         for j, k in enumerate(todo):
             if keys[k] is not None:
                 x = xs[k]
@@ -243,7 +245,7 @@ def _needs_grad(x) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
 
 
-def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, slot: int, name: str) -> None:
+def _hook_grad(ctx: HookContext, st: StepState, x: torch.Tensor, gc: GradCall, slot: int, name: str) -> None:
     """Have ``x``'s gradient recorded for call ``gc`` in ``slot``: one hook per tensor object and value
     (an in-place op in between, ``ReLU(inplace=True)``, makes the same object another autograd value,
     whose gradient differs: it gets its own hook)."""
@@ -269,14 +271,14 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
         # all-reduce autograd runs there anyway: measured there (a Shard gradient is the same local
         # tensor either way)
         once = _Once()
-        once.handle = node.register_hook(functools.partial(_conversion_grad_cb, mon._ref, st, users, once))
+        once.handle = node.register_hook(functools.partial(_conversion_grad_cb, ctx.ref, st, users, once))
         st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing, once)
         return
     base = x._base
     whole_view = (base is not None and base.grad_fn is not None and base.numel() == x.numel()
-                  and not mon.monitored.compiled)
+                  and not ctx.monitored.compiled)
     once = _Once() if x.is_leaf or whole_view else None
-    once_handle = x.register_hook(_make_grad_cb(mon, st, users, once))
+    once_handle = x.register_hook(_make_grad_cb(ctx, st, users, once))
     if once is not None:
         once.handle = once_handle
     if x.is_leaf:
@@ -288,7 +290,7 @@ def _hook_grad(mon: TrainerMon, st: StepState, x: torch.Tensor, gc: GradCall, sl
         # when it is modified in place later (ReLU(inplace=True), x += y): then the node that made its
         # base, still in the graph, gets the gradient of the value the module produced, in the base's
         # shape (the same elements). Whichever runs first records it, once.
-        base.grad_fn.register_prehook(functools.partial(_node_grad_cb, mon._ref, st, users, once))
+        base.grad_fn.register_prehook(functools.partial(_node_grad_cb, ctx.ref, st, users, once))
     st.grad_hooks[id(x)] = (weakref.ref(x), x._version, users, recomputing, once)
 
 
@@ -302,13 +304,13 @@ class _Once:
         self.fired = False
 
 
-def _grad_cb(mon_ref, st: StepState, users: list, once: _Once | None, grad):
+def _grad_cb(ctx_ref, st: StepState, users: list, once: _Once | None, grad):
     if once is not None:
         if once.fired:  # an earlier backward pass's call, or the view's base node ran first
             return None
         once.fired = True
-    mon = mon_ref()  # weak: a graph kept alive (the last loss in a variable) must not keep the monitor
-    if mon is None or mon.context.state is not st:  # the step ended (or monitoring stopped) before this gradient
+    ctx = ctx_ref()  # weak: a graph kept alive (the last loss in a variable) must not keep the monitor
+    if ctx is None or ctx.recording.state is not st:  # the step ended (or monitoring stopped) before this gradient
         return None
     rows = None
     # last hooked first: backward runs the forward in reverse. A module returning its child's output
@@ -320,7 +322,7 @@ def _grad_cb(mon_ref, st: StepState, users: list, once: _Once | None, grad):
             if gc.call is None:
                 gc.call = st.fire(gc.mid, DIR_BACKWARD, gc.micro)
             if rows is None:
-                rows = rows_for(mon, st, (grad,))
+                rows = rows_for(ctx.recording, st, (grad,))
                 empty = not local_tensor(grad).numel()  # (a NaN row, no values: see StatsPart.placeholder)
             other_hooked = gc.out_hooked if slot == SLOT_INPUT_GRAD else gc.in_hooked
             if other_hooked or not gc.pair:
@@ -333,22 +335,22 @@ def _grad_cb(mon_ref, st: StepState, users: list, once: _Once | None, grad):
             st.stats.add(StatsPart(KIND_ACTV_GRAD, part_rows, (gc.mid,) * n, (gc.micro,) * n, (gc.call,) * n,
                                    slots, (gc.vpp,) * n, marks))
         except Exception as exc:  # noqa: BLE001
-            mon._hook_failed(f"backward hook of {name!r}", exc)
+            ctx.hook_failed(f"backward hook of {name!r}", exc)
     return None
 
 
-def _node_grad_cb(mon_ref, st: StepState, users: list, once: _Once, grad_outputs):
+def _node_grad_cb(ctx_ref, st: StepState, users: list, once: _Once, grad_outputs):
     """Pre-hook on the node that made a view's base: :func:`_grad_cb` with the gradient of its output."""
     if not once.fired and grad_outputs and grad_outputs[0] is not None:
-        _grad_cb(mon_ref, st, users, once, grad_outputs[0])
+        _grad_cb(ctx_ref, st, users, once, grad_outputs[0])
     return None
 
 
-def _conversion_grad_cb(mon_ref, st: StepState, users: list, once: _Once, grad_inputs, _grad_outputs):
+def _conversion_grad_cb(ctx_ref, st: StepState, users: list, once: _Once, grad_inputs, _grad_outputs):
     """Post-hook on the node that made a DTensor from a local tensor (see :func:`_hook_grad`):
     :func:`_grad_cb` with the gradient it hands back."""
     if grad_inputs and grad_inputs[0] is not None:
-        _grad_cb(mon_ref, st, users, once, grad_inputs[0])
+        _grad_cb(ctx_ref, st, users, once, grad_inputs[0])
     return None
 
 
@@ -369,10 +371,10 @@ def _grad_cb_eager():
     return eager(_grad_cb)
 
 
-def _make_grad_cb(mon: TrainerMon, st: StepState, users: list, once: _Once | None = None):
+def _make_grad_cb(ctx: HookContext, st: StepState, users: list, once: _Once | None = None):
     """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
     tensor, several per module call, cost 5-10 us each)."""
-    return functools.partial(_grad_cb_eager() if mon.monitored.compiled else _grad_cb, mon._ref, st, users, once)
+    return functools.partial(_grad_cb_eager() if ctx.monitored.compiled else _grad_cb, ctx.ref, st, users, once)
 
 
 def _with_nan_row(rows, nan_second: bool):
@@ -385,11 +387,11 @@ def _with_nan_row(rows, nan_second: bool):
     return torch.cat((rows, nan) if nan_second else (nan, rows))
 
 
-def warn_no_tensor(mon: TrainerMon, t: ModuleTarget, module, found: dict) -> None:
+def warn_no_tensor(ctx: HookContext, t: ModuleTarget, module, found: dict) -> None:
     """Once per module: the default selection (no selector) found no tensor in its ``found`` sides
     (``{"input": value, "output": value}``, what it looked at), so the slots there get NaN rows and no
     gradient rows (a module returning None, or a dict whose first value set is no tensor)."""
-    warned = mon._no_tensor_warned
+    warned = ctx.no_tensor_warned
     if t.name_id in warned:
         return
     warned.add(t.name_id)
@@ -402,7 +404,7 @@ def warn_no_tensor(mon: TrainerMon, t: ModuleTarget, module, found: dict) -> Non
                 t.name, type(module).__name__, " and ".join(found), what)
 
 
-def make_pre_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True):
+def make_pre_hook(ctx: HookContext, t: ModuleTarget, forward: bool = True):
     """Forward pre-hook (activation gradients): a gradient hook on the selected input tensor. Where the
     module's forward hook does not measure its input (not ``forward``), it says whether the default
     selection found none (:func:`warn_no_tensor`)."""
@@ -414,26 +416,27 @@ def make_pre_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True):
     pair = want_in and "output_grad" in t.wants
     # (where the forward hook measures the same default input, it says so)
     check_in = want_in and sel_in is None and not (forward and "input" in t.wants and t.sel.get("input") is None)
+    rec = ctx.recording
 
     def hook(module, args, kwargs=None):  # (registered with_kwargs; see _KWARGS_GONE)
-        st = mon.context.state
+        st = rec.state
         if st is None or not module.training or not torch.is_grad_enabled():
             return
         try:
             x = select(inputs_of(args, kwargs, sel_in), sel_in, key_in) if want_in else None
             if check_in and x is None:
-                warn_no_tensor(mon, t, module, {"input": inputs_of(args, kwargs, sel_in)})
-            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, mon.steps.grad_acc), vpp, _needs_grad(x), pair)
+                warn_no_tensor(ctx, t, module, {"input": inputs_of(args, kwargs, sel_in)})
+            gc = GradCall(mid, st.micro_of(vpp, mid, st.bwd_count, ctx.grad_acc), vpp, _needs_grad(x), pair)
             st.open_calls.setdefault(mid, []).append(gc)
             if gc.in_hooked:
-                _hook_grad(mon, st, x, gc, SLOT_INPUT_GRAD, t.name)
+                _hook_grad(ctx, st, x, gc, SLOT_INPUT_GRAD, t.name)
         except Exception as exc:  # noqa: BLE001
-            mon._hook_failed(f"backward hook of {t.name!r}", exc)
+            ctx.hook_failed(f"backward hook of {t.name!r}", exc)
 
     return hook
 
 
-def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, backward: bool = True):
+def make_forward_hook(ctx: HookContext, t: ModuleTarget, forward: bool = True, backward: bool = True):
     """Forward hook: activation statistics (``forward``), and the gradient hook on the selected output
     tensor of the call opened by :func:`make_pre_hook` (``backward``)."""
     sel_in = t.sel.get("input")
@@ -454,10 +457,12 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
     # forward part measures the slot, else where its backward part selects it
     check_in, check_out = want_in and sel_in is None, want_out and sel_out is None
     check_gout = want_gout and sel_gout is None and not (forward and check_out)
+    rec = ctx.recording
+    no_tensor_warned = ctx.no_tensor_warned
 
     def hook(module, args, *kwargs_output):  # (registered with_kwargs: kwargs, output; see _KWARGS_GONE)
         kwargs, output = kwargs_output if len(kwargs_output) == 2 else (None, kwargs_output[0])
-        st = mon.context.state
+        st = rec.state
         if st is None or not module.training or (st.nograd_fwd if st.chunk_open else not torch.is_grad_enabled()):
             # a training-mode call under no_grad: inside a chunk's forward, as that forward began (reentrant
             # checkpointing runs its segment's first forward under no_grad, inside a recorded one); a
@@ -470,57 +475,57 @@ def make_forward_hook(mon: TrainerMon, t: ModuleTarget, forward: bool = True, ba
                 try:
                     y = select(output, sel_gout, key_gout) if want_gout else None
                     if check_gout and y is None:
-                        warn_no_tensor(mon, t, module, {"output": output})
+                        warn_no_tensor(ctx, t, module, {"output": output})
                     if _needs_grad(y):
                         gc.out_hooked = True
-                        _hook_grad(mon, st, y, gc, SLOT_OUTPUT_GRAD, t.name)
+                        _hook_grad(ctx, st, y, gc, SLOT_OUTPUT_GRAD, t.name)
                 except Exception as exc:  # noqa: BLE001
-                    mon._hook_failed(f"backward hook of {t.name!r}", exc)
+                    ctx.hook_failed(f"backward hook of {t.name!r}", exc)
         if not forward or in_backward():
             return
         try:
-            micro = st.micro_of(vpp, mid, st.fwd_count, mon.steps.grad_acc)
+            micro = st.micro_of(vpp, mid, st.fwd_count, ctx.grad_acc)
             call = st.fire(mid, DIR_FORWARD, micro)
             if n == 2:
                 xs = (select(inputs_of(args, kwargs, sel_in), sel_in, key_in), select(output, sel_out, key_out))
             else:
                 xs = (select(inputs_of(args, kwargs, sel_in), sel_in, key_in) if want_in
                       else select(output, sel_out, key_out),)
-            if ((check_in and xs[0] is None) or (check_out and xs[-1] is None)) and mid not in mon._no_tensor_warned:
+            if ((check_in and xs[0] is None) or (check_out and xs[-1] is None)) and mid not in no_tensor_warned:
                 found = {}
                 if check_in and xs[0] is None:
                     found["input"] = inputs_of(args, kwargs, sel_in)
                 if check_out and xs[-1] is None:
                     found["output"] = output
-                warn_no_tensor(mon, t, module, found)
-            rows = rows_for(mon, st, xs)
+                warn_no_tensor(ctx, t, module, found)
+            rows = rows_for(rec, st, xs)
             # (a slot that found no tensor, or an empty one, such as an expert no token was routed to:
             # its NaN row marked, so that anomaly detection does not take it for a tensor holding NaN)
             st.stats.add(StatsPart(KIND_ACTV, rows, mids, (micro,) * n, (call,) * n, fwd_slots, vpps,
                                    placeholders(xs, rows)))
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
-            mon._hook_failed(f"forward hook of {t.name!r}", exc)
+            ctx.hook_failed(f"forward hook of {t.name!r}", exc)
 
     return hook
 
 
-def make_grad_hook(mon: TrainerMon, index: int, incoming: bool | str = False):
+def make_grad_hook(ctx: HookContext, index: int, incoming: bool | str = False):
     """Post-accumulate-grad hook of monitored parameter ``index``; with ``incoming``, a gradient hook
     on the parameter instead (``Tensor.register_hook``: it runs before the gradient is accumulated,
     and before any post-accumulate-grad hook), given this micro step's gradient; with ``incoming ==
     "unsharded"``, the post-accumulate-grad hook of FSDP2's unsharded parameter, whose gradient is this
     rank's own before FSDP reduce-scatters it (and then drops it): measured at once."""
 
-    ref = mon._ref  # a tensor's hooks are out of the garbage collector's sight (see TrainerMon)
+    ref = ctx.ref  # a tensor's hooks are out of the garbage collector's sight (see HookContext)
 
     def hook(param_or_grad):
-        mon = ref()
-        if mon is None or mon.context.state is None:
+        c = ref()
+        if c is None or c.recording.state is None:
             return
         try:
-            mon.collection.grad_batch.grad_accumulated(index, param_or_grad if incoming else None)
+            c.grad_batch.grad_accumulated(index, param_or_grad if incoming else None)
         except Exception as exc:  # noqa: BLE001
-            mon._hook_failed(f"gradient hook of {mon.context.params[index].name!r}", exc)
+            c.hook_failed(f"gradient hook of {c.recording.params[index].name!r}", exc)
 
     if incoming == "unsharded":
         def unsharded_hook(param):

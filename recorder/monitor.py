@@ -36,6 +36,7 @@ from .compile_mode import eager
 from .config import MonitorConfig, load_config, parse_config
 from .context import RecordingContext
 from .flight import probes_for
+from .hook_context import HookContext
 from .hooks import StepState
 from .model_args import checked_arguments, checked_model, compiled_fullgraph
 from .monitored import MonitoredModel
@@ -75,11 +76,11 @@ class TrainerMon:
     def __init__(self, config_file_path, process_group=None, params_have_main_grad: bool = True,
                  opt_ty: str | None = None, *, output_dir: str | None = None, live_export: bool | None = True) -> None:
         if isinstance(config_file_path, MonitorConfig):
-            self.config = config_file_path
+            config = config_file_path
         elif isinstance(config_file_path, dict):
-            self.config = parse_config(config_file_path, "config dict")
+            config = parse_config(config_file_path, "config dict")
         else:
-            self.config = load_config(config_file_path)
+            config = load_config(config_file_path)
         self.config_file_path = config_file_path if isinstance(config_file_path, (str, os.PathLike)) else None
         if not isinstance(params_have_main_grad, (bool, int)) or params_have_main_grad not in (0, 1):
             # ("no" would be taken as true: main_grad looked for, where a run has none, .grad used)
@@ -97,7 +98,7 @@ class TrainerMon:
                         os.environ["DYNAMIC_MONITOR"])
         self.dynamic = dynamic == "true"
         self.identity = RankIdentity(process_group)  # rank, world, pipeline stage, the run id the ranks share
-        warn_unrecorded(self.config, self.world_size, applied=not self.dynamic)
+        warn_unrecorded(config, self.world_size, applied=not self.dynamic)
         if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
             raise TypeError(f"output_dir: expected a directory path (str or os.PathLike), got "
                             f"{type(output_dir).__name__}")
@@ -105,27 +106,22 @@ class TrainerMon:
         # the log, the live export, the detector, the config watcher and the probes: closed by close(), or
         # by the output's finalizer where this monitor is dropped without it (with its model)
         self.output = Output(self.rank, self.output_dir, bool(output_dir),
-                             live_export if live_export is not None else "format" in self.config.raw)
+                             live_export if live_export is not None else "format" in config.raw)
         self.failures = HookFailures(weak_call(self._emit))  # counted per place; totals at close
-        # what the hooks and the collection parts read: the step's state, the parameters, the engine
-        self.context = RecordingContext(StatsEngine(self.config.ops, self.config.eps), self.params_have_main_grad,
-                                        weak_call(self._hook_failed))
+        # what the hooks and the collection parts read: the step's state, the parameters, the engine, the config
+        self.context = RecordingContext(StatsEngine(config.ops, config.eps), self.params_have_main_grad,
+                                        weak_call(self._hook_failed), config)
         self.name_table = NameTable()
         self.step_output = StepOutput(self.output, self.name_table, self.rank)
         self.step_hooks = StepHooks(weak_call(self._hook_failed), warn_once)
         self._checked: tuple | None = None  # (config, its targets) chosen by _check_config
-        self._no_tensor_warned: set[int] = set()  # modules where the default selection found no tensor (hooks)
         self._struct_handles: list = []
         self._chunk_handles: list = []
-        self._lazy_chunks: set[int] = set()  # chunks with lazy modules' parameters not made when installed
         cls = type(self)  # (its set_wrapped_optimizer, read at binding time; the class, not this monitor)
         self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
                                         lambda: cls._wrapped_optimizer, warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
                                  self.identity.several_ranks, weak_call(self._hook_failed), warn_once)
-        # hooks on tensors (parameters, activations, outputs whose graph a kept loss holds) reach the
-        # monitor through this: out of the collector's sight, a strong reference there keeps it alive
-        self._ref = weakref.ref(self)
         self.output.closed_with(self)  # (at exit, open_monitors closes a live monitor in full)
         self._struct: dict | None = None
         self._closed = False
@@ -137,6 +133,12 @@ class TrainerMon:
         self.cycle = StepCycle(self, self.rank, self.context, self.output, self.steps, self.binding, self.collection,
                                self.monitored, self.step_hooks, self.step_output, weak_call(self._emit),
                                weak_call(self._hook_failed))
+        # what the hooks get in the monitor's place (hooks on tensors hold it weakly: hook_context.py)
+        self.hooks = HookContext(self, self.context, monitored=self.monitored, on_micro_step=self.cycle.on_micro_step,
+                                 step_hooks=self.step_hooks, grad_batch=self.collection.grad_batch,
+                                 name_table=self.name_table, sync_names=weak_call(self._sync_names),
+                                 output=self.output, identity=self.identity, hook_failed=weak_call(self._hook_failed),
+                                 materialized=weak_call(self._materialized))
         if self.config.format != "api":
             self._open_output()
         else:
@@ -179,6 +181,15 @@ class TrainerMon:
         """Hand an event to the log; a failed writer is reported once and never raised into training."""
         if not self.output.emit(event):
             self.cycle.monitoring = False  # nothing reaches the log: the hooks go at the next step's begin
+
+    @property
+    def config(self) -> MonitorConfig:
+        """The active config (kept in the recording context, where the hooks read it)."""
+        return self.context.config
+
+    @config.setter
+    def config(self, value: MonitorConfig) -> None:
+        self.context.config = value
 
     # who this process is in the run (msprobe's attributes), kept by the rank identity part
     process_group = property(lambda self: self.identity.process_group)
@@ -243,7 +254,7 @@ class TrainerMon:
             self.output.discard_if_empty()  # nothing installed: no empty run left beside a fixed one
             raise
         self.monitored.install(given, tp_group)
-        self.steps.grad_acc = acc
+        self.steps.grad_acc = self.hooks.grad_acc = acc
         self.cycle.step = int(start_iteration)
         if not self.identity.distributed:
             self.identity.join_process_group(self.output, append_output=bool(self.config.append_output),
@@ -274,13 +285,14 @@ class TrainerMon:
         # wrapper of a chunk compiled with fullgraph=True, whose own hooks run outside the graph (inside
         # it, a hook that dynamo may not trace is a graph break, which fullgraph makes an error)
         hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, self.monitored.chunks, strict=True)]
-        self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self, vpp))
+        self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self.hooks, vpp))
                                for vpp, chunk in enumerate(hooked)]
-        self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self, vpp))
+        self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self.hooks, vpp))
                                 for vpp, chunk in enumerate(hooked)]
         self.steps.chunk0_params = [p for p in self.monitored.chunks[0].parameters() if p.requires_grad]
         self._mark_params()
-        self._lazy_chunks = {vpp for vpp, c in enumerate(self.monitored.chunks) if any(map(uninitialized, c.parameters()))}
+        self.hooks.lazy_chunks.update(vpp for vpp, c in enumerate(self.monitored.chunks)
+                                      if any(map(uninitialized, c.parameters())))
         if not self.steps.manual:
             # every optimizer's step, once each: another optimizer's (a GAN's other model's) tells the
             # passes of this model inside that model's step from this model's own (_other_stepped)
@@ -451,7 +463,7 @@ class TrainerMon:
         structure is recorded again, with their sizes (and the classes the lazy modules became), and on
         chunk 0 the parameters that notice a backward are chosen again (:meth:`_mark_params`). A lazy
         module first run later keeps its 0 there."""
-        self._lazy_chunks.discard(vpp)
+        self.hooks.lazy_chunks.discard(vpp)
         if vpp == 0:
             self._mark_params()
         self._write_structure(vpp)
@@ -485,7 +497,7 @@ class TrainerMon:
 
     def _write_api_backward(self, st: StepState) -> None:
         """The step's gradients through the API calls, to the log (api_backward.py)."""
-        api_backward.write_backward(self, st)
+        api_backward.write_backward(self.hooks, st)
 
     def step(self) -> None:
         """End the current step by hand (for loops without a hooked optimizer)."""

@@ -28,8 +28,8 @@ _PARAM_REQUIRES_GRAD = operator.attrgetter("param.requires_grad")
 class MonitoredModel:
     """``chunks``: the model's chunks (uncompiled); ``compiled``: the model runs under torch.compile
     (hooks are made for it, ``compile_mode.eager``); ``targets``: what is monitored (its parameters are
-    ``context.params``). ``owner`` (the monitor, held weakly) is what the hooks report to and whose
-    ``config`` is the active one; ``sync_names()`` announces names interned by a selection."""
+    ``context.params``; ``context.config`` is the active config). ``owner`` (the monitor, held weakly)
+    hands out the hooks' context (its ``hooks``); ``sync_names()`` announces names interned by a selection."""
 
     def __init__(self, owner, context: RecordingContext, step_hooks: StepHooks, grad_batch: GradBatch,
                  identity: RankIdentity, name_table: NameTable, sync_names: Callable[[], None],
@@ -113,7 +113,7 @@ class MonitoredModel:
         choose them again, so that it is recorded from this step on (fine-tuning that unfreezes layers
         as it goes), or no longer (no parameter or optimizer-state rows of a parameter not trained)."""
         try:
-            targets, params = self.select(self._owner().config)
+            targets, params = self.select(self._context.config)
         except ConfigError as exc:  # (the same config was accepted before; the model may have changed)
             self._hook_failed("targets of unfrozen parameters", exc)
             self.targets.frozen = [p for p in self.targets.frozen if not p.requires_grad]
@@ -130,15 +130,15 @@ class MonitoredModel:
     def attach(self) -> None:
         t, owner = self.targets, self._owner()
         if t is not None and owner is not None:
-            cfg = owner.config
+            cfg, hooks = self._context.config, owner.hooks
             wg = cfg.wg_distribution
-            self._step_hooks.attach(owner, t, self._context.params, self.compiled, self.chunks if wg else None,
+            self._step_hooks.attach(hooks, t, self._context.params, self.compiled, self.chunks if wg else None,
                                     wg and self.list_hooks_allowed(), self._context.params_have_main_grad)
             if cfg.api_level:  # the API level (api_calls.py): its hooks, made per attach
-                self._step_hooks.handles += api_calls.ApiLevel(owner).attach(self.chunks, t.modules)
+                self._step_hooks.handles += api_calls.ApiLevel(hooks).attach(self.chunks, t.modules)
 
     def list_hooks_allowed(self) -> bool:
-        return self._grad_batch.list_hooks_allowed(self._owner().config, self.compiled, self._identity.several_ranks())
+        return self._grad_batch.list_hooks_allowed(self._context.config, self.compiled, self._identity.several_ranks())
 
     def hook_materialized(self) -> None:
         """Lazy modules' parameters made by their first forward: their gradient hooks."""

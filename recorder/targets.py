@@ -69,7 +69,7 @@ class Targets:
     # parameter statistics are on (a warning: recorded from the module's first forward on)
     lazy: dict = field(default_factory=dict)
 
-    def attach(self, mon) -> list:
+    def attach(self, ctx) -> list:
         """Module hooks: no full backward hooks (see :mod:`.hooks`), so in-place ops keep working."""
         handles = []
         for k, (module, t) in enumerate(self.modules):
@@ -78,26 +78,27 @@ class Targets:
             forward = self.forward and not t.wants.isdisjoint(_VALUE_SLOTS)
             # (with the keyword arguments: a module called with them only takes its input from them)
             if backward:
-                handles.append(module.register_forward_pre_hook(self._hook(mon, ("pre", k), make_pre_hook, t, forward),
+                handles.append(module.register_forward_pre_hook(self._hook(ctx, ("pre", k), make_pre_hook, t, forward),
                                                                 with_kwargs=True))
             if forward or backward:
                 handles.append(module.register_forward_hook(
-                    self._hook(mon, ("fwd", k), make_forward_hook, t, forward, backward), with_kwargs=True))
+                    self._hook(ctx, ("fwd", k), make_forward_hook, t, forward, backward), with_kwargs=True))
         return handles
 
-    def grad_hook(self, mon, index: int, incoming: bool | str):
+    def grad_hook(self, ctx, index: int, incoming: bool | str):
         """The weight-gradient hook of parameter ``index`` (:func:`.hooks.make_grad_hook`)."""
-        return self._hook(mon, ("grad", index, incoming), make_grad_hook, index, incoming)
+        return self._hook(ctx, ("grad", index, incoming), make_grad_hook, index, incoming)
 
-    def _hook(self, mon, key: tuple, make, *args):
-        """``make(mon, *args)``, made at the first call and reused when a later collected step attaches
+    def _hook(self, ctx, key: tuple, make, *args):
+        """``make(ctx, *args)`` (``ctx``: the monitor's :class:`~.hook_context.HookContext`), made at the first call and reused when a later collected step attaches
         the hooks again; where the model runs compiled, wrapped for it (:func:`.compile_mode.eager`, which
         costs 5-10 us per function made)."""
-        key += (mon.monitored.compiled,)
+        compiled = ctx.monitored.compiled
+        key += (compiled,)
         fn = self.made.get(key)
         if fn is None:
-            fn = make(mon, *args)
-            fn = self.made[key] = eager(fn) if mon.monitored.compiled else fn
+            fn = make(ctx, *args)
+            fn = self.made[key] = eager(fn) if compiled else fn
         return fn
 
     def first_call_checks(self, source: str | None = None, on_reject: Callable | None = None) -> list:

@@ -97,7 +97,7 @@ def test_a_failure_in_the_optimizer_state_statistics_keeps_the_steps_other_rows(
     assert steps_with(ev, "exp_avg") == []
 
 
-@pytest.mark.parametrize("where", ["cycle.begin", "cycle.on_micro_step", "cycle.mark_began", "binding.part_of_step"])
+@pytest.mark.parametrize("where", ["cycle.begin", "hooks.on_micro_step", "cycle.mark_began", "binding.part_of_step"])
 def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out, where):
     """The monitor's own per-step work around the hooks (step start and end, micro-step counting, the
     StepBegan mark, DeepSpeed's group split) runs inside the optimizer's step hooks and the model's
