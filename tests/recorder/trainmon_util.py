@@ -150,6 +150,19 @@ def events_of(out_dir_or_log) -> list:
     return events
 
 
+def logs_by_rank(out) -> dict:
+    """rank -> (rank dir, FileOpened, events) of each rank's one log under ``out``."""
+    from trainrec.schema.events import FileOpened
+
+    res = {}
+    for d in rank_dirs(out):
+        (log,) = glob.glob(os.path.join(d, "*.trl"))
+        ev = events_of(log)
+        assert isinstance(ev[0], FileOpened)
+        res[ev[0].rank] = (d, ev[0], ev)
+    return res
+
+
 def stats_table(events, kind: str) -> dict:
     """{(step, name, slot, micro_step): {op: value}} for every row of ``kind``."""
     res = NameResolver()
