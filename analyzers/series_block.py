@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Carry", "SeriesBlock", "rolling"]
+__all__ = ["Carry", "SeriesBlock", "rolling", "window_rows"]
 
 
 class Carry:
@@ -200,3 +200,19 @@ def rolling(a: np.ndarray, window: int, fn) -> np.ndarray:
     if span < window:
         cur = fn(cur[: len(cur) - (window - span)], cur[window - span :])
     return cur
+
+
+def window_rows(x: np.ndarray, first: int, window: int) -> np.ndarray:
+    """Rows ``first - window`` .. end of ``x`` ``(rows, series, ops)`` as one ``(ops, rows, series)`` array
+    ``q`` (each op's plane contiguous), rows before 0 being copies of row 0: the window of row ``i >= first``
+    (rows ``max(0, i - window)`` .. ``i - 1``) is ``q[:, i - first : i - first + window]`` (``1 <= first``), so
+    ``rolling`` over ``q`` gives every window, the short ones at the start too (a repeated row changes no
+    minimum or maximum)."""
+    lo = max(first - window, 0)
+    pad = max(window - first, 0)
+    t, s, o = x.shape
+    q = np.empty((o, pad + t - lo, s), x.dtype)
+    q[:, pad:] = x[lo:].transpose(2, 0, 1)
+    if pad:
+        q[:, :pad] = x[0].T[:, None, :]
+    return q
