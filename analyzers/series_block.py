@@ -202,17 +202,18 @@ def rolling(a: np.ndarray, window: int, fn) -> np.ndarray:
     return cur
 
 
-def window_rows(x: np.ndarray, first: int, window: int) -> np.ndarray:
+def window_rows(x: np.ndarray, first: int, window: int, ops: Sequence[int] | None = None) -> np.ndarray:
     """Rows ``first - window`` .. end of ``x`` ``(rows, series, ops)`` as one ``(ops, rows, series)`` array
-    ``q`` (each op's plane contiguous), rows before 0 being copies of row 0: the window of row ``i >= first``
-    (rows ``max(0, i - window)`` .. ``i - 1``) is ``q[:, i - first : i - first + window]`` (``1 <= first``), so
-    ``rolling`` over ``q`` gives every window, the short ones at the start too (a repeated row changes no
-    minimum or maximum)."""
+    ``q`` (each op's plane contiguous; the op indexes ``ops`` only, in that order), rows before 0 being
+    copies of row 0: the window of row ``i >= first`` (rows ``max(0, i - window)`` .. ``i - 1``) is
+    ``q[:, i - first : i - first + window]`` (``1 <= first``), so ``rolling`` over ``q`` gives every window,
+    the short ones at the start too (a repeated row changes no minimum or maximum)."""
     lo = max(first - window, 0)
     pad = max(window - first, 0)
     t, s, o = x.shape
-    q = np.empty((o, pad + t - lo, s), x.dtype)
-    q[:, pad:] = x[lo:].transpose(2, 0, 1)
-    if pad:
-        q[:, :pad] = x[0].T[:, None, :]
+    ops = range(o) if ops is None else ops
+    q = np.empty((len(ops), pad + t - lo, s), x.dtype)
+    for k, j in enumerate(ops):
+        q[k, pad:] = x[lo:, :, j]
+        q[k, :pad] = x[0, :, j]
     return q

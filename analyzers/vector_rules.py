@@ -51,7 +51,9 @@ def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarr
     first = max(rule.warmup, 1, block.skip)  # dense: n == min(t, w), so n >= warmup from this row
     if first >= len(x) or rule.warmup > w:
         return np.empty(0, np.intp), np.empty(0, np.intp)
-    q = window_rows(x, first, w)  # ops x rows x series
+    judged = [j for j, op in enumerate(ops) if op != NANS_OP]  # a nans count is never a candidate
+    plane = {j: k for k, j in enumerate(judged)}
+    q = window_rows(x, first, w, judged)  # judged ops x rows x series
     xs, prev = q[:, w:], q[:, w - 1 : -1]
     rows = q[:, :-1].swapaxes(0, 1)  # rolling runs along axis 0; its results keep the ops-major layout
     hmin = rolling(rows, w, np.minimum).swapaxes(0, 1)
@@ -60,15 +62,16 @@ def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarr
     np.maximum(scale, hmin, out=scale)  # the window's smallest magnitude where it has one sign, else <= 0
     clamp = rule.threshold <= 0  # (then a scale below 0 would not pass: clamp as the Detector does)
     if rule.range_floor and "min" in ops and "max" in ops:
-        low_abs = np.maximum(scale[ops.index("min")], scale[ops.index("max")])
+        low_abs = np.maximum(scale[plane[ops.index("min")]], scale[plane[ops.index("max")]])
         if clamp:
             np.maximum(low_abs, np.float32(0), out=low_abs)
         low_abs *= np.float32(rule.range_floor)
-        for j in (ops.index(op) for op in _VALUE_OPS if op in ops):
-            np.maximum(scale[j], low_abs, out=scale[j])
-    for j, floor in enumerate(op_floors(ops, rule.floor).astype(np.float32).tolist()):
-        if floor > 0 or clamp:
-            np.maximum(scale[j], np.float32(max(floor, 0.0)), out=scale[j])
+        for k in (plane[ops.index(op)] for op in _VALUE_OPS if op in ops):
+            np.maximum(scale[k], low_abs, out=scale[k])
+    floors = op_floors(ops, rule.floor).astype(np.float32).tolist()
+    for k, j in enumerate(judged):
+        if floors[j] > 0 or clamp:
+            np.maximum(scale[k], np.float32(max(floors[j], 0.0)), out=scale[k])
     bound = np.subtract(xs, hmin, out=hmin)
     np.subtract(hmax, xs, out=hmax)
     np.maximum(bound, hmax, out=bound)
@@ -78,8 +81,6 @@ def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarr
     bound *= np.float32(1 + 1e-4)
     scale *= np.float32(rule.threshold * (1 - 1e-4))
     cand = np.greater_equal(bound, scale)
-    if NANS_OP in ops:
-        cand[ops.index(NANS_OP)] = False
     found = np.flatnonzero(cand)
     if not len(found):
         return np.empty(0, np.intp), np.empty(0, np.intp)
