@@ -64,7 +64,7 @@ class SeriesBlock:
             hist, count, lok0 = init
             depth = hist.shape[1]
             k0 = np.minimum(count, depth)
-            if not missing.any() and np.isfinite(x).all() and (k0 == depth).all():
+            if not missing.any() and np.isfinite(x if x32 is None else x32).all() and (k0 == depth).all():
                 prefix = np.moveaxis(hist, 1, 0)  # depth x series x ops, all finite
                 x = np.concatenate([prefix, x])
                 missing = np.concatenate([np.zeros(prefix.shape[:2], bool), missing])
@@ -79,7 +79,9 @@ class SeriesBlock:
         self.x = x
         self.x32 = x32  # the same values as float32, where they are exactly that (a cheap first filter)
         self.present = ~missing[:, :, None]
-        self.finite = np.isfinite(x if x32 is None else x32) & self.present
+        self.finite = np.isfinite(x if x32 is None else x32)
+        if missing.any():
+            self.finite &= self.present
         self.dense = k0 is None and bool(self.finite.all())
         self._lok0 = lok0 if k0 is not None else None
         t, s, o = x.shape
@@ -106,12 +108,15 @@ class SeriesBlock:
         ops), finite values among its observations, finiteness of each series' last present observation,
         whether the series had one)``."""
         t, s, o = self.x.shape
+        if self.cf is None:  # dense: every observation present and finite, the last ``depth`` rows are it
+            held = np.full((depth, s, o), np.nan)
+            k = min(depth, t)
+            held[depth - k :] = self.g[t - k :]
+            every = np.ones((s, o), bool)
+            return np.moveaxis(held, 0, 1), np.full((s, o), t - self.skip, np.int64), every, every[:, 0].copy()
         fin = self.finite[self.skip :]
         seen = fin.sum(axis=0)
-        if self.cf is None:
-            total = np.full((s, o), t)
-        else:
-            total = self.cf[-1] + self.finite[-1]
+        total = self.cf[-1] + self.finite[-1]
         src = total[None] - depth + np.arange(depth)[:, None, None]
         g = self.g
         held = np.take_along_axis(g, np.clip(src, 0, len(g) - 1), 0)
