@@ -58,6 +58,8 @@ def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarr
     rows = q[:, :-1].swapaxes(0, 1)  # rolling runs along axis 0; its results keep the ops-major layout
     hmin = rolling(rows, w, np.minimum).swapaxes(0, 1)
     hmax = rolling(rows, w, np.maximum).swapaxes(0, 1)
+    if w == 1:  # (the rolling of one row is the rows themselves: the arithmetic below is in place)
+        hmin, hmax = hmin.copy(), hmax.copy()
     scale = np.negative(hmax)
     np.maximum(scale, hmin, out=scale)  # the window's smallest magnitude where it has one sign, else <= 0
     clamp = rule.threshold <= 0  # (then a scale below 0 would not pass: clamp as the Detector does)
