@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Carry", "SeriesBlock", "rolling", "window_rows"]
+__all__ = ["Carry", "SeriesBlock", "nonzero", "rolling", "window_rows"]
 
 
 class Carry:
@@ -97,7 +97,7 @@ class SeriesBlock:
                 src = depth - k0[None] + np.arange(depth)[:, None, None]
                 held = np.take_along_axis(np.moveaxis(init[0], 1, 0), np.clip(src, 0, depth - 1), 0)
                 g[:depth] = np.where(src < depth, held, np.nan)
-            ti, si, oi = np.nonzero(self.finite)
+            ti, si, oi = nonzero(self.finite)
             g[self.cf[ti, si, oi], si, oi] = x[ti, si, oi]
             self.g = g
         self._rolled: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -192,6 +192,12 @@ class SeriesBlock:
         ok = k >= 0
         vals = self.g[np.maximum(k, 0), si[None, :, None], np.arange(o)[None, None, :]]
         return np.where(ok, vals, np.nan)
+
+
+def nonzero(a: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``np.nonzero(a)`` (the same indexes, in the same order) by way of ``flatnonzero``, which numpy runs
+    many times faster on a mostly false array of more than one axis."""
+    return np.unravel_index(np.flatnonzero(a), a.shape)
 
 
 def rolling(a: np.ndarray, window: int, fn) -> np.ndarray:

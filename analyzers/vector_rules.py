@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from trainrec.schema.rules import AnomalyTurbulence, NaNInf, Rule, ZScore, median_sorted, op_floors
 
-from .series_block import SeriesBlock, rolling, window_rows
+from .series_block import SeriesBlock, nonzero, rolling, window_rows
 
 __all__ = ["block_flags"]
 
@@ -119,7 +119,7 @@ def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray
         cand = block.finite & (n >= max(rule.warmup, 1)) & (bound > t * bound_scale)
         if NANS_OP in ops:
             cand[:, :, ops.index(NANS_OP)] = False
-        ti, si = np.nonzero(cand.any(axis=2))
+        ti, si = nonzero(cand.any(axis=2))
         for c0 in range(0, len(ti), _CHUNK):
             tr, sr = ti[c0 : c0 + _CHUNK], si[c0 : c0 + _CHUNK]
             h = block.windows(w, tr, sr)  # candidates x ops x W
@@ -142,7 +142,7 @@ def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray
             base[tr, sr] = med
     if rule.nan:
         nan_flags, nan_last = _nan_flags(block, ops)
-        ti, si = np.nonzero(nan_flags.any(axis=2))
+        ti, si = nonzero(nan_flags.any(axis=2))
         if len(ti):
             h = block.windows(w, ti, si)
             h.sort(axis=-1)
@@ -210,7 +210,7 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
         rise = np.zeros(col.shape, dtype=bool)
         rise[1:] = (col[1:] > 0) & (col[:-1] == 0)
         rise[0] = col[0] > 0
-        tj, sj = np.nonzero(rise)
+        tj, sj = nonzero(rise)
         if len(tj):
             h = block.windows(w, tj, sj)
             h.sort(axis=-1)
@@ -243,7 +243,7 @@ def _zscore(rule: ZScore, block: SeriesBlock, single: np.ndarray) -> tuple[np.nd
     floors = op_floors(block.ops, rule.floor)
     flags = np.zeros(x.shape, dtype=bool)
     mean_all = np.full(x.shape, np.nan)
-    ti, si = np.nonzero(block.present[:, :, 0])
+    ti, si = nonzero(block.present[:, :, 0])
     step = max(1, _CHUNK // max(1, w))
     with np.errstate(invalid="ignore", divide="ignore"):
         for c0 in range(0, len(ti), step):

@@ -1,12 +1,12 @@
 """``window_rows`` + ``rolling``: the extremes of the window before every row, the short windows at the
-start too, against a plain ``sliding_window_view`` reference (NaN, short series, window 1)."""
+start too, against a plain ``sliding_window_view`` reference (NaN, short series, window 1); ``nonzero``."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
-from trainrec.analyzers.series_block import rolling, window_rows
+from trainrec.analyzers.series_block import nonzero, rolling, window_rows
 
 
 def _reference(x: np.ndarray, first: int, window: int, fn) -> np.ndarray:
@@ -68,3 +68,12 @@ def test_start_past_the_window_reads_no_padding():
     assert q.shape == (1, 20 - 12 + 4, 2)
     assert np.array_equal(q[0], x[8:, :, 0])  # rows 8 .. 19: the window of row 12 is rows 8 .. 11
     assert np.array_equal(_windows(x, 12, 4, np.minimum)[0], x[8:-4, :, 0])
+
+
+def test_nonzero_is_numpys():
+    rng = np.random.default_rng(5)
+    for shape in [(0,), (7,), (5, 3), (6, 4, 3), (1, 0, 2)]:
+        a = rng.random(shape) < 0.2
+        for view in (a, a[::2], a.T):
+            got, want = nonzero(view), np.nonzero(view)
+            assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
