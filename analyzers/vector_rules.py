@@ -62,7 +62,8 @@ def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarr
         hmin, hmax = hmin.copy(), hmax.copy()
     scale = np.negative(hmax)
     np.maximum(scale, hmin, out=scale)  # the window's smallest magnitude where it has one sign, else <= 0
-    clamp = rule.threshold <= 0  # (then a scale below 0 would not pass: clamp as the Detector does)
+    # (a threshold or range floor <= 0: a scale below 0 could fail where 0 passes; clamp as the Detector does)
+    clamp = not (rule.threshold > 0 and rule.range_floor >= 0)
     if rule.range_floor and "min" in ops and "max" in ops:
         low_abs = np.maximum(scale[plane[ops.index("min")]], scale[plane[ops.index("max")]])
         if clamp:
