@@ -23,7 +23,7 @@ from trainrec.schema.naming import reference_tag
 from trainrec.schema.rules import Detector, Rule, anomaly_message
 
 from .anomalies import _DTYPES, AnomalyScan
-from .series_block import Carry, SeriesBlock
+from .series_block import Carry, SeriesBlock, nonzero
 from .vector_rules import block_flags
 
 __all__ = ["ColumnarScan", "ScanPart", "merge_parts"]
@@ -200,7 +200,7 @@ class ColumnarScan(AnomalyScan):
         out = []
         for ri, rule in enumerate(self.detector.rules):
             flags, base = block_flags(rule, block)
-            ti, si, oi = np.nonzero(flags[skip:])
+            ti, si, oi = nonzero(flags[skip:])
             for t, s, o in zip(ti.tolist(), si.tolist(), oi.tolist(), strict=True):
                 r = records[t]
                 row = s if row_of is None else int(row_of[t][s])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from trainrec.schema.rules import AnomalyTurbulence, NaNInf, Rule, ZScore, median_sorted, op_floors
 
-from .series_block import SeriesBlock, rolling
+from .series_block import SeriesBlock, nonzero, rolling, window_rows
 
 __all__ = ["block_flags"]
 
@@ -39,45 +39,55 @@ def _nan_flags(block: SeriesBlock, ops: tuple[str, ...]) -> tuple[np.ndarray, np
     return flags, last
 
 
-def _rolling_dense(x: np.ndarray, window: int, fn, accumulate) -> np.ndarray:
-    """``fn`` over the window before each row of finite ``x`` (row 0: NaN; rows below ``window``: a prefix)."""
-    out = np.empty_like(x)
-    out[0] = np.nan
-    head = min(window, len(x))
-    if head > 1:
-        out[1:head] = accumulate(x[: head - 1], axis=0)
-    if len(x) > window:
-        out[window:] = rolling(x[:-1], window, fn)
-    return out
-
-
 def _candidates32(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray, np.ndarray]:
     """Observations (rows, series) that may be flagged: a superset of the Detector's candidates, from a
-    float32 pass over a dense block (window extremes are exact in float32; the arithmetic gets a margin)."""
+    float32 pass over a dense block (window extremes are exact in float32; the arithmetic gets a margin).
+
+    Ops-major planes and in-place arithmetic keep the passes and temporaries few. Where an op's floor is
+    0 its scale is not clamped at 0: a scale <= 0 passes the test either way (the bound is >= 0)."""
     x = block.x32
     ops = block.ops
     w = rule.window
     first = max(rule.warmup, 1, block.skip)  # dense: n == min(t, w), so n >= warmup from this row
     if first >= len(x) or rule.warmup > w:
         return np.empty(0, np.intp), np.empty(0, np.intp)
-    hmin = _rolling_dense(x, w, np.minimum, np.minimum.accumulate)[first:]
-    hmax = _rolling_dense(x, w, np.maximum, np.maximum.accumulate)[first:]
-    xs = x[first:]
-    floors = op_floors(ops, rule.floor).astype(np.float32)
-    low = np.maximum(np.maximum(hmin, -hmax), np.float32(0))
-    bound_scale = np.maximum(low, floors)
+    judged = [j for j, op in enumerate(ops) if op != NANS_OP]  # a nans count is never a candidate
+    plane = {j: k for k, j in enumerate(judged)}
+    q = window_rows(x, first, w, judged)  # judged ops x rows x series
+    xs, prev = q[:, w:], q[:, w - 1 : -1]
+    rows = q[:, :-1].swapaxes(0, 1)  # rolling runs along axis 0; its results keep the ops-major layout
+    hmin = rolling(rows, w, np.minimum).swapaxes(0, 1)
+    hmax = rolling(rows, w, np.maximum).swapaxes(0, 1)
+    if w == 1:  # (the rolling of one row is the rows themselves: the arithmetic below is in place)
+        hmin, hmax = hmin.copy(), hmax.copy()
+    scale = np.negative(hmax)
+    np.maximum(scale, hmin, out=scale)  # the window's smallest magnitude where it has one sign, else <= 0
+    # (a threshold or range floor <= 0: a scale below 0 could fail where 0 passes; clamp as the Detector does)
+    clamp = not (rule.threshold > 0 and rule.range_floor >= 0)
     if rule.range_floor and "min" in ops and "max" in ops:
-        jmin, jmax = ops.index("min"), ops.index("max")
-        low_abs = np.float32(rule.range_floor) * np.maximum(low[:, :, jmin], low[:, :, jmax])
-        for j in (ops.index(op) for op in _VALUE_OPS if op in ops):
-            np.maximum(bound_scale[:, :, j], low_abs, out=bound_scale[:, :, j])
-    bound = np.maximum(xs - hmin, hmax - xs)
+        low_abs = np.maximum(scale[plane[ops.index("min")]], scale[plane[ops.index("max")]])
+        if clamp:
+            np.maximum(low_abs, np.float32(0), out=low_abs)
+        low_abs *= np.float32(rule.range_floor)
+        for k in (plane[ops.index(op)] for op in _VALUE_OPS if op in ops):
+            np.maximum(scale[k], low_abs, out=scale[k])
+    floors = op_floors(ops, rule.floor).astype(np.float32).tolist()
+    for k, j in enumerate(judged):
+        if floors[j] > 0 or clamp:
+            np.maximum(scale[k], np.float32(max(floors[j], 0.0)), out=scale[k])
+    bound = np.subtract(xs, hmin, out=hmin)
+    np.subtract(hmax, xs, out=hmax)
+    np.maximum(bound, hmax, out=bound)
     if rule.sudden:
-        np.minimum(bound, np.abs(xs - x[first - 1 : -1]), out=bound)
-    cand = bound * np.float32(1 + 1e-4) >= bound_scale * np.float32(rule.threshold * (1 - 1e-4))
-    if NANS_OP in ops:
-        cand[:, :, ops.index(NANS_OP)] = False
-    ti, si = np.nonzero(cand.any(axis=2))
+        step = np.subtract(xs, prev, out=hmax)
+        np.minimum(bound, np.abs(step, out=step), out=bound)
+    bound *= np.float32(1 + 1e-4)
+    scale *= np.float32(rule.threshold * (1 - 1e-4))
+    cand = np.greater_equal(bound, scale)
+    found = np.flatnonzero(cand)
+    if not len(found):
+        return np.empty(0, np.intp), np.empty(0, np.intp)
+    ti, si = np.divmod(np.unique(found % (cand.shape[1] * cand.shape[2])), cand.shape[2])
     return ti + first, si
 
 
@@ -110,7 +120,7 @@ def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray
         cand = block.finite & (n >= max(rule.warmup, 1)) & (bound > t * bound_scale)
         if NANS_OP in ops:
             cand[:, :, ops.index(NANS_OP)] = False
-        ti, si = np.nonzero(cand.any(axis=2))
+        ti, si = nonzero(cand.any(axis=2))
         for c0 in range(0, len(ti), _CHUNK):
             tr, sr = ti[c0 : c0 + _CHUNK], si[c0 : c0 + _CHUNK]
             h = block.windows(w, tr, sr)  # candidates x ops x W
@@ -133,7 +143,7 @@ def _turbulence(rule: AnomalyTurbulence, block: SeriesBlock) -> tuple[np.ndarray
             base[tr, sr] = med
     if rule.nan:
         nan_flags, nan_last = _nan_flags(block, ops)
-        ti, si = np.nonzero(nan_flags.any(axis=2))
+        ti, si = nonzero(nan_flags.any(axis=2))
         if len(ti):
             h = block.windows(w, ti, si)
             h.sort(axis=-1)
@@ -201,7 +211,7 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
         rise = np.zeros(col.shape, dtype=bool)
         rise[1:] = (col[1:] > 0) & (col[:-1] == 0)
         rise[0] = col[0] > 0
-        tj, sj = np.nonzero(rise)
+        tj, sj = nonzero(rise)
         if len(tj):
             h = block.windows(w, tj, sj)
             h.sort(axis=-1)
@@ -234,7 +244,7 @@ def _zscore(rule: ZScore, block: SeriesBlock, single: np.ndarray) -> tuple[np.nd
     floors = op_floors(block.ops, rule.floor)
     flags = np.zeros(x.shape, dtype=bool)
     mean_all = np.full(x.shape, np.nan)
-    ti, si = np.nonzero(block.present[:, :, 0])
+    ti, si = nonzero(block.present[:, :, 0])
     step = max(1, _CHUNK // max(1, w))
     with np.errstate(invalid="ignore", divide="ignore"):
         for c0 in range(0, len(ti), step):
