@@ -26,10 +26,10 @@ import traceback
 import pytest
 import torch
 from ranks import free_port
-from test_monitor_dist import headers
 from trainmon_util import (
     assert_close,
     deepspeed_missing,
+    logs_by_rank,
     loss_of,
     make,
     ref_stats,
@@ -118,7 +118,7 @@ ZERO_VARIANTS = ["1", "2", "2-buckets", "3", "3-buckets"]
 @pytest.mark.parametrize("variant", ZERO_VARIANTS)
 def test_deepspeed_zero_records_each_ranks_pieces_and_counts_one_step_per_training_step(ds_runs, variant):
     run_dir = ds_runs("zero", variant)
-    h = headers(run_dir / "out")
+    h = logs_by_rank(run_dir / "out")
     assert sorted(h) == [0, 1]
     holders: dict = {}
     for r in (0, 1):
@@ -204,7 +204,7 @@ BF16_VARIANTS = ["named", "accelerate"]
 @pytest.mark.parametrize("how", BF16_VARIANTS)
 def test_deepspeed_bf16_masters_give_the_adam_state(ds_runs, how):
     run_dir = ds_runs("bf16", how)
-    h = headers(run_dir / "out")
+    h = logs_by_rank(run_dir / "out")
     for r in (0, 1):
         with open(run_dir / f"bf16_{r}.json") as f:
             want = {int(k): v for k, v in json.load(f).items()}
@@ -274,7 +274,7 @@ def test_deepspeed_overflow_of_another_rank_skips_the_step_on_both(ds_runs, vari
     gradients are finite: where the monitor knows DeepSpeed's optimizer, its overflow flag says so, also
     at the run's first step (before it, the monitor had no passes per step to go by: rank 0 merged the
     skipped step into the next one and numbered the later steps one less than rank 1)."""
-    h = headers(ds_runs("overflow", variant) / "out")
+    h = logs_by_rank(ds_runs("overflow", variant) / "out")
     skipped = variant.rsplit("-", 1)[1]
     for r in (0, 1):
         assert not [e for e in h[r][2] if isinstance(e, HookFailed)]

@@ -20,8 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import free_port
-from test_monitor_dist import headers
-from trainmon_util import init_gloo, loss_of, make, spawn_and_join, write_config
+from trainmon_util import init_gloo, logs_by_rank, loss_of, make, spawn_and_join, write_config
 
 pytestmark = pytest.mark.dist
 
@@ -154,7 +153,7 @@ def test_main_grad_in_megatrons_buffer_unreduced_is_the_ranks_own_gradient(tmp_p
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     cfg = write_config(tmp_path, {"wg_distribution": True, "ops": ["norm", "max"]})
     spawn_and_join(_worker, (2, free_port(), cfg, overlap), 2, TIMEOUT, "2-process gloo run")
-    h = headers(out)
+    h = logs_by_rank(out)
     assert sorted(h) == [0, 1]
     wants = {}
     for r in (0, 1):
