@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from test_stats_engine import OPS, assert_cases_match_float64, close, engine, ref
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainrec.recorder import stats
+from trainrec.recorder import torch_stats
 from trainrec.recorder.stats import StatsEngine
 
 
@@ -100,7 +100,7 @@ def test_nan_counting_passes(path, ops, monkeypatch):
 def test_tensors_measured_in_parts_match_float64_reference(path, eps, monkeypatch):
     """Above PART_NUMEL elements the torch reductions measure a tensor in parts and combine their rows:
     the same statistics, for every dtype and layout (parts of 64 elements here)."""
-    monkeypatch.setattr(stats, "PART_NUMEL", 64)
+    monkeypatch.setattr(torch_stats, "PART_NUMEL", 64)
     eng = engine(OPS, eps, "torch")
     eng.host_paths = path == "torch"
     assert_cases_match_float64(eng, eps)
@@ -115,7 +115,7 @@ def test_parts_are_views_covering_every_element_once(shape_of):
     base = torch.randn(90, 70)
     x = {"contiguous": base, "transposed": base.t(), "strided slice": base[::2, 3:],
          "row of a transpose": base.t()[None, 5:10, :].transpose(1, 2)}[shape_of]
-    parts = stats._parts(x, 100)
+    parts = torch_stats.parts(x, 100)
     assert all(p.numel() <= 100 for p in parts)
     assert sum(p.numel() for p in parts) == x.numel()
     assert all(p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for p in parts)
@@ -144,7 +144,7 @@ class Allocations(TorchDispatchMode):
 def test_device_path_temporaries_are_bounded_by_a_part(dtype, monkeypatch):
     """On the code accelerators take, no temporary of a whole large tensor: the zero count's quotient,
     a float16 tensor's float32 copy and the NaN mask are at most PART_NUMEL elements."""
-    monkeypatch.setattr(stats, "PART_NUMEL", 1000)
+    monkeypatch.setattr(torch_stats, "PART_NUMEL", 1000)
     eng = StatsEngine(OPS, 1e-3)
     eng.host_paths = False
     big = torch.randn(300, 200).to(dtype)
@@ -157,7 +157,7 @@ def test_device_path_temporaries_are_bounded_by_a_part(dtype, monkeypatch):
     assert rows[:, OPS.index("nans")].tolist() == [1.0, 1.0, 0.0]
     unsplit = StatsEngine(OPS, 1e-3)
     unsplit.host_paths = False
-    monkeypatch.setattr(stats, "PART_NUMEL", 1 << 25)
+    monkeypatch.setattr(torch_stats, "PART_NUMEL", 1 << 25)
     want = unsplit.compute(xs)
     for got_row, want_row in zip(rows.tolist(), want.tolist(), strict=True):
         assert all(close(a, b, 1e-2 if dtype is not torch.float32 else 1e-4) for a, b in zip(got_row, want_row,
