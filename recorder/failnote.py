@@ -1,7 +1,8 @@
-"""The note a log writer leaves where its log takes nothing more: a sidecar ``<log>.failed.json``.
+"""The note a log writer leaves after a write failure: a WriterFailed record in the log, else (where
+its log takes nothing more) a sidecar ``<log>.failed.json``.
 
-After a write failure the writer first tries to append a WriterFailed record to the log itself (see
-:mod:`.writer`); where the disk refuses that at close, it writes this sidecar, and where the disk
+After a write failure the writer first tries to append a WriterFailed record to the log itself
+(:func:`append_or_leave`, called by :mod:`.writer`); where the disk refuses that at close, it writes this sidecar, and where the disk
 refuses the sidecar too, retries it every :data:`RETRY_S` seconds while the process runs and once at
 exit, since space may return. ``trainrec check`` reads the sidecar beside a log.
 """
@@ -12,13 +13,37 @@ import logging
 import os
 import threading
 import time
+from typing import BinaryIO
 
-from trainrec.schema import layout
+from trainrec.schema import codec, framing, layout
+from trainrec.schema.events import Event
+
+from .log_file import write_all
 
 log = logging.getLogger(__name__)
 
 FAILED_SUFFIX = ".failed.json"
 RETRY_S = 2.0
+
+
+def append_or_leave(f: BinaryIO, path: str, events: list[Event], seq: int, log_gone: bool, closing: bool) -> bool:
+    """Append ``events`` (a WriterFailed note, at close then the FileClosed) numbered from ``seq`` to the
+    log ``f`` at ``path``; True where the disk took them. Where it does not (or ``log_gone``: the file
+    was removed or replaced), at close (``closing``) the sidecar of the note."""
+    try:
+        data = b"".join(framing.encode_frame(codec.encode(ev, seq=seq + i)) for i, ev in enumerate(events))
+        if log_gone:
+            raise OSError("the log file is not there")
+        write_all(f, data)
+        return True
+    except Exception:  # noqa: BLE001 - the disk still refuses: the sidecar, at close
+        if not closing:
+            return False
+    note = events[0]
+    doc = {"log": os.path.basename(path), "error": note.error, "first_lost_seq": note.first_lost_seq,
+           "discarded": note.discarded, "last_step": note.last_step, "wall": note.wall}
+    leave(path, doc)
+    return False
 
 
 def leave(path: str, doc: dict) -> None:

@@ -45,21 +45,16 @@ import _thread
 import logging
 import os
 import queue
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 
-from trainrec.schema import codec, framing, procid
+from trainrec.schema import codec, framing
 from trainrec.schema.errors import WriterError
 from trainrec.schema.events import (
     Event,
     FileClosed,
-    FileOpened,
     HookFailed,
-    NamesInterned,
-    NamesRepeated,
     RecordsDropped,
     StepEnded,
     WriterFailed,
@@ -67,22 +62,12 @@ from trainrec.schema.events import (
 
 from . import failnote, writer_exit
 from .log_file import close_quietly, create_log_file, file_identity, write_all, writev_all
+from .log_header import __version__, file_header  # noqa: F401 - __version__ re-exported
 from .step_index import StepIndexBuilder
 from .writer_exit import before_sigterm_close, install_sigterm_handler  # noqa: F401 - re-exported
+from .writer_names import FileNameIds
 
 log = logging.getLogger(__name__)
-
-
-def _package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("trainrec")
-    except Exception:  # noqa: BLE001 - not installed (running from a checkout)
-        return "0.1.0"
-
-
-__version__ = _package_version()
 
 _BUFFER_BYTES = 1 << 20  # write out at once when this much is buffered
 _MAX_ERROR_LOGS = 5  # per writer: encode/callable failures logged at error level
@@ -101,18 +86,6 @@ class _Control:
     def __init__(self, kind: str, arg: object) -> None:
         self.kind = kind
         self.arg = arg
-
-
-def _torch_version() -> str:
-    mod = sys.modules.get("torch")  # never import torch here: seconds of start-up
-    if mod is not None:
-        return str(getattr(mod, "__version__", ""))
-    try:
-        from importlib.metadata import version
-
-        return version("torch")
-    except Exception:  # noqa: BLE001 - torch absent
-        return ""
 
 
 class LogWriter:
@@ -147,7 +120,6 @@ class LogWriter:
         if durability not in DURABILITIES:
             raise ValueError(f"durability must be one of {', '.join(DURABILITIES)}, not {durability!r}")
         self.durability = durability
-        self._repeat_names = repeat_names
         self._per_step = durability == "step"
         if on_full not in ("block", "drop"):
             raise ValueError(f"on_full must be 'block' or 'drop', not {on_full!r}")
@@ -174,33 +146,15 @@ class LogWriter:
         self._closed = False
         self._stop_sent = False
         self._close_once = _thread.allocate_lock()  # acquired once, never released: first close wins
-        self._intern_lock = threading.Lock()
         self._drop_lock = _thread.allocate_lock()
         self._dropped_total = 0
-        self._names: dict = {}
+        # (name tables wrapped: the worker lists them in the step index without a look at every record;
+        # the closure holds the queue, not the writer: no reference cycle)
+        q = self._queue
+        self._name_ids = FileNameIds(rank, repeat_names, lambda table: q.put(_Control("names", table)))
         self._pid = os.getpid()
-        now = time.time()
-        self.header = FileOpened(
-            seq=0,
-            rank=rank,
-            step=-1,
-            wall=now,
-            run_id=run_id,
-            world_size=world_size,
-            host=socket.gethostname(),
-            pid=self._pid,
-            start_time=now,
-            trainrec_version=__version__,
-            torch_version=_torch_version(),
-            format_version=framing.FORMAT_VERSION,
-            file_index=index,
-            dir_name=os.path.basename(os.path.abspath(rank_dir)),
-            pp_stage=pp_stage,
-            group_mates=tuple(group_mates),
-            writer_id=procid.new_writer_id(),
-            proc_start=procid.start_ticks(self._pid),
-            boot_id=procid.boot_id(),
-        )
+        self.header = file_header(rank_dir, index, self._pid, rank=rank, world_size=world_size, run_id=run_id,
+                                  pp_stage=pp_stage, group_mates=group_mates)
         try:
             head = framing.encode_file_header() + framing.encode_frame(codec.encode(self.header))
             write_all(self._file, head)
@@ -259,38 +213,7 @@ class LogWriter:
         Ids are dense, per file, and stable: a name keeps its id for the life of the writer. The
         announcement is queued before the ids are returned and is never dropped.
         """
-        if not isinstance(names, (list, tuple)):
-            names = list(names)
-        table = self._names
-        try:
-            return [table[n] for n in names]
-        except KeyError:
-            pass
-        with self._intern_lock:
-            if self._error is not None or self._closed:
-                self._check()
-            out: list[int] = []
-            new: dict = {}
-            first = len(table)
-            for n in names:
-                i = table.get(n)
-                if i is None:
-                    i = new.get(n)
-                    if i is None:
-                        i = new[n] = first + len(new)
-                out.append(i)
-            if new:
-                wall = time.time()
-                # (wrapped: the worker lists name tables in the step index without a look at every record)
-                self._queue.put(_Control("names", NamesInterned(rank=self.rank, step=step, wall=wall, first_id=first,
-                                                                names=tuple(new))))
-                if self._repeat_names:  # a copy in a frame of its own: one damaged frame costs no name
-                    self._queue.put(_Control("names", NamesRepeated(rank=self.rank, step=step, wall=wall,
-                                                                    first_id=first, names=tuple(new))))
-                # Published only after the announcement is queued, so that another thread's fast
-                # path never hands out an id whose NamesInterned would come after its use.
-                table.update(new)
-            return out
+        return self._name_ids.ids(names, step, self._check)
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until everything handed over so far is written to the OS (a no-op once closed)."""
@@ -532,19 +455,10 @@ class LogWriter:
         if closing is not None:
             events.append(FileClosed(rank=self.rank, step=self._last_step, wall=time.time(), records=seq + 1,
                                      dropped=self._dropped_total, reason=closing))
-        try:
-            data = b"".join(framing.encode_frame(codec.encode(ev, seq=seq + i)) for i, ev in enumerate(events))
-            if isinstance(self._error, WriterError):  # the file was removed or replaced: not ours to write
-                raise OSError("the log file is not there")
-            write_all(self._file, data)
+        # (the file removed or replaced, a WriterError: not ours to write)
+        if failnote.append_or_leave(self._file, self.path, events, seq, isinstance(self._error, WriterError),
+                                    closing is not None):
             self._note_seq = seq + 1
-            return
-        except Exception:  # noqa: BLE001 - the disk still refuses: the sidecar, at close
-            if closing is None:
-                return
-        doc = {"log": os.path.basename(self.path), "error": note.error, "first_lost_seq": note.first_lost_seq,
-               "discarded": note.discarded, "last_step": note.last_step, "wall": note.wall}
-        failnote.leave(self.path, doc)
 
     def _finish(self, buf: list[bytes], reason: str) -> None:
         if self._error is None:
