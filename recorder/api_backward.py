@@ -21,7 +21,7 @@ import torch
 from trainrec.schema.events import DIR_BACKWARD
 
 from .api_record import ApiPass, write_pass
-from .hooks import rows_for
+from .step_state import rows_for
 
 
 class BackwardCall:

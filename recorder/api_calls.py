@@ -40,8 +40,8 @@ from torch.overrides import TorchFunctionMode
 from . import api_backward
 from .api_record import NO_MODULE, ApiPass, write_pass
 from .compile_mode import in_backward
-from .hooks import rows_for, stack_rows
 from .selectors import inputs_of, select
+from .step_state import rows_for, stack_rows
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .compile_mode import eager, in_backward, is_compiling
-from .hooks import StepState
+from .step_state import StepState
 
 if TYPE_CHECKING:
     from .hook_context import HookContext

@@ -12,10 +12,10 @@ from .binding import OptimizerBinding
 from .context import RecordingContext
 from .dedup import GradOwnership
 from .grad_batch import GradBatch
-from .hooks import StepState
 from .optim_rows import OptimizerRows
 from .reduced import ReducedRows
 from .step_rows import StepRows
+from .step_state import StepState
 from .steps import StepTracker
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 class RecordingContext:
     """The live values a recording's hooks and collection parts share.
 
-    ``state``: the collected step's :class:`~trainrec.recorder.hooks.StepState` (None on a step that is not
+    ``state``: the collected step's :class:`~trainrec.recorder.step_state.StepState` (None on a step that is not
     collected); ``params``: the monitored parameters (:class:`~trainrec.recorder.targets.ParamInfo`);
     ``engine``: the :class:`~trainrec.recorder.stats.StatsEngine` of the config's ops; ``step_t0``: when
     the current step began (``time.perf_counter``); ``params_have_main_grad``: the monitor's argument;

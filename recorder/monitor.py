@@ -1,16 +1,15 @@
 """``TrainerMon``: mindstudio-probe 1.2.1's monitor API, recording into the per-rank trainrec log.
 
 The msprobe face over the recorder's parts (rank identity, output, optimizer binding, step tracker, step
-cycle, monitored model, step hooks, name table, collection): its signature, argument checks and config
-application; how a step is recorded, and which part does what: ``docs/recorder-internals.md``.
+cycle, monitored model, step hooks, name table, collection): its signature and argument checks; its
+installation on the model is :mod:`.install`, config application :mod:`.config_apply`; how a step is
+recorded, and which part does what: ``docs/recorder-internals.md``.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
-import json
 import logging
 import os
 import time
@@ -22,23 +21,20 @@ from trainrec.schema.events import (
     KIND_GRAD_REDUCED,
     KIND_GRAD_UNREDUCED,
     KINDS,
-    ConfigApplied,
     ConfigRejected,
-    RunResumed,
 )
 
-from . import api_backward, fsdp, open_monitors, structure
+from . import api_backward, open_monitors, structure
 from .attach import StepHooks
 from .binding import OptimizerBinding
-from .chunk_hooks import make_chunk_hook, make_chunk_pre_hook
 from .collect import Collection
 from .compile_mode import eager
 from .config import MonitorConfig, load_config, parse_config
+from .config_apply import apply_config, check_config
 from .context import RecordingContext
 from .flight import probes_for
 from .hook_context import HookContext
-from .hooks import StepState
-from .model_args import checked_arguments, checked_model, compiled_fullgraph
+from .install import install
 from .monitored import MonitoredModel
 from .names import NameTable
 from .optim import KNOWN_OPT_TYPES
@@ -48,18 +44,14 @@ from .session import HookFailures, warn_once, warn_unrecorded
 from .stats import StatsEngine
 from .step_cycle import StepCycle
 from .step_output import StepOutput, spill_loop
+from .step_state import StepState
 from .step_stats import StepStats
 from .steps import StepTracker, weak_call
-from .targets import uninitialized
 from .writer import before_sigterm_close
 
 log = logging.getLogger(__name__)
 
 PRINT_STRUCT_EXIT = "exit after first monitor step when print model struct"
-
-
-def _content_hash(raw: dict) -> str:
-    return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class TrainerMon:
@@ -246,79 +238,7 @@ class TrainerMon:
     def monitor_gnorm_with_ad(self, model, grad_acc_steps: int = 1, optimizer=None, dp_group=None, tp_group=None,
                               start_iteration: int = 0) -> None:
         """Install the hooks on ``model`` (a module or a list of virtual-pipeline chunks)."""
-        if self.monitored.chunks:
-            raise RuntimeError("monitor_gnorm_with_ad was already called on this TrainerMon")
-        try:
-            given, acc = checked_model(model), checked_arguments(grad_acc_steps, start_iteration)
-        except (ConfigError, TypeError):
-            self.output.discard_if_empty()  # nothing installed: no empty run left beside a fixed one
-            raise
-        self.monitored.install(given, tp_group)
-        self.steps.grad_acc = self.hooks.grad_acc = acc
-        self.cycle.step = int(start_iteration)
-        if not self.identity.distributed:
-            self.identity.join_process_group(self.output, append_output=bool(self.config.append_output),
-                                             reopen=self._open_output, hook_failed=self._hook_failed)
-        fsdp1 = fsdp.fsdp1_units(self.monitored.chunks)
-        if dp_group is not None and self.identity.distributed and not fsdp1:  # FSDP1: every gradient is a shard
-
-            self.collection.ownership.join_dp_group(dp_group)
-        if any(getattr(u, "_use_orig_params", True) for u in fsdp1):
-            warn_once("fsdp1", "trainrec: the model is wrapped in FullyShardedDataParallel (FSDP1) with "
-                       "use_orig_params=True, which accumulates gradients in its flat parameters, outside the "
-                       "parameters' own gradient hooks: weight gradients before reduction (grad_unreduced) are "
-                       "not recorded for them (with use_orig_params=False they are, per flat parameter: this "
-                       "rank's whole local gradient of the FSDP unit). Reduced gradients, parameters and Adam "
-                       "state are this rank's shards; activations are recorded as usual. FSDP2 "
-                       "(torch.distributed.fsdp.fully_shard) records every parameter's unreduced gradient.")
-        try:
-            self.monitored.build(self.config)  # raises ConfigError before any training
-        except ConfigError as exc:
-            self.monitored.chunks = []  # nothing installed: the caller may fix the config and call again
-            self.output.discard_if_empty()
-            raise exc.with_source(self._config_source()) from None
-        if self.output.discarded:  # an earlier call failed on the config: this one records
-            self._open_output()
-        self._write_structure()
-        open_monitors.warn_if_monitored_already(self)
-        # micro steps (module hooks), gradient batches, optimizer steps that never ran: every step; on the
-        # wrapper of a chunk compiled with fullgraph=True, whose own hooks run outside the graph (inside
-        # it, a hook that dynamo may not trace is a graph break, which fullgraph makes an error)
-        hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, self.monitored.chunks, strict=True)]
-        self._chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(self.hooks, vpp))
-                               for vpp, chunk in enumerate(hooked)]
-        self._chunk_handles += [chunk.register_forward_hook(make_chunk_hook(self.hooks, vpp))
-                                for vpp, chunk in enumerate(hooked)]
-        self.steps.chunk0_params = [p for p in self.monitored.chunks[0].parameters() if p.requires_grad]
-        self._mark_params()
-        self.hooks.lazy_chunks.update(vpp for vpp, c in enumerate(self.monitored.chunks)
-                                      if any(map(uninitialized, c.parameters())))
-        if not self.steps.manual:
-            # every optimizer's step, once each: another optimizer's (a GAN's other model's) tells the
-            # passes of this model inside that model's step from this model's own (_other_stepped)
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._chunk_handles.append(register_optimizer_step_post_hook(eager(weak_call(self.steps.other_stepped))))
-        self._bind_optimizer(optimizer)
-        if self.output.resumed_from:
-            if self.cycle.step == 0:
-                log.warning("trainrec: append_output resumes the run in this launch, but training starts "
-                            "at step 0 here (start_iteration not given, or 0): replay takes every step from 0 on as "
-                            "re-run, so what the earlier launches recorded is superseded (hidden from inspect, "
-                            "exports and anomalies; the live CSV export removes its files). Pass "
-                            "monitor_gnorm_with_ad(..., start_iteration=<the step training resumes at>)")
-            self._emit(RunResumed(rank=self.rank, step=self.cycle.step, wall=time.time(),
-                                  previous_files=self.output.resumed_from, last_step=self.cycle.step - 1,
-                                  reason="append_output"))
-        if self.config.print_struct and not self.dynamic:
-            self._attach_struct_hooks()
-        else:
-            # dynamic: nothing runs before the switch says so, print_struct included (_apply_config)
-            self.cycle.check_handles = self.monitored.targets.first_call_checks(
-                self._config_source(), weak_call(self._rejected_at_first_call))
-            if not self.dynamic:
-                self._apply_config(self.config, self.cycle.step - 1, _content_hash(self.config.raw), reason="static")
-        self.cycle.begin()
+        install(self, model, grad_acc_steps, optimizer, dp_group, tp_group, start_iteration)
 
     def _mark_params(self) -> None:
         """A backward ran in this step: a hook on chunk 0's first and last parameters tells the step
@@ -401,52 +321,12 @@ class TrainerMon:
 
     # ------------------------------------------------------------------ configuration
     def _check_config(self, config: MonitorConfig) -> int:
-        """The dynamic watcher's check before it decides a change: targets chosen for ``config``
-        (raises ConfigError, e.g. a target that matches no module), kept for :meth:`_apply_config`;
-        returns the first step it would collect, applied after this one."""
-        self._checked = None
-        if self.monitored.chunks and config is not self.config:
-            self._checked = (config, self.monitored.select(config))
-        return config.first_collected(self.cycle.step)
+        """The dynamic watcher's check before it decides a change (:func:`.config_apply.check_config`)."""
+        return check_config(self, config)
 
     def _apply_config(self, config: MonitorConfig, step: int, content_hash: str, reason: str = "dynamic") -> None:
-        """Make ``config`` the active one from step ``step + 1`` (dynamic glue; static calls it once).
-
-        Collection honours ``start_step`` (absolute, as the reference), ``step_interval`` and
-        ``collect_times`` counted from here.
-        """
-        old = self.config
-        if self.monitored.chunks and (config is not old):
-            checked, self._checked = self._checked, None
-            try:
-                # may raise ConfigError: nothing changed yet
-                targets, params = checked[1] if checked and checked[0] is config else self.monitored.select(config)
-            except ConfigError as exc:
-                log.warning("trainrec: config not applied at step %d: %s", step, exc)
-                self._emit(ConfigRejected(rank=self.rank, step=step, wall=time.time(), content_hash=content_hash,
-                                          path=os.fspath(self.config_file_path) if self.config_file_path else "",
-                                          reason=str(exc), keys=(exc.key,) if exc.key else ()))
-                return
-            self.monitored.retarget(targets, params)
-        self.config = config
-        warn_unrecorded(config, self.world_size)
-        changed = [k for k in ("format", "ndigits", "step_count_per_record") if getattr(config, k) != getattr(old, k)]
-        if changed and reason != "static":
-            keeps = ("it writes no log (format 'api')" if self.output.writer is None else
-                     "its log keeps everything, and `trainrec export` makes csv or tensorboard files from it")
-            warn_once(f"output-{'-'.join(changed)}", f"trainrec: {', '.join(changed)} changed in the config, but "
-                       f"this run's output was set up at its start: {keeps}; the change applies at the next launch")
-        if config.ops != old.ops or config.eps != old.eps:
-            self.context.engine = StatsEngine(config.ops, config.eps)
-        if config.alert != old.alert:
-            self.output.make_alerts(config, self.pp_stage, self.group_mates)
-        self.cycle.schedule_from(step)
-        if config.print_struct and self.monitored.chunks and self._struct is None and reason != "static":
-            self._attach_struct_hooks()  # switched on with print_struct: the next step writes it and ends the run
-        self._emit(ConfigApplied(rank=self.rank, step=step, wall=time.time(),
-                                 path=os.fspath(self.config_file_path) if self.config_file_path else "",
-                                 content_hash=content_hash, config=dict(config.raw),
-                                 start_step=config.first_collected(step + 1), reason=reason))
+        """Make ``config`` the active one from step ``step + 1`` (:func:`.config_apply.apply_config`)."""
+        apply_config(self, config, step, content_hash, reason)
 
     # ------------------------------------------------------------------ names and targets
     def _sync_names(self) -> None:

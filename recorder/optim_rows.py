@@ -12,9 +12,9 @@ from .binding import OptimizerBinding
 from .context import RecordingContext
 from .dedup import GradOwnership
 from .fused import local_tensor
-from .hooks import StepState
 from .optim import device_update_and_ratio, fused_adam_rows, update_and_ratio
 from .step_rows import StepRows
+from .step_state import StepState
 from .step_stats import gather_device, to_device
 
 log = logging.getLogger(__name__)

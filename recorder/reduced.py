@@ -23,8 +23,8 @@ from . import fused, zero
 from .binding import OptimizerBinding
 from .context import RecordingContext
 from .dedup import GradOwnership
-from .hooks import StepState
 from .step_rows import StepRows
+from .step_state import StepState
 from .step_stats import gather_device, placeholders, to_device
 from .targets import uninitialized
 

@@ -18,11 +18,11 @@ from .binding import OptimizerBinding
 from .collect import Collection
 from .config import MonitorConfig
 from .context import RecordingContext
-from .hooks import StepState
 from .monitored import MonitoredModel
 from .output import Output
 from .stats import StatsEngine
 from .step_output import StepOutput
+from .step_state import StepState
 from .steps import StepTracker, rows_non_finite, weak_call
 
 _LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitpid) at step boundaries

@@ -15,9 +15,9 @@ import torch
 from trainrec.schema.events import HooksFired
 from trainrec.schema.naming import reference_tag
 
-from .hooks import StepState
 from .names import NameTable
 from .output import Output
+from .step_state import StepState
 from .step_stats import StepStats, build_stats_events
 
 log = logging.getLogger(__name__)

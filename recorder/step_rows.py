@@ -10,7 +10,7 @@ import torch
 
 from . import fused
 from .context import RecordingContext
-from .hooks import StepState
+from .step_state import StepState
 from .step_stats import StatsPart, gather_device, to_device
 
 _NAME_ID = attrgetter("name_id")

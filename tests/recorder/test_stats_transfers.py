@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainrec.recorder import step_stats
-from trainrec.recorder.hooks import stack_rows
 from trainrec.recorder.stats import StatsEngine
+from trainrec.recorder.step_state import stack_rows
 from trainrec.recorder.step_stats import StatsPart, StepStats
 
 ACCEL = torch.device("meta")
