@@ -16,13 +16,15 @@ if TYPE_CHECKING:
     from .names import NameTable
     from .output import Output
     from .rank_identity import RankIdentity
+    from .steps import StepTracker
 
 
 class HookContext:
     """The hooks' view of a recording.
 
     ``recording``: the :class:`~trainrec.recorder.context.RecordingContext` (the collected step's
-    ``state``, ``params``, ``engine``, the active ``config``); ``grad_acc``: micro steps per step;
+    ``state``, ``params``, ``engine``, the active ``config``); ``grad_acc``: micro steps per step (the
+    step tracker's, ``steps``);
     ``hook_failed(where, exc)``: a failure inside a hook reported (training goes on);
     ``monitored``: the :class:`~trainrec.recorder.monitored.MonitoredModel` (``compiled``,
     ``match_compiled()``, ``hook_materialized()``); ``on_micro_step()``: the step cycle's, at chunk 0's
@@ -40,17 +42,17 @@ class HookContext:
     which holds its ``owner`` (read by no hook) so that the model keeps its monitor alive, as it always did.
     """
 
-    __slots__ = ("__weakref__", "_owner", "grad_acc", "grad_batch", "hook_failed", "identity", "lazy_chunks",
+    __slots__ = ("__weakref__", "_owner", "grad_batch", "hook_failed", "identity", "lazy_chunks",
                  "materialized", "monitored", "name_table", "no_tensor_warned", "on_micro_step", "output", "recording",
-                 "ref", "step_hooks", "sync_names")
+                 "ref", "step_hooks", "steps", "sync_names")
 
-    def __init__(self, owner, recording: RecordingContext, *, monitored: MonitoredModel,
+    def __init__(self, owner, recording: RecordingContext, *, steps: StepTracker, monitored: MonitoredModel,
                  on_micro_step: Callable[[], None], step_hooks: StepHooks, grad_batch: GradBatch,
                  name_table: NameTable, sync_names: Callable[[], None], output: Output, identity: RankIdentity,
                  hook_failed: Callable[[str, BaseException], None], materialized: Callable[[int], None]) -> None:
         self._owner = owner
         self.recording = recording
-        self.grad_acc = 1
+        self.steps = steps
         self.hook_failed = hook_failed
         self.monitored = monitored
         self.on_micro_step = on_micro_step
@@ -64,3 +66,7 @@ class HookContext:
         self.lazy_chunks: set[int] = set()
         self.materialized = materialized
         self.ref = weakref.ref(self)
+
+    @property
+    def grad_acc(self) -> int:
+        return self.steps.grad_acc

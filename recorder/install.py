@@ -42,7 +42,7 @@ def install(mon: TrainerMon, model, grad_acc_steps: int, optimizer, dp_group, tp
         mon.output.discard_if_empty()  # nothing installed: no empty run left beside a fixed one
         raise
     mon.monitored.install(given, tp_group)
-    mon.steps.grad_acc = mon.hooks.grad_acc = acc
+    mon.steps.grad_acc = acc
     mon.cycle.step = int(start_iteration)
     if not mon.identity.distributed:
         mon.identity.join_process_group(mon.output, append_output=bool(mon.config.append_output),

@@ -126,9 +126,9 @@ class TrainerMon:
                                self.monitored, self.step_hooks, self.step_output, weak_call(self._emit),
                                weak_call(self._hook_failed))
         # what the hooks get in the monitor's place (hooks on tensors hold it weakly: hook_context.py)
-        self.hooks = HookContext(self, self.context, monitored=self.monitored, on_micro_step=self.cycle.on_micro_step,
-                                 step_hooks=self.step_hooks, grad_batch=self.collection.grad_batch,
-                                 name_table=self.name_table, sync_names=weak_call(self._sync_names),
+        self.hooks = HookContext(self, self.context, steps=self.steps, monitored=self.monitored,
+                                 on_micro_step=self.cycle.on_micro_step, step_hooks=self.step_hooks,
+                                 grad_batch=self.collection.grad_batch, name_table=self.name_table, sync_names=weak_call(self._sync_names),
                                  output=self.output, identity=self.identity, hook_failed=weak_call(self._hook_failed),
                                  materialized=weak_call(self._materialized))
         if self.config.format != "api":
