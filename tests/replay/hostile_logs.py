@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 
 import msgpack
 from trainrec.recorder.writer import LogWriter
@@ -79,3 +80,37 @@ def rewrite(path: str, tag: str, change, which: int = 0) -> int:
     k = [i for i, w in enumerate(wires) if w[0] == tag][which]
     change(wires[k])
     return write_frames(path, head, wires)[k]
+
+
+def mutated(payload: bytes, rng) -> bytes:
+    """``payload`` with one to three bytes flipped, dropped or repeated, or cut short: a damaged record."""
+    p = bytearray(payload)
+    for _ in range(rng.randint(1, 3)):
+        i = rng.randrange(len(p))
+        how = rng.random()
+        if how < 0.6:
+            p[i] ^= 1 << rng.randrange(8)
+        elif how < 0.75:
+            del p[i]
+        elif how < 0.9:
+            p[i:i] = p[i : i + rng.randint(1, 8)]
+        else:
+            del p[i:]
+            break
+    return bytes(p)
+
+
+def damaged_copies(path: str, out: str, rng, trials: int = 40) -> Iterator[str]:
+    """Copies of the log ``path`` in ``out`` with one to four bits flipped after the file header, every
+    third one also cut short by up to 200 bytes."""
+    with open(path, "rb") as f:
+        data = f.read()
+    for trial in range(trials):
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(framing.FILE_HEADER_SIZE, len(damaged))] ^= 1 << rng.randrange(8)
+        cut = len(damaged) - rng.randrange(0, 200) if trial % 3 == 0 else len(damaged)
+        bad = os.path.join(out, f"bad{trial}.trl")
+        with open(bad, "wb") as f:
+            f.write(damaged[:cut])
+        yield bad

@@ -12,7 +12,7 @@ from collections import Counter
 
 import msgpack
 import pytest
-from hostile_logs import F, frames, good_log, rewrite, write_frames
+from hostile_logs import F, damaged_copies, frames, good_log, mutated, rewrite, write_frames
 from trainrec.replay import stats_columns
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import open_run
@@ -172,22 +172,10 @@ def test_random_mutations_decode_as_the_codec_decodes(tmp_path):
     rng = random.Random(34)
     seen = {"ok": 0, "error": 0, "columns": 0}
     for _ in range(3000):
-        p = bytearray(rng.choice(payloads))
-        for _ in range(rng.randint(1, 3)):
-            i = rng.randrange(len(p))
-            how = rng.random()
-            if how < 0.6:
-                p[i] ^= 1 << rng.randrange(8)
-            elif how < 0.75:
-                del p[i]
-            elif how < 0.9:
-                p[i:i] = p[i : i + rng.randint(1, 8)]
-            else:
-                del p[i:]
-                break
-        data = memoryview(bytes(p))  # (the reader hands a memoryview of its buffer)
+        p = mutated(rng.choice(payloads), rng)
+        data = memoryview(p)  # (the reader hands a memoryview of its buffer)
         fast, full = _outcome(decode_columns, data), _outcome(codec.decode, data)
-        assert fast == full, bytes(p).hex()
+        assert fast == full, p.hex()
         seen[full[0]] += 1
         seen["columns"] += full[0] == "ok" and type(decode_columns(data)) is StatsColumns
     assert seen["error"] > 100 and seen["columns"] > 100  # (both sides of the fence were exercised)
@@ -222,17 +210,7 @@ def test_random_field_values_decode_as_the_codec_decodes(tmp_path):
 
 def test_damaged_and_torn_files_read_the_same(tmp_path):
     path = good_log(str(tmp_path), steps=6)
-    with open(path, "rb") as f:
-        data = f.read()
-    rng = random.Random(7)
-    for trial in range(40):
-        damaged = bytearray(data)
-        for _ in range(rng.randint(1, 4)):
-            damaged[rng.randrange(framing.FILE_HEADER_SIZE, len(damaged))] ^= 1 << rng.randrange(8)
-        cut = len(damaged) - rng.randrange(0, 200) if trial % 3 == 0 else len(damaged)
-        bad = os.path.join(str(tmp_path), f"bad{trial}.trl")
-        with open(bad, "wb") as f:
-            f.write(damaged[:cut])
+    for bad in damaged_copies(path, str(tmp_path), random.Random(7)):
         for chunk in (4096, 4 << 20):  # (frames split across reads, and whole)
             assert _read(bad, True, chunk)[0] == _read(bad, False, chunk)[0]
 

@@ -12,7 +12,7 @@ import random
 
 import msgpack
 import pytest
-from hostile_logs import F, frames, good_log, rewrite
+from hostile_logs import F, damaged_copies, frames, good_log, mutated, rewrite
 from trainrec.replay import reader as reader_module
 from trainrec.replay.reader import LogReader
 from trainrec.replay.sequence import DUPLICATE, REMEMBERED_FRAMES, Sequence
@@ -188,20 +188,8 @@ def test_random_mutations_decode_as_the_codec_decodes(tmp_path):
     rng = random.Random(3434)
     seen = {"ok": 0, "error": 0}
     for _ in range(4000):
-        p = bytearray(rng.choice(payloads))
-        for _ in range(rng.randint(1, 3)):
-            i = rng.randrange(len(p))
-            how = rng.random()
-            if how < 0.6:
-                p[i] ^= 1 << rng.randrange(8)
-            elif how < 0.75:
-                del p[i]
-            elif how < 0.9:
-                p[i:i] = p[i : i + rng.randint(1, 8)]
-            else:
-                del p[i:]
-                break
-        seen[_same(memoryview(bytes(p)))[0]] += 1  # (the reader hands a memoryview of its buffer)
+        p = mutated(rng.choice(payloads), rng)
+        seen[_same(memoryview(p))[0]] += 1  # (the reader hands a memoryview of its buffer)
     assert seen["error"] > 100 and seen["ok"] > 100  # (both sides of the fence were exercised)
 
 
@@ -228,17 +216,7 @@ def test_random_field_values_decode_as_the_codec_decodes(tmp_path):
 
 def test_damaged_and_torn_files_read_the_same(tmp_path, codec_reader):
     path = good_log(str(tmp_path), steps=6)
-    with open(path, "rb") as f:
-        data = f.read()
-    rng = random.Random(7)
-    for trial in range(40):
-        damaged = bytearray(data)
-        for _ in range(rng.randint(1, 4)):
-            damaged[rng.randrange(framing.FILE_HEADER_SIZE, len(damaged))] ^= 1 << rng.randrange(8)
-        cut = len(damaged) - rng.randrange(0, 200) if trial % 3 == 0 else len(damaged)
-        bad = os.path.join(str(tmp_path), f"bad{trial}.trl")
-        with open(bad, "wb") as f:
-            f.write(damaged[:cut])
+    for bad in damaged_copies(path, str(tmp_path), random.Random(7)):
         for chunk in (4096, 4 << 20):  # (frames split across reads, and whole)
             for columnar in (False, True):
                 assert _read(bad, columnar, chunk) == codec_reader(bad, columnar, chunk)
