@@ -60,12 +60,17 @@ def _check_prefix(events, last_step_seen: int) -> None:
     assert ended == list(range(len(ended))) and ended[-1] >= last_step_seen
 
 
+def _log_appearing(rdir: str) -> str:
+    """The path of the first log file the child creates in ``rdir``, once it is there."""
+    name = wait_for(lambda: next(iter(os.listdir(rdir)), None) if os.path.isdir(rdir) else None, "the log")
+    return os.path.join(rdir, name)
+
+
 def test_sigkill_after_flushes_loses_nothing_that_was_flushed(tmp_path):
     rdir = rank_dir(tmp_path)
     proc = spawn(script(_KILLED), rdir, "flush")
     try:
-        path = wait_for(lambda: next(iter(os.listdir(rdir)), None) if os.path.isdir(rdir) else None, "the log")
-        path = os.path.join(rdir, path)
+        path = _log_appearing(rdir)
         reader = LogReader(path)
         seen: list[Event] = []
 
@@ -93,8 +98,7 @@ def test_sigkill_loses_nothing_older_than_the_flush_interval(tmp_path):
     rdir = rank_dir(tmp_path)
     proc = spawn(script(_KILLED), rdir, "interval")
     try:
-        path = wait_for(lambda: next(iter(os.listdir(rdir)), None) if os.path.isdir(rdir) else None, "the log")
-        path = os.path.join(rdir, path)
+        path = _log_appearing(rdir)
         reader = LogReader(path)
         seen: list[Event] = []
 
