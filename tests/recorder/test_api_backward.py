@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_api_calls import CONFIG, MODULES, Block, Net, _calls, _stats, _train
+from test_api_calls import CONFIG, MODULES, Block, Net, _calls, _stats, _train, _train_micro_steps
 from torch.utils.checkpoint import checkpoint
 from trainrec.analyzers.graph import build_from_run
 from trainrec.recorder import record
@@ -85,17 +85,7 @@ def test_off_with_backward_false_or_forward_only_and_training_unchanged(tmp_path
 
 
 def test_micro_steps_each_their_own_record_and_calls_numbered_on(tmp_path):
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with record(model, opt, API, output_dir=str(tmp_path / "out"), grad_acc_steps=2) as rec:
-        for step in range(2):
-            for micro in range(2):
-                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + micro))
-                model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    path = os.path.dirname(os.path.dirname(rec.log_path))
+    path = _train_micro_steps(tmp_path / "out", API)
     back = [c for c in _calls(path, DIR_BACKWARD) if c["step"] == 1]
     lin = [(c["name"], c["micro"], c["module"]) for c in back if c["name"].startswith("Functional.linear")]
     assert lin == [("Functional.linear.1.backward", 0, "blk.lin"), ("Functional.linear.0.backward", 0, "fc"),

@@ -65,6 +65,21 @@ def _train(out, config: dict, steps: int = 2, model: nn.Module | None = None, pr
     return os.path.dirname(os.path.dirname(rec.log_path)), losses
 
 
+def _train_micro_steps(out, config: dict) -> str:
+    """Two steps of two micro steps each (grad_acc_steps=2) recorded into ``out``; the run's directory."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, opt, config, output_dir=str(out), grad_acc_steps=2) as rec:
+        for step in range(2):
+            for micro in range(2):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + micro))
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return os.path.dirname(os.path.dirname(rec.log_path))
+
+
 def _calls(path, direction: int = DIR_FORWARD) -> list[dict]:
     """Every recorded API call of ``direction`` (forward calls, or the gradients through them), decoded:
     step, micro step, name, module, position, ports, stack."""
@@ -257,17 +272,7 @@ def test_micro_steps_count_on_and_nest_under_their_own_module_calls(tmp_path):
     """Two micro steps per step: a name's counter goes on through the step (the reference counts per
     step), each pass is its own record with its micro step, and the graph puts each call under the
     module call of its own micro step."""
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with record(model, opt, {**CONFIG, "api_xy": True}, output_dir=str(tmp_path / "out"), grad_acc_steps=2) as rec:
-        for step in range(2):
-            for micro in range(2):
-                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + micro))
-                model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    path = os.path.dirname(os.path.dirname(rec.log_path))
+    path = _train_micro_steps(tmp_path / "out", {**CONFIG, "api_xy": True})
     calls = [c for c in _calls(path) if c["step"] == 1]
     lin = [(c["name"], c["micro"], c["module"]) for c in calls if c["name"].startswith("Functional.linear")]
     assert lin == [("Functional.linear.0.forward", 0, "fc"), ("Functional.linear.1.forward", 0, "blk.lin"),
