@@ -53,7 +53,7 @@ def run_note(recorder: Recorder, step: int) -> dict:
     rank_dir = recorder.rank_dir or ""
     parsed = layout.parse_rank_dir(os.path.basename(rank_dir.rstrip(os.sep)))
     return {"version": NOTE_VERSION, "rank_dir": rank_dir, "stamp": parsed[0] if parsed else None,
-            "rank": recorder.monitor.rank, "run_id": recorder.monitor.run_id, "step": int(step)}
+            "rank": recorder.session.rank, "run_id": recorder.session.run_id, "step": int(step)}
 
 
 def note_path(checkpoint_dir: str, rank: int) -> str:

@@ -100,14 +100,14 @@ def exception_event(exc: BaseException, rank: int, step: int, names: dict) -> Ex
 
 
 def probes_for(mon) -> FlightProbes:
-    """The probes of a monitor (``TrainerMon``), configured by its config at this point."""
+    """The probes of a recording session, configured by its config at this point."""
     ref = weakref.ref(mon)
     names_cache: dict = {}
 
     def emit(event) -> None:
         m = ref()
         if m is not None:
-            m._emit(event)
+            m.emit(event)
 
     def step() -> int:
         m = ref()
@@ -115,7 +115,7 @@ def probes_for(mon) -> FlightProbes:
 
     def progress() -> tuple | None:
         m = ref()
-        if m is None or m._closed:
+        if m is None or m.closed:
             return None
         return (m.cycle.step, m.context.step_t0) if m.monitored.chunks else ()  # (no model yet: nothing to time)
 

@@ -14,11 +14,11 @@ from . import api_calls
 from .attach import StepHooks
 from .config import MonitorConfig
 from .context import RecordingContext
+from .failures import warn_once
 from .grad_batch import GradBatch
 from .model_args import compiled_fullgraph, uncompiled
 from .names import NameTable
 from .rank_identity import RankIdentity
-from .session import warn_once
 from .targets import ParamInfo, Targets, mark_tp_duplicates, select_targets
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -30,8 +30,8 @@ import torch
 
 from .config import MonitorConfig, parse_config
 from .model_args import checked_model
-from .monitor import TrainerMon
 from .optim import chain_of, torch_optimizer_of
+from .session import RecordingSession, config_from, dynamic_from_env
 
 DEFAULT_CONFIG = {
     "wg_distribution": True,
@@ -63,53 +63,53 @@ class Recorder:
         checked_model(model)  # (a TypeError naming it, before anything is made)
         _check_optimizer(optimizer)
         if config is None:
-            config = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG")
-        elif isinstance(config, os.PathLike):
-            config = os.fspath(config)  # a file, read by the monitor (and watched in dynamic mode)
+            config, path = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG"), None
+        else:  # (a file is watched in dynamic mode)
+            config, path = config_from(os.fspath(config) if isinstance(config, os.PathLike) else config)
+        self._manual = optimizer is None  # no optimizer to hook: steps come from step()
         # the live CSV/TensorBoard export only where the config names a format
-        self.monitor = TrainerMon(config, params_have_main_grad=params_have_main_grad, output_dir=output_dir,
-                                  live_export=None)
-        self._manual = optimizer is None
-        self.monitor.steps.manual = self._manual  # no optimizer to hook: steps come from step()
+        self.session = RecordingSession(config, config_path=path, params_have_main_grad=params_have_main_grad,
+                                        output_dir=output_dir, live_export=None, dynamic=dynamic_from_env(),
+                                        manual_steps=self._manual)
         try:
-            self.monitor.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
-                                               start_iteration=start_iteration)
+            self.session.install(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
+                                 start_iteration=start_iteration)
         except BaseException:
-            self.monitor.close()  # a bad config: no log left open, no threads left running
+            self.session.close()  # a bad config: no log left open, no threads left running
             raise
 
     @property
     def log_path(self) -> str | None:
-        return self.monitor.log_path
+        return self.session.log_path
 
     @property
     def rank_dir(self) -> str | None:
-        return self.monitor.rank_dir
+        return self.session.rank_dir
 
     @property
     def step_count(self) -> int:
         """The current step number."""
-        return self.monitor.step_count
+        return self.session.step_count
 
     def step(self) -> None:
         """End the current training step (only needed without an optimizer)."""
         if not self._manual:
             raise RuntimeError("steps are detected from the optimizer; do not call step() as well")
-        self.monitor.step()
+        self.session.step()
 
     def metrics(self, kind: str) -> dict:
         """``{tag: {op: 0-dim tensor}}`` of ``kind`` at the latest collected step."""
-        return self.monitor.generate_metrics(kind)
+        return self.session.metrics(kind)
 
     def close(self) -> None:
-        self.monitor.close()
+        self.session.close()
 
     def __enter__(self) -> Recorder:
-        self.monitor.__enter__()  # (a RuntimeError where it is closed)
+        self.session.check_open("with")
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.monitor.__exit__(*exc)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.session.close_after(exc_type)
 
 
 def _check_optimizer(optimizer) -> None:

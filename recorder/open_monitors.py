@@ -11,7 +11,7 @@ import weakref
 
 log = logging.getLogger(__name__)
 
-_open: weakref.WeakSet = weakref.WeakSet()  # TrainerMon instances, until closed
+_open: weakref.WeakSet = weakref.WeakSet()  # RecordingSession instances, until closed
 
 
 def add(mon) -> None:
@@ -46,14 +46,14 @@ def warn_if_monitored_already(mon) -> None:
 
 
 def close_all_at_exit() -> None:
-    """At exit: close every monitor still open (``TrainerMon._close``, with the reason in its FileClosed).
-    Registered by the monitor module, after the writers' exit handler: it runs before that one."""
+    """At exit: close every monitor still open (``RecordingSession.close``, with the reason in its FileClosed).
+    Registered by the session module, after the writers' exit handler: it runs before that one."""
     # the FileClosed says how the process ended: after an uncaught exception (the interpreter keeps it
     # in sys.last_value for us), or without the monitor's close()
     exc = getattr(sys, "last_value", None)
     reason = f"exit after an uncaught {type(exc).__name__}" if exc is not None else "exit"
     for mon in list(_open):
         try:
-            mon._close(reason)
+            mon.close(reason)
         except Exception:  # noqa: BLE001
             pass

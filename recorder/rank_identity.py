@@ -8,8 +8,8 @@ import logging
 from collections.abc import Callable
 
 from . import runinfo
+from .failures import warn_once
 from .output import Output
-from .session import warn_once
 
 log = logging.getLogger(__name__)
 

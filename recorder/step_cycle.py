@@ -1,7 +1,7 @@
 """The step boundaries of a recording: a step's begin (collected or not), the optimizer's pre- and
 post-step hooks, a micro step's start, and a step's end, which writes what the step recorded. The
 step counter and the collection schedule live here; the step's hooks on the model are the
-:class:`MonitoredModel`'s, config changes the monitor's (:class:`StepHost`)."""
+:class:`MonitoredModel`'s, config changes the session's (:class:`StepHost`)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ _LIVE_CHECK_S = 5.0  # seconds between looks at the live export process (a waitp
 
 
 class StepHost(Protocol):
-    """What the step cycle needs of its monitor (``TrainerMon``; held weakly): the active config, and a
+    """What the step cycle needs of its session (``RecordingSession``; held weakly): the active config, and a
     config change that the dynamic watcher decided at a step's end, applied."""
 
     config: MonitorConfig
 
-    def _apply_config(self, config: MonitorConfig, step: int, content_hash: str) -> None:
+    def apply_config(self, config: MonitorConfig, step: int, content_hash: str) -> None:
         """``config`` active from step ``step + 1``."""
 
-    def _write_api_backward(self, st: StepState) -> None:
+    def write_api_backward(self, st: StepState) -> None:
         """The step's gradients through the API calls (``api_xy``'s backward), to the log."""
 
 
@@ -228,7 +228,7 @@ class StepCycle:
         st.leaf_hooks.clear()
         if st.api_passes:  # the gradients through the API calls (api_backward.py)
             try:
-                self._host._write_api_backward(st)
+                self._host.write_api_backward(st)
             except Exception as exc:  # noqa: BLE001 - the step's other rows are still written
                 self._hook_failed("the API calls' gradients", exc)
         self.collections += 1
@@ -290,7 +290,7 @@ class StepCycle:
                 self._hook_failed("dynamic config watcher", exc)
             if update is not None:
                 if getattr(update, "switch", True):
-                    self._host._apply_config(update.config, finished, update.content_hash)
+                    self._host.apply_config(update.config, finished, update.content_hash)
                 elif self.monitoring:
                     self.stop("switch_off", notify_watcher=False, step=finished)
         self.begin()

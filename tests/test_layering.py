@@ -249,3 +249,100 @@ def test_no_trainer_library_is_imported_unless_an_integration_module_is():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def module_imports_at_load(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The trainrec modules ``module`` imports when it is loaded: statements at module level (not in a
+    function, not under ``if TYPE_CHECKING``), ``from pkg import name`` resolved to ``pkg.name`` where that
+    is a module."""
+    here = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                visit(ast.Module(body=child.orelse, type_ignores=[]))
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names if a.name in known)
+            elif isinstance(child, ast.ImportFrom):
+                base = here.split(".")[: len(here.split(".")) - (child.level - 1)] if child.level else []
+                target = ".".join([*base, child.module] if child.module else base) if child.level else child.module
+                for a in child.names:
+                    sub = f"{target}.{a.name}"
+                    found.add(sub if sub in known else target)
+            else:
+                visit(child)
+
+    visit(ast.parse(source))
+    return {m for m in found if m in known and m != module}
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of a module graph, each once (told from its least module)."""
+    cycles: set[tuple[str, ...]] = set()
+
+    def walk(node: str, path: list[str], on_path: set[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in on_path:
+                ring = path[path.index(nxt):]
+                first = ring.index(min(ring))
+                cycles.add(tuple(ring[first:] + ring[:first]))
+            elif nxt not in done:
+                walk(nxt, [*path, nxt], on_path | {nxt})
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start not in done:
+            walk(start, [start], {start})
+    return [[*c, c[0]] for c in sorted(cycles)]
+
+
+def test_no_import_cycle_between_modules():
+    """No module of trainrec imports, at load time, a module that imports it back, directly or not (a
+    package's ``__init__`` included: a module importing a name from its own package is a cycle too)."""
+    sources = [(m, p, s) for package in PACKAGES for m, p, s in _sources(package)]
+    known = {m for m, _p, _s in sources} | _extension_modules()
+    graph = {m: module_imports_at_load(s, m, p, known) for m, p, s in sources}
+    assert module_cycles(graph) == []
+
+
+def _extension_modules() -> set[str]:
+    """Compiled modules (``recorder/_fused.c``): imported by name like a module, without a ``.py``."""
+    return {f"trainrec.{package}.{name[:-2]}" for package in PACKAGES
+            for name in os.listdir(os.path.join(ROOT, package)) if name.endswith(".c")}
+
+
+def test_the_module_cycle_finder_catches_a_cycle():
+    known = {"trainrec.recorder.a", "trainrec.recorder.b", "trainrec.recorder.c"}
+    a = "from __future__ import annotations\nfrom typing import TYPE_CHECKING\nfrom . import b\n" \
+        "if TYPE_CHECKING:\n    from .c import C\n"
+    b = "from .c import C\ndef f():\n    from .a import x\n"
+    c = "from trainrec.recorder import a\n"
+    graph = {"trainrec.recorder.a": module_imports_at_load(a, "trainrec.recorder.a", False, known),
+             "trainrec.recorder.b": module_imports_at_load(b, "trainrec.recorder.b", False, known),
+             "trainrec.recorder.c": module_imports_at_load(c, "trainrec.recorder.c", False, known)}
+    assert graph["trainrec.recorder.a"] == {"trainrec.recorder.b"}  # (TYPE_CHECKING's import is not run)
+    assert graph["trainrec.recorder.b"] == {"trainrec.recorder.c"}  # (a function's import is not run at load)
+    assert module_cycles(graph) == [["trainrec.recorder.a", "trainrec.recorder.b", "trainrec.recorder.c",
+                                     "trainrec.recorder.a"]]
+    del graph["trainrec.recorder.c"]
+    assert module_cycles(graph) == []
+
+
+def test_the_faces_sit_on_the_session_not_on_each_other():
+    """``TrainerMon`` (monitor.py) and ``record()`` (native.py) each drive a ``RecordingSession``; no
+    module of the recorder but the package's ``__init__`` imports a face."""
+    faces = {"trainrec.recorder.monitor", "trainrec.recorder.native"}
+    sources = list(_sources("recorder"))
+    known = {m for m, _p, _s in sources}
+    for module, is_package, source in sources:
+        if module != "trainrec.recorder":
+            assert not (module_imports_at_load(source, module, is_package, known) & faces), module
+            assert not {e.target for e in imports_of(source, module, is_package)} & faces, module
+    for face in faces:
+        src = dict((m, s) for m, _p, s in sources)[face]
+        assert "trainrec.recorder.session" in module_imports_at_load(src, face, False, known)

@@ -206,7 +206,7 @@ def test_gradient_of_a_view_output_modified_in_place_is_recorded(tmp_path, out, 
     mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(2, 6, 16)
     model(x).sum().backward()
-    mon.binding.opt.step()
+    mon.session.binding.opt.step()
     mon.close()
     h = twin[0](x)
     h.retain_grad()

@@ -251,7 +251,7 @@ def test_a_target_that_matches_no_module_is_rejected_before_anything_changes(tmp
             save(cfg, {**first, "switch": True, "targets": {"no_such_layer": {}}})
             t.until(lambda: t.count(ConfigRejected) == 1, "the rejection")
         assert not any("monitoring from step" in r.getMessage() for r in caplog.records)
-        assert not mon.output.watcher.active
+        assert not mon.session.output.watcher.active
         save(cfg, {**first, "switch": True})
         t.until(lambda: t.count(MonitoringStopped) == 1, "the valid start to run its course")
     finally:

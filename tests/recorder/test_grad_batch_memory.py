@@ -21,7 +21,7 @@ def test_gradients_swapped_out_by_their_owner_are_not_kept_to_the_end_of_backwar
     mon = TrainerMon({"wg_distribution": True, "ops": ALL_OPS, "format": "csv"}, live_export=False,
                      output_dir=str(tmp_path / "out"))
     model, opt = make(0)
-    mon.step_hooks.list_hooks_off = True  # the Python hooks, as distributed runs get them
+    mon.session.step_hooks.list_hooks_off = True  # the Python hooks, as distributed runs get them
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=1, optimizer=opt)
     params = [p for p in model.parameters() if p.requires_grad]
     made: list = []

@@ -27,10 +27,10 @@ def _run(out, python_hooks: bool, clip: bool = True, steps: int = 3, grad_acc: i
     mon = TrainerMon(dict(CFG), live_export=False, output_dir=str(out))
     model, opt = make(0)
     if python_hooks:
-        mon.step_hooks.list_hooks_off = True  # the Python hooks, as distributed runs get them
+        mon.session.step_hooks.list_hooks_off = True  # the Python hooks, as distributed runs get them
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=grad_acc, optimizer=opt)
     hooked = _list_hooks(model)
-    recorded = {id(i.param): i.name for i in mon.context.params}
+    recorded = {id(i.param): i.name for i in mon.session.context.params}
     names = {n: recorded[id(p)] for n, p in model.named_parameters()}  # torch's -> the log's
     for s in range(steps):
         for m in range(grad_acc):
@@ -39,7 +39,7 @@ def _run(out, python_hooks: bool, clip: bool = True, steps: int = 3, grad_acc: i
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
         opt.zero_grad()
-    fast_off = mon.step_hooks.list_hooks_off
+    fast_off = mon.session.step_hooks.list_hooks_off
     mon.close()
     return events_of(out), hooked, fast_off, names
 
@@ -120,7 +120,7 @@ def test_a_backward_pass_the_output_hook_misses_falls_back_to_python_hooks(tmp_p
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
-    assert mon.step_hooks.list_hooks_off and _list_hooks(model) == 0
+    assert mon.session.step_hooks.list_hooks_off and _list_hooks(model) == 0
     mon.close()
     got = stats_table(events_of(out), "grad_unreduced")
     for s in range(3):
@@ -148,7 +148,7 @@ def test_a_gradient_in_a_shared_buffer_falls_back_to_python_hooks(tmp_path):
         want.append({"weight": model.weight.grad.clone(), "bias": model.bias.grad.clone()})
         opt.step()
         buf.zero_()  # zero_grad(set_to_none=False) on views keeps them views
-    assert mon.step_hooks.list_hooks_off
+    assert mon.session.step_hooks.list_hooks_off
     mon.close()
     got = stats_table(events_of(out), "grad_unreduced")
     for s in range(2):
@@ -163,7 +163,7 @@ def test_firings_left_unhandled_at_close_are_recorded(tmp_path):
     out = tmp_path / "out"
     mon, model, _ = _two_heads(out)
     model(torch.randn(3, 4))[1].pow(2).sum().backward()
-    assert len(mon.step_hooks.fired) == 2
+    assert len(mon.session.step_hooks.fired) == 2
     mon.close()
     got = stats_table(events_of(out), "grad_unreduced")
     assert sorted(k[1] for k in got) == ["b.bias", "b.weight"]
@@ -180,7 +180,7 @@ def _checkpointed_chunks(out, python_hooks: bool):
     c0, c1 = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 2)
     opt = torch.optim.AdamW([*c0.parameters(), *c1.parameters()], lr=0.01)
     if python_hooks:
-        mon.step_hooks.list_hooks_off = True
+        mon.session.step_hooks.list_hooks_off = True
     mon.monitor_gnorm_with_ad([c0, c1], grad_acc_steps=2, optimizer=opt)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -189,7 +189,7 @@ def _checkpointed_chunks(out, python_hooks: bool):
             c1(h).pow(2).sum().backward()
         opt.step()
         opt.zero_grad()
-    off = mon.step_hooks.list_hooks_off
+    off = mon.session.step_hooks.list_hooks_off
     mon.close()
     return events_of(out), off
 

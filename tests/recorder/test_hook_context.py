@@ -58,22 +58,22 @@ def test_the_models_hooks_hold_the_hook_context_and_tensor_hooks_hold_it_weakly(
                      output_dir=str(tmp_path / "out"))
     model, opt = make()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    mon.step_hooks.python_hooks_from_now("the test looks at the Python weight-gradient hooks")
+    mon.session.step_hooks.python_hooks_from_now("the test looks at the Python weight-gradient hooks")
     x, _ = batch(0)
     out = model(x)  # a collected step: the step's hooks attached, gradient hooks on its tensors made
-    st = mon.context.state
+    st = mon.session.context.state
     assert st is not None and st.grad_hooks
 
     module_held = [v for h in _module_hooks(model) for v in _held(h)]
     assert not any(isinstance(v, TrainerMon) for v in module_held)
-    assert any(v is mon.hooks for v in module_held)  # (the chunk hooks, the module hooks, the API level's)
+    assert any(v is mon.session.hooks for v in module_held)  # (the chunk hooks, the module hooks, the API level's)
 
     activations = [t for ref, *_ in st.grad_hooks.values() if (t := ref()) is not None]
     tensor_hooks = _tensor_hooks([out, *activations, *model.parameters()])
     assert len(tensor_hooks) > len(list(model.parameters()))
     tensor_held = [v for h in tensor_hooks for v in _held(h)]
     assert not any(isinstance(v, (TrainerMon, HookContext)) for v in tensor_held)
-    assert any(v is mon.hooks.ref for v in tensor_held)
+    assert any(v is mon.session.hooks.ref for v in tensor_held)
     out.sum().backward()
     opt.step()
     mon.close()
@@ -85,8 +85,8 @@ def test_the_hook_context_lives_as_long_as_its_monitor(tmp_path):
                      live_export=False, output_dir=str(tmp_path / "out"))
     model, opt = make()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    ref = mon.hooks.ref
-    assert ref() is mon.hooks and ref().recording is mon.context and ref().grad_acc == 1
+    ref = mon.session.hooks.ref
+    assert ref() is mon.session.hooks and ref().recording is mon.session.context and ref().grad_acc == 1
     mon.close()
     del mon, model, opt
     import gc

@@ -52,8 +52,8 @@ def _ops_of_training(tmp_path, monkeypatch, path: str | None) -> collections.Cou
     if path is not None:
         mon = TrainerMon(write_config(tmp_path, EVERYTHING), params_have_main_grad=False)
         mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
-        mon.context.engine.fused = path == "fused"
-        mon.context.engine.host_paths = path != "device"
+        mon.session.context.engine.fused = path == "fused"
+        mon.session.context.engine.host_paths = path != "device"
     spy = OpSpy(big=min(p.numel() for p in model.parameters() if p.dim() > 1))
     with spy:
         train_batches(model, opt)
@@ -104,8 +104,8 @@ def test_no_tensor_is_compared_with_none(tmp_path, monkeypatch, wg_only):
 
 
 def _own_grads_both_ways(mon) -> tuple[tuple, tuple]:
-    fast = mon.collection.ownership.own_grad_lists()
-    general = list(mon.collection.ownership.own_grads())
+    fast = mon.session.collection.ownership.own_grad_lists()
+    general = list(mon.session.collection.ownership.own_grads())
     return ([i for i, _ in general], [id(g) for _, g in general]), (fast[0], [id(g) for g in fast[1]])
 
 
@@ -132,19 +132,19 @@ def test_own_gradients_without_a_loop_are_those_of_the_general_path(tmp_path, mo
     assert fast == general and id(params[2].main_grad) in general[1]
     del params[2].main_grad
 
-    mon.context.params[3].tp_duplicate = True  # another tensor-parallel rank's copy: not this rank's to report
-    mon.collection.ownership.params_changed()
+    mon.session.context.params[3].tp_duplicate = True  # another tensor-parallel rank's copy: not this rank's to report
+    mon.session.collection.ownership.params_changed()
     general, fast = _own_grads_both_ways(mon)
     assert fast == general and 3 not in general[0]
-    mon.context.params[3].tp_duplicate = False
-    mon.collection.ownership.params_changed()
+    mon.session.context.params[3].tp_duplicate = False
+    mon.session.collection.ownership.params_changed()
 
     params[0]._hp_mapping = None  # DeepSpeed ZeRO: the optimizer's copy of the gradient is reported
     general, fast = _own_grads_both_ways(mon)
     assert fast == general
     del params[0]._hp_mapping
 
-    mon.collection.ownership.dp_duplicate = True  # a data-parallel rank after the first: nothing of its own to report
+    mon.session.collection.ownership.dp_duplicate = True  # a data-parallel rank after the first: nothing of its own to report
     general, fast = _own_grads_both_ways(mon)
     assert fast == general and general == ([], [])
     mon.close()
@@ -169,8 +169,8 @@ def test_the_device_path_reads_no_value_back_on_the_training_thread(tmp_path, mo
     cfg = {**EVERYTHING, "format": "csv"}
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=2, optimizer=opt)
-    mon.context.engine.fused = False
-    mon.context.engine.host_paths = False
+    mon.session.context.engine.fused = False
+    mon.session.context.engine.host_paths = False
     seen = collections.Counter()
     main = threading.main_thread()
 
@@ -192,5 +192,5 @@ def test_the_device_path_reads_no_value_back_on_the_training_thread(tmp_path, mo
     train_batches(model, opt, steps=3)
     monkeypatch.undo()
     mon.close()
-    assert mon.cycle.collections == 3  # it did record
+    assert mon.session.cycle.collections == 3  # it did record
     assert {k: n for k, n in seen.items() if k[:2] not in _ALLOWED_READS} == {}

@@ -34,7 +34,7 @@ def test_a_live_export_killed_mid_run_is_reported_while_training_goes_on(out, ca
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         rec = record(model, opt, config={"wg_distribution": True, "format": "csv"}, output_dir=str(out))
         try:
-            proc = rec.monitor.output.live.proc
+            proc = rec.session.output.live.proc
             assert proc is not None
             _train(model, opt, 2)
             assert not _said(caplog)

@@ -47,7 +47,7 @@ def test_optimizer_none_binds_the_optimizer_of_the_model(tmp_path, out):
         loss_of(model, s).backward()
         opt.step()
         opt.zero_grad()
-    assert mon.binding.opt is opt and not mon.binding.waiting
+    assert mon.session.binding.opt is opt and not mon.session.binding.waiting
     mon.close()
     assert steps_with(events_of(out), "grad_reduced") == [0, 1]
 

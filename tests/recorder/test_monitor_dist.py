@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, mode: str) -> None:
             warned: list = []
             handler = logging.Handler()
             handler.emit = lambda record: warned.append(record.getMessage())
-            for name in ("trainrec.recorder.monitor", "trainrec.recorder.session"):  # (warn_once's)
+            for name in ("trainrec.recorder.monitor", "trainrec.recorder.failures"):  # (warn_once's)
                 logging.getLogger(name).addHandler(handler)
             if mode == "fsdp1_flat":
                 import copy

@@ -58,7 +58,7 @@ def test_exception_in_a_hook_is_recorded_and_training_continues(tmp_path, out):
     def boom(tensors):
         raise RuntimeError("injected failure")
 
-    mon.context.engine.compute = mon.context.engine.rows = boom  # rows: the module hooks' entry
+    mon.session.context.engine.compute = mon.session.context.engine.rows = boom  # rows: the module hooks' entry
     before = model.head.weight.detach().clone()
     for s in range(2):
         loss_of(model, s).backward()
@@ -83,7 +83,7 @@ def test_a_failure_in_the_optimizer_state_statistics_keeps_the_steps_other_rows(
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure in the Adam state")
 
-    mon.collection.optimizer.optimizer_rows = boom
+    mon.session.collection.optimizer.optimizer_rows = boom
     for s in range(2):
         loss_of(model, s).backward()
         opt.step()
@@ -111,7 +111,7 @@ def test_exception_in_the_step_bookkeeping_never_reaches_training(tmp_path, out,
         raise RuntimeError(f"injected failure in {where}")
 
     *parts, name = where.split(".")
-    setattr(functools.reduce(getattr, parts, mon), name, boom)
+    setattr(functools.reduce(getattr, parts, mon.session), name, boom)
     before = model.head.weight.detach().clone()
     for s in range(3):
         loss_of(model, s).backward()
@@ -140,8 +140,8 @@ def test_an_output_directory_removed_mid_run_neither_stops_training_nor_holds_cl
         opt.step()
         opt.zero_grad()
         time.sleep(0.3)  # a flush interval: the writer finds its file gone
-    assert mon.output.writer.error is not None and "removed" in str(mon.output.writer.error)
+    assert mon.session.output.writer.error is not None and "removed" in str(mon.session.output.writer.error)
     t0 = time.monotonic()
     mon.close()
     assert time.monotonic() - t0 < 10
-    assert mon.output.live is None or mon.output.live.proc is None
+    assert mon.session.output.live is None or mon.session.output.live.proc is None

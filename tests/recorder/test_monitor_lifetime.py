@@ -62,7 +62,7 @@ def test_dropped_monitor_is_collected_and_its_log_closed(tmp_path, monkeypatch):
 
 
 def test_a_monitor_in_use_is_not_collected(tmp_path):
-    """The model's hooks keep a monitor alive while the model is: dropping only the monitor object
+    """The model's hooks keep a recording alive while the model is: dropping only the monitor object
     records on (as before)."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"wg_distribution": True, "format": "api"}))
@@ -70,17 +70,17 @@ def test_a_monitor_in_use_is_not_collected(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = TrainerMon(str(cfg), params_have_main_grad=False)
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
-    ref = weakref.ref(mon)
+    ref = weakref.ref(mon.session)
     del mon
     gc.collect()
     for _ in range(2):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-    mon = ref()
-    assert mon is not None
-    assert mon.generate_wgrad_metrics()  # still recording
-    mon.close()
+    session = ref()
+    assert session is not None
+    assert session.step_count == 2 and session.metrics("grad_reduced")  # still recording
+    session.close()
 
 
 def _alert_run(tmp_path, name, close):
@@ -255,9 +255,9 @@ def test_ranks_from_the_environment_without_a_shared_run_id_are_warned_about(tmp
     of its own and replay lists as many one-rank runs; a warning says how to name the run."""
     import logging
 
-    from trainrec.recorder import session
+    from trainrec.recorder import failures
 
-    monkeypatch.setattr(session, "_warned", set())
+    monkeypatch.setattr(failures, "_warned", set())
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # what torchrun sets without a rendezvous id

@@ -48,7 +48,7 @@ def test_print_struct_writes_module_struct_and_stops(tmp_path, out):
     ms = [e for e in ev if isinstance(e, ModuleStructureRecorded)]
     assert ms[-1].io_specs["pair"]["input"]["config"] == "tuple[2]"
     assert "layers.0.0" in ms[0].names and ms[0].classes[ms[0].names.index("layers.0.0")] == "Linear"
-    assert mon.step_hooks.handles == [] and mon._struct_handles == []
+    assert mon.session.step_hooks.handles == [] and mon.session.struct_handles == []
 
 
 def test_format_api_writes_nothing_and_returns_metrics(tmp_path, out):
@@ -120,7 +120,7 @@ def test_live_export_runs_at_lower_priority(tmp_path, out):
     """format csv starts the live projection process at the lowest priority (background work)."""
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": "csv"}), params_have_main_grad=False)
     try:
-        proc = mon.output.live.proc
+        proc = mon.session.output.live.proc
         assert proc is not None
         want = min(os.getpriority(os.PRIO_PROCESS, 0) + LIVE_EXPORT_NICE, 19)
         deadline = time.monotonic() + 20

@@ -16,7 +16,7 @@ def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_con
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     loss_of(model, 0).backward()
     opt.step()
-    mon._apply_config(parse_config({"wg_distribution": True, "targets": {"nothing.here": {}}}), 0, "abc")
+    mon.session.apply_config(parse_config({"wg_distribution": True, "targets": {"nothing.here": {}}}), 0, "abc")
     loss_of(model, 1).backward()
     opt.step()
     mon.close()
@@ -30,15 +30,15 @@ def test_apply_config_with_a_target_matching_nothing_is_rejected_and_the_old_con
 def test_a_dynamic_change_of_format_says_it_applies_at_the_next_launch(tmp_path, out, caplog, monkeypatch, first):
     """The output (log, live export) is set up when the monitor is made: a config switched on later with
     another format says so, and what this run gives instead, rather than writing nothing silently."""
-    from trainrec.recorder import session
+    from trainrec.recorder import failures
     from trainrec.recorder.config import parse_config
 
-    monkeypatch.setattr(session, "_warned", set())
+    monkeypatch.setattr(failures, "_warned", set())
     mon = TrainerMon(write_config(tmp_path, {"wg_distribution": True, "format": first}), live_export=False)
     model, opt = make()
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
-        mon._apply_config(parse_config({"wg_distribution": True, "format": "csv"}), 0, "abc")
+        mon.session.apply_config(parse_config({"wg_distribution": True, "format": "csv"}), 0, "abc")
     mon.close()
     (msg,) = [r.getMessage() for r in caplog.records if "format changed" in r.getMessage()]
     assert "next launch" in msg
@@ -57,7 +57,7 @@ def test_reload_xy_switches_activation_hooks_without_stacking(tmp_path, out):
     opt.step()
     mon.reload_xy()  # the reference's default: xy_distribution=False
     # left: the run's own hook on each model chunk (micro steps of weight gradients), no activation hook
-    assert sum(len(m._forward_hooks) for m in model.modules()) == len(mon.monitored.chunks)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == len(mon.session.monitored.chunks)
     loss_of(model, 1).backward()
     opt.step()
     mon.reload_xy(True)

@@ -261,7 +261,7 @@ def test_placeholder_rows_do_not_make_steps_with_several_passes_look_skipped(tmp
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     if path == "device":
-        mon.context.engine.fused = mon.context.engine.host_paths = False
+        mon.session.context.engine.fused = mon.session.context.engine.host_paths = False
     for s in range(4):
         sam_passes(model, opt, s)
         opt.step()

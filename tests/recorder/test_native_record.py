@@ -56,9 +56,9 @@ def test_native_record_without_steps_warns_and_start_iteration_numbers_steps(tmp
     """No optimizer and no rec.step(): every backward pass goes into step 0, and a warning says what to
     call (nothing did); start_iteration numbers the steps (the keyword was start_step, which is also a
     config key of another meaning, and a TypeError now says so)."""
-    from trainrec.recorder import record, session
+    from trainrec.recorder import failures, record
 
-    monkeypatch.setattr(session, "_warned", set())
+    monkeypatch.setattr(failures, "_warned", set())
     model, _ = make()
     with pytest.raises(TypeError, match="start_step is a config key"):
         record(model, start_step=3, output_dir=str(tmp_path / "bad"))

@@ -157,8 +157,8 @@ def test_update_and_ratio_of_fused_adamw_equal_a_float64_computation(tmp_path, m
 
     model, opt = make(opt_cls=fused_two_groups)
     mon.monitor_gnorm_with_ad(model, grad_acc_steps=1, optimizer=opt)
-    mon.context.engine.fused = False
-    mon.context.engine.host_paths = path == "host"
+    mon.session.context.engine.fused = False
+    mon.session.context.engine.host_paths = path == "host"
     pnames = squash_all([n for n, _ in model.named_parameters()])
     first = next(iter(model.parameters()))
     seen = {}

@@ -96,9 +96,9 @@ def test_adam_options_without_an_optimizer_say_so_once(tmp_path, out, caplog):
 
 
 def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
-    from trainrec.recorder import session
+    from trainrec.recorder import failures
 
-    monkeypatch.setattr(session, "_warned", set())
+    monkeypatch.setattr(failures, "_warned", set())
     cfg = {"wg_distribution": True, "mg_direction": True, "cc_distribution": {"enable": True}}
     with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
         for _ in range(2):
@@ -123,7 +123,7 @@ def test_unrecorded_options_are_said_once(tmp_path, out, caplog, monkeypatch):
         "the module structure only)",
         "trainrec: collect_times is 0: no step is collected (as in msprobe 1.2.1)"]
     caplog.clear()
-    monkeypatch.setattr(session, "_warned", set())
+    monkeypatch.setattr(failures, "_warned", set())
     monkeypatch.setenv("DYNAMIC_MONITOR", "true")  # a config that the switch has not turned on yet: nothing to say
     with caplog.at_level("WARNING", logger="trainrec.recorder.monitor"):
         TrainerMon(write_config(tmp_path, {"switch": False}), live_export=False).close()

@@ -32,7 +32,7 @@ def test_targets_select_params_on_segment_boundaries(tmp_path, out):
     cfg = {"wg_distribution": True, "targets": {"layers.1": {}}}
     mon = TrainerMon(write_config(tmp_path, cfg), live_export=False)
     mon.monitor_gnorm_with_ad(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert sorted(p.full for p in mon.context.params) == ["layers.1.bias", "layers.1.weight"]
+    assert sorted(p.full for p in mon.session.context.params) == ["layers.1.bias", "layers.1.weight"]
     mon.close()
 
 
@@ -249,7 +249,7 @@ def test_a_selector_mismatch_at_the_first_forward_closes_the_monitor(tmp_path, o
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     with pytest.raises(ConfigError):
         loss_of(model, 0)
-    assert mon._closed and mon.output.writer.closed
+    assert mon.closed and mon.session.output.writer.closed
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())

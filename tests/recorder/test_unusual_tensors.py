@@ -232,7 +232,7 @@ def test_negative_views_are_recorded_with_their_own_values(tmp_path, out, kernel
     mon = TrainerMon(write_config(tmp_path, cfg), params_have_main_grad=False, live_export=False)
     mon.monitor_gnorm_with_ad(model, optimizer=opt)
     if kernel == "torch":
-        mon.context.engine.fused = False
+        mon.session.context.engine.fused = False
     seen = {}
     model.conj_imag.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o.detach().clone()))
     model(torch.randn(70, 64)).backward()
