@@ -6,7 +6,7 @@ growing, torn tail or not: it only ever sees complete events) and collects
 
 * the :class:`AnomalyDetected` events the recorder wrote (``recorded``), and
 * with rules, the anomalies those rules find in the :class:`TensorStatsRecorded` records
-  (``detected``), with the same :class:`~trainrec.schema.rules.Detector` the recorder runs, so the
+  (``detected``), with the same :class:`~trainrec.schema.detector.Detector` the recorder runs, so the
   rule and its threshold can be changed after the fact without rerunning training.
 
 :func:`parse_reference_json` reads the reference's per-rank anomaly JSON into the same events
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from trainrec.replay.names import NameResolver
 from trainrec.replay.stats_columns import StatsColumns
+from trainrec.schema.detector import REFERENCE_FIELDS, Detector, reference_entry
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import (
     SLOTS,
@@ -38,7 +39,7 @@ from trainrec.schema.events import (
     StepEnded,
     TensorStatsRecorded,
 )
-from trainrec.schema.rules import REFERENCE_FIELDS, Detector, Rule, reference_entry
+from trainrec.schema.rules import Rule
 
 from .ranking import PHASE_NAMES, kind_of, kind_of_tag, phase_of
 

@@ -5,7 +5,7 @@
 It answers exactly as :class:`AnomalyScan` fed the same events: the same anomalies, in an order whose
 ranking is the same (within a rank, the order of the rank's records, then rule, row and op; ranks are
 never tied in :func:`~trainrec.analyzers.ranking.execution_key`). A (rank, kind) whose records do not all
-carry the same ops goes through the record-time :class:`~trainrec.schema.rules.Detector` instead.
+carry the same ops goes through the record-time :class:`~trainrec.schema.detector.Detector` instead.
 
 :class:`ScanPart` is what a scan of some ranks hands back across a process (or a cluster) boundary, and
 :func:`merge_parts` puts the parts of a partitioned scan together.
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from trainrec.replay.stats_columns import StatsColumns
+from trainrec.schema.detector import Detector, anomaly_message
 from trainrec.schema.events import SLOTS, AnomalyDetected, TensorStatsRecorded
 from trainrec.schema.naming import reference_tag
-from trainrec.schema.rules import Detector, Rule, anomaly_message
+from trainrec.schema.rules import Rule
 
 from .anomalies import _DTYPES, AnomalyScan
 from .series_block import Carry, SeriesBlock, nonzero

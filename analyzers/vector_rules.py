@@ -1,6 +1,6 @@
 """The anomaly rules of :mod:`trainrec.schema.rules`, run over whole series at once.
 
-The record-time :class:`~trainrec.schema.rules.Detector` judges one record at a time against per-series
+The record-time :class:`~trainrec.schema.detector.Detector` judges one record at a time against per-series
 ring buffers. Re-detection has every record of a (rank, kind) at hand, so here the same rules run over a
 block ``X`` of shape ``(records, series, ops)``: the window of each observation (the last ``window``
 finite values of its series before it) is found with rolling reductions over a compacted copy of the
@@ -15,7 +15,8 @@ record): like the Detector's skipped rows, they are neither judged nor enter the
 from __future__ import annotations
 
 import numpy as np
-from trainrec.schema.rules import AnomalyTurbulence, NaNInf, Rule, ZScore, median_sorted, op_floors
+from trainrec.schema.rule_state import median_sorted, op_floors
+from trainrec.schema.rules import AnomalyTurbulence, NaNInf, Rule, ZScore
 
 from .series_block import SeriesBlock, nonzero, rolling, window_rows
 

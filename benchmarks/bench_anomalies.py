@@ -129,7 +129,7 @@ def write_csv(csv_dir: str, kind: str, step: int, names, slots, vals) -> None:
 def redetect_from_csv(csv_dir: str, rules) -> int:
     """pandas.read_csv of every file, in step order, fed to the same Detector."""
     import pandas as pd
-    from trainrec.schema.rules import Detector
+    from trainrec.schema.detector import Detector
 
     det = Detector(rules)
     pat = re.compile(r"^(.*)_(\d+)-\d+\.csv$")

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 from trainrec.schema import layout
+from trainrec.schema.detector import Detector, reference_entry
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.rule_config import rules_from_config, validate_alert_config
-from trainrec.schema.rules import Detector, reference_entry
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ import math
 import pytest
 from trainrec.analyzers.anomalies import anomaly_records, parse_reference_json, reference_json
 from trainrec.analyzers.ranking import execution_key, kind_of_tag, rank_anomalies
+from trainrec.schema.detector import anomaly_message
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.naming import reference_tag
-from trainrec.schema.rules import anomaly_message
 
 
 def anomaly(label, *, step, kind, micro=0, pp=0, vpp=0, call=-1, rank=0, name="m", slot="output", op="norm"):

@@ -7,17 +7,11 @@ import math
 
 import numpy as np
 import pytest
+from trainrec.schema.detector import Detector, anomaly_message, reference_entry
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import AnomalyDetected
 from trainrec.schema.rule_config import make_rule, rules_from_config, validate_alert_config
-from trainrec.schema.rules import (
-    AnomalyTurbulence,
-    Detector,
-    NaNInf,
-    ZScore,
-    anomaly_message,
-    reference_entry,
-)
+from trainrec.schema.rules import AnomalyTurbulence, NaNInf, ZScore
 
 NAN = float("nan")
 INF = float("inf")

@@ -15,8 +15,8 @@ from trainrec.analyzers.series_block import SeriesBlock
 from trainrec.analyzers.vector_rules import block_flags
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay.run import open_run
+from trainrec.schema.detector import Detector
 from trainrec.schema.rule_config import make_rule
-from trainrec.schema.rules import Detector
 from trainrec.tools.anomaly_parts import scan_parts
 from varied_logs import write_varied_run
 
