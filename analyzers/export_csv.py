@@ -35,17 +35,9 @@ from typing import Protocol
 
 import numpy as np
 from trainrec.analyzers.csv_format import prefix_block, render_frames, round_like_reference
-from trainrec.analyzers.projection import (
-    KindFrame,
-    Note,
-    Projector,
-    Rewind,
-    RowLayout,
-    SeenSteps,
-    StepAssembler,
-    StepSet,
-    reference_rows,
-)
+from trainrec.analyzers.frames import KindFrame, Note, Rewind, RowLayout, reference_rows
+from trainrec.analyzers.projection import Projector, StepAssembler
+from trainrec.analyzers.selection import SeenSteps, StepSet
 from trainrec.schema.events import CSV_FILE_PREFIX, SLOT_INPUT, SLOT_INPUT_GRAD, Event
 
 log = logging.getLogger(__name__)

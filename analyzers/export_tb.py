@@ -22,16 +22,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from trainrec.analyzers.projection import (
-    KindFrame,
-    Note,
-    Projector,
-    Rewind,
-    SeenSteps,
-    StepAssembler,
-    StepSet,
-    reference_rows,
-)
+from trainrec.analyzers.frames import KindFrame, Note, Rewind, reference_rows
+from trainrec.analyzers.projection import Projector, StepAssembler
+from trainrec.analyzers.selection import SeenSteps, StepSet
 from trainrec.analyzers.tb_encode import ScalarTemplate, event_bytes, text_summary
 from trainrec.schema.events import Event
 from trainrec.schema.naming import reference_tag

@@ -24,19 +24,14 @@ built once and cached by the bytes of their columns; consumers cache their own d
 
 from __future__ import annotations
 
-import bisect
 import logging
-import re
-from array import array
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from trainrec.replay.names import NameResolver
 from trainrec.schema.events import (
-    CSV_FILE_PREFIX,
     KINDS,
-    SLOTS,
     AnomalyDetected,
     ConfigApplied,
     ConfigRejected,
@@ -49,187 +44,16 @@ from trainrec.schema.events import (
     TensorStatsRecorded,
 )
 
+from .frames import Item, KindFrame, Note, Rewind, RowLayout, merge_layouts, unique_last
+from .selection import StepSet
+
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "KindFrame",
-    "Note",
-    "Projector",
-    "Rewind",
-    "RowLayout",
-    "SeenSteps",
-    "StepAssembler",
-    "StepSet",
-    "parse_kinds",
-    "parse_steps",
-]
+__all__ = ["Projector", "StepAssembler"]
 
 _LAYOUT_CACHE_MAX = 256
 
 
-# ---------------------------------------------------------------------------------------- selection
-class StepSet:
-    """A set of steps given as ranges, e.g. ``"10-20,30"`` (both ends inclusive; ``"5-"`` open)."""
-
-    def __init__(self, ranges: Iterable[tuple[int, int | None]]) -> None:
-        self.ranges = tuple(ranges)
-
-    def __contains__(self, step: object) -> bool:
-        if not isinstance(step, int):
-            return False
-        return any(lo <= step and (hi is None or step <= hi) for lo, hi in self.ranges)
-
-    def __repr__(self) -> str:
-        return f"StepSet({self.text()!r})"
-
-    def text(self) -> str:
-        return ",".join(f"{lo}" if lo == hi else f"{lo}-{'' if hi is None else hi}" for lo, hi in self.ranges)
-
-
-class SeenSteps:
-    """The steps an export wrote, in 8 bytes each (a live export runs as long as training does).
-
-    Steps come in increasing order but for a resume's rewind (:meth:`drop_from`), which supersedes
-    the steps from one on; an older step added again (an offline export of several files) is inserted
-    in order. Iterates in step order."""
-
-    __slots__ = ("_steps",)
-
-    def __init__(self) -> None:
-        self._steps = array("q")
-
-    def add(self, step: int) -> None:
-        a = self._steps
-        if not a or step > a[-1]:
-            a.append(step)
-            return
-        i = bisect.bisect_left(a, step)
-        if a[i] != step:
-            a.insert(i, step)
-
-    def drop_from(self, step: int) -> None:
-        """Forget the steps >= ``step``."""
-        del self._steps[bisect.bisect_left(self._steps, step) :]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._steps)
-
-    def __len__(self) -> int:
-        return len(self._steps)
-
-    def __repr__(self) -> str:
-        return f"SeenSteps({list(self._steps)!r})"
-
-
-_RANGE_RE = re.compile(r"^\s*(\d+)\s*(?:([-:])\s*(\d*)\s*)?$")
-
-
-def parse_steps(text: str, what: str = "step") -> StepSet:
-    """Parse ``"10-20,30,40-"`` (``10:20`` is ``10-20``); raises ValueError saying which part is wrong."""
-    ranges: list[tuple[int, int | None]] = []
-    for part in str(text).split(","):
-        m = _RANGE_RE.match(part)
-        if not m:
-            raise ValueError(f"bad {what} range {part.strip()!r} in {text!r} (expected e.g. '10-20,30')")
-        lo = int(m.group(1))
-        hi: int | None = lo if not m.group(2) else (int(m.group(3)) if m.group(3) else None)
-        if hi is not None and hi < lo:
-            raise ValueError(f"bad {what} range {part.strip()!r}: end before start")
-        ranges.append((lo, hi))
-    return StepSet(ranges)
-
-
-def parse_kinds(values: Iterable[str] | str | None, valid: Iterable[str] = KINDS) -> tuple[str, ...]:
-    """Data types from ``"actv,param"`` (or a list of such strings), in the order given; all when None.
-
-    Raises ValueError naming the unknown type and listing the valid ones.
-    """
-    valid = tuple(valid)
-    if values is None:
-        return valid
-    if isinstance(values, str):
-        values = [values]
-    out: list[str] = []
-    for v in values:
-        for k in str(v).split(","):
-            k = k.strip()
-            if not k:
-                continue
-            if k not in valid:
-                # the reference's CSV file prefix of a type ("other" is mg_direction) names it too
-                k = next((kind for kind, prefix in CSV_FILE_PREFIX.items() if prefix == k and kind in valid), k)
-            if k not in valid:
-                aliases = "".join(f" ({p} for {kind})" for kind, p in CSV_FILE_PREFIX.items() if kind in valid)
-                raise ValueError(f"unknown data type {k!r}; valid types: {', '.join(valid)}{aliases}")
-            if k not in out:
-                out.append(k)
-    if not out:
-        raise ValueError(f"no data type given; valid types: {', '.join(valid)}")
-    return tuple(out)
-
-
-# ---------------------------------------------------------------------------------------- items
-@dataclass(eq=False)
-class RowLayout:
-    """The identity columns of a frame's rows, shared by every frame with the same layout."""
-
-    kind: str
-    ops: tuple[str, ...]
-    names: list[str]
-    vpps: np.ndarray  # int64 per row
-    micros: np.ndarray  # int64 per row
-    slots: np.ndarray  # int64 per row (index into SLOTS)
-    cache: dict = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def slot_name(self, i: int) -> str:
-        s = int(self.slots[i])
-        return SLOTS[s] if 0 <= s < len(SLOTS) else f"slot{s}"
-
-
-@dataclass(eq=False)
-class KindFrame:
-    """Every row of one kind at one step: ``values`` is ``len(layout) x len(layout.ops)``."""
-
-    rank: int
-    kind: str
-    step: int
-    wall: float
-    layout: RowLayout
-    values: np.ndarray  # float32 or float64, C-contiguous
-
-    @property
-    def ops(self) -> tuple[str, ...]:
-        return self.layout.ops
-
-
-@dataclass(frozen=True)
-class Note:
-    """A text worth showing next to the scalars: an anomaly (``topic="anomalies"``) or a config switch."""
-
-    rank: int
-    step: int
-    wall: float
-    topic: str
-    text: str
-    kind: str = ""
-
-
-@dataclass(frozen=True)
-class Rewind:
-    """Training resumed at ``step``: anything exported for steps >= ``step`` is superseded."""
-
-    rank: int
-    step: int
-    wall: float
-
-
-Item = KindFrame | Note | Rewind
-
-
-# ---------------------------------------------------------------------------------------- assembler
 @dataclass
 class _Pending:
     rank: int
@@ -422,7 +246,7 @@ class StepAssembler:
                 micros=np.frombuffer(ev.micro_steps, dtype="<u2").astype(np.int64) if ev.micro_steps else np.zeros(n, np.int64),
                 slots=np.frombuffer(ev.slots, dtype=np.uint8).astype(np.int64) if ev.slots else np.zeros(n, np.int64),
             )
-            uniq = _unique_last(lay)
+            uniq = unique_last(lay)
             lay.cache["_unique"] = uniq  # None when every row is distinct
             self._layouts[key] = lay
         return lay
@@ -436,7 +260,7 @@ class StepAssembler:
         mkey = tuple((id(lay), lay.ops) for lay, _ in parts)
         merged = self._merged.get(mkey)
         if merged is None:
-            merged = _merge_layouts(kind, [lay for lay, _ in parts])
+            merged = merge_layouts(kind, [lay for lay, _ in parts])
             self._merged[mkey] = merged
         lay, col_maps, take = merged
         dtype = np.float32 if all(v.dtype == np.float32 for _, v in parts) else np.float64
@@ -447,71 +271,6 @@ class StepAssembler:
             r += len(v)
         values = full if take is None else np.ascontiguousarray(full[take])
         return KindFrame(pend.rank, kind, pend.step, pend.wall, lay, values)
-
-
-def _unique_last(lay: RowLayout) -> np.ndarray | None:
-    """Row indices keeping the last occurrence of each row key, in first-appearance order; None if all unique."""
-    keys = list(zip(lay.vpps.tolist(), lay.names, lay.micros.tolist(), lay.slots.tolist(), strict=True))
-    if len(set(keys)) == len(keys):
-        return None
-    last: dict = {}
-    order: list = []
-    for i, k in enumerate(keys):
-        if k not in last:
-            order.append(k)
-        last[k] = i
-    return np.array([last[k] for k in order], dtype=np.int64)
-
-
-def reference_rows(lay: RowLayout) -> np.ndarray | None:
-    """Rows of a frame the reference's files hold, where they are fewer than the log's: ``grad_unreduced``
-    has one row per micro step in the log, and the reference one per step and parameter, the gradient
-    accumulated at the last micro step (its ``acc_grad``: the file has no micro-step column). The indices
-    of each (vpp stage, name)'s row of the highest micro step, in the log's order; None where every row
-    is kept. They come in the order parameters first got a gradient in the step (the reference's: its
-    table of them is filled as gradients first arrive), not in the last micro step's (a parameter used
-    in a later micro step only comes after the others). Cached on the layout."""
-    if lay.kind != "grad_unreduced" or not len(lay) or not lay.micros.any():
-        return None
-    got = lay.cache.get("reference_rows", False)
-    if got is not False:
-        return got
-    best: dict = {}
-    for i, (v, n, m) in enumerate(zip(lay.vpps.tolist(), lay.names, lay.micros.tolist(), strict=True)):
-        j = best.get((v, n))
-        if j is None or m >= int(lay.micros[j]):
-            best[(v, n)] = i
-    rows = np.array(list(best.values()), dtype=np.int64)  # in first-appearance order of (vpp, name)
-    lay.cache["reference_rows"] = rows if len(rows) < len(lay) else None
-    return lay.cache["reference_rows"]
-
-
-def _merge_layouts(kind: str, lays: list[RowLayout]) -> tuple[RowLayout, list[list[int]], np.ndarray | None]:
-    ops: list[str] = []
-    for lay in lays:
-        for o in lay.ops:
-            if o not in ops:
-                ops.append(o)
-    col_maps = [[ops.index(o) for o in lay.ops] for lay in lays]
-    merged = RowLayout(
-        kind=kind,
-        ops=tuple(ops),
-        names=[n for lay in lays for n in lay.names],
-        vpps=np.concatenate([lay.vpps for lay in lays]),
-        micros=np.concatenate([lay.micros for lay in lays]),
-        slots=np.concatenate([lay.slots for lay in lays]),
-    )
-    take = _unique_last(merged)
-    if take is not None:
-        merged = RowLayout(
-            kind=kind,
-            ops=merged.ops,
-            names=[merged.names[i] for i in take.tolist()],
-            vpps=merged.vpps[take],
-            micros=merged.micros[take],
-            slots=merged.slots[take],
-        )
-    return merged, col_maps, take
 
 
 class Projector:

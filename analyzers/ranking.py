@@ -107,7 +107,7 @@ def rank_anomalies(
     anomalies: Iterable[AnomalyDetected], k: int | None = None, steps: Container[int] | None = None
 ) -> list[AnomalyDetected]:
     """The first ``k`` anomalies (all when None) in execution order, of ``steps`` only when given
-    (any container: a list, a set, a :class:`~trainrec.analyzers.projection.StepSet`)."""
+    (any container: a list, a set, a :class:`~trainrec.analyzers.selection.StepSet`)."""
     if steps is not None:
         anomalies = (a for a in anomalies if a.step in steps)
     if k is None:

@@ -70,7 +70,7 @@ class WideStats:
                  dtype=np.float32) -> None:
         self.kinds = None if kinds is None else set(kinds)
         self.dtype = np.dtype(dtype)  # of the value columns: float32 as recorded, or float64
-        self.steps = steps  # a container of steps (analyzers.projection.StepSet) or None for all
+        self.steps = steps  # a container of steps (analyzers.selection.StepSet) or None for all
         self.batch_rows = batch_rows
         self._resolver = NameResolver()
         self._codes = _Codes()

@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
-from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
 from trainrec.analyzers.ranking import PHASE_NAMES, phase_of, rank_anomalies
+from trainrec.analyzers.selection import StepSet, parse_kinds, parse_steps
 from trainrec.replay.discover import format_ranks
 from trainrec.replay.run import Run
 from trainrec.schema import layout

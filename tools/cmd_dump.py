@@ -29,7 +29,7 @@ import os
 import sys
 import time
 
-from trainrec.analyzers.projection import parse_kinds, parse_steps
+from trainrec.analyzers.selection import parse_kinds, parse_steps
 from trainrec.replay.follow import RunFollower
 from trainrec.replay.names import NameResolver
 from trainrec.replay.run import resolve_types

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
+from trainrec.analyzers.selection import StepSet, parse_kinds, parse_steps
 from trainrec.replay.discover import format_ranks, list_runs, stamp_key_or_none
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run, open_run

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from trainrec.analyzers.export_csv import CsvProjector, ops_from_header
 from trainrec.analyzers.export_tb import TbProjector
-from trainrec.analyzers.projection import StepSet
+from trainrec.analyzers.selection import StepSet
 from trainrec.analyzers.tb_encode import FILE_VERSION, event_bytes
 from trainrec.replay.discover import RunInfo
 from trainrec.replay.follow import writer_running

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainrec.analyzers.projection import StepSet
+from trainrec.analyzers.selection import StepSet
 from trainrec.replay.run import Run, open_run
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from export_logs import MODULES, PARAMS, rank_dir, stats_record, write_rank_log
 from trainrec.analyzers.export_csv import CsvProjector, csv_header, export_csv, format_rows, window_of
-from trainrec.analyzers.projection import parse_steps
+from trainrec.analyzers.selection import parse_steps
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay.reader import LogReader
 from trainrec.schema.events import OPS, StepEnded
@@ -206,7 +206,7 @@ def test_bad_options():
     with pytest.raises(ValueError, match="ndigits"):
         CsvProjector(None, ndigits=-1)
     with pytest.raises(ValueError, match="unknown data type 'bogus'; valid types: actv"):
-        from trainrec.analyzers.projection import parse_kinds
+        from trainrec.analyzers.selection import parse_kinds
 
         parse_kinds("param,bogus")
     with pytest.raises(ValueError, match="bad step range"):
@@ -342,7 +342,7 @@ def test_dir_sink_rewind_trims_and_removes_window_files_per_kind(tmp_path):
 
 
 def test_the_reference_csv_prefix_other_names_mg_direction():
-    from trainrec.analyzers.projection import parse_kinds
+    from trainrec.analyzers.selection import parse_kinds
 
     assert parse_kinds("param,other") == ("param", "mg_direction")
     assert parse_kinds(["other", "mg_direction"]) == ("mg_direction",)
