@@ -6,7 +6,8 @@
 * :mod:`.rows`: the flat, numpy/pandas-friendly view of statistics.
 * :mod:`.follow`: a live tail of a run that is still being written.
 * :mod:`.names`: resolving interned name ids.
-* :mod:`.summary`: per-rank summaries and integrity findings (``trainrec inspect`` / ``check``).
+* :mod:`.summary`: per-rank and per-file summaries of a run (``trainrec inspect``).
+* :mod:`.integrity`: what is wrong with a run's files, from its summary (``trainrec check``).
 * :mod:`.stepindex`: reading only some steps of a log through its step index (``--steps``).
 * :mod:`.stats_columns`: stats records decoded straight into columns (``columnar=True``).
 * :mod:`.step_records`: step records decoded without the codec's generic walk (the same events).
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 from .discover import RunInfo, list_runs
 from .follow import RunFollower, follow
+from .integrity import Finding, findings
 from .names import NameResolver
 from .reader import LogReader, Problem, SeqGap, read_head, read_log
 from .rows import execution_order, rows_from_events, value_matrix
 from .run import Run, open_run, resolve_types
 from .stats_columns import StatsColumns
 from .stepindex import FileIndex, load_index, read_steps
-from .summary import Finding, RunSummary, findings, summarize
+from .summary import RunSummary, summarize
 
 __all__ = [
     "FileIndex",

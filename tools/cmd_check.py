@@ -26,8 +26,9 @@ import sys
 
 import orjson
 from trainrec.replay.discover import list_runs
+from trainrec.replay.integrity import findings
 from trainrec.replay.run import Run, open_run
-from trainrec.replay.summary import RunSummary, findings
+from trainrec.replay.summary import RunSummary
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError
 

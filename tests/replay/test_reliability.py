@@ -191,7 +191,8 @@ def test_a_pid_reused_by_another_process_is_not_the_writer(tmp_path, stand_in):
     moved = read_log(path)[0].header
     assert moved.pid == stand_in.pid and moved.proc_start == header.proc_start
     assert procid.pid_running(stand_in.pid) and not writer_running(moved) and writer_gone(moved)
-    from trainrec.replay.summary import findings, summarize
+    from trainrec.replay.integrity import findings
+    from trainrec.replay.summary import summarize
 
     (unclosed,) = findings(summarize(open_run(path)))
     assert f"its writer, pid {stand_in.pid}, is gone" in unclosed.what
@@ -303,8 +304,9 @@ def tiny_frames(count: int) -> bytes:
 
 
 def test_countless_damaged_frames_are_counted_not_listed(tmp_path):
+    from trainrec.replay.integrity import findings
     from trainrec.replay.reader import MAX_LISTED
-    from trainrec.replay.summary import findings, summarize
+    from trainrec.replay.summary import summarize
 
     path = str(tmp_path / "trainrec-00000.trl")
     n = 3 * MAX_LISTED
