@@ -27,6 +27,8 @@ EXPECTED = sorted(glob.glob(os.path.join(GOLDEN, "v*", "*.json")))
 
 
 def _load_maker():
+    if GOLDEN not in sys.path:  # the script's scenario modules beside it, as when it runs as a script
+        sys.path.insert(0, GOLDEN)
     spec = importlib.util.spec_from_file_location("make_golden", os.path.join(GOLDEN, "make_golden.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules["make_golden"] = mod  # dataclasses look their module up while the class is built
