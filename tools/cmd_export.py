@@ -42,8 +42,8 @@ from trainrec.schema import layout
 from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
 from trainrec.schema.events import KINDS, ConfigApplied, StepEnded, TensorStatsRecorded
 
-from .export_files import ExportTask, TaskResult, pool_context, run_task
-from .partition import ENGINES, check_engine, positive_int, run_parts
+from .export_task import ExportTask, TaskResult, run_task
+from .partition import ENGINES, check_engine, pool_context, positive_int, run_parts
 from .progress import Progress
 from .runarg import add_run_arguments, check_steps, note_incomplete
 
