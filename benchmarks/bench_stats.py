@@ -47,7 +47,7 @@ def main() -> int:
     args = p.parse_args()
 
     from bench_recorder import build_model
-    from trainrec.recorder import fused, optim
+    from trainrec.recorder import adam_update, fused, optim
     from trainrec.recorder.stats import StatsEngine
 
     if not fused.AVAILABLE:
@@ -83,10 +83,10 @@ def main() -> int:
     def torch_adam():
         torch_eng.compute([e[1] for e in entries])
         torch_eng.compute([e[2] for e in entries])
-        optim.update_and_ratio(entries, torch_eng.compute, True, True)
+        adam_update.update_and_ratio(entries, torch_eng.compute, True, True)
 
     def fused_adam():
-        optim.fused_adam_rows(entries, OPS, 1e-8, True, True)
+        adam_update.fused_adam_rows(entries, OPS, 1e-8, True, True)
 
     def actv_pairs(eng):
         def run():

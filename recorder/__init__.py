@@ -27,7 +27,8 @@ from .config import MonitorConfig, load_config, parse_config
 from .monitor import TrainerMon
 from .native import DEFAULT_CONFIG, Recorder, record
 from .stats import StatsEngine
-from .writer import LogWriter, install_sigterm_handler
+from .writer import LogWriter
+from .writer_exit import install_sigterm_handler
 
 __all__ = [
     "DEFAULT_CONFIG",

@@ -53,7 +53,8 @@ from typing import Any
 from trainrec.schema.errors import ConfigError
 from trainrec.schema.events import ConfigChanged, ConfigRejected, Event
 
-from .dynfile import INVALID, MISSING, UNREADABLE, ConfigFileLoader, FileState, content_hash, filesystem_type
+from .dynfile import ConfigFileLoader, filesystem_type
+from .dynfile_state import INVALID, MISSING, UNREADABLE, FileState, content_hash
 from .dynsync import StepAgreement, resolve_group
 from .jsonedit import set_top_level
 

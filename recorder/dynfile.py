@@ -4,7 +4,7 @@ The observer thread only wakes the loader (events on other files of the director
 own reads never produce events, as open/close-without-write events are filtered out). The loader
 thread waits until the file is quiet for ``settle`` seconds (an editor's several writes become one
 read), reads it stably (stat, read, stat must agree), parses and validates it, and publishes an
-immutable :class:`FileState` through the ``publish`` callback when it is a new state. A file that
+immutable :class:`.dynfile_state.FileState` through the ``publish`` callback when it is a new state. A file that
 does not parse gets ``invalid_grace`` more seconds to be completed before it is published.
 
 When watchdog cannot observe (inotify unavailable or exhausted, the directory missing, a network
@@ -21,60 +21,30 @@ waits on the filesystem.
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from trainrec.schema.errors import ConfigError
-
 from .config import read_regular_file
+from .dynfile_state import (
+    INVALID,
+    MISSING,
+    MISSING_ID,
+    UNREADABLE,
+    FileState,
+    content_hash,
+    parse_state,
+    state_identity,
+)
 from .jsonedit import atomic_write
 
 log = logging.getLogger(__name__)
 
-VALID = "valid"
-INVALID = "invalid"
-MISSING = "missing"
-UNREADABLE = "unreadable"
-
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb", "smb3", "smbfs", "lustre", "gpfs", "ceph", "9p", "afs", "beegfs")
 REARM_BACKOFF = 30.0  # seconds between two attempts to watch with watchdog again after a failure
-_MASK = (1 << 62) - 1
-_MISSING_ID = 1
-
-
-@dataclass(frozen=True)
-class FileState:
-    """One state of the config file as read by the loader thread (immutable: handed across threads).
-
-    ``identity`` (62-bit, never 0) is the same on every host for the same content and mtime.
-    """
-
-    kind: str
-    identity: int
-    content_hash: str = ""
-    text: str | None = None
-    raw: dict | None = None
-    config: Any = None
-    switch: bool = False
-    message: str = ""
-    key: str | None = None
-
-
-def content_hash(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-def _identity(data: bytes, mtime_ns: int) -> int:
-    h = hashlib.blake2b(data, digest_size=8)
-    h.update(mtime_ns.to_bytes(16, "little", signed=True))
-    return (int.from_bytes(h.digest(), "little") & _MASK) | 2  # never 0 (unset) or 1 (missing)
 
 
 def filesystem_type(path: str) -> str:
@@ -379,75 +349,22 @@ class ConfigFileLoader:
             except FileNotFoundError:
                 self._last_sig = None
                 where = "it was deleted" if os.path.isdir(self._dir) else "its directory does not exist"
-                return FileState(MISSING, _MISSING_ID, message=f"config file {path} does not exist ({where})")
+                return FileState(MISSING, MISSING_ID, message=f"config file {path} does not exist ({where})")
             except IsADirectoryError:
                 self._last_sig = None
-                return FileState(MISSING, _MISSING_ID, message=f"config file {path} is a directory")
+                return FileState(MISSING, MISSING_ID, message=f"config file {path} is a directory")
             except OSError as exc:
                 self._last_sig = None
                 reason = exc.strerror or repr(exc)
-                ident = _identity(reason.encode(), -1)
+                ident = state_identity(reason.encode(), -1)
                 return FileState(UNREADABLE, ident, message=f"cannot read config file {path}: {reason}")
             if _stat_sig(st1) == _stat_sig(st2) and len(data) == st2.st_size:
                 self._last_sig = _stat_sig(st2)
-                return self._parse(data, st2.st_mtime_ns)
+                return parse_state(path, data, st2.st_mtime_ns, self._validate)
             if self._stop.wait(self._settle):
                 return None
         self._last_sig = None  # still changing: the next event or stat check reads it again
         return None
-
-    def _parse(self, data: bytes, mtime_ns: int) -> FileState:
-        path = self.path
-        ident = _identity(data, mtime_ns)
-        chash = content_hash(data)
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return FileState(INVALID, ident, chash, message=f"{path}: not UTF-8 text (byte {exc.start})")
-        if not text.lstrip("\ufeff").strip():
-            # truncated by an editor or a script still writing it (or left so): say that, not a JSON position
-            return FileState(INVALID, ident, chash, text, message=f"{path}: the file is empty")
-        try:
-            raw = json.loads(text[1:] if text.startswith("\ufeff") else text)
-        except json.JSONDecodeError as exc:
-            return FileState(
-                INVALID,
-                ident,
-                chash,
-                text,
-                message=f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
-            )
-        except RecursionError:
-            return FileState(INVALID, ident, chash, text, message=f"{path}: JSON nested too deeply")
-        if not isinstance(raw, dict):
-            return FileState(
-                INVALID,
-                ident,
-                chash,
-                text,
-                message=f"{path}: expected a JSON object, got {type(raw).__name__}",
-            )
-        switch = raw.get("switch", False)
-        if not isinstance(switch, bool):
-            return FileState(
-                INVALID,
-                ident,
-                chash,
-                text,
-                raw,
-                message=f"{path}: config key 'switch': expected true or false, got {switch!r}",
-                key="switch",
-            )
-        try:
-            config = self._validate(raw)
-        except ConfigError as exc:
-            message = str(exc) if exc.source else f"{path}: {exc}"
-            return FileState(INVALID, ident, chash, text, raw, message=message, key=exc.key or "")
-        except Exception as exc:  # noqa: BLE001 - a validator bug must not reach the training loop
-            return FileState(
-                INVALID, ident, chash, text, raw, message=f"{path}: validating failed: {exc!r}", key=""
-            )
-        return FileState(VALID, ident, chash, text, raw, config, switch)
 
     def _write_back(self, applied_hash: str, data: bytes) -> None:
         """Loader thread: write ``"switch": false`` back if the file still holds what was applied."""

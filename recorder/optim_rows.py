@@ -8,11 +8,11 @@ import logging
 import torch
 from trainrec.schema.events import KIND_EXP_AVG, KIND_EXP_AVG_SQ, KIND_MG_DIRECTION, KIND_RATIO, KIND_UPDATE
 
+from .adam_update import device_update_and_ratio, fused_adam_rows, update_and_ratio
 from .binding import OptimizerBinding
 from .context import RecordingContext
 from .dedup import GradOwnership
 from .fused import local_tensor
-from .optim import device_update_and_ratio, fused_adam_rows, update_and_ratio
 from .step_rows import StepRows
 from .step_state import StepState
 from .step_stats import gather_device, to_device

@@ -19,7 +19,8 @@ from trainrec.schema.errors import WriterError
 
 from . import runinfo
 from .config import MonitorConfig
-from .writer import LogWriter, install_sigterm_handler
+from .writer import LogWriter
+from .writer_exit import install_sigterm_handler
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()

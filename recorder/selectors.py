@@ -10,7 +10,7 @@ import torch
 from trainrec.schema.errors import ConfigError
 
 from .compile_mode import eager
-from .config import Selector
+from .config_sections import Selector
 
 if TYPE_CHECKING:
     from .hooks import ModuleTarget

@@ -44,7 +44,7 @@ from .step_output import StepOutput, spill_loop
 from .step_state import StepState
 from .step_stats import StepStats
 from .steps import StepTracker, weak_call
-from .writer import before_sigterm_close
+from .writer_exit import before_sigterm_close
 
 # (the monitor's logger: its warnings were given there before the core moved out of TrainerMon)
 log = logging.getLogger("trainrec.recorder.monitor")

@@ -3,9 +3,9 @@
 Modelled on TensorBoard's ``EventFileWriter``. The training thread hands over immutable events (or a
 zero-argument callable that builds them later, on the worker, e.g. after a device-to-host copy has
 completed) and returns at once; handing over costs a queue put (well under a microsecond). One worker
-thread encodes, frames and writes: woken by the first item handed over, it lets ``flush_interval``
-pass (a flush, a close or a half-full queue end the wait) and then takes everything queued in one go,
-so a training step's few items cost it one wake-up, not one each.
+thread (:class:`~.writer_worker.WriterWorker`) encodes, frames and writes: woken by the first item
+handed over, it lets ``flush_interval`` pass (a flush, a close or a half-full queue end the wait) and
+then takes everything queued in one go, so a training step's few items cost it one wake-up, not one each.
 
 Guarantees:
 
@@ -18,7 +18,7 @@ Guarantees:
   step's records are on the OS before the next step begins (see docs/reliability.md for the cost).
 * :meth:`LogWriter.close` writes a :class:`FileClosed` record, drains and closes the file. It
   is idempotent, runs at interpreter exit for every writer still open, and on SIGTERM once
-  :func:`install_sigterm_handler` was called.
+  :func:`~.writer_exit.install_sigterm_handler` was called.
 * A worker failure (disk full, file too large, the log file removed or replaced) is raised as
   :class:`WriterError` on the caller's next call (``write``, ``intern``, ``flush``, ``close``); the
   worker keeps draining the queue and discards what it takes, so no producer is ever left blocked.
@@ -51,41 +51,20 @@ from collections.abc import Callable, Iterable
 
 from trainrec.schema import codec, framing
 from trainrec.schema.errors import WriterError
-from trainrec.schema.events import (
-    Event,
-    FileClosed,
-    HookFailed,
-    RecordsDropped,
-    StepEnded,
-    WriterFailed,
-)
+from trainrec.schema.events import Event, StepEnded
 
-from . import failnote, writer_exit
-from .log_file import close_quietly, create_log_file, file_identity, write_all, writev_all
-from .log_header import __version__, file_header  # noqa: F401 - __version__ re-exported
-from .step_index import StepIndexBuilder
-from .writer_exit import before_sigterm_close, install_sigterm_handler  # noqa: F401 - re-exported
+from . import writer_exit
+from .log_file import close_quietly, create_log_file, file_identity, write_all
+from .log_header import file_header
 from .writer_names import FileNameIds
+from .writer_worker import Control, WriterWorker
 
 log = logging.getLogger(__name__)
 
-_BUFFER_BYTES = 1 << 20  # write out at once when this much is buffered
-_MAX_ERROR_LOGS = 5  # per writer: encode/callable failures logged at error level
-_FAILURE_RETRY_S = 2.0  # after a write failure: how often the worker tries again to leave its note
 DURABILITY_ENV = "TRAINREC_DURABILITY"
 DURABILITIES = ("interval", "step")
 
 Item = Event | Callable[[], Iterable[Event]]
-
-
-class _Control:
-    """A flush or stop marker travelling through the queue."""
-
-    __slots__ = ("kind", "arg")
-
-    def __init__(self, kind: str, arg: object) -> None:
-        self.kind = kind
-        self.arg = arg
 
 
 class LogWriter:
@@ -133,8 +112,6 @@ class LogWriter:
             self.path, self._file, index = create_log_file(rank_dir)
         except OSError as exc:
             raise WriterError(f"{rank_dir}: cannot create a log file: {exc}") from exc
-        self._flush_interval = float(flush_interval)
-        self._fsync = fsync
         self._drop = on_full == "drop"
         self._maxsize = queue_size
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -147,11 +124,10 @@ class LogWriter:
         self._stop_sent = False
         self._close_once = _thread.allocate_lock()  # acquired once, never released: first close wins
         self._drop_lock = _thread.allocate_lock()
-        self._dropped_total = 0
         # (name tables wrapped: the worker lists them in the step index without a look at every record;
         # the closure holds the queue, not the writer: no reference cycle)
         q = self._queue
-        self._name_ids = FileNameIds(rank, repeat_names, lambda table: q.put(_Control("names", table)))
+        self._name_ids = FileNameIds(rank, repeat_names, lambda table: q.put(Control("names", table)))
         self._pid = os.getpid()
         self.header = file_header(rank_dir, index, self._pid, rank=rank, world_size=world_size, run_id=run_id,
                                   pp_stage=pp_stage, group_mates=group_mates)
@@ -162,19 +138,10 @@ class LogWriter:
         except OSError as exc:
             self._file.close()
             raise WriterError(f"{self.path}: cannot write the file header: {exc}") from exc
-        # Worker-owned state.
-        self._seq = 1
-        self._last_step = -1
-        self._reported_drops = 0
-        self._error_logs = 0
-        self._buffered = 0
-        self._written_seq = 1  # records before this one are on the OS (as far as the writer knows)
-        self._file_bytes = len(head)  # bytes written out so far: a frame's offset is this plus _buffered
-        self._index = StepIndexBuilder()
-        self._discarded = 0  # records (or deferred batches) handed over and never written, after a failure
-        self._note_seq = 0  # sequence number of the next failure record (0: none written yet)
-        self._note_tried = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"trainrec-writer-rank{rank}", daemon=True)
+        self._worker = WriterWorker(self._file, self.path, self.file_identity, rank=rank, file_bytes=len(head),
+                                    items=self._queue, wake=self._wake, flush_interval=float(flush_interval),
+                                    fsync=fsync, on_failure=self._worker_failed)
+        self._thread = threading.Thread(target=self._worker.run, name=f"trainrec-writer-rank{rank}", daemon=True)
         self._thread.start()
         writer_exit.live_writers.add(self)
 
@@ -190,7 +157,7 @@ class LogWriter:
             if n >= self._maxsize:
                 if self._drop:
                     with self._drop_lock:
-                        self._dropped_total += 1
+                        self._worker.dropped_total += 1
                     return
                 self._wait_for_room()
         q.put(item)
@@ -222,7 +189,7 @@ class LogWriter:
         if self._closed:
             return
         done = threading.Event()
-        self._queue.put(_Control("flush", done))
+        self._queue.put(Control("flush", done))
         self._wake.put(None)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
@@ -245,7 +212,7 @@ class LogWriter:
             writer_exit.live_writers.discard(self)
         if os.getpid() != self._pid:
             return  # a forked child: the file belongs to the parent
-        stop = _Control("stop", reason)
+        stop = Control("stop", reason)
         if threading.current_thread() is self._thread:
             self._queue.put(stop)  # called from a deferred callable: cannot join itself
             return
@@ -276,7 +243,7 @@ class LogWriter:
     @property
     def dropped(self) -> int:
         """Records dropped so far because the queue was full (``on_full="drop"``)."""
-        return self._dropped_total
+        return self._worker.dropped_total
 
     def __enter__(self) -> LogWriter:
         return self
@@ -293,200 +260,12 @@ class LogWriter:
         if self._closed and not allow_closed:
             raise WriterError(f"{self.path}: log writer is closed")
 
-    # ------------------------------------------------------------------ worker side
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
-            self._fail(exc)
-            close_quietly(self._file)
-            self._discard_forever()
-
-    def _discard_forever(self) -> None:  # pragma: no cover - only after a bug in _loop
-        while True:
-            item = self._queue.get()
-            if type(item) is _Control:
-                if item.kind == "flush":
-                    item.arg.set()
-                elif item.kind == "stop":
-                    return
-
-    def _loop(self) -> None:
-        # The worker sleeps until something is handed over, then lets flush_interval pass (unless a
-        # flush, a close or a filling queue wakes it) and takes everything queued by then in one go:
-        # about one wake-up per interval instead of one per item, and the items' encoding back to back
-        # (0.60 -> 0.33-0.43 ms of this thread's CPU per step of the benchmark's config a).
-        q = self._queue
-        wake = self._wake
-        buf: list[bytes] = []
-        interval = self._flush_interval
-        while True:
-            item = q.get()
-            if type(item) is not _Control or item.kind == "names":  # (a name table waits as records do)
-                try:
-                    wake.get(timeout=interval)
-                except queue.Empty:
-                    pass
-            while True:  # the wake-ups sent meanwhile: this round answers them all
-                try:
-                    wake.get_nowait()
-                except queue.Empty:
-                    break
-            due = time.monotonic() + interval  # a drain that items keep feeding still writes out this often
-            while True:
-                if type(item) is _Control and item.kind != "names":
-                    if item.kind == "flush":
-                        self._append_drops(buf)
-                        self._write_out(buf)
-                        item.arg.set()
-                    else:
-                        self._finish(buf, str(item.arg))
-                        return
-                elif self._error is not None:  # failed: keep draining so that no producer stays blocked
-                    self._discarded += 1
-                    if isinstance(item, Event) and item.step > self._last_step:
-                        self._last_step = item.step
-                    self._leave_note(retry=True)
-                else:
-                    if self._dropped_total != self._reported_drops:
-                        self._append_drops(buf)
-                    if isinstance(item, Event):
-                        self._frame(item, buf)
-                    elif type(item) is _Control:  # a name table
-                        self._index.names_offsets.append(self._file_bytes + self._buffered)
-                        self._frame(item.arg, buf)
-                    else:
-                        self._run_callable(item, buf)
-                    if self._buffered >= _BUFFER_BYTES or (buf and time.monotonic() >= due):
-                        self._write_out(buf)
-                        due = time.monotonic() + interval
-                try:
-                    item = q.get_nowait()
-                except queue.Empty:
-                    break
-            self._write_out(buf)
-
-    def _frame(self, ev: Event, buf: list[bytes]) -> None:
-        """Encode and frame one event onto ``buf`` with the next sequence number."""
-        try:
-            payload = codec.encode(ev, seq=self._seq)
-            header = framing.frame_header(payload)
-        except Exception as exc:  # noqa: BLE001 - a bad event must not stop the log
-            self._record_failure(f"writer: encoding {type(ev).__name__}", exc, buf)
-            return
-        step = ev.step
-        if step != self._last_step:  # (the one test per record: a new step, or a late or step-less record)
-            self._last_step = self._index.moved(step, self._seq, self._file_bytes + self._buffered, self._last_step)
-        self._seq += 1
-        buf.append(header)  # header and payload go to os.writev separately: no copy of the payload
-        buf.append(payload)
-        self._buffered += len(payload) + framing.FRAME_HEADER_SIZE
-
-    def _run_callable(self, fn: Callable[[], Iterable[Event]], buf: list[bytes]) -> None:
-        try:
-            if not callable(fn):
-                raise TypeError(f"expected an Event or a callable, got {type(fn).__name__}")
-            for ev in fn():
-                if not isinstance(ev, Event):
-                    raise TypeError(f"deferred callable yielded {type(ev).__name__}, not an Event")
-                self._frame(ev, buf)
-        except Exception as exc:  # noqa: BLE001 - a failing hook must not stop the log
-            name = getattr(fn, "__qualname__", type(fn).__name__)
-            self._record_failure(f"writer: deferred {name}", exc, buf)
-
-    def _record_failure(self, where: str, exc: BaseException, buf: list[bytes]) -> None:
-        """Log a bad event or failing callable and record it as HookFailed; the log goes on."""
-        if self._error_logs < _MAX_ERROR_LOGS:
-            self._error_logs += 1
-            log.error("trainrec: %s: %s failed: %r; the log goes on", self.path, where, exc)
-        ev = HookFailed(
-            rank=self.rank, step=self._last_step, wall=time.time(), where=where, error=repr(exc)[:1000]
-        )
-        frame = framing.encode_frame(codec.encode(ev, seq=self._seq))
-        self._seq += 1
-        buf.append(frame)
-        self._buffered += len(frame)
-
-    def _append_drops(self, buf: list[bytes]) -> None:
-        """Record the drops since the last RecordsDropped, if any."""
-        total = self._dropped_total
-        count = total - self._reported_drops
-        if count and self._error is None:
-            self._reported_drops = total
-            self._frame(RecordsDropped(rank=self.rank, step=self._last_step, wall=time.time(), count=count), buf)
-
-    def _write_out(self, buf: list[bytes]) -> None:
-        """Append the buffered frames to the file (discarded once the writer has failed)."""
-        if buf and self._error is None:
-            try:
-                self._check_file()
-                writev_all(self._file.fileno(), buf)
-                if self._fsync:
-                    os.fsync(self._file.fileno())
-                self._written_seq = self._seq
-                self._file_bytes += self._buffered
-            except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
-                self._discarded += self._seq - self._written_seq
-                self._fail(exc)
-                self._leave_note()
-        buf.clear()
-        self._buffered = 0
-
-    def _check_file(self) -> None:
-        """Fail when the path no longer names our file (removed or replaced: writes would be lost)."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            raise WriterError(f"{self.path}: the log file was removed while being written") from None
-        if file_identity(st) != self.file_identity:
-            raise WriterError(f"{self.path}: the log file was replaced by another file while being written")
-
-    def _leave_note(self, closing: str | None = None, retry: bool = False) -> None:
-        """After a write failure: append a WriterFailed record (and with ``closing``, the FileClosed) if
-        the disk allows; at close, where it does not, the sidecar. ``retry``: only every few seconds."""
-        now = time.monotonic()
-        if retry and (self._note_seq or now - self._note_tried < _FAILURE_RETRY_S):
-            return
-        self._note_tried = now
-        seq = self._note_seq or self._written_seq
-        note = WriterFailed(rank=self.rank, step=self._last_step, wall=time.time(), error=repr(self._error)[:1000],
-                            first_lost_seq=self._written_seq, discarded=self._discarded, last_step=self._last_step)
-        events: list[Event] = [note]
-        if closing is not None:
-            events.append(FileClosed(rank=self.rank, step=self._last_step, wall=time.time(), records=seq + 1,
-                                     dropped=self._dropped_total, reason=closing))
-        # (the file removed or replaced, a WriterError: not ours to write)
-        if failnote.append_or_leave(self._file, self.path, events, seq, isinstance(self._error, WriterError),
-                                    closing is not None):
-            self._note_seq = seq + 1
-
-    def _finish(self, buf: list[bytes], reason: str) -> None:
-        if self._error is None:
-            self._append_drops(buf)
-            closing = FileClosed(
-                rank=self.rank,
-                step=self._last_step,
-                wall=time.time(),
-                records=self._seq,  # records before this one, FileOpened included
-                dropped=self._dropped_total,
-                reason=reason,
-                **self._index.fields(),
-            )
-            self._frame(closing, buf)
-            self._write_out(buf)  # fsyncs too when asked to (fsync=True)
-        if self._error is not None:  # (failed before, or in this last write-out)
-            self._leave_note(closing=f"{reason}; the writer failed before")
-        buf.clear()
-        close_quietly(self._file)
+    def _worker_failed(self, exc: BaseException) -> None:
+        """The worker's first failure (told on its thread): raised on the caller's next call."""
+        self._error = exc
 
     def disown_in_fork_child(self) -> None:
         """In a forked child: this writer is the parent's; refuse every later call, write nothing."""
         self._close_once.acquire(False)
         self._closed = True
         self._error = WriterError(f"{self.path}: this writer belongs to process {self._pid}, not to its forked child")
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._error is None:
-            self._error = exc
-            log.error("trainrec: log writer for %s failed: %r; training goes on, and nothing more is recorded "
-                      "in this log", self.path, exc)

@@ -42,7 +42,8 @@ from trainrec.analyzers.tb_encode import ScalarTemplate, event_bytes
 from trainrec.schema import layout
 from trainrec.schema.errors import NotARunError
 
-from .export_files import TbEventFile, pool_context, tb_file_name
+from .partition import pool_context
+from .tb_event_file import TbEventFile, tb_file_name
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ import numpy as np
 from trainrec.analyzers.wide_stats import OPS, SLOT_NAMES, WideBatch, WideStats
 from trainrec.schema.errors import TrainrecError
 
+from .export_output import _remove_output, prepare_output
 from .progress import reading
 from .runarg import add_run_arguments, check_steps, note_damage, open_run_from_args
 
@@ -138,8 +139,6 @@ def export_parquet(run, out: str, *, kinds=None, steps=None, ranks=None, compres
 
 
 def run(args) -> int:
-    from .cmd_export import _remove_output, prepare_output  # (cmd_export adds this parser: import it late)
-
     _pyarrow()
     run_ = open_run_from_args(args, notes=True)
     kinds = None

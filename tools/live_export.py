@@ -46,7 +46,8 @@ from trainrec.analyzers.projection import StepAssembler
 from trainrec.replay.follow import RunFollower, pid_alive
 from trainrec.schema import layout
 
-from .export_files import CsvDirSink, TbEventFile, tb_file_name
+from .csv_dir_sink import CsvDirSink
+from .tb_event_file import TbEventFile, tb_file_name
 
 log = logging.getLogger(__name__)
 

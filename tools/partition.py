@@ -16,7 +16,9 @@ import argparse
 import concurrent.futures as cf
 import ctypes
 import logging
+import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,18 +28,25 @@ from trainrec.replay.run import Run
 from trainrec.replay.summary import summarize, summarize_rank
 from trainrec.schema.errors import ConfigError, TrainrecError
 
-from .export_files import pool_context
 from .progress import Progress
 
 __all__ = [
-    "add_jobs_arguments", "check_engine", "partition_ranks", "quick_ranks", "quick_run", "rank_bytes", "run_parts",
-    "sub_info", "summarize_ranks", "summarize_run",
+    "add_jobs_arguments", "check_engine", "partition_ranks", "pool_context", "quick_ranks", "quick_run", "rank_bytes",
+    "run_parts", "sub_info", "summarize_ranks", "summarize_run",
 ]
 
 ENGINES = ("local", "dask")
 log = logging.getLogger(__name__)
 # glibc's mallopt parameters (malloc.h), for the workers' heap: see _steady_heap
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def pool_context():
+    """Worker start method: fork (fast, nothing to re-import) when this process has no other thread."""
+    if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
 
 
 def add_jobs_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None:

@@ -15,7 +15,7 @@ from trainrec.analyzers.selection import parse_steps
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay.reader import LogReader
 from trainrec.schema.events import OPS, StepEnded
-from trainrec.tools.export_files import CsvDirSink
+from trainrec.tools.csv_dir_sink import CsvDirSink
 
 
 def _events(rdir):

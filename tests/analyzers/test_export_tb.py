@@ -14,7 +14,7 @@ from trainrec.replay.reader import LogReader
 from trainrec.schema.events import OPS, RunResumed, StepEnded
 from trainrec.schema.layout import list_logs
 from trainrec.schema.naming import reference_tag
-from trainrec.tools.export_files import TbEventFile
+from trainrec.tools.tb_event_file import TbEventFile
 
 
 def _events(rdir):

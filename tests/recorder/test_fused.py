@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from test_stats_engine import OPS, close, ref
-from trainrec.recorder import fused, optim
+from trainrec.recorder import adam_update, fused, optim
 from trainrec.recorder.stats import StatsEngine
 
 pytestmark = pytest.mark.skipif(not fused.AVAILABLE, reason="the one-pass kernel (recorder/_fused.c) is not built")
@@ -237,8 +237,8 @@ def test_adam_rows_equal_the_torch_path(mv, ur):
     eng.fused = False
     m_rows = eng.compute([e[1] for e in entries])
     v_rows = eng.compute([e[2] for e in entries])
-    upd, rat = optim.update_and_ratio(entries, eng.compute, True, True)
-    got = optim.fused_adam_rows(entries, OPS, eng.eps, mv, ur)
+    upd, rat = adam_update.update_and_ratio(entries, eng.compute, True, True)
+    got = adam_update.fused_adam_rows(entries, OPS, eng.eps, mv, ur)
     want = (m_rows if mv else None, v_rows if mv else None, upd if ur else None, rat if ur else None)
     for g, w in zip(got, want, strict=True):
         assert (g is None) == (w is None)
@@ -299,12 +299,12 @@ def test_adam_nan_in_state_shows_and_zero_v_gives_ratio_zero():
     st = opt.state[params[0]]
     st["exp_avg"][7] = float("nan")
     entries = optim.AdamState(opt, opt).lookup(params)
-    m, v, u, r = optim.fused_adam_rows(entries, OPS, 1e-8, True, True)
+    m, v, u, r = adam_update.fused_adam_rows(entries, OPS, 1e-8, True, True)
     nans = OPS.index("nans")
     assert m[0, nans] == 1 and v[0, nans] == 0 and u[0, nans] == 1 and r[0, nans] == 1
     st["exp_avg"][7] = 0.0
     entries = optim.AdamState(opt, opt).lookup(params)
-    _, _, _, r = optim.fused_adam_rows(entries, OPS, 1e-8, True, True)
+    _, _, _, r = adam_update.fused_adam_rows(entries, OPS, 1e-8, True, True)
     assert r[0, nans] == 0  # v == 0 rows: ratio 0, not 0/0
 
 

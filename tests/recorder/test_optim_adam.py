@@ -1,4 +1,4 @@
-"""Adam state lookup and the update/ratio statistics (recorder/optim.py)."""
+"""Adam state lookup and the update/ratio statistics (recorder/optim.py, recorder/adam_update.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from trainmon_util import (
     stats_table,
     write_config,
 )
-from trainrec.recorder import TrainerMon, optim
+from trainrec.recorder import TrainerMon, adam_update, optim
+from trainrec.recorder.adam_update import update_and_ratio
 from trainrec.recorder.names import squash_all
-from trainrec.recorder.optim import AdamState, update_and_ratio
+from trainrec.recorder.optim import AdamState
 from trainrec.recorder.stats import StatsEngine
 
 
@@ -51,7 +52,7 @@ def test_device_step_counters_are_not_read():
     entries = AdamState(opt, opt).lookup(params)
     assert [e[0] for e in entries] == list(range(6))
     assert all(isinstance(e[3], torch.Tensor) and e[3].is_meta for e in entries)
-    scales, shifts = optim.bias_corrections(entries)
+    scales, shifts = adam_update.bias_corrections(entries)
     assert len(scales) == len(shifts) == 6
     assert all(isinstance(x, torch.Tensor) and x.is_meta and x.dim() == 0 for x in scales + shifts)
 
@@ -67,18 +68,18 @@ def test_bias_corrections_from_counters_equal_those_from_floats():
     steps = [0.0, 1.0, 2.0, 7.0, 100.0, 4097.0, 1e6]
     host = [(k, None, None, t, g) for k, (t, g) in enumerate((t, g) for g in groups for t in steps)]
     dev = [(k, m, v, torch.tensor(t), g) for k, m, v, t, g in host]
-    for want, got in zip(optim.bias_corrections(host), optim.bias_corrections(dev), strict=True):
+    for want, got in zip(adam_update.bias_corrections(host), adam_update.bias_corrections(dev), strict=True):
         assert all(isinstance(x, float) for x in want) and all(isinstance(x, torch.Tensor) for x in got)
         torch.testing.assert_close(torch.stack(got), torch.tensor(want), rtol=4e-7, atol=0)
 
 
 def test_chunks_cover_every_tensor_once_and_respect_the_limit():
     numels = [5, 5, 20, 1, 1, 1, 9, 0]
-    ranges = optim._chunks(numels, 10)
+    ranges = adam_update._chunks(numels, 10)
     assert ranges == [(0, 2), (2, 3), (3, 6), (6, 8)]
     assert [i for a, b in ranges for i in range(a, b)] == list(range(len(numels)))
     assert all(sum(numels[a:b]) <= 10 or b - a == 1 for a, b in ranges)
-    assert optim._chunks([], 10) == []
+    assert adam_update._chunks([], 10) == []
 
 
 def test_update_and_ratio_in_chunks_equal_one_pass(monkeypatch):

@@ -14,7 +14,7 @@ from test_stats_engine import OPS, cases
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainmon_util import ALL_OPS, events_of, stats_table
 from trainrec.recorder import record
-from trainrec.recorder.optim import bias_corrections, device_update_and_ratio, update_and_ratio
+from trainrec.recorder.adam_update import bias_corrections, device_update_and_ratio, update_and_ratio
 from trainrec.recorder.stats import StatsEngine
 
 pytest.importorskip("triton")

@@ -119,7 +119,8 @@ def test_sigkill_loses_nothing_older_than_the_flush_interval(tmp_path):
 
 _TERMINATED = """
 import signal, sys
-from trainrec.recorder.writer import LogWriter, install_sigterm_handler
+from trainrec.recorder.writer import LogWriter
+from trainrec.recorder.writer_exit import install_sigterm_handler
 from trainrec.schema.events import StepBegan
 mode = sys.argv[2]
 if mode == "chained":
@@ -165,7 +166,8 @@ def test_sigterm_closes_the_log_cleanly_and_keeps_the_previous_disposition(tmp_p
 
 _GRACEFUL = """
 import signal, sys
-from trainrec.recorder.writer import LogWriter, install_sigterm_handler
+from trainrec.recorder.writer import LogWriter
+from trainrec.recorder.writer_exit import install_sigterm_handler
 from trainrec.schema.events import StepBegan
 stop = []
 signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # a preemption handler: finish up
@@ -280,7 +282,7 @@ def test_flush_with_a_timeout_reports_a_stalled_worker(tmp_path):
 def test_sigterm_handler_is_not_installed_over_an_ignored_sigterm():
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        from trainrec.recorder.writer import install_sigterm_handler
+        from trainrec.recorder.writer_exit import install_sigterm_handler
 
         assert install_sigterm_handler() is False
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
