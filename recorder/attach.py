@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from . import fsdp, zero
 from .fused import local_tensor
+from .handles import HookHandles
 from .targets import ParamInfo, Targets, uninitialized
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,11 @@ class StepHooks:
     :class:`~.hook_context.HookContext` given to :meth:`attach`, held weakly) is what the hooks get.
     """
 
-    def __init__(self, hook_failed: Callable[[str, BaseException], None],
+    def __init__(self, handles: HookHandles, hook_failed: Callable[[str, BaseException], None],
                  warn_once: Callable[[str, str], None]) -> None:
         self._hook_failed = hook_failed
         self._warn_once = warn_once
-        self.handles: list = []  # every hook of the step (list hooks included)
+        self.handles: list = handles.group("step")  # every hook of the step (list hooks included)
         self.compiled = False  # whether the attached hooks were made for a compiled model
         self.frozen: list[int] = []  # monitored parameters without a gradient hook: frozen when attached
         self.fsdp2_waiting: list = []  # (index, FSDPParam) whose unsharded parameter FSDP2 has not made yet
@@ -40,7 +41,7 @@ class StepHooks:
         # handles), and whether a fallback made them Python hooks for good
         self.fired: list = []
         self.list_hooked: dict[int, int] = {}
-        self.list_handles: list = []
+        self.list_handles: list = handles.group("step: list hooks")
         self.list_hooks_off = False
         self._hooks = lambda: None
         self._targets: Targets | None = None
@@ -58,7 +59,7 @@ class StepHooks:
         Megatron main_grad is measured instead of ``.grad``, which takes a Python hook)."""
         self._hooks, self._targets, self._params, self._main_grad = hooks.ref, targets, params, main_grad
         self.compiled = compiled
-        self.handles = targets.attach(hooks)
+        self.handles[:] = targets.attach(hooks)
         self.frozen = []
         self.fsdp2_waiting = []
         self.lazy_waiting = []
@@ -168,4 +169,4 @@ class StepHooks:
         self.list_handles.clear()  # (removed with the others below)
         for h in self.handles:
             h.remove()
-        self.handles = []
+        self.handles.clear()

@@ -18,6 +18,7 @@ import torch
 
 from . import zero
 from .compile_mode import eager
+from .handles import HookHandles
 from .optim import AdamState, chain_of, holder_of, torch_optimizer_of
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,8 @@ class OptimizerBinding:
     message)``: the monitor's once-only warning.
     """
 
-    def __init__(self, pre_step: Callable, post_step: Callable, set_wrapped: Callable[[], object],
-                 warn_once: Callable[[str, str], None]) -> None:
+    def __init__(self, handles: HookHandles, pre_step: Callable, post_step: Callable,
+                 set_wrapped: Callable[[], object], warn_once: Callable[[str, str], None]) -> None:
         self._chunks: list = []
         self._pre_step, self._post_step = pre_step, post_step
         self._set_wrapped = set_wrapped
@@ -47,8 +48,8 @@ class OptimizerBinding:
         self._groups: list = []  # the optimizer's param groups between steps
         self._ds_overflow = None  # DeepSpeed's optimizer around self.opt, where known (zero.overflow_source)
         self.ds_steps: int | None = None  # its steps taken when the last training step ended (zero.steps_taken)
-        self._handles: list = []  # the bound optimizers' step hooks
-        self._global_handles: list = []  # the global pre-step hook waiting for an optimizer
+        self._handles: list = handles.group("optimizer")  # the bound optimizers' step hooks
+        self._global_handles: list = handles.group("optimizer: waiting")  # the global pre-step hook waiting for one
         self._closed = False
 
     def bind(self, optimizer, chunks: list) -> None:

@@ -72,10 +72,10 @@ def install(mon: RecordingSession, model, grad_acc_steps: int, optimizer, dp_gro
     # wrapper of a chunk compiled with fullgraph=True, whose own hooks run outside the graph (inside
     # it, a hook that dynamo may not trace is a graph break, which fullgraph makes an error)
     hooked = [m if compiled_fullgraph(m) else c for m, c in zip(given, mon.monitored.chunks, strict=True)]
-    mon.chunk_handles = [chunk.register_forward_pre_hook(make_chunk_pre_hook(mon.hooks, vpp))
-                          for vpp, chunk in enumerate(hooked)]
-    mon.chunk_handles += [chunk.register_forward_hook(make_chunk_hook(mon.hooks, vpp))
-                           for vpp, chunk in enumerate(hooked)]
+    run_handles = mon.handles.group("run")
+    run_handles += [chunk.register_forward_pre_hook(make_chunk_pre_hook(mon.hooks, vpp))
+                    for vpp, chunk in enumerate(hooked)]
+    run_handles += [chunk.register_forward_hook(make_chunk_hook(mon.hooks, vpp)) for vpp, chunk in enumerate(hooked)]
     mon.steps.chunk0_params = [p for p in mon.monitored.chunks[0].parameters() if p.requires_grad]
     mon.mark_params()
     mon.hooks.lazy_chunks.update(vpp for vpp, c in enumerate(mon.monitored.chunks)
@@ -85,7 +85,7 @@ def install(mon: RecordingSession, model, grad_acc_steps: int, optimizer, dp_gro
         # passes of this model inside that model's step from this model's own (_other_stepped)
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        mon.chunk_handles.append(register_optimizer_step_post_hook(eager(weak_call(mon.steps.other_stepped))))
+        run_handles.append(register_optimizer_step_post_hook(eager(weak_call(mon.steps.other_stepped))))
     mon.bind_optimizer(optimizer)
     if mon.output.resumed_from:
         if mon.cycle.step == 0:
@@ -101,8 +101,8 @@ def install(mon: RecordingSession, model, grad_acc_steps: int, optimizer, dp_gro
         mon.attach_struct_hooks()
     else:
         # dynamic: nothing runs before the switch says so, print_struct included (apply_config)
-        mon.cycle.check_handles = mon.monitored.targets.first_call_checks(
-            mon.config_source(), weak_call(mon.rejected_at_first_call))
+        mon.handles.group("first call").extend(mon.monitored.targets.first_call_checks(
+            mon.config_source(), weak_call(mon.rejected_at_first_call)))
         if not mon.dynamic:
             mon.apply_config(mon.config, mon.cycle.step - 1, _content_hash(mon.config.raw), reason="static")
     mon.cycle.begin()

@@ -32,6 +32,7 @@ from .config_apply import apply_config, check_config
 from .context import RecordingContext
 from .failures import HookFailures, warn_once, warn_unrecorded
 from .flight import probes_for
+from .handles import HookHandles
 from .hook_context import HookContext
 from .install import install
 from .monitored import MonitoredModel
@@ -108,11 +109,13 @@ class RecordingSession:
                                         weak_call(self.hook_failed), config)
         self.name_table = NameTable()
         self.step_output = StepOutput(self.output, self.name_table, self.rank)
-        self.step_hooks = StepHooks(weak_call(self.hook_failed), warn_once)
+        # every hook put on the model, the optimizers and their tensors: "run" (the chunks', the global
+        # optimizer post-step, the backward markers), "step" (a collected step's), "optimizer",
+        # "first call" (the selectors' checks), "print_struct"
+        self.handles = HookHandles()
+        self.step_hooks = StepHooks(self.handles, weak_call(self.hook_failed), warn_once)
         self.checked: tuple | None = None  # (config, its targets) chosen by check_config ahead of a switch
-        self.struct_handles: list = []  # print_struct's hooks, for one step
-        self.chunk_handles: list = []  # the whole run's hooks: chunks, optimizer, backward markers
-        self.binding = OptimizerBinding(weak_call(self._pre_step), weak_call(self._post_step),
+        self.binding = OptimizerBinding(self.handles, weak_call(self._pre_step), weak_call(self._post_step),
                                         wrapped_optimizer, warn_once)
         self.steps = StepTracker(self.binding, weak_call(self._gradients_non_finite),
                                  self.identity.several_ranks, weak_call(self.hook_failed), warn_once)
@@ -125,7 +128,7 @@ class RecordingSession:
         self.monitored = MonitoredModel(self, self.context, self.step_hooks, self.collection.grad_batch, self.identity,
                                         self.name_table, weak_call(self.sync_names), weak_call(self.hook_failed))
         # the step boundaries, the step counter and the collection schedule
-        self.cycle = StepCycle(self, self.rank, self.context, self.output, self.steps, self.binding, self.collection,
+        self.cycle = StepCycle(self, self.handles, self.rank, self.context, self.output, self.steps, self.binding, self.collection,
                                self.monitored, self.step_hooks, self.step_output, weak_call(self.emit),
                                weak_call(self.hook_failed))
         # what the hooks get in the session's place (hooks on tensors hold it weakly: hook_context.py)
@@ -251,10 +254,7 @@ class RecordingSession:
         self.monitored.detach()
         self.cycle.write_unfinished()
         self.binding.close()
-        for handles in (self.struct_handles, self.chunk_handles, self.cycle.check_handles):
-            for h in handles:
-                h.remove()
-            handles.clear()
+        self.handles.remove_all()
         self.context.state = None
         # (the probes write the exception that ended the recording, if any, to the log)
         self.output.close(reason, before_log_closes=self._emit_failure_totals)
@@ -318,7 +318,7 @@ class RecordingSession:
         for p in self.steps.mark():
             # a tensor's hooks are out of the garbage collector's sight: a strong reference from one to
             # the session (which holds the model) would keep both alive until exit
-            self.chunk_handles.append(p.register_post_accumulate_grad_hook(eager(weak_call(self.steps.on_backward))))
+            self.handles.group("run").append(p.register_post_accumulate_grad_hook(eager(weak_call(self.steps.on_backward))))
 
     def materialized(self, vpp: int) -> None:
         """The end of model chunk ``vpp``'s first training forward, where it had lazy modules' parameters
@@ -336,7 +336,8 @@ class RecordingSession:
             self.binding.bind(optimizer, self.monitored.chunks)
 
     def attach_struct_hooks(self) -> None:
-        self.struct, self.struct_handles = structure.attach_struct_hooks(self.monitored.chunks, self.monitored.targets)
+        self.struct, handles = structure.attach_struct_hooks(self.monitored.chunks, self.monitored.targets)
+        self.handles.group("print_struct").extend(handles)
 
     def write_api_backward(self, st: StepState) -> None:
         """The step's gradients through the API calls, to the log (api_backward.py)."""

@@ -18,6 +18,7 @@ from .binding import OptimizerBinding
 from .collect import Collection
 from .config import MonitorConfig
 from .context import RecordingContext
+from .handles import HookHandles
 from .monitored import MonitoredModel
 from .output import Output
 from .stats import StatsEngine
@@ -44,10 +45,10 @@ class StepHost(Protocol):
 class StepCycle:
     """Where steps begin and end. ``step``: the current step's number; ``monitoring``, ``first_step``
     and ``collections`` (collected steps since the config was applied): the schedule :meth:`collects`
-    reads; ``check_handles``: the selectors' checks at a module's first call, removed when the first
-    step ends. ``emit`` and ``hook_failed`` are the monitor's."""
+    reads. The selectors' checks at a module's first call (``handles``' group "first call") are removed
+    when the first step ends. ``emit`` and ``hook_failed`` are the monitor's."""
 
-    def __init__(self, host: StepHost, rank: int, context: RecordingContext, output: Output,
+    def __init__(self, host: StepHost, handles: HookHandles, rank: int, context: RecordingContext, output: Output,
                  tracker: StepTracker, binding: OptimizerBinding, collection: Collection,
                  monitored: MonitoredModel, step_hooks: StepHooks, step_output: StepOutput,
                  emit: Callable[[object], None], hook_failed: Callable[[str, BaseException], None]) -> None:
@@ -61,7 +62,7 @@ class StepCycle:
         self.monitoring = False
         self.first_step = 0
         self.collections = 0
-        self.check_handles: list = []
+        self._handles = handles
         self._began = False
         self._wall0 = time.time()
         self._live_check_at = 0.0  # when begin() looks at the live export next
@@ -255,9 +256,7 @@ class StepCycle:
         """The step ends: its Adam rows, what it recorded written, StepEnded; the dynamic watcher polled;
         the next step begins."""
         self._binding.step_ended()
-        for h in self.check_handles:  # the first step ran: selectors are checked by the hooks from now on
-            h.remove()
-        self.check_handles.clear()
+        self._handles.remove("first call")  # the first step ran: selectors are checked by the hooks from now on
         micro = self._tracker.step_ends(optimizer_skipped)
         finished = self.step
         ctx = self._context

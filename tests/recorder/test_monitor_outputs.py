@@ -48,7 +48,7 @@ def test_print_struct_writes_module_struct_and_stops(tmp_path, out):
     ms = [e for e in ev if isinstance(e, ModuleStructureRecorded)]
     assert ms[-1].io_specs["pair"]["input"]["config"] == "tuple[2]"
     assert "layers.0.0" in ms[0].names and ms[0].classes[ms[0].names.index("layers.0.0")] == "Linear"
-    assert mon.session.step_hooks.handles == [] and mon.session.struct_handles == []
+    assert mon.session.step_hooks.handles == [] and len(mon.session.handles) == 0
 
 
 def test_format_api_writes_nothing_and_returns_metrics(tmp_path, out):

@@ -58,3 +58,25 @@ def test_both_faces_write_the_same_statistics(tmp_path, out):
         assert table and table.keys() == tables["record"][kind].keys(), kind
         for key, row in table.items():
             assert row == pytest.approx(tables["record"][kind][key], nan_ok=True), (kind, key)
+
+
+def test_close_removes_every_hook_through_the_one_registry(tmp_path, out):
+    """The session's hooks (chunks, a collected step's, the optimizer's, the backward markers, the first
+    call's checks where selectors are given) are in its HookHandles, by group; close() leaves none on the model or the optimizer."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    global_before = (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
+    model, opt = make()
+    session = RecordingSession(config_from(dict(CONFIG))[0], output_dir=str(tmp_path / "core"), live_export=False,
+                               params_have_main_grad=False)
+    session.install(model, optimizer=opt)
+    groups = {name: len(session.handles.group(name)) for name in ("run", "step", "optimizer")}
+    assert all(groups.values()), groups
+    loss_of(model, 0).backward()
+    opt.step()
+    session.close()
+    assert len(session.handles) == 0
+    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert not (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks)
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == global_before
