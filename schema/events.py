@@ -1,22 +1,15 @@
 """Every event type of the trainrec log, listed in one place (EVENT_TYPES, TAGS).
 
-Events are frozen dataclasses named as past-tense facts, grouped by concern: the log file's structure
-(:mod:`.file_events`), what the training steps did (:mod:`.step_events`), what the monitor says of itself
-(:mod:`.monitor_events`), and the flight recorder's and the API level's (:mod:`.flight_events`); the
-envelope is in :mod:`.envelope`. Each has a short, stable ``TAG`` that we own (never a class name) and
-shares the envelope of :class:`Event`: ``rank``, ``seq`` (per-file sequence number assigned by the
-writer), ``step`` and ``wall`` (seconds since the epoch).
+Events are frozen dataclasses named as past-tense facts, defined by concern in :mod:`.file_events`,
+:mod:`.step_events`, :mod:`.monitor_events` and :mod:`.flight_events`. Each has a short, stable
+``TAG`` that we own (never a class name) and the envelope of :class:`Event` (:mod:`.envelope`):
+``rank``, ``seq`` (per-file, assigned by the writer), ``step`` and ``wall`` (seconds since the epoch).
 
-On the wire an event is the msgpack array ``[tag, seq, rank, step, wall, *fields]`` with the fields in
-declaration order (see :mod:`trainrec.schema.codec`). Schemas grow by appending fields with defaults
-at the end of a class; a reader fills missing trailing fields with their defaults and ignores extra
-ones written by a newer writer. Removing or retyping a field needs a new tag or format version plus an
-upgrade in the codec.
-
-Statistics travel columnar (:class:`TensorStatsRecorded`): one record per (step, kind) holds packed
-arrays of interned name ids, micro steps, call ids and slots, plus a ``rows x len(ops)`` float matrix.
-Names are interned once per file by :class:`NamesInterned`.
-"""
+On the wire an event is ``[tag, seq, rank, step, wall, *fields]`` (:mod:`trainrec.schema.codec`).
+Schemas grow by appending fields with defaults; a reader fills missing trailing fields and ignores
+extra ones. Removing or retyping a field needs a new tag or format version plus a codec upgrade.
+Statistics travel columnar (:class:`TensorStatsRecorded`), names interned once per file
+(:class:`NamesInterned`). See docs/log-format.md."""
 
 from __future__ import annotations
 

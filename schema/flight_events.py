@@ -16,14 +16,13 @@ class CollectiveCalled(Event):
     """A ``torch.distributed`` collective or point-to-point call issued on this rank (``cc_distribution``),
     written when it is issued (``wall``), before it can block.
 
-    ``group`` is the process group's name and ``group_ranks`` its global ranks in group order;
-    ``group_seq`` numbers this rank's recorded calls on that group from 0 (ranks that agree on the calls
-    agree on the numbers). ``shapes`` and ``dtypes`` describe the tensor arguments in call order (a list
-    argument's tensors in place), ``peer`` is the global rank of ``src``/``dst`` where the call has one
-    (-1 otherwise), ``reduce_op`` the reduction's name where it has one. ``codeline`` is the user's call
-    site (``file.py[23]``) where the config asked for call sites. ``pre_values``: the statistics of the
-    tensors before the call (``cc_pre_hook``), a row-major float32 ``len(shapes) x len(ops)`` matrix,
-    empty where not taken; those after it are in :class:`CollectiveCompleted`."""
+    - ``group``, ``group_ranks``: the process group's name and its global ranks in group order;
+    - ``group_seq``: this rank's recorded calls on that group, numbered from 0;
+    - ``shapes``, ``dtypes``: the tensor arguments in call order (a list argument's in place);
+    - ``peer``: the global rank of ``src``/``dst`` (-1 none); ``reduce_op``: the reduction's name;
+    - ``codeline``: the user's call site (``file.py[23]``) where asked for;
+    - ``pre_values``: statistics before the call (``cc_pre_hook``), row-major float32
+      ``len(shapes) x len(ops)``, empty where not taken (those after: :class:`CollectiveCompleted`)."""
 
     TAG: ClassVar[str] = "co"
     op: str = ""
@@ -123,34 +122,18 @@ class ExceptionRaised(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ApiCallsRecorded(Event):
-    """The API calls (torch functions, tensor methods) of one forward pass of a model chunk, recorded at
-    the opt-in API level (``api_xy``), columnar. Per call: ``name_ids`` (u32, interned names as the
-    reference gives them, ``Functional.linear.0.forward``), ``module_ids`` (u32, the innermost
-    monitored module whose forward it ran in; 0xFFFFFFFF none), ``positions`` (u32, the step's hook
-    firings before it: the enclosing module's forward firing is its first one with a call id at or
-    after that) and ``port_counts`` (u16). Per port (calls' ports one after the other, positional
-    inputs, outputs, keyword inputs): ``port_ids`` (u32, ``input.0``, ``output.0``, ``input.inplace``),
-    ``type_ids`` and ``dtype_ids`` (u32, ``torch.Tensor``/``int``/..., ``torch.float32`` or ""),
-    ``ndims`` (u8, 255: no shape) with the shapes' dims one after the other in ``dims`` (i64),
-    ``requires_grad`` (u8: 0, 1, 2 not a tensor) and a row of ``values`` (``ops`` columns, ``dtype``;
-    a number's value as its statistics, NaN for other non-tensors). Where stacks were asked for,
-    ``stack_depths`` (u16 per call) and ``stack_frames`` (u32, interned frame lines, innermost first,
-    the calls' one after the other); else both empty.
+    """The API calls (torch functions, tensor methods) of one pass of a model chunk at the API level
+    (``api_xy``), columnar; every field's layout is in docs/log-format.md, "ApiCallsRecorded".
 
-    ``direction`` DIR_BACKWARD (a later field; older records read as forward): the gradients through the
-    calls of the step's backward passes of micro step ``micro_step``, named ``...backward``, the calls
-    in the order their gradients came; ``positions`` is then the step's hook firings before the
-    gradient came, ``module_ids`` the forward call's module, and the ports are the reference's:
-    ``input.i`` the gradient of the call's i-th autograd output, ``output.i`` the gradient it hands
-    to its autograd node's i-th input (one not computed has no port).
-
-    Later fields still, in forward records: the monitored module calls of the pass, which the API calls
-    nest under, with the dtype and shape of the tensors module-level xy selects (its ``input.0`` and
-    ``output.0``), per call ``module_calls`` (u32 interned module name, in completion order) and
-    ``module_positions`` (u32, the step's hook firings at its completion: its forward firing is the
-    module's last one before that), two entries per call (input, output) in ``module_dtype_ids`` (u32,
-    "" no tensor) and ``module_ndims`` (u8, 255 no tensor), the dims one after the other in
-    ``module_dims`` (i64). Empty in older records."""
+    - per call: ``name_ids`` (``Functional.linear.0.forward``), ``module_ids``, ``positions`` (hook
+      firings before it), ``port_counts``; with stacks, ``stack_depths``;
+    - per port (inputs, outputs, keyword inputs): ``port_ids``, ``type_ids``, ``dtype_ids``, ``ndims``
+      (255: no shape), ``requires_grad`` (2: not a tensor), a row of ``values``; ``dims`` and
+      ``stack_frames`` concatenated;
+    - ``direction`` (appended): DIR_BACKWARD for the gradients through micro step ``micro_step``'s
+      calls, ports ``input.i``/``output.i`` as the reference's; older records read as forward;
+    - ``module_*`` (appended; forward records): the monitored module calls the API calls nest under,
+      with the dtype and shape of their ``input.0`` and ``output.0``. Empty in older records."""
 
     TAG: ClassVar[str] = "ap"
     micro_step: int = 0

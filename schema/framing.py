@@ -6,18 +6,11 @@ A log file is::
     frame*        each       frame header (16) | payload (length bytes)
 
 A frame header is ``FRAME_MAGIC u32 | length u32 | crc32(payload) u32 | crc32(first 12 bytes) u32``,
-all little-endian. Because the header carries its own CRC, a reader can trust the length of any
-frame whose header checks out. That gives three distinct outcomes when reading:
-
-* a clean end of file (the buffer ends exactly at a frame boundary);
-* an incomplete last frame (header or payload cut short at the end of what has been written so far:
-  not an error, the writer may still be writing; a later read completes it);
-* a corrupt frame in the middle: a header that fails its CRC (resynchronise by searching for the next
-  valid header) or a payload that fails its CRC (skip exactly that one frame, its length is trusted).
-
-Frames never exceed ``MAX_FRAME`` bytes of payload, so a reader never allocates more than that.
-This module is pure: it works on bytes, knows nothing about files or events.
-"""
+all little-endian. The header checks itself, so its length can be trusted, which gives three
+outcomes when reading: a clean end of file; an incomplete last frame (not an error: the writer may
+still be writing); a corrupt frame in the middle (bad header: resynchronise on the next valid one;
+bad payload: skip that one frame). Payloads never exceed ``MAX_FRAME`` bytes.
+This module is pure: bytes only, no files, no events."""
 
 from __future__ import annotations
 

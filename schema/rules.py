@@ -5,47 +5,14 @@ applies them to stats records.
 
 Rules (config ``alert.rules``: ``[{"rule_name": NAME, "args": {...}}]``)
     ``AnomalyTurbulence(threshold, window=16, warmup=8, noise=8, range_floor=0.2, floor=0, sudden=true, nan=true)``
-        What the reference documents ("relative deviation from the historical mean beyond threshold,
-        up or down"), done so that a user can act on it::
-
-            baseline  = median of the last `window` finite values of the series
-            spread    = median absolute deviation of those values from the baseline
-            scale     = max(|baseline|, noise * spread, range_floor * max(|baseline of min|, |baseline of max|)
-                            [for min/max/mean], floor, op floor [zeros 0.2, nans 1])
-            change    = |value - baseline|, and with sudden: min(that, |value - previous value|)
-            flagged when change / scale > threshold
-
-        * Both directions; a negative baseline works like a positive one.
-        * A median over a window: one spike neither hides the next one (the reference's cumulative
-          mean does) nor shifts the baseline for long.
-        * ``sudden``: a value must also have jumped from the previous one, so a level change is one
-          anomaly and not ``window/2`` of them, and a smooth ramp (Adam's bias correction, a
-          zero-initialised bias growing) is none. ``sudden=false`` also catches slow drifts.
-        * Warm-up: nothing is flagged before ``warmup`` finite values of the series were seen.
-        * The floors on the scale stop the flood from series that sit near zero: a series whose own
-          spread dwarfs its level (the mean of a gradient) must leave that spread by
-          ``threshold * noise`` spreads; the min/max/mean of a tensor are judged against the
-          tensor's range (a LayerNorm output's mean of 1e-5 is zero next to values of 3).
-        * NaN/Inf (``nan``): the first non-finite value after a finite one is flagged, whatever the
-          warm-up; the following ones are not, until a finite value was seen again. Non-finite values
-          never enter the window, so a NaN does not poison the series. A series that is NaN from its
-          first value is not flagged: NaN in every op is how an absent tensor (None) is recorded.
-        * Placeholder rows (``TensorStatsRecorded.placeholders``: NaN rows the recorder wrote for no
-          tensor's values, a parameter whose ``.grad`` is None that step, an empty tensor, the unhooked
-          slot of an activation gradient pair, a tensor the engine failed on) are skipped by every
-          rule: neither flagged nor fed into the series' state. So a routed expert's gradient, present
-          on some steps only, is judged on the steps it has one. Logs of writers that did not mark them
-          leave such rows to the rule above.
-        * The ``nans`` op (a count) is flagged when it rises from 0, at any step including the first
-          (with ``nan``); it has no relative rule. This is what flags a tensor that has NaN from
-          the start.
+        the reference's relative deviation, both directions, against the median of a window;
     ``NaNInf()``
-        Only the NaN/Inf part above: a series turning non-finite, a ``nans`` count rising from 0.
+        a series turning non-finite, a ``nans`` count rising from 0;
     ``ZScore(threshold=4, window=16, warmup=8, floor=0)``
         ``|value - mean| / max(std, floor, op floor)`` over the last ``window`` finite values.
 
-Thresholds may be given as int or float (the reference rejected ``1``).
-"""
+Placeholder rows are skipped by every rule. Thresholds may be int or float. The formulas and what
+each argument does: docs/config.md, "Anomaly rules"."""
 
 from __future__ import annotations
 

@@ -106,17 +106,13 @@ class StepEnded(Event):
 class TensorStatsRecorded(Event):
     """Statistics of many tensors of one kind at one step, columnar.
 
-    ``values`` is a row-major ``len(name_ids) x len(ops)`` matrix of ``dtype`` ('f' float32 or 'd'
-    float64) values. The per-row arrays ``micro_steps`` (u16), ``call_ids`` (u32), ``slots`` (u8, see
-    SLOTS) and ``vpp_stages`` (u8) are empty when every row has 0 (``call_ids``: unknown).
-
-    ``placeholders`` (u8, 0 or 1; appended later, so a record of an older writer has none): 1 where the
-    row stands for no tensor's values, a NaN row the recorder wrote for a tensor it did not measure (a
-    parameter whose ``.grad`` is None that step, a tensor of no elements, the unhooked slot of an
-    activation gradient pair, a tensor the statistics engine failed on), as opposed to a tensor that
-    holds NaN. Empty when no row is one (and in every record of an older writer, which did not mark
-    them). Anomaly detection skips such rows; exports write them as the NaN they are.
-    """
+    - ``values``: row-major ``len(name_ids) x len(ops)`` matrix of ``dtype`` ('f' float32, 'd' float64);
+    - ``micro_steps`` (u16), ``call_ids`` (u32), ``slots`` (u8, see SLOTS), ``vpp_stages`` (u8): per row,
+      empty when every row has 0;
+    - ``placeholders`` (u8 flag per row; appended later, empty in older records and when no row is one):
+      1 where the row is a NaN row standing for no tensor's values (absent ``.grad``, an empty tensor,
+      an unhooked slot, a tensor the engine failed on), not a tensor holding NaN. Anomaly detection skips
+      such rows; exports write them as NaN."""
 
     TAG: ClassVar[str] = "ts"
     kind: str = ""
@@ -158,7 +154,7 @@ class TensorStatsRecorded(Event):
         ):
             if arr and len(arr) != n * size:
                 return f"{label} has {len(arr) // size} entries for {n} rows"
-        if self.slots and self.slots.translate(None, _SLOT_BYTES):  # (C-level: a Python max took 0.2 ms per 12,000)
+        if self.slots and self.slots.translate(None, _SLOT_BYTES):  # (C-level, no Python loop over the bytes)
             return f"slot {max(self.slots)} is not a known slot (0..{len(SLOTS) - 1})"
         if self.placeholders and self.placeholders.translate(None, _FLAG_BYTES):
             return f"placeholder flag {max(self.placeholders)} is neither 0 nor 1"
