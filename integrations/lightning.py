@@ -6,18 +6,11 @@
 
     trainer = lightning.Trainer(callbacks=[TrainrecCallback({"wg_distribution": True})])
 
-``config`` is what ``trainrec.recorder.record`` takes (a dict, a path to the reference's JSON, or None
-for weight gradients and parameters with all six ops). At ``on_train_start`` (the optimizers exist and
-a checkpoint is restored by then) the callback records the LightningModule and the torch optimizers
-the strategy holds, with ``accumulate_grad_batches`` micro steps per step and steps numbered from the
-optimizer steps done so far. It works for automatic and manual optimization alike: either way the
-torch optimizer's ``step`` runs, whose hooks count the steps. The rank directory goes into the
-checkpoint (the callback's ``state_dict``), so ``trainer.fit(model, ckpt_path=...)`` appends to the same
-run from the step restored; ``on_train_end`` (and an exception) closes the log.
-
-The callback is one of ``lightning``'s, or of ``pytorch_lightning``'s where the program imported that
-package (and not ``lightning``) before this module; importing trainrec imports neither.
-"""
+``config`` is what ``trainrec.recorder.record`` takes. Recording starts at ``on_train_start``
+(optimizers made, a checkpoint restored) and ends at ``on_train_end`` or an exception; the rank
+directory goes into the callback's ``state_dict`` so a resumed ``fit`` appends to the same run.
+The callback is ``lightning``'s, or ``pytorch_lightning``'s where only that package was imported
+first; importing trainrec imports neither. Details: docs/integrations.md."""
 
 from __future__ import annotations
 
