@@ -1,21 +1,11 @@
 """The monitor configuration: mindstudio-probe 1.2.1's config JSON, parsed and validated up front.
 
 :func:`parse_config` turns the raw dict into a frozen :class:`MonitorConfig` with every key of the
-reference's config table and its default; anything wrong (unknown key, wrong type, unknown op,
-malformed selector) raises :class:`~trainrec.schema.errors.ConfigError` naming the key and what was
-expected, before any training time is spent. :func:`load_config` reads a file and adds the path (and
-line/column for invalid JSON). The dynamic-config watcher calls :func:`parse_config` to validate
-edits.
-
-Differences from the reference, where its documentation promises more than its code does:
-
-- ``ops``: an unknown op is an error (the reference warns and drops it); an empty or missing list
-  means ``["norm"]`` as documented. ``"id"`` is accepted for compatibility and ignored.
-- Threshold and ``eps`` accept ints (``1`` as well as ``1.0``).
-- Selectors (``"tensor"``, ``"tuple[N]"``, ``"tuple[N]:i"``) are checked for syntax when parsed
-  (:mod:`.config_sections`) and against the module's real inputs/outputs at its first call (a
-  ConfigError in the run's first step).
-"""
+reference's config table and its default; anything wrong raises
+:class:`~trainrec.schema.errors.ConfigError` naming the key, before any training time is spent.
+:func:`load_config` reads a file (path, and line/column for invalid JSON). The dynamic-config
+watcher validates edits with :func:`parse_config`. Where the reference's documentation and code
+differ (unknown ops are errors, ints accepted for floats, selectors checked): docs/config.md."""
 
 from __future__ import annotations
 

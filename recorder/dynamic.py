@@ -1,44 +1,14 @@
 """Dynamic start/stop: watch the monitor's config file and hand validated changes to the training thread.
 
-With ``DYNAMIC_MONITOR=true`` a user switches monitoring on in the middle of a run by editing
-``config.json`` (``"switch": true``); it switches itself off after ``collect_times`` collections and
-``"switch": false`` is written back into the file, ready for the next start.
+With ``DYNAMIC_MONITOR=true`` a user starts monitoring mid-run by editing ``"switch": true`` into
+``config.json``; it stops after ``collect_times`` collections and ``"switch": false`` is written back.
 
-Threads and handoff::
-
-    watchdog observer thread        loader thread ("trainrec-config")        training thread
-    inotify event on the dir  --->  settle, stable read, parse, validate --> poll(step) at each step end:
-    (matching our path only)        publish an immutable FileState          compare a counter (free),
-                                    (attribute swap + counter bump)          decide, emit events, return
-                                    write "switch": false back on request    ConfigUpdate | None
-
-The observer and loader threads only read, parse and validate; nothing they do touches the recorder.
-Every decision (apply, reject, stop) is taken by the training thread inside :meth:`poll`, which is
-where events are emitted, so they carry the step at which they took effect. An update returned by
-``poll(n)`` is applied by the recorder from step ``n + 1``.
-
-Identity of a file state: the content's hash plus its mtime, so ``touch config.json`` (the reference's
-documented way to restart) is a change, while a re-read of the same file is not. First start:
-``"switch": true`` in the file at start-up starts monitoring at the first poll, no change needed;
-later starts need a change whose content says ``"switch": true``. A change to ``"switch": false``
-while monitoring stops it (the reference ignores it; its own weakness list asks for this). An invalid
-change (bad JSON, a ConfigError, an unreadable or deleted file) has no effect; when monitoring, the
-old config goes on, unless the file says ``"switch": false`` (a JSON object with another key wrong):
-that still stops it. Each gets one warning naming the problem and one event, per change, never per
-step.
-
-Several ranks, one file: every rank's loader reads the file at its own moment, so each rank votes
-with the identity of its latest state in a tiny ``all_reduce(MAX)`` of ``[id, -id, -interval]`` on a
-gloo group; a state is decided only when every rank voted for it (max == min), at the same step on
-all ranks. The collective is launched asynchronously and harvested at the next sync step, and the
-sync interval adapts to the step time (about ``sync_period`` seconds, the minimum proposed by any
-rank), so its cost per step is amortised to almost nothing. The first round is synchronous so that
-the first start happens at the same step as in a single process.
-
-Modules: this one decides (training thread); :mod:`.dynfile` watches and reads the file (observer
-and loader threads, stat fallback, write-back); :mod:`.dynsync` runs the agreement rounds;
-:mod:`.jsonedit` rewrites ``"switch"`` in the user's text.
-"""
+Threads: a watchdog observer wakes a loader thread (:mod:`.dynfile`), which reads, parses and
+validates the file and publishes an immutable state; the training thread's :meth:`poll` at each step
+end takes every decision (apply, reject, stop) and emits its events, so they carry the step they took
+effect at (an update from ``poll(n)`` applies from step ``n + 1``). With several ranks, the step is
+agreed on by :mod:`.dynsync`; :mod:`.jsonedit` rewrites ``"switch"``. The rules (what counts as a
+change, first start, invalid edits): docs/recorder-internals.md, "Dynamic config"."""
 
 from __future__ import annotations
 
@@ -90,31 +60,14 @@ def _changed_keys(old: dict | None, new: dict) -> tuple:
 class DynamicConfigWatcher:
     """Watch ``path`` for changes and hand validated ones to the training thread at step boundaries.
 
-    Parameters:
-        path: the config file (a JSON object).
-        validate: ``callable(raw dict) -> config``; raises :class:`ConfigError` naming the key.
-        check: ``callable(config) -> int | None``, on the training thread, before a ``switch: true``
-            update is decided: raises :class:`ConfigError` for what only the model can tell (a target
-            that matches no module; the update is then rejected like an invalid file); returns the
-            first step the config collects (said at INFO), where known.
-        emit: ``callable(event)`` writing an event to this rank's log (called on the training thread).
-        rank: this process's rank (events' envelope).
-        writes_back: whether this rank writes ``"switch": false`` back (exactly one rank should).
-        group: a gloo process group over which ranks agree on the step a change applies at. None:
-            the default group when torch.distributed is initialized with several ranks and a gloo
-            backend, else a new gloo group created by :meth:`start` (which every rank then must
-            call, in the same order relative to other group creations), else no agreement (one
-            process).
-        settle: seconds without a new file event before a read (coalesces an editor's several writes).
-        invalid_grace: extra seconds to wait for the rest of a file that does not parse yet.
-        sync_period: target seconds between two agreement rounds (several ranks only).
-        max_sync_interval: at most this many steps between two rounds.
-        poll_interval: seconds between two stats of the file when watchdog cannot observe.
-        health_interval: seconds between two checks that the watched directory is still the same.
-        use_watchdog: False forces the stat fallback (tests, or filesystems you know inotify misses).
+    ``validate(raw) -> config`` and ``check(config) -> first step | None`` (training thread, before a
+    ``switch: true``) raise :class:`ConfigError`; ``emit(event)`` writes to this rank's log;
+    ``writes_back``: this rank writes ``"switch": false`` back (one rank should). ``group``: the gloo
+    group the ranks agree over (None: the default gloo group, else one :meth:`start` makes on every
+    rank, else none). Seconds: ``settle``, ``invalid_grace``, ``sync_period`` (``max_sync_interval``
+    steps at most), ``poll_interval``, ``health_interval``; ``use_watchdog=False`` forces stat polling.
 
-    ``poll(step)`` must be called at every step end on every rank with the same step numbers.
-    """
+    ``poll(step)`` must be called at every step end on every rank with the same step numbers."""
 
     def __init__(
         self,

@@ -1,22 +1,13 @@
 """Watching the config file: a watchdog observer on its directory and a loader thread.
 
-The observer thread only wakes the loader (events on other files of the directory are ignored; our
-own reads never produce events, as open/close-without-write events are filtered out). The loader
-thread waits until the file is quiet for ``settle`` seconds (an editor's several writes become one
-read), reads it stably (stat, read, stat must agree), parses and validates it, and publishes an
-immutable :class:`.dynfile_state.FileState` through the ``publish`` callback when it is a new state. A file that
-does not parse gets ``invalid_grace`` more seconds to be completed before it is published.
-
-When watchdog cannot observe (inotify unavailable or exhausted, the directory missing, a network
-filesystem whose remote changes inotify never sees), the loader stats the file every
-``poll_interval`` seconds instead (mtime, size, inode), and says so once; this never runs on the
-training thread. A health check (one ``stat`` of the directory every ``health_interval`` seconds)
-notices a directory that was deleted or replaced, watches the new one, and re-arms watchdog when a
-removed directory comes back.
-
-The loader also performs write-back requests (``"switch": false``) so that the training thread never
-waits on the filesystem.
-"""
+The observer thread only wakes the loader (other files and our own reads are ignored). The loader
+waits until the file is quiet for ``settle`` seconds, reads it stably (stat, read, stat agree),
+parses and validates it, and publishes each new :class:`.dynfile_state.FileState` through
+``publish``; a file that does not parse gets ``invalid_grace`` more seconds. Where watchdog cannot
+observe (no inotify, a missing directory, a network filesystem) the loader stats the file every
+``poll_interval`` seconds instead, and says so once. A health check every ``health_interval``
+notices a directory deleted or replaced and re-arms the watch. The loader also performs the
+``"switch": false`` write-back, so the training thread never waits on the filesystem."""
 
 from __future__ import annotations
 

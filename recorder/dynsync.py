@@ -1,20 +1,12 @@
 """Agreement between ranks on the step at which a config file state takes effect.
 
-Every rank reads the shared config file at its own moment, so at a given step some ranks may have
-read a change and others not yet. :class:`StepAgreement` runs rounds of a tiny collective on a gloo
-group: each rank contributes ``[id, -id, -interval]`` (``id``: the identity of the file state it read
-last; ``interval``: how many steps it proposes until the next round) to ``all_reduce(MAX)``. When
-``max == -(-min)`` every rank read the same state, and since every rank harvests the same round at
-the same step, they all decide it at that step. Otherwise nobody decides and the next round follows
-at the next step.
-
-Cost: the collective is launched asynchronously (``async_op=True``) and harvested at the next sync
-step, when it has long completed, so the training thread pays one launch per round. Rounds are
-spaced about ``sync_period`` seconds apart: each rank proposes ``sync_period / its mean step time``
-steps and the minimum wins (it is the same number on every rank, so the schedule stays uniform).
-The very first round is waited for at once, so that a file saying ``"switch": true`` at start-up is
-decided at the first step, as in one process.
-"""
+Ranks read the shared file at different moments. :class:`StepAgreement` runs rounds of
+``all_reduce(MAX)`` over ``[id, -id, -interval]`` on a gloo group (``id``: the identity of the file
+state read last; ``interval``: steps proposed until the next round). Where ``max == -(-min)`` every
+rank read the same state, and as every rank harvests a round at the same step, all decide it there.
+Each round is launched asynchronously and harvested at the next sync step, about ``sync_period``
+seconds later (the minimum proposal wins, so the schedule stays uniform). The first round is waited
+for at once, so a ``"switch": true`` at start-up is decided at the first step, as in one process."""
 
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """Weight gradients before reduction: the batch of one micro step's gradient firings, measured at its
 flush points (see docs/recorder-internals.md, "Unreduced gradients").
 
-The post-accumulate-grad hook of each monitored parameter queues it (in one process without DDP,
-DeepSpeed, FSDP or Megatron, the hook is a list's ``append``: see :meth:`GradBatch.list_hooks_allowed`);
-the queue is measured in one batch when every monitored parameter has fired in this micro step, at the
-end of the backward pass (before DDP's end-of-backward callback writes the averaged gradients back),
-when the next micro step's forward begins, at the optimizer pre-step, or once it holds
-PENDING_FLUSH_BYTES of gradients, so ``.grad`` is measured before the next micro step accumulates into
-it. A gradient that is a view into a shared buffer (DDP buckets, Megatron's grad buffer) is measured in
-its own hook; Megatron's ``main_grad`` there as ``main_grad + .grad``, in parts of at most
-SUM_PART_NUMEL elements. A parameter DeepSpeed ZeRO partitions is measured before its accumulation.
-"""
+Each monitored parameter's post-accumulate-grad hook queues it (where allowed, as a list's
+``append``: :meth:`GradBatch.list_hooks_allowed`). The queue is measured when every monitored
+parameter has fired, at the end of the backward pass (before DDP writes averaged gradients back),
+at the next micro step's forward, at the optimizer pre-step, or at PENDING_FLUSH_BYTES, so ``.grad``
+is measured before the next micro step accumulates into it. A gradient viewing a shared buffer (DDP
+buckets, Megatron) is measured in its own hook (``main_grad + .grad`` in parts of SUM_PART_NUMEL); a
+ZeRO-partitioned parameter before its accumulation."""
 
 from __future__ import annotations
 
@@ -152,17 +149,9 @@ class GradBatch:
         except Exception as exc:  # noqa: BLE001 - monitoring never kills training
             self.context.hook_failed("gradient batch", exc)
 
-    # Where nothing but this process's autograd engine touches a gradient inside the backward pass (no
-    # DDP, DeepSpeed, FSDP or Megatron hooks: one process, or ranks that reduce after it) and no module
-    # backward hook fires between the gradients (xy_distribution off or forward_only), the gradient hook
-    # of each monitored parameter is the bound ``append`` of one list (``StepHooks.fired``): no Python frame runs
-    # inside the backward pass for it (on the benchmark model's 51 parameters, 0.2-0.8 ms less per step
-    # than Python hooks, paired in one process; the hooks' own time was about 0.6 ms). The list
-    # keeps the firing order; the end-of-backward callback, queued by the model chunk's output gradient
-    # hook (chunk_hooks.make_chunk_hook), hands each firing to grad_accumulated in that order, so call ids,
-    # micro steps and the measured batch are those of the Python hooks. Where a firing is found anywhere
-    # else (no chunk output gradient reached that backward pass), or the gradient turns out to be a view
-    # into a shared buffer or a main_grad, the parameters get the Python hooks from then on.
+    # List hooks: where allowed, each parameter's gradient hook is one list's bound ``append`` (no Python
+    # frame inside the backward pass), replayed in order at its end; the rules and the fallback to Python
+    # hooks: docs/recorder-internals.md, "Unreduced gradients".
 
     def queue_flush_at_end_of_backward(self) -> None:
         queue_end_of_backward(self._end_of_backward_flush)
@@ -250,7 +239,7 @@ class GradBatch:
         if not pend:
             return
         idxs, micros, calls, grads = zip(*pend, strict=True)
-        # (never `None in grads`: that compares every tensor with None through torch's __eq__, ~25 us each)
+        # (never `None in grads`: that compares every tensor with None through torch's __eq__)
         grads = list(grads) if all(g is not None for g in grads) else [
             g if g is not None else self._grad_of(self.context.params[i].param) for i, g in zip(idxs, grads, strict=True)]
         eng = self.context.engine

@@ -1,20 +1,12 @@
 """Rewrite one top-level value of a user's JSON config file, keeping everything else as they wrote it.
 
-The dynamic mode sets ``"switch": false`` in the user's ``config.json`` once ``collect_times``
-collections are done. Users keep comments-free but hand-formatted files (their own key order,
-indentation, spacing, line endings, non-ASCII text), so the rewrite is done in two tiers:
-
-1. a minimal textual edit: the value token of every top-level ``"switch"`` member (a literal or a
-   string) is replaced by ``false`` and nothing else in the text changes;
-2. when that is impossible (no such member, or the value is an object/array), the document is dumped
-   again with the user's key order and the indentation, line ending and final newline detected from
-   the original text.
-
-Either result is parsed again and compared with the intended document before it is used.
-:func:`atomic_write` then replaces the file atomically: a temporary file in the same directory (so
-``os.replace`` is a rename on one filesystem), flushed and fsynced, given the original's permission
-bits, renamed over the target (through a symlink to its real path), and the directory fsynced.
-"""
+The dynamic mode writes ``"switch": false`` back once ``collect_times`` collections are done, into a
+file the user formatted by hand. First try: replace the value token of every top-level ``"switch"``
+member and nothing else. Where that is impossible (no such member, or an object/array value), dump
+the document again with the user's key order, indentation, line ending and final newline. Either
+result is parsed again and compared with the intended document. :func:`atomic_write` then replaces
+the file: a fsynced temporary in the same directory with the original's permission bits, renamed
+over the target (through a symlink to its real path), and the directory fsynced."""
 
 from __future__ import annotations
 

@@ -1,43 +1,16 @@
 """The per-rank log writer: a background thread that encodes, frames and appends events.
 
-Modelled on TensorBoard's ``EventFileWriter``. The training thread hands over immutable events (or a
-zero-argument callable that builds them later, on the worker, e.g. after a device-to-host copy has
-completed) and returns at once; handing over costs a queue put (well under a microsecond). One worker
-thread (:class:`~.writer_worker.WriterWorker`) encodes, frames and writes: woken by the first item
-handed over, it lets ``flush_interval`` pass (a flush, a close or a half-full queue end the wait) and
-then takes everything queued in one go, so a training step's few items cost it one wake-up, not one each.
+Modelled on TensorBoard's ``EventFileWriter``. The training thread hands over immutable events (or
+a callable that builds them later, on the worker, e.g. after a device-to-host copy) and returns at
+once. One worker thread (:class:`~.writer_worker.WriterWorker`) wakes at the first item, lets
+``flush_interval`` pass, and writes everything queued in one go.
 
-Guarantees:
-
-* Everything handed over is on the OS (so it survives a ``kill -9`` of the training process) at most
-  ``flush_interval`` seconds later (default 0.2 s), and at once after :meth:`LogWriter.flush`, which
-  waits until everything handed over before it is written. That is what a crash of the process
-  needs; ``fsync=True`` adds an fsync after every write-out (close included) for a crash of the
-  machine, at a cost of milliseconds each (the default, like TensorBoard's writer, leaves it to the OS).
-  ``durability="step"`` (or ``TRAINREC_DURABILITY=step``) flushes at every StepEnded handed over: each
-  step's records are on the OS before the next step begins (see docs/reliability.md for the cost).
-* :meth:`LogWriter.close` writes a :class:`FileClosed` record, drains and closes the file. It
-  is idempotent, runs at interpreter exit for every writer still open, and on SIGTERM once
-  :func:`~.writer_exit.install_sigterm_handler` was called.
-* A worker failure (disk full, file too large, the log file removed or replaced) is raised as
-  :class:`WriterError` on the caller's next call (``write``, ``intern``, ``flush``, ``close``); the
-  worker keeps draining the queue and discards what it takes, so no producer is ever left blocked.
-  A deferred callable that raises, or an event that cannot be encoded, does not stop the writer: it
-  is logged and recorded in the file as a :class:`HookFailed` event. A failure is logged once, and
-  the writer leaves what it can of it: a :class:`WriterFailed` record in the file (at the failure,
-  retried while the process runs, and at close with the final count of what was never written),
-  else a sidecar ``<log>.failed.json`` beside it.
-* The queue is bounded (``queue_size`` items). When it is full, ``on_full="block"`` (default, no loss)
-  waits for room; ``on_full="drop"`` drops the record, and the worker writes a
-  :class:`RecordsDropped` event with the count; :attr:`FileClosed.dropped` has the total. Name tables
-  (:meth:`LogWriter.intern`), flushes and the closing record are never dropped.
-
-Signal and fork safety: the queue is a C ``SimpleQueue`` (reentrant: a SIGTERM handler may close a
-writer while the interrupted main thread is inside ``write``), and closing takes no lock that the
-training thread might hold. In a child forked from a process with live writers the writers are
-disabled (``write`` raises WriterError, ``close`` does nothing), and the file is unbuffered, so the
-child can never write into the parent's log.
-"""
+Guarantees, in short (details: docs/recorder-internals.md, "The log writer"): everything handed over
+is on the OS within ``flush_interval`` and at once after :meth:`LogWriter.flush`; :meth:`LogWriter.close`
+writes :class:`FileClosed`, is idempotent and runs at exit; a worker failure is raised as
+:class:`WriterError` on the caller's next call and the queue is still drained; the queue is bounded,
+``on_full`` blocks or drops (and the drop is recorded). The queue is reentrant and closing takes no
+lock, so a SIGTERM handler may close a writer; a forked child's writers are disabled."""
 
 from __future__ import annotations
 

@@ -82,14 +82,10 @@ def install_sigterm_handler() -> bool:
     """On SIGTERM, close every live writer and hand the signal on to the previous disposition.
 
     With the default disposition the process then dies of SIGTERM as it would have, also where its main
-    thread is blocked in C and never runs the handler (the watcher below, :func:`_watch_sigterm`). A previous handler
-    of Python's own (a preemption handler that sets a flag, saves a checkpoint and lets training finish
-    its step) runs first, after the writers have written out what they hold: where it raises (an exit,
-    KeyboardInterrupt) the writers close with reason ``sigterm``, as with the default; where it returns,
-    the process goes on, and so does the recording. Only possible from the main thread; returns False
-    elsewhere, and when SIGTERM is ignored (nothing is installed then: the process will not stop, so the
-    writers stay open). Installing twice is a no-op.
-    """
+    thread is blocked in C (:func:`_watch_sigterm`). A previous Python handler runs after the writers
+    wrote out what they hold: where it raises, they close with reason ``sigterm``; where it returns, the
+    process and the recording go on. Only from the main thread; returns False elsewhere, and where
+    SIGTERM is ignored (nothing installed). Installing twice is a no-op."""
     import signal
 
     if threading.current_thread() is not threading.main_thread():
@@ -135,14 +131,11 @@ def install_sigterm_handler() -> bool:
     return True
 
 
-# A watcher thread for SIGTERM where the process is to die of it (the default disposition): Python runs a
-# signal handler on the main thread, between bytecodes, and a main thread blocked in C (a rank waiting in
-# a collective for a hung peer, for gloo's or NCCL's timeout of 30 minutes) never gets there. The default
-# disposition would have ended the process at once; the handler kept it alive until the SIGKILL that a
-# job's preemption or torchrun's shutdown sends later. Python's C-level handler writes each signal's
-# number to its wakeup fd at once, from whatever thread: where the handler has not run
-# _SIGTERM_WATCH_GRACE_S after a SIGTERM, the watcher does what it would have (the step in progress
-# written, the logs closed, at most _SIGTERM_WATCH_CLOSE_S), then ends the process by SIGTERM.
+# A watcher thread for SIGTERM where the process is to die of it: Python runs signal handlers on the main
+# thread between bytecodes, which a main thread blocked in C (a collective waiting on a hung peer) never
+# reaches, so the handler would keep the process alive until a later SIGKILL. Python's C-level handler
+# writes the signal to its wakeup fd at once; where the handler has not run _SIGTERM_WATCH_GRACE_S later,
+# the watcher writes the step, closes the logs (at most _SIGTERM_WATCH_CLOSE_S) and ends the process.
 _SIGTERM_WATCH: list[int] = []  # the watcher pipe's two fds, while one is installed
 _SIGTERM_WATCH_GRACE_S = 2.0
 _SIGTERM_WATCH_CLOSE_S = 10.0
