@@ -1,28 +1,19 @@
 /* One-pass statistics of CPU tensors: the recorder's hot loop.
  *
- * For each tensor, one read of its memory gives min, max, sum, sum of squares, the count of |x| < eps
- * and the count of NaNs (the six ops need four to five separate passes, plus temporaries, with torch's
- * kernels). For Adam, one read of exp_avg and exp_avg_sq gives the statistics of both and of the two
- * quotients the monitor records (ratio m / max(sqrt(v), FLT_MIN) and update m / (max(sqrt(v), FLT_MIN)
- * + shift)), where torch needs a sqrt pass, a clamp pass and two division passes into full-size
- * temporaries before the statistics. The quotients are computed exactly as the torch path does (IEEE
- * single sqrt, max, add and divide are correctly rounded), so their values are bitwise the same. Both
- * have an AVX2/FMA loop, used where the CPU has them, and an auto-vectorised one for every other CPU.
+ * One read of a tensor gives min, max, sum, sum of squares, the count of |x| < eps and of NaNs; one
+ * read of an Adam exp_avg/exp_avg_sq pair gives their statistics and those of ratio
+ * m / max(sqrt(v), FLT_MIN) and update m / (max(sqrt(v), FLT_MIN) + shift), bitwise the torch path's
+ * (IEEE single ops are correctly rounded). Each has an AVX2/FMA loop and a portable one.
  *
- * Accumulation: float lanes within blocks of BLOCK elements (vectorised), block totals in double; a
- * block of finite values whose sum or sum of squares leaves float's range (|x| > 1.8e19: an exploding
- * gradient) is summed again in double, so its norm is not an inf that the tensor does not hold.
- * Counts within a block are exact in float (at most BLOCK per lane). min/max ignore NaNs here; the
- * caller reports NaN for min/max where the NaN count is not zero (torch's aminmax propagates NaN).
+ * Accumulation: float lanes within blocks of BLOCK elements, block totals in double; a block whose
+ * sums leave float's range (an exploding gradient) is summed again in double. min/max ignore NaNs;
+ * the caller reports NaN where the NaN count is not zero.
  *
- * No Python objects are touched while computing: the GIL is released, and with threads > 1 that many
- * threads (the caller's included) claim chunks of CHUNK elements from one atomic counter, so a helper
- * that gets no CPU holds the caller up by one chunk at most; chunk results are merged in a fixed order,
- * so results do not depend on the thread count or on scheduling. The helpers are PyTorch's own GNU
- * OpenMP workers where the process has them (see gomp_parallel below), else POSIX threads.
+ * The GIL is released; with threads > 1 the threads claim CHUNK-element chunks from one atomic counter
+ * and chunk results merge in a fixed order, so results do not depend on the thread count. Helpers are
+ * PyTorch's GNU OpenMP workers where present (gomp_parallel), else POSIX threads.
  *
- * Built as the optional extension trainrec.recorder._fused (setuptools ext-modules, optional=true):
- * without a C compiler trainrec installs and runs the torch path instead.
+ * Optional extension trainrec.recorder._fused: without a C compiler the torch path runs instead.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -36,10 +27,9 @@
 
 #define BLOCK 4096
 /* How far ahead of the element it reads the AVX2 loop asks for memory (_mm_prefetch), in elements:
- * 8 KiB. The hardware prefetchers alone left a core reading a tensor that is not in the caches at
- * 6 GB/s on the 2-CPU development VM (the gradients of a 5.3M-parameter model after the backward pass:
- * 3.5 ms on one thread, 1.8-2.1 ms on two); 2,048 to 16,384 elements ahead gave 0.84-1.3 ms on two,
- * 256 ahead 1.7 ms. On data in the caches it costs one instruction per 64-byte line. */
+ * 8 KiB. The hardware prefetchers alone leave fresh gradients (not in the caches) slow to read; the
+ * distances tried are in benchmarks/RESULTS.md, "Statistics kernel". On cached data it costs one
+ * instruction per 64-byte line. */
 #define PREFETCH_AHEAD 2048
 #define NF 6 /* min, max, sum, sumsq, zeros (|x| < eps), nans */
 #define MAX_THREADS 64
@@ -151,8 +141,8 @@ __attribute__((target("avx2,fma"))) static inline double hsum_epi32(__m256i v) {
  * independent vector accumulators per statistic (the auto-vectorised loop has one, so each iteration
  * waits for the previous one's adds), and NaNs counted only where the sum is not finite (a NaN makes
  * it NaN), so the loop does six vector operations per 8 elements instead of eight. On data in the
- * caches (a hook's fresh activation) it reads 1.4-1.8x as fast; from memory both are bound by the
- * memory. Zero counts are int32 lanes (at most BLOCK / 16 per lane). min/max ignore NaNs as the
+ * caches (a hook's fresh activation) it reads faster; from memory both are bound by the memory.
+ * Zero counts are int32 lanes (at most BLOCK / 16 per lane). min/max ignore NaNs as the
  * generic loop does: vminps/vmaxps return the second operand when either is NaN, and the running
  * value is passed second. A block's last elements (fewer than 16) go through the generic loop. */
 __attribute__((target("avx2,fma"))) static void stats_f32_avx2(const float *x, int64_t lo, int64_t hi, float eps,
@@ -443,8 +433,7 @@ typedef struct {
  * patterns as integers. Any write that changes the values of SAMPLE_STRIDE consecutive elements or more
  * (a row of an embedding of width 256 or more, a slice, anything dense) changes an element of the
  * sample, and so the sum, but for changes that cancel exactly in 64-bit integers. Checking it reads one
- * line in 16: on the development VM 0.2-0.3 ms for the 21 MB of gradients of the benchmark model, not in
- * the caches, against 1.2 ms to measure them again. */
+ * line in 16, far less than measuring the tensor again. */
 #define SAMPLE_STRIDE 256
 #define SAMPLE_RUN 16
 #define SAMPLE_MASK ((UINT64_C(1) << 52) - 1) /* the sum, kept in a double: exact */

@@ -28,16 +28,10 @@ def update_and_ratio(entries, compute, want_update: bool, want_ratio: bool, chun
     """Stats rows of ``update`` and ``ratio`` for ``lookup`` entries, via ``compute(list, scales) -> rows``.
 
     With ``c = sqrt(1 - b2^t) / (1 - b1^t)``: ``ratio = c * m / sqrt(v)`` and
-    ``update = c * m / (sqrt(v) + eps * sqrt(1 - b2^t))``. The bias corrections are folded into a
-    per-tensor scale of the statistics instead of extra passes over the tensors, so this costs one
-    ``sqrt`` and one division per tensor for each of the two (two full-size temporaries, reused).
-    ``ratio`` is 0 (not 0/0 = NaN) where ``v == 0``: the ``sqrt(v)`` temporary is clamped in place to
-    the dtype's smallest normal number, which changes no other value (see the module docstring).
-    The tensors are processed in chunks of at most ``chunk_numel`` elements (a larger tensor is a chunk
-    of its own), so the temporaries add at most about ``2 * chunk_numel`` elements (2 x 256 MB in
-    float32 by default, or twice the largest state tensor if that is larger) to the memory peak,
-    not twice the whole optimizer state.
-    """
+    ``update = c * m / (sqrt(v) + eps * sqrt(1 - b2^t))``; the bias corrections are per-tensor scales
+    of the statistics, not extra passes. ``ratio`` is 0 where ``v == 0`` (``sqrt(v)`` is clamped to the
+    dtype's smallest normal number). Tensors go in chunks of at most ``chunk_numel`` elements, so the
+    two temporaries add about ``2 * chunk_numel`` elements to the memory peak, not twice the state."""
     if not entries:
         return None, None
     scales, shifts = bias_corrections(entries)

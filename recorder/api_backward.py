@@ -1,17 +1,11 @@
-"""The API level's backward (``api_xy``'s ``backward``, on with it): the gradients through each
-recorded API call, the reference's ``Functional.linear.0.backward``.
+"""The API level's backward (``api_xy``'s ``backward``): the gradients through each recorded API call,
+the reference's ``Functional.linear.0.backward``.
 
-The reference (mindstudio-probe 1.2.1) puts a backward hook on the autograd node that made a call's
-first output tensor (``grad_fn.register_hook``) and records the gradients that node takes in as the
-backward call's inputs (``input.i``: the gradient of the node's i-th output) and those it hands on as
-its outputs (``output.i``: the gradient to the node's i-th input; for ``F.linear`` on 2-D input,
-``AddmmBackward0``'s bias, input and transposed weight). A gradient not computed (the reference's
-null: an input that needs none) has no port. Here the same: one post-hook per call on that node, made
-at the forward (a call whose first output tensor needs no gradient gets none), measures the gradients
-with the xy statistics and adds the call to its micro step's backward pass in the step; the passes go
-to the log with the step's records (:func:`write_backward`). A node that never runs (a view's node
-replaced by a later in-place change) records nothing; one run again (``retain_graph``), its first run.
-"""
+As the reference (mindstudio-probe 1.2.1): one post-hook, made at the forward, on the autograd node
+that made a call's first output tensor; ``input.i`` is the gradient the node takes in for its i-th
+output, ``output.i`` the one it hands to its i-th input (none where not computed). The passes go to
+the log with the step's records (:func:`write_backward`). Behaviour and limits: docs/graphs.md,
+"The API level"."""
 
 from __future__ import annotations
 

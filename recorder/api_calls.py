@@ -1,28 +1,14 @@
 """The API level (``api_xy``): torch functions and tensor methods called inside the model's forward,
 msprobe's ``mix`` level, recorded through ``torch.overrides.TorchFunctionMode``.
 
-On a collected step, the model chunk's forward pre-hook pushes :class:`ApiMode` and its forward hook
-(``always_call``: also where the forward raises) pops it, so the mode is active inside the model's
-training forward only, never in backward, the optimizer step or a step not collected. Forward hooks
-on the monitored modules keep the stack of module calls open, which names each call's enclosing
-module. Each call recorded is named as the reference names it: ``Functional.<name>`` for
-``torch.nn.functional``, ``Tensor.<name>`` for tensor methods, ``Torch.<name>`` for the rest, with a
-counter per name and step (``Functional.linear.0.forward``), and gets the statistics of its tensor
-inputs and outputs (the xy path: :func:`.hooks.rows_for`, which measures a tensor already measured
-in the step once), their shapes, dtypes and ``requires_grad``, numbers as their values, and, with
-``"api_xy": {"stack": true}``, its call stack. One :class:`~trainrec.schema.events.ApiCallsRecorded`
-per forward pass goes to the log (its rows copied to the host as the step's other rows are; the record
-itself: :mod:`.api_record`). A call whose first output needs a gradient has the gradients through it
-recorded in backward as well (``...backward``, :mod:`.api_backward`; not with ``"backward": false`` or
-``forward_only``).
-
-Which calls are recorded (the rule): a call made while torch already runs the mode's handler (nested
-calls inside an API, the recorder's own statistics) is not seen, as torch pops the mode there; a call
-made from the recorder's own code (the monitor's module hooks) is skipped, found by its first caller
-outside torch; so are attribute reads (``Tensor.__get__``: ``x.shape``, ``x.grad_fn``), private
-methods (``_``-prefixed), methods giving metadata or Python values (:data:`SKIPPED`: ``dim``,
-``size``, ``numel``, ``item``, ...) and calls with no tensor among their arguments or results.
-"""
+On a collected step the model chunk's forward pre-hook pushes :class:`ApiMode` and its forward hook
+(``always_call``) pops it, so only the training forward is seen. Each call is named as the
+reference names it (``Functional.linear.0.forward``), placed under its enclosing monitored module,
+and measured on the xy path (:func:`.hooks.rows_for`); one
+:class:`~trainrec.schema.events.ApiCallsRecorded` per forward pass goes to the log (:mod:`.api_record`),
+and the gradients through the calls in backward (:mod:`.api_backward`). Nested calls, the recorder's
+own calls, attribute reads, private and metadata methods (:data:`SKIPPED`) and calls without tensors
+are not recorded: the rule is in docs/graphs.md, "The API level"."""
 
 from __future__ import annotations
 

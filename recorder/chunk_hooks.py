@@ -52,8 +52,8 @@ def make_chunk_pre_hook(ctx: HookContext, vpp: int):
 
 def _run_hook(ctx: HookContext, body):
     """``body`` as a hook installed on a model chunk for the whole run: plain where the model runs
-    uncompiled (:func:`eager` costs 10-20 us per call inside a step), through :func:`eager` where it
-    runs compiled or dynamo is tracing it."""
+    uncompiled (:func:`eager` costs time on every call), through :func:`eager` where it runs compiled
+    or dynamo is tracing it."""
     monitored = ctx.monitored
     if monitored.compiled:
         return eager(body)

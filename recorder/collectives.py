@@ -1,20 +1,14 @@
 """Recording of ``torch.distributed`` collective and point-to-point calls (``cc_distribution``).
 
-The reference (msprobe) monitors communication by replacing the ``torch.distributed`` functions with
-wrappers, and so does this module: the functions named in :data:`WRAPPED` are replaced, in
-``torch.distributed`` and ``torch.distributed.distributed_c10d``, by a wrapper that tells every
-installed :class:`CollectiveRecorder` about the call and then calls the original. The wrappers go in
-with the first recorder and come out with the last (where nothing else has replaced them since; else
-they stay, passing calls through). Only calls made through these Python functions are seen: DDP's
-gradient buckets and FSDP's collectives are issued from C++, and code that saved a function before
-the monitor was made (``from torch.distributed import all_reduce`` at import) calls the original.
+As the reference does, the functions named in :data:`WRAPPED` are replaced in ``torch.distributed``
+and ``torch.distributed.distributed_c10d`` by a wrapper that tells every installed
+:class:`CollectiveRecorder` about the call, then calls the original. The wrappers go in with the
+first recorder and come out with the last (unless replaced since). Calls issued from C++ (DDP, FSDP)
+or through a reference saved before the monitor was made are not seen (docs/postmortem.md).
 
-Per call, on the calling thread: a :class:`CollectiveCalled` event at issue, before the call can
-block (op, process group and its ranks, the group's sequence number, tensor shapes and dtypes), and
-in statistics mode a :class:`CollectiveCompleted` one with the statistics of the tensors after a
-synchronous call returns. The call stays "in flight" until the original returns (an async call's
-until it is enqueued), which the stall watchdog reports.
-"""
+Per call, on the calling thread: :class:`CollectiveCalled` at issue, before it can block, and in
+statistics mode :class:`CollectiveCompleted` after a synchronous call returns. The call is "in
+flight" (for the stall watchdog) until the original returns."""
 
 from __future__ import annotations
 

@@ -13,9 +13,8 @@ def eager(fn):
     graph of a compiled model, and dynamo would otherwise trace the monitor's own code, compile pieces
     of it (seconds on the first collected steps) and recompile them whenever a guard on its
     dictionaries fails, until its recompile limit. ``torch.compiler.disable``: a graph break at the
-    hook, which runs as Python on the real tensors, with dynamo off inside it. The wrapper costs 1 us
-    per call warm and 10-20 us inside a training step (about 2% of config b's step in the recorder
-    benchmark), so the monitor uses it only where the model runs compiled (``MonitoredModel.compiled``)."""
+    hook, which runs as Python on the real tensors, with dynamo off inside it. The wrapper has a cost
+    per call, so the monitor uses it only where the model runs compiled (``MonitoredModel.compiled``)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return fn if disable is None else disable(fn)
 

@@ -44,20 +44,13 @@ class GradOwnership:
         self._plain_cache = None
 
     def own_grads(self, partitioned_only: bool = False):
-        """``(index, gradient)`` of the monitored parameters this rank reports at the optimizer step:
-        those with a gradient, less tensor-parallel duplicates, and less data-parallel duplicates where
-        ``dp_group`` was given. Where the optimizer keeps its own copy of the reduced gradient
-        (DeepSpeed ZeRO, Megatron's DistributedOptimizer), this rank's share of that
-        (:meth:`AdamState.reduced_grad`); ``partitioned_only``: DeepSpeed's pieces alone, for the
-        later calls of a step made one param group at a time (or one chained optimizer at a time: a
-        Megatron chain readies every member's gradients before the first steps).
-
-        ``dp_group`` drops a gradient on all but the group's first rank only where every rank of the
-        group holds the same one: the reference's documentation gives the deduplication for a run
-        "without a distributed optimizer" (its code drops every rank's but the first). A share of a
-        sharded gradient (an optimizer's piece, an FSDP2 DTensor's local shard) is this rank's alone
-        and is recorded on every rank, but where another rank of the group holds the same one (see
-        :meth:`_dp_copy`: HSDP's replicas)."""
+        """``(index, gradient)`` of the monitored parameters this rank reports at the optimizer step: those
+        with a gradient, less tensor-parallel duplicates, and less data-parallel duplicates where
+        ``dp_group`` was given. Where the optimizer keeps its own reduced gradient (DeepSpeed ZeRO,
+        Megatron's DistributedOptimizer), this rank's share of that (:meth:`AdamState.reduced_grad`);
+        ``partitioned_only``: DeepSpeed's pieces alone, for the later calls of a step made one param group
+        (or chained optimizer) at a time. A sharded gradient is this rank's own and kept on every rank,
+        except where ranks of the group hold the same shard (:meth:`_dp_copy`; docs/distributed.md)."""
         adam = self.binding.adam
         reduced_grad = None
         if adam is not None:
@@ -101,9 +94,7 @@ class GradOwnership:
     def own_grad_lists(self, partitioned_only: bool = False) -> tuple[list, list]:
         """:meth:`own_grads` as two lists, indices and gradients. In the common case (no tensor- or
         data-parallel duplicates, no optimizer's copy of the gradients, no ``main_grad``) without a
-        Python step per parameter: this runs at the optimizer step, after the backward's kernels have
-        left the interpreter's data out of the CPU caches (the generator's loop cost about 0.25 ms there
-        for the benchmark model's 51 parameters)."""
+        Python step per parameter: at the optimizer step the interpreter's data is out of the CPU caches."""
         plist = self._plain_param_tensors()
         adam = self.binding.adam
         if (plist is not None and not partitioned_only and not self.dp_duplicate

@@ -1,18 +1,12 @@
 """Statistics of accelerator tensors with Triton: one read of each tensor for all six, few launches.
 
-Two stages. A *partials* kernel reads a share of one tensor per program and writes a row of float64
-partials (min, max, sum, sum of squares, zeros as ``|x| < eps / scale``, NaNs, elements, scale); a
-*combine* kernel reduces each tensor's partials to its row of the requested ops. Many tensors go
-through one partials launch per dtype, driven by a table of addresses and sizes that is copied to the
-device without blocking (and reused while the tensors stay where they are); a hook's few tensors are
-passed directly, in one launch. Either way one combine launch makes the rows. Nothing is copied,
-nothing is read back: the rows stay on the device until the step's one copy to the host.
-
-Update and ratio (Adam) are measured from the (exp_avg, exp_avg_sq) pairs in the same pass that forms
-them (``MODE`` 1 and 2), with the bias corrections as per-tensor scales, so no temporary is made.
-
-Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (how the tests check them without a GPU).
-"""
+A *partials* kernel reads a share of one tensor per program and writes float64 partials (min, max,
+sum, sum of squares, zeros, NaNs, elements, scale); a *combine* kernel reduces them to each tensor's
+row. Many tensors go in one partials launch per dtype, driven by a table of addresses and sizes
+copied without blocking; a hook's few tensors are passed directly. Nothing is read back: rows stay
+on the device until the step's one host copy. Adam's update and ratio are measured from the state
+pairs in the same pass (``MODE`` 1 and 2). Under ``TRITON_INTERPRET=1`` the kernels run on CPU
+tensors (the tests). See docs/gpu.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
 """The one-pass CPU statistics kernel (``_fused.c``) behind a small Python face.
 
-:func:`stats` gives the recorder's float32 ``[tensors x ops]`` statistics (min, max, mean, norm, zeros,
-nans) from one read of each tensor's memory; :func:`adam` gives those of exp_avg, exp_avg_sq, update
-and ratio from one read of each state pair.
+:func:`stats` gives the recorder's float32 ``[tensors x ops]`` statistics (min, max, mean, norm,
+zeros, nans) from one read of each tensor's memory; :func:`adam` gives those of exp_avg, exp_avg_sq,
+update and ratio from one read of each state pair. Figures: benchmarks/RESULTS.md, "Statistics kernel".
 
 The extension is optional (built by ``pip install`` where a C compiler exists). ``AVAILABLE`` says
-whether it loaded; ``TRAINREC_FUSED=0`` in the environment turns it off (the torch path runs then),
-which is also how the tests check both paths.
-
-Measured side by side with the torch path by ``benchmarks/bench_stats.py`` (figures in
-``benchmarks/RESULTS.md``, "Statistics kernel"): on the 2-core development machine (AMD EPYC, AVX2)
-0.3-0.5 ns per float32 value (its memory bandwidth; 0.19 ns for values in L2) against 1.3-3.9 ns, and
-about 1 ns per Adam state element for all four statistics sets against 7.7 ns.
-
-Tensor subclasses without storage of their own (DTensor) never reach the kernel: :func:`local_tensor`
-gives their local shard, the entry points take plain tensors only, and the C side refuses address 0.
-Nor do negative views (``is_neg()``), whose memory holds minus their values: the torch path measures
-them (conjugate views are complex, which the kernel never takes, and their magnitudes are measured).
-"""
+whether it loaded; ``TRAINREC_FUSED=0`` turns it off (the torch path runs), which is how the tests
+check both paths. Tensors without storage of their own (DTensor: :func:`local_tensor` gives their
+shard) and negative views (``is_neg()``, whose memory holds minus their values) never reach the
+kernel; the C side refuses address 0."""
 
 from __future__ import annotations
 
@@ -39,20 +30,13 @@ except ImportError:  # no C compiler at install time: the torch path runs
 AVAILABLE = _fused is not None and config.env_choice("TRAINREC_FUSED", ("1", "0", ""), "1") != "0"
 
 # Statistics calls with fewer values than PARALLEL_NUMEL run on the calling thread only. With more,
-# the kernel's helpers run as a parallel region of the process's GNU OpenMP runtime (PyTorch's own CPU
-# threads, which spin for a while after each torch op and take the region at once); from 1M values
-# (4 MB of float32) on that pays: in training, the benchmark model's 21 MB gradient batch took 1.3-1.8
-# ms with two threads against 2.5-2.9 ms with one (benchmarks/bench_recorder.py, config a). Where the
-# helpers are threads of our own ("pthreads": no GNU OpenMP in the process, or TRAINREC_THREADS=pthreads)
-# they compete for the cores with torch's spinning threads: with helpers from 256K values on, the
-# activations of config b took 15-20 ms per step instead of 12.6 ms, and a second thread gained
-# nothing on the gradients; there only batches of 16M values and more (CPU-offloaded optimizer state,
-# big CPU models) are split.
+# the kernel's helpers run as a parallel region of PyTorch's GNU OpenMP runtime, which pays from 1M
+# values. Threads of our own ("pthreads") compete with torch's spinning threads, so there only batches
+# of 16M values and more are split (see benchmarks/RESULTS.md, "Recorder overhead").
 PARALLEL_NUMEL_OPENMP = 1 << 20
 PARALLEL_NUMEL_PTHREADS = 1 << 24
 PARALLEL_NUMEL = PARALLEL_NUMEL_PTHREADS  # set below for the runtime in use (_set_parallel_numel)
-# Adam state pairs do a sqrt and two divisions per element; there a second thread gains (5.9 against
-# 7.2 ms per step on the same model) as soon as starting it (~30 us) pays.
+# Adam state pairs do a sqrt and two divisions per element, so a second thread pays on smaller batches.
 ADAM_PARALLEL_NUMEL = 1 << 18
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _stats_tensors = getattr(_fused, "stats_tensors", None) if AVAILABLE else None
@@ -199,17 +183,12 @@ def stats_f32(xs: Sequence[torch.Tensor | None], eps: float, codes: bytes,
               scales: Sequence[float] | None = None, numpy: bool = False,
               extremes: np.ndarray | None = None) -> torch.Tensor | np.ndarray | None:
     """:func:`stats` for the hooks' case, with the least Python per call: float32 CPU tensors; None and
-    empty tensors give NaN rows (as the engine's general path); a non-contiguous tensor is measured where
-    it lies if it is a permutation of a contiguous block and no scales are given (a transpose: the ops
-    ignore element order), else through a contiguous copy. Anything else gives None: the caller takes
-    the general path. So does a negative view (``x.is_neg()``: ``x.conj().imag``, ``torch._neg_view``, a
-    gradient some backward gave as one), whose memory holds minus its values: torch's ops resolve that,
-    a read of the memory would not (one ``is_neg()`` call per tensor, about 0.1 us).
-    ``eps`` is one threshold for all (divided by each scale here). ``numpy``: the rows as the numpy
-    array the kernel wrote (no tensor made per call; the step's end makes one of all).
-    ``extremes``: a float64 ``[len(xs), FINGERPRINT_COLUMNS]`` array to fill with each tensor's
-    fingerprint for :func:`unchanged` (where its min and max lie, their values, and the sum of a sample
-    of one 64-byte line per KiB), where the kernel measured the tensor where it lies and it has
+    empty tensors give NaN rows. A non-contiguous tensor is measured where it lies if it is a
+    permutation of a contiguous block and no scales are given, else through a contiguous copy. Anything
+    else, and a negative view (``x.is_neg()``, whose memory holds minus its values), gives None: the
+    caller takes the general path. ``eps``: one threshold (divided by each scale). ``numpy``: the rows
+    as the kernel's numpy array. ``extremes``: a float64 ``[len(xs), FINGERPRINT_COLUMNS]`` array
+    filled with each tensor's fingerprint for :func:`unchanged` where it was measured in place with
     :data:`FINGERPRINT_MIN_NUMEL` elements or more; rows of -1, -1, NaN, NaN, NaN elsewhere."""
     if extremes is not None:
         no_fingerprints(extremes)  # the kernel overwrites the rows it has fingerprints for

@@ -52,16 +52,13 @@ def shard_held_before(mesh, placements, ranks: tuple) -> bool:
 
 
 def main_grad_now(p: torch.Tensor, mg: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-    """``(tensor, added, measure_now)`` for this micro step's unreduced ``main_grad`` of ``p``, from
-    inside its post-accumulate-grad hook. Megatron's DDP keeps ``main_grad`` as a view into its
-    contiguous gradient buffer and adds ``.grad`` into it in its own hook on the gradient accumulator,
-    which runs after this one; with ``overlap_grad_reduce`` that hook then starts the bucket's
-    reduction at once when this parameter completes the bucket. So, in a shared buffer, the value the
-    owner is about to make, ``main_grad + added`` (``added``: ``.grad``), is measured now (see
-    :meth:`GradBatch._rows_of_sum`); ``main_grad`` alone where Megatron's fused weight-gradient
-    accumulation has added the gradient already (``grad_added_to_main_grad``) or ``.grad`` does not
-    fit. A ``main_grad`` kept elsewhere is looked up when the batch is measured, at the end of the
-    backward pass at the latest (None: after every hook of this backward has run)."""
+    """``(tensor, added, measure_now)`` for this micro step's unreduced ``main_grad`` of ``p``, from its
+    post-accumulate-grad hook. Megatron's DDP adds ``.grad`` into ``main_grad`` (a view into its
+    gradient buffer) in a later hook, which may start the bucket's reduction at once; so in a shared
+    buffer ``main_grad + added`` (``added``: ``.grad``) is measured now (:meth:`GradBatch._rows_of_sum`),
+    ``main_grad`` alone where fused accumulation added it already (``grad_added_to_main_grad``) or
+    ``.grad`` does not fit. A ``main_grad`` kept elsewhere is looked up when the batch is measured
+    (None: after every hook of this backward has run)."""
     if not in_shared_buffer(mg):
         return None, None, False
     g = p.grad

@@ -20,27 +20,13 @@ if TYPE_CHECKING:
 
 
 class HookContext:
-    """The hooks' view of a recording.
+    """The hooks' view of a recording: the narrow interface every hook maker gets instead of the session
+    (its attributes are listed in docs/recorder-internals.md, "What hooks get").
 
-    ``recording``: the :class:`~trainrec.recorder.context.RecordingContext` (the collected step's
-    ``state``, ``params``, ``engine``, the active ``config``); ``grad_acc``: micro steps per step (the
-    step tracker's, ``steps``);
-    ``hook_failed(where, exc)``: a failure inside a hook reported (training goes on);
-    ``monitored``: the :class:`~trainrec.recorder.monitored.MonitoredModel` (``compiled``,
-    ``match_compiled()``, ``hook_materialized()``); ``on_micro_step()``: the step cycle's, at chunk 0's
-    training forward; ``step_hooks``: the :class:`~trainrec.recorder.attach.StepHooks` (the list hooks'
-    ``fired`` and ``list_handles``, the FSDP2 and lazy parameters waiting); ``grad_batch``: the
-    :class:`~trainrec.recorder.grad_batch.GradBatch`; ``name_table`` and ``sync_names()``: names interned,
-    and announced to the log; ``output`` (its ``writer``) and ``identity`` (its ``rank``): where the API
-    level's records go; ``no_tensor_warned``: name ids of modules warned of finding no tensor;
-    ``lazy_chunks``: chunks whose lazy modules' parameters are not made yet, ``materialized(vpp)`` once
-    they are.
-
-    ``ref``: a weak reference to this context, what hooks on tensors hold (out of the garbage
-    collector's sight, a strong reference there would keep the recording alive): it answers None once
-    the monitor is gone, and those hooks do nothing then. The model's hooks hold the context itself,
-    which holds its ``owner`` (read by no hook) so that the model keeps its monitor alive, as it always did.
-    """
+    ``ref`` is a weak reference to this context, what hooks on tensors hold: they sit out of the garbage
+    collector's sight, where a strong reference would keep the recording alive; it answers None once
+    the monitor is gone, and those hooks then do nothing. The model's hooks hold the context itself,
+    which holds its ``owner`` (read by no hook) so that the model keeps its monitor alive."""
 
     __slots__ = ("__weakref__", "_owner", "grad_batch", "hook_failed", "identity", "lazy_chunks",
                  "materialized", "monitored", "name_table", "no_tensor_warned", "on_micro_step", "output", "recording",

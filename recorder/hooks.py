@@ -1,41 +1,17 @@
 """Hook closures installed on modules and parameters (the per-step state they fill: :mod:`.step_state`).
 
-Every hook is registered through a public torch API and its handle is kept by the monitor:
-``Module.register_forward_pre_hook`` / ``register_forward_hook`` for activations,
-``Tensor.register_hook`` (on a monitored call's input and output tensors) for activation gradients,
-``Tensor.register_post_accumulate_grad_hook`` for weight gradients, ``Module.register_forward_pre_hook``
-on each model chunk to count micro steps and close a micro step's gradient batch. Hooks observe and
-never change tensors.
+Every hook goes through a public torch API and the monitor keeps its handle: module forward
+(pre-)hooks for activations, ``Tensor.register_hook`` on a call's selected tensors for activation
+gradients, ``register_post_accumulate_grad_hook`` for weight gradients. Hooks observe and never
+change tensors.
 
-No full backward hooks: they make torch wrap module inputs and outputs in BackwardHookFunction, and
-an in-place operation on such a tensor (``ReLU(inplace=True)`` after a Linear, a residual ``x += y``)
-then raises in the user's forward. Instead the forward pre-hook registers a gradient hook on the
-selected input tensor (if it requires grad) and the forward hook one on the selected output tensor
-(registered before any later in-place change, so it receives the gradient of the value the module
-produced). Difference from the reference: ``input_grad`` is the gradient of the input *tensor*, i.e.
-the sum over all its uses; it equals the reference's gradient w.r.t. the module's input whenever the
-tensor is consumed by this module only (the usual case; not for a tensor also used by a residual
-branch, or passed to the module twice). A gradient hook on a *view* is lost when that view is later
-modified in place (torch drops it): for a view of a whole tensor (a Linear's output on 3-D input) the
-node that made that tensor gets a pre-hook too, which records the gradient then; a partial view
-modified in place records no row for that slot. The backward firing of a call (HooksFired) is
-recorded at its first gradient, with the forward call's micro step.
-A tensor selected by several calls (a module's output is the next module's input, a container's
-input its first child's) with no in-place change in between gets one gradient hook, which serves
-those calls in the order they selected it (as separate hooks would fire) and measures the gradient
-once.
+No full backward hooks: they make an in-place op on a module's input or output raise in the user's
+forward. So ``input_grad`` is the gradient of the input *tensor* over all its uses (docs/config.md,
+"What is recorded"). A tensor selected by several calls gets one gradient hook, measured once.
 
-Under ``torch.compile`` the module hooks are inlined into the compiled forward: where the monitor
-knows the model runs compiled, every hook here is wrapped by :func:`.compile_mode.eager`, so dynamo breaks the
-graph at it and never traces the monitor's own code (see there for why not always). Selectors: :mod:`.selectors`.
-
-These hooks are attached only for steps that are collected (the monitor detaches them otherwise, so
-a skipped step pays nothing). On a collected step a hook resolves nothing by name (ids are prepared
-once), appends its firing to columnar arrays, and computes the statistics of its few tensors at once,
-keeping the results on the device. An exception inside a hook is caught and reported (HookFailed),
-never raised into training. The hooks get the monitor's :class:`~.hook_context.HookContext`, not the
-monitor; those on tensors hold it weakly (``ctx.ref``).
-"""
+Hooks are attached on collected steps only, keep results on the device, and report an exception as
+HookFailed instead of raising it. Under ``torch.compile`` they are wrapped by
+:func:`.compile_mode.eager`. Tensor hooks hold the :class:`~.hook_context.HookContext` weakly."""
 
 from __future__ import annotations
 
@@ -233,8 +209,8 @@ def _grad_cb_eager():
 
 
 def _make_grad_cb(ctx: HookContext, st: StepState, users: list, once: _Once | None = None):
-    """The gradient hook of one tensor: a partial of one function wrapped once (a wrapper made per
-    tensor, several per module call, cost 5-10 us each)."""
+    """The gradient hook of one tensor: a partial of one function wrapped once (making a wrapper per
+    tensor, several per module call, would cost time on the hot path)."""
     return functools.partial(_grad_cb_eager() if ctx.monitored.compiled else _grad_cb, ctx.ref, st, users, once)
 
 

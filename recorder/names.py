@@ -1,21 +1,15 @@
 """Names of modules and parameters as the monitor records them, and target matching.
 
-``squash_name`` (default true in the reference) shortens names like ``encoder.layers.0.self_attn`` to
-``0.self_attn``. The reference applies unanchored regexes, so ``output_layer.weight`` becomes
-``weight`` and ``vision.layers.0.x`` / ``text.layers.0.x`` collide for modules. Here the patterns
-are anchored on name segments and a name whose squashed form is not unique (within modules, or
-within parameters, of one model chunk) keeps its full name.
-
-Squash rules, first match wins, looking at dot-separated segments:
+``squash_name`` shortens ``encoder.layers.0.self_attn`` to ``0.self_attn``. Unlike the reference's
+unanchored regexes, the patterns match whole dot-separated segments, and a name whose short form is
+not unique (among modules, or parameters, of one model chunk) keeps its full name. First match wins:
 
 1. a segment ``layer`` or ``layers`` followed by more segments: keep what follows it;
 2. a segment ``embedding`` or ``embeddings`` followed by more segments: keep what follows it;
 3. a segment starting with ``final``, ``output`` or ``norm``: keep from that segment on.
 
-Target matching: a target names a module (exact match on its full or squashed name, optionally with
-the reference's ``"{vpp}:"`` prefix) or a parameter prefix on segment boundaries (``layers.1``
-selects ``layers.1.weight`` but not ``layers.10.weight``). The target ``""`` selects everything.
-"""
+A target names a module (its full or squashed name, optionally with a ``"{vpp}:"`` prefix) or a
+parameter prefix on segment boundaries (``layers.1`` is not ``layers.10``); ``""`` selects all."""
 
 from __future__ import annotations
 

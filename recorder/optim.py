@@ -1,32 +1,17 @@
 """Finding the torch optimizer behind a wrapper, and its Adam state (``update`` and ``ratio`` from that
 state: :mod:`.adam_update`).
 
-The monitor hooks the *instance* of the torch optimizer that actually steps
-(``register_step_pre_hook`` / ``register_step_post_hook``), never the class: a second optimizer
-in the same process is not affected. Wrappers (Megatron's mixed-precision optimizers, DeepSpeed's
-ZeRO optimizers, accelerate's ``AcceleratedOptimizer``, HF's ``optimizer.optimizer``) are followed
-through their ``.optimizer`` attribute down to a ``torch.optim.Optimizer``.
+The monitor hooks the *instance* of the torch optimizer that steps, never the class. Wrappers
+(Megatron's, DeepSpeed's, accelerate's, HF's) are followed through ``.optimizer`` to a
+``torch.optim.Optimizer``; ``ZeroRedundancyOptimizer`` through ``.optim``.
 
-Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) is read from that optimizer's ``state``. Each
-parameter's step count is read where torch keeps it on the CPU (plain Adam/AdamW: no sync); fused and
-capturable Adam keep it on the device, where reading it would sync: there it is never read, and the
-bias corrections of update and ratio are computed from the counters on the device, as 0-d float32
-tensors that the statistics take as operands (a few kernels per param group and collected step). A model
-parameter is found there directly (plain torch Adam/AdamW, no ``opt_ty`` needed) or, for Megatron's
-``Float16OptimizerWithFloat16Params`` style wrappers, through the fp32 master copy that sits at the
-same position in ``fp32_from_float16_groups`` as the model parameter in ``float16_groups``.
-torch's own ``ZeroRedundancyOptimizer`` is followed to its local optimizer (``.optim``), whose state
-is keyed by the real parameters: each rank records the Adam state of its shard.
-
-DeepSpeed ZeRO (stages 1-3) keeps the state in flat fp32 partitions: :mod:`.zero` finds this rank's
-piece of each parameter there, and :class:`AdamState` gives that piece of the state (and, through
-:meth:`AdamState.reduced_grad`, of the reduced fp32 gradient, which DeepSpeed sets for the optimizer
-step): each rank records the statistics of its own pieces, as with FSDP2's shards. Megatron's DistributedOptimizer gives each rank fp32
-shards of the parameters in its range (``model_float16_groups`` / ``shard_fp32_from_float16_groups``):
-their state and, at the step, their gradients are that rank's. Parameters without a found state get
-no rows; one warning names the optimizers (of a list, those) that keep no Adam state for any of them
-and have none to come (outside Adam's family, or stepped with state of another kind).
-"""
+Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) is read from that optimizer's ``state``. A step
+count kept on the device (fused, capturable Adam) is never read, which would sync: the bias
+corrections are then 0-d device tensors. A parameter's state is found directly, through Megatron's
+fp32 master copies (same position in ``fp32_from_float16_groups``), in DeepSpeed ZeRO's flat
+partitions (:mod:`.zero`, :class:`AdamState`) or in the DistributedOptimizer's shards; each rank
+records its own pieces. Parameters without state get no rows, and one warning names the optimizers
+that keep no Adam state."""
 
 from __future__ import annotations
 

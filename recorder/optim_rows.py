@@ -73,14 +73,11 @@ class OptimizerRows:
 
     def mg_direction_rows(self, st: StepState, partitioned_only: bool = False, momenta: tuple | None = None) -> None:
         """mg_direction at the optimizer pre-step, as the reference computes it: per parameter,
-        ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and
-        the momentum before this update (1.0 where there is no state yet: the first step). A scalar
-        row per parameter; its ops are those of a 0-d tensor (min = max = mean = value). Nothing for an
-        optimizer outside Adam's family (no ``betas``: SGD, Adagrad, RMSprop; one warning), nor for the
-        parameters of one in a list of optimizers, nor where it keeps state but no Adam state, instead of
-        the first step's 1.0 at every step. ``momenta``: :meth:`momenta` as the pre-step hook of a
-        ``step(closure)`` kept them (the gradients come after it, from the closure; here, at the post-step
-        hook, the state is the update's)."""
+        ``((sign(g) . sign(exp_avg)).sum() / numel + 1) / 2`` with the gradient about to be applied and the
+        momentum before this update (1.0 where there is no state yet). A scalar row per parameter. Nothing
+        for an optimizer outside Adam's family (one warning), one in a list of optimizers, or one with no
+        Adam state. ``momenta``: :meth:`momenta` as a ``step(closure)``'s pre-step hook kept them (the
+        gradients come later, from the closure)."""
         if momenta is None:
             momenta = self.momenta()
             if momenta is None:

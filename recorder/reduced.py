@@ -1,17 +1,12 @@
 """Reduced gradients and parameters at the optimizer pre-step.
 
-Reduced gradients are measured again, except where the last unreduced row of a parameter is known to
-hold: its gradient is still the tensor measured then, with the same version counter, and a check shows
-it unchanged (AMP's unscale, apex/Megatron fused scaling, ``.data`` and numpy writes leave the version
-counter as it was). On the torch path (CPU) the check is the norm, recomputed exactly as the engine
-computes it (bitwise reproducible). On the one-pass kernel's path (CPU float32) it is
-:func:`fused.unchanged` (for gradients of 64K elements or more): the two elements where the kernel found
-the min and max, and a sample of one 64-byte line per KiB, which any write to 256 consecutive elements
-or more changes. What it cannot see is a write through ``.data`` or numpy to a few scattered elements
-that holds neither extreme nor a sampled line; ``TRAINREC_REUSE_UNCHANGED_GRADS=0`` measures every
-reduced gradient again. Elsewhere (accelerators: the check would cost a synchronisation) they are
-measured again.
-"""
+A reduced gradient is measured again unless its last unreduced row provably still holds: the same
+tensor, the same version counter, and a check that it is unchanged (AMP's unscale, ``.data`` and
+numpy writes leave the counter alone). On the torch CPU path the check is the norm, recomputed
+bitwise as the engine computes it; on the kernel's path (CPU float32, 64K elements or more) it is
+:func:`fused.unchanged`: both extremes and a sample of one 64-byte line per KiB. Its blind spot, a
+few scattered writes through ``.data`` or numpy, is covered by ``TRAINREC_REUSE_UNCHANGED_GRADS=0``.
+Accelerators always measure again (a check would sync)."""
 
 from __future__ import annotations
 

@@ -189,8 +189,7 @@ def find_append_dir(output_dir: str, rank: int, time_range: tuple) -> str:
 # The live projection is background work: at the lowest priority (niceness +19) the scheduler gives
 # training's threads the cores when they compete (a 2-core machine: torch's two intra-op threads), and
 # the export catches up when they idle. It only ever lags; it never drops anything (it follows the log).
-# Measured (benchmarks/bench_recorder.py, config b with step_interval=10, format csv, skipped steps):
-# +3.3% per step at niceness +10 (the export still competing), +0.1% to +0.4% at +19.
+# At +10 the export still competed with training (benchmarks/bench_recorder.py, config b).
 LIVE_EXPORT_NICE = 19
 
 

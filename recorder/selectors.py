@@ -102,15 +102,12 @@ SLOTS = ("input", "input_grad", "output", "output_grad")
 
 def make_first_call_check(t: ModuleTarget, source: str | None = None,
                           on_reject: Callable[[ConfigError], None] | None = None, inputs: bool = False):
-    """Hook installed until the run's first step ends: at the module's first call, its selectors
-    against its real inputs and outputs. One that does not fit is a ConfigError raised out of that
-    forward, at start-up, before training time is spent (later, in a step the monitor collects, the
-    same mismatch is a HookFailed and training goes on); ``on_reject`` is told first (the monitor
-    records it in the log, which would otherwise not say why the run stopped). With ``inputs``, a
-    forward pre-hook for the ``input`` and ``input_grad`` selectors (it runs before the monitor's own
-    pre-hook, which selects the tensor whose gradient ``input_grad`` records, and would otherwise
-    report the mismatch as a failed hook before the ConfigError); else a forward hook for ``output``
-    and ``output_grad``."""
+    """Hook installed until the run's first step ends: checks the module's selectors against its real
+    inputs and outputs at its first call. A mismatch is a ConfigError out of that forward, at start-up
+    (later, in a collected step, it is a HookFailed and training goes on); ``on_reject`` is told first,
+    so the log says why the run stopped. With ``inputs``, a forward pre-hook for the ``input`` and
+    ``input_grad`` selectors (it runs before the monitor's own pre-hook, which would report a failed
+    hook first); else a forward hook for ``output`` and ``output_grad``."""
     sels = [(slot, t.sel[slot]) for slot in SLOTS
             if t.sel.get(slot) is not None and slot.startswith("input") == inputs]
     done = False

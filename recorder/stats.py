@@ -1,39 +1,16 @@
 """Batched tensor statistics, kept on the device until one host copy per step.
 
 :class:`StatsEngine` computes the requested ops (min, max, norm, mean, zeros, nans) of many tensors
-at once and returns one float32 ``[rows x ops]`` tensor on the device. Only the requested ops are
-computed. Every reduction accumulates in float32 (``sum(dtype=float32)``, ``dot`` / ``vector_norm``
-with ``dtype=float32``; float64 tensors reduce in float64); nothing is copied to float64 and nothing is
-moved to the host per tensor. ``scales`` gives the statistics of ``c * x`` without materialising it
-(used for Adam's bias-corrected update and ratio).
+at once and returns one float32 ``[rows x ops]`` tensor on the device. Reductions accumulate in
+float32 (float64 tensors in float64); nothing goes to the host per tensor. ``scales`` gives the
+statistics of ``c * x`` without making it (Adam's bias-corrected update and ratio). NaNs are counted
+only with ``nans``, and on the torch CPU path only for tensors whose sum is not finite.
 
-Measured on CPU (the benchmark model's 51 gradients, 5.3M values, idle machine): separate ``norm`` and
-``sum`` cost 2.4 + 1.9 ms, ``sum`` + ``dot`` (sum of squares through BLAS) 2.1 ms together; ``zeros``
-as ``(x.abs() < eps).sum()`` costs 16-24 ms because it allocates two full-size temporaries, 5.8 ms
-with ``abs``/``lt`` written into reusable scratch buffers and ``count_nonzero``, and about half of that
-as ``count_nonzero(trunc(x / eps))`` into a scratch buffer, and about half again as
-``dot(q, q)`` with ``q = clamp(trunc(x / eps), -1, 1)`` in that buffer (count_nonzero is a slow CPU
-kernel, BLAS is not); ``histc`` (one pass, no allocation) 24 ms; ``cat`` + ``segment_reduce`` 168 ms;
-``_foreach_norm`` 2.4 ms; numba and ``torch.compile`` single-pass kernels 1.4-1.6 ms per 1M values
-against ~1.0 ms for this path. So on CPU each tensor costs ``aminmax`` + ``sum`` + ``dot`` + the
-zero count; the per-call columns (mean, norm, zeros) come from one stacked matrix. NaNs are counted
-only when ``nans`` is requested. On CPU only for tensors whose sum is not finite, found by one
-host-side check of the stacked sums per batch (free, the values are already in host memory). On other
-devices that check would be a sync, and eager PyTorch has no sync-free way to skip a kernel, so there
-``isnan(x).sum()`` runs for every tensor: one extra read pass per tensor, paid only with ``nans``
-(the zero count there needs no NaN fix-up: ``count_nonzero(trunc(x / eps))`` counts a NaN as nonzero).
-The sum itself is computed on other devices only for ``mean``.
-
-On CPU the one-pass kernel (``fused.py``, built from ``_fused.c``) replaces all of the above for
-every dtype but float64: one read of each tensor gives all six statistics (0.3-0.5 ns per value against
-1.5-2 ns for the torch reductions here), NaNs included, with no scratch buffer and no second pass.
-The torch reductions remain for float64, for accelerators, and where the kernel is not built
-(``StatsEngine.fused = False``, or ``TRAINREC_FUSED=0``); they live in ``torch_stats.py``. This module
-chooses between the kernel, the Triton engine (``device_stats.py``) and them.
-
-``StatsEngine.host_paths = False`` makes CPU tensors take the code other devices take (tests use it
-to check that code against float64 references on a machine without an accelerator).
-"""
+It chooses per batch between the one-pass C kernel (:mod:`.fused`: CPU, every dtype but float64),
+the Triton engine (:mod:`.device_stats`) and torch's reductions (:mod:`.torch_stats`: float64,
+accelerators without Triton, ``TRAINREC_FUSED=0``). The alternatives measured are in
+benchmarks/RESULTS.md, "Statistics kernel". ``StatsEngine.host_paths = False`` makes CPU tensors
+take the other devices' code (how tests check it without an accelerator)."""
 
 from __future__ import annotations
 

@@ -58,8 +58,8 @@ class StepOutput:
                 self._last = {"stats": st.stats, "step": st.step}
                 return
             live = not writer.closed and writer.error is None
-            # rows on the host: the records are made on the writer's thread (about 0.3 ms of Python per
-            # step that the training thread does not wait for); rows on a device: their copy to the
+            # rows on the host: the records are made on the writer's thread (Python the training thread
+            # does not wait for); rows on a device: their copy to the
             # host is started here. The api metrics: the step's rows, made when asked for unless made here
             hs = rest if live and all(_on_host(p.values) for p in rest.parts) else rest.finish(st.step)
             self._last = {"hs": hs} if hs is not rest and rest is st.stats else {"stats": st.stats, "step": st.step}

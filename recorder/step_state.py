@@ -101,14 +101,10 @@ MEMO_MIN_NUMEL = 4096
 
 def rows_for(rec: RecordingContext, st: StepState, xs: tuple) -> torch.Tensor | np.ndarray:
     """Stats rows of a hook's tensors (a numpy array on the kernel's path, see ``StatsEngine.rows``).
-    A module's output is usually the next module's input (and a gradient is handed on the same way),
-    often as another tensor object viewing the same memory: a tensor already measured in this step
-    reuses its row instead of being reduced again when it has the same memory, shape, strides, dtype
-    and sign (``is_neg()``: ``z.conj().imag`` views ``z.imag``'s memory negated), the tensor measured
-    then is still alive (so that memory cannot have been reused by another tensor) and the shared
-    version counter shows no in-place change since. About half of the activation elements of a
-    transformer block are such repeats. (Conjugate views need no place in the key: they are complex,
-    measured by their magnitudes, which conjugation keeps.)"""
+    A module's output is usually the next one's input, often as another tensor object on the same
+    memory: a tensor already measured in this step reuses its row where memory, shape, strides, dtype
+    and sign (``is_neg()``) match, the tensor measured then is still alive (its memory cannot have been
+    reused) and the version counter shows no in-place change since."""
     memo = st.memo
     n = len(xs)
     todo = []

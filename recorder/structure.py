@@ -95,16 +95,12 @@ def io_struct(value: Any) -> dict:
 
 
 def make_struct_hook(struct: dict, key: str):
-    """A forward hook that records the io structure of a module (print_struct): its inputs and outputs,
-    and the gradients a full backward hook would be given, derived from the forward's tensors (a
-    gradient has its tensor's size and dtype), so no full backward hook is needed (those break in-place
-    ops on module outputs; see :mod:`.hooks`).
-
-    As torch's full backward hooks give them: ``input_grad`` has one entry per positional argument, a
-    gradient for every floating-point tensor argument when any argument requires grad (None for the
-    rest, and all None when none does); ``output_grad`` one per top-level output element, a gradient
-    where it is a tensor that requires grad. Nothing is recorded for them when no output requires grad
-    (a full backward hook never fires then)."""
+    """A forward hook that records a module's io structure (print_struct): its inputs and outputs, and
+    the gradients a full backward hook would be given, derived from the forward's tensors (same size
+    and dtype), so no full backward hook is needed (see :mod:`.hooks`). As torch gives them:
+    ``input_grad`` one entry per positional argument (a gradient for each floating-point tensor where any
+    argument requires grad, else None); ``output_grad`` one per top-level output element that is a
+    tensor requiring grad. Nothing for them where no output requires grad."""
 
     def fwd(module, args, output):
         entry = struct.setdefault(key, {})

@@ -91,8 +91,8 @@ class Targets:
 
     def _hook(self, ctx, key: tuple, make, *args):
         """``make(ctx, *args)`` (``ctx``: the monitor's :class:`~.hook_context.HookContext`), made at the first call and reused when a later collected step attaches
-        the hooks again; where the model runs compiled, wrapped for it (:func:`.compile_mode.eager`, which
-        costs 5-10 us per function made)."""
+        the hooks again; where the model runs compiled, wrapped for it (:func:`.compile_mode.eager`, not
+        free to make)."""
         compiled = ctx.monitored.compiled
         key += (compiled,)
         fn = self.made.get(key)

@@ -14,10 +14,8 @@ import torch
 from .step_stats import to_device
 
 # CPU tensors below this many elements get their reductions on the calling thread only: a fork/join of
-# the intra-op pool costs more than the work there, and far more when the cores are oversubscribed
-# (measured on a loaded 2-core machine: 3 reductions of a 64K tensor took 11 ms with 2 threads,
-# 0.16 ms with 1). Switching the thread count costs about 0.3 us. Above it (1 MB of float32) the
-# pool's parallelism pays for itself on a machine that is not oversubscribed.
+# the intra-op pool costs more than the work there, and far more when the cores are oversubscribed;
+# switching the thread count is cheap. Above it (1 MB of float32) the pool's parallelism pays.
 SMALL_NUMEL = 1 << 18
 _LOW = (torch.float16, torch.bfloat16)
 # The torch reductions measure a tensor of more elements in parts of this many (views): their
@@ -176,14 +174,10 @@ class TorchReductions:
               cpu: bool) -> torch.Tensor:
         """Rows for tensors of one device and dtype (``cpu``: the CPU fast paths).
 
-        Per tensor only the reductions run (aminmax, sum, dot, and the zero count); their scalars go
-        into one ``[n, fields]`` matrix and the columns (mean, norm, zeros, scaling) are derived with a
-        handful of vectorised ops per call, so a hook measuring two tensors pays for few dispatches.
-        A tensor of more than :data:`PART_NUMEL` elements is measured in parts (views, no copy) whose
-        rows are combined (:func:`combine`), so the temporaries of the torch reductions (the zero count's
-        quotient, a float32 copy of a float16 tensor, the NaN mask) never exceed a part: no transient
-        copy of a whole LLM embedding gradient on an accelerator that training has nearly filled.
-        """
+        Per tensor only the reductions run (aminmax, sum, dot, the zero count); their scalars go into one
+        ``[n, fields]`` matrix whose columns (mean, norm, zeros, scaling) are derived with a few vectorised
+        ops. A tensor of more than :data:`PART_NUMEL` elements is measured in parts (views) whose rows are
+        combined (:func:`combine`), so no temporary exceeds a part."""
         counts = [1] * len(xs)
         if any(x.numel() > PART_NUMEL for x in xs):
             items, item_scales = [], [] if scales else None
@@ -262,7 +256,7 @@ class TorchReductions:
             if want_zeros:
                 # |x| < eps  <=>  trunc(x / eps) == 0. On CPU the count of the rest is the dot product of
                 # trunc(x / eps) clamped to [-1, 1] with itself (BLAS), in a reused buffer: 3 cheap
-                # passes, about 2x faster than abs/compare/count_nonzero. Values within an ulp of eps
+                # passes, faster than abs/compare/count_nonzero. Values within an ulp of eps
                 # itself may round the other way. A NaN poisons that dot product; such rows (their
                 # sum is not finite) are counted exactly afterwards.
                 e = (eps / scales[k] if thresholds is None else thresholds[k]) if scales else eps

@@ -1,21 +1,15 @@
 """DeepSpeed ZeRO: where this rank's piece of a partitioned parameter lies.
 
 ZeRO keeps the fp32 master weights, the reduced gradient and the optimizer state of each param group
-(ZeRO 3: of each sub-group) in one flat fp32 partition per rank, a parameter of the torch optimizer
-inside, and steps that optimizer once per group. A model parameter has a piece in this rank's
+(ZeRO 3: sub-group) in one flat fp32 partition per rank. A model parameter has a piece in this rank's
 partition, or none; its statistics on this rank are those of its piece, as with FSDP2's shards.
 
-- ZeRO 1 and 2 (and DeepSpeed's ``BF16_Optimizer``): the model parameter is whole on every rank and
-  carries DeepSpeed's own map to its piece, ``param._hp_mapping`` (group index, offset and length in
-  the flat partition; None where the parameter lies wholly in other ranks' partitions).
-- ZeRO 3: the model parameter itself is partitioned (``ds_tensor`` holds this rank's piece of it,
-  ``param.data`` is empty outside its forward); ``param._z3_optimizer.grad_position`` gives the
-  sub-group, offset and length of the piece, and ``fp32_partitioned_groups_flat`` the flat
-  partitions. The last rank's piece ends in padding, which is cut off here.
+- ZeRO 1 and 2 (and ``BF16_Optimizer``): the parameter is whole on every rank and
+  ``param._hp_mapping`` gives its piece (group, offset, length; None where it lies elsewhere).
+- ZeRO 3: ``ds_tensor`` holds this rank's piece; ``param._z3_optimizer.grad_position`` gives
+  sub-group, offset and length in ``fp32_partitioned_groups_flat``; the last rank's padding is cut.
 
-Only attributes DeepSpeed sets on the parameters and keeps on its optimizer are read; nothing of
-DeepSpeed is imported or changed.
-"""
+Only attributes DeepSpeed sets are read; nothing of DeepSpeed is imported or changed."""
 
 from __future__ import annotations
 
@@ -112,7 +106,7 @@ def overflow_source(opt: torch.optim.Optimizer, candidates) -> object | None:
 
 def referrers_of(opt: torch.optim.Optimizer):
     """What refers to ``opt`` directly, found through the garbage collector (one walk of every tracked
-    object: tens of milliseconds for a few hundred thousand objects). An instance whose attributes are
+    object, so not for a hot path). An instance whose attributes are
     a dict of their own appears as that dict; its owner is looked up only for a dict that holds ``opt``
     as ``optimizer`` with a bool ``overflow`` beside it. Candidates for :func:`overflow_source` where
     DeepSpeed is loaded and nothing the monitor was given names its optimizer: the reference's
