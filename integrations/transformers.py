@@ -6,17 +6,12 @@
 
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[TrainrecCallback("monitor_config.json")])
 
-``config`` is what ``trainrec.recorder.record`` takes (a dict, a path to the reference's JSON, or None
-for weight gradients and parameters with all six ops). At ``on_train_begin`` the callback records the
-model and the optimizer the Trainer made: accelerate's ``AcceleratedOptimizer``, whose torch optimizer
-inside is the one hooked, with ``gradient_accumulation_steps`` micro steps per step and steps numbered
-as ``state.global_step``. ``on_save`` leaves a note in the checkpoint directory
-(``trainrec-rank{R}.json``) naming the run's rank directory, so that
-``trainer.train(resume_from_checkpoint=...)`` appends to the same run from the step saved (replay
-supersedes what the first launch recorded after it); ``on_train_end`` closes the log.
-
-Importing this module imports transformers; importing trainrec does not.
-"""
+``config`` is what ``trainrec.recorder.record`` takes. At ``on_train_begin`` the callback records the
+model and the torch optimizer inside accelerate's ``AcceleratedOptimizer``, with
+``gradient_accumulation_steps`` micro steps per step and steps numbered as ``state.global_step``.
+``on_save`` leaves ``trainrec-rank{R}.json`` in the checkpoint, naming the rank directory, so a
+resumed ``trainer.train`` appends to the same run; ``on_train_end`` closes the log. Importing this
+module imports transformers; importing trainrec does not. See docs/integrations.md."""
 
 from __future__ import annotations
 

@@ -12,14 +12,12 @@
             optimizer.zero_grad()
     print(rec.log_path)
 
-``config`` is a dict, a path to a JSON file, a :class:`MonitorConfig` or None (:data:`DEFAULT_CONFIG`:
-weight gradients and parameters with all six ops). The keys are the reference's (see
-:mod:`.config`). ``model`` may be a module or a list of modules (virtual pipeline chunks). Without an
-optimizer, call ``rec.step()`` once per training step, after its backward pass(es) and before the
-weights change (it measures that step's gradients and parameters, as an optimizer's pre-step hook
-would); without either, every backward pass goes into step 0 (a warning says so). Unlike
-``TrainerMon``, a config without ``format`` writes only the log (no live CSV/TensorBoard projection).
-"""
+``config`` is a dict, a path to a JSON file, a :class:`MonitorConfig` or None
+(:data:`DEFAULT_CONFIG`); the keys are the reference's (:mod:`.config`). Without an optimizer, call
+``rec.step()`` once per training step, after its backward pass(es) and before the weights change
+(without either, every backward pass goes into step 0, with a warning). ``model`` may be a list
+of modules (virtual pipeline chunks).
+Unlike ``TrainerMon``, a config without ``format`` writes only the log. See docs/python-api.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """Who this process is in the run, and where its log goes.
 
-- Rank, world size, pipeline stage and group mates: from ``torch.distributed`` when it is initialized
-  (``process_group`` gives the pipeline stage, as in the reference; without one the world group is
-  used), else from the ``RANK`` / ``WORLD_SIZE`` environment variables.
-- The run id shared by all ranks of a launch: ``TRAINREC_RUN_ID``, else rank 0's, through the process
-  group's store when ``torch.distributed`` is initialized (no collective: a monitor made on some ranks
-  only blocks nobody), else ``TORCHELASTIC_RUN_ID``, else new.
+- Rank, world size, pipeline stage and group mates: from ``torch.distributed`` when initialized
+  (``process_group`` gives the stage, as in the reference), else ``RANK`` / ``WORLD_SIZE``.
+- The run id shared by all ranks of a launch (:func:`shared_run_id`).
 - The rank directory: ``$MONITOR_OUTPUT_DIR/{Mon}{DD}_{HH}-{MM}-{SS}-rank{R}-{8 hex}`` in local time,
-  or, with ``append_output: [start, end]``, the existing directory of this rank whose time stamp lies
-  in the range (both ends inclusive; the latest when several do). This works without
-  torch.distributed too; no match is a ConfigError naming the key.
-- The live projection process for ``format: csv/tensorboard`` (owned by ``trainrec.tools.live_export``).
-"""
+  or with ``append_output: [start, end]`` this rank's existing directory whose time stamp lies in
+  the range (inclusive; the latest of several); no match is a ConfigError naming the key.
+- The live projection process for ``format: csv/tensorboard`` (owned by ``trainrec.tools.live_export``)."""
 
 from __future__ import annotations
 
@@ -79,14 +74,12 @@ _monitors_made = itertools.count()
 
 def shared_run_id(wait_s: float | None = None) -> str:
     """A run id all ranks of a launch agree on, without a collective call, so that a monitor made on
-    some ranks only (rank 0's, say) blocks nobody.
+    some ranks only blocks nobody.
 
-    ``TRAINREC_RUN_ID`` set: that. torch.distributed initialized: rank 0 posts a new id in the
-    process group's key-value store (the rendezvous store every rank already shares) and goes on;
-    every other rank reads it there, waiting up to ``wait_s`` seconds (RUN_ID_WAIT_S) for rank 0 to
-    make its monitor, the n-th monitor of each process pairing with rank 0's n-th. Rank 0 making none
-    in that time: a warning, and an id of this rank's own (its log is then listed as a run of its own).
-    Otherwise ``TORCHELASTIC_RUN_ID`` from the environment, else new."""
+    ``TRAINREC_RUN_ID`` where set. Else, with torch.distributed initialized, rank 0 posts a new id in
+    the process group's store and the other ranks read it there, waiting up to ``wait_s`` seconds (the
+    n-th monitor of each process pairs with rank 0's n-th); where rank 0 posts none in time, a warning
+    and an id of this rank's own. Else ``TORCHELASTIC_RUN_ID``, else new."""
     env = os.environ.get("TRAINREC_RUN_ID")
     if env:
         return env

@@ -1,14 +1,11 @@
 """The model's module tree: the ModuleStructureRecorded events and ``print_struct``.
 
-At ``monitor_gnorm_with_ad`` one ModuleStructureRecorded per model chunk (full module names, class
-names, parent indices, own parameter counts: 0 for a lazy module's parameters not made yet, and a
-chunk that had such is recorded again at the end of its first training forward). With
-``print_struct: true`` every module gets a forward hook that describes its inputs, outputs and their gradients (derived from the forward's tensors, with
-no full backward hook) the way the reference's ``module_struct.json`` does (``{"config": "tuple[2]", "0": "size=(8, 32, 256), dtype=torch.float32"}``;
-``config`` is the selector to put in ``targets``); at the first optimizer step the file is written to
-``$MONITOR_OUTPUT_DIR/module_struct.json``, the events are repeated with those descriptions as
-``io_specs``, and the run stops as documented.
-"""
+At ``monitor_gnorm_with_ad`` one ModuleStructureRecorded per model chunk (module names, classes,
+parents, own parameter counts; a chunk with lazy modules is recorded again after its first training
+forward). With ``print_struct: true`` every module gets a forward hook describing its inputs,
+outputs and their gradients as the reference's ``module_struct.json`` does (``config`` is the
+selector to put in ``targets``); at the first optimizer step the file is written, the events are
+repeated with those descriptions as ``io_specs``, and the run stops as documented."""
 
 from __future__ import annotations
 

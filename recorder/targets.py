@@ -1,14 +1,11 @@
 """Which modules and parameters a config selects, resolved once per config.
 
 ``targets`` keys name modules (activations) or parameter prefixes (weight grads, params, optimizer
-state); see :mod:`.names` for squashing and matching. With ``xy_distribution`` and ``all_xy`` (or no
-targets) every module is hooked, and modules listed in ``targets`` use their own selectors. A target
-that matches neither a module nor a parameter of any model chunk is a ConfigError at
-``monitor_gnorm_with_ad`` time, before training starts, and so is a ``tuple[N]`` input selector on a
-module whose ``forward`` cannot take N positional arguments; any other selector that does not fit is
-one at the module's first call in the run's first step. ``module_ranks`` limits activation
-monitoring to the listed ranks.
-"""
+state); :mod:`.names` does squashing and matching. With ``xy_distribution`` and ``all_xy`` (or no
+targets) every module is hooked, and modules listed in ``targets`` use their own selectors;
+``module_ranks`` limits activations to the listed ranks. A target matching nothing, or a ``tuple[N]``
+input selector the ``forward`` cannot take, is a ConfigError before training (docs/config.md,
+"Checks at start-up")."""
 
 from __future__ import annotations
 

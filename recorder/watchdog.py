@@ -1,16 +1,12 @@
 """The stall watchdog: a thread that notices a training step running far longer than the steps before.
 
-It reads the monitor's progress (the current step and when it began) a few times a second and keeps
-the recent steps' durations. When the current step has run longer than ``factor`` times their median
-and ``min_seconds`` at least (``min_seconds`` alone before a step has ended), it writes a
-:class:`StallDetected` event with what :func:`stall_report` gathers: every thread's Python stack as
-:mod:`faulthandler` prints it, the model's modules in the main thread's stack, the last hook that
-fired and the collective in flight. While the stall lasts it reports again each time the elapsed time
-doubles. Nothing runs on the training thread: a step costs the watchdog nothing.
-
-The step's clock runs from the end of the previous optimizer step, so time spent between steps (an
-evaluation, a checkpoint) counts too: ``min_seconds`` keeps those quiet.
-"""
+A few times a second it reads the monitor's progress (current step, when it began). When the step
+has run longer than ``factor`` times the recent steps' median and at least ``min_seconds``, it
+writes a :class:`StallDetected` event with :func:`stall_report`'s findings (every thread's stack, the
+model's modules in the main thread's stack, the last hook fired, the collective in flight), and
+again each time the elapsed time doubles. Nothing runs on the training thread. The step's clock
+starts at the previous optimizer step's end, so an evaluation or checkpoint counts too:
+``min_seconds`` keeps those quiet. See docs/postmortem.md."""
 
 from __future__ import annotations
 
