@@ -223,10 +223,9 @@ def _desyncs(states: list[RankState]) -> list[dict]:
 
 
 def _waits(states: list[RankState]) -> list[dict]:
-    """Per process group whose members' last calls differ: who is ahead (blocked, where their log
-    did not close) and who is behind (waited for). ``confirmed``: the logs go on for CONFIRM_S after
-    the ahead ranks' call (a rank's last records are at most a flush interval late, so a call issued
-    just before the logs end may have been issued by the others too, its record lost in a kill)."""
+    """Per process group whose members' last calls differ: who is ahead (blocked, where their log did
+    not close) and who is behind (waited for). ``confirmed``: the logs go on for CONFIRM_S after the
+    ahead ranks' call, so the others' records of it cannot just be lost in a kill."""
     by_rank = {s.rank: s for s in states}
     end = max((s.last_wall for s in states), default=0.0)
     out = []

@@ -1,15 +1,9 @@
 """Pairing the nodes of two graphs, the reference's ways.
 
-* :func:`match_exact`: pre-order walk of the debug side; a node pairs with the bench node of the same
-  name (call counts included) whose ancestor names are equal and whose inputs and outputs agree in
-  number, type and shape (shape only where both sides recorded one).
-* :func:`match_fuzzy` (``-f``): modules pair by name without the ancestor check; API calls lose their
-  call counters and pair by (counterpart of their parent, name without counter, order within the parent).
-  Between a run and a dump, a backward API call left over then pairs by its full name (call counter
-  included) where only its parent differs in the one way msprobe places it differently
-  (:func:`pair_displaced_backward`).
-
-Both return ``{debug name: bench name}``; the root always pairs with the root.
+:func:`match_exact` pairs nodes of the same name, ancestors and port signature; :func:`match_fuzzy`
+(``-f``) pairs modules by name and API calls by parent, name without counter and order, plus the
+backward calls msprobe places elsewhere (:func:`pair_displaced_backward`). Both return
+``{debug name: bench name}``; the root always pairs with the root. Rules: docs/graphs.md ("Matching").
 """
 
 from __future__ import annotations
