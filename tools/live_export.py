@@ -188,11 +188,10 @@ class _Done:
 
 
 def _read_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
-    """What an earlier export of this rank directory into ``out`` projected, where it ended cleanly
-    (every log file closed, all of it written) with the same options: those log files need not be read
-    again (a resumed launch's export goes on from the next file, on the files already there). None
-    where there is no such record, or where it does not fit what is there now (a file of another size,
-    missing, or not the directory's first ones; other options)."""
+    """The log files an earlier export of this rank directory into ``out`` projected whole, where it
+    ended cleanly with the same options, so a resumed launch's export goes on from the next file.
+    None where there is no such record or it no longer fits (a file changed, missing or not among the
+    directory's first ones; other options)."""
     path = os.path.join(out, DONE_FILE)
     try:
         with open(path, "rb") as f:
