@@ -153,10 +153,8 @@ def _csv_layout(lay: RowLayout) -> _CsvLayout:
             first.setdefault((v, n), len(first))
         perm = sorted(range(len(keys)), key=lambda j: first[keys[j][:2]])
     else:
-        # its activation-gradient rows: in the order modules' backward passes end, micro step by micro
-        # step (its full backward hook fires with the module's input gradient), so a module comes
-        # after the modules inside it; where the input has no gradient (the model's own input: a NaN
-        # row written with the output's), when its output gradient came
+        # activation-gradient rows in the order modules' backward passes end (input gradient), micro
+        # step by micro step; a module whose input has no gradient sorts by its output gradient
         perm = sorted(range(len(keys)), key=lambda j: pairs[j][0] if pairs[j][0] >= 0 else pairs[j][1])
     keys = [keys[j] for j in perm]
     pairs = [pairs[j] for j in perm]

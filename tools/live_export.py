@@ -124,10 +124,8 @@ def live_export(
         frozen = False
         while True:
             if not frozen and parent_gone():
-                # The training process is gone (a crash, a kill -9): export what it wrote (one more look
-                # for files first: it may have made one since the last poll), and never take up a file
-                # another process writes, the next launch's (a resume), which that launch's own export
-                # follows: two exports writing the same window files at once would corrupt them
+                # the training process is gone: export what it wrote (one more look for new files), and
+                # never follow the next launch's file, whose own export writes the same window files
                 events = (events or []) + follower.poll()
                 follower.stop_discovering(lambda h: h is None or h.pid in (0, parent_pid))
                 frozen = True
