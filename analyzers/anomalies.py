@@ -1,18 +1,12 @@
 """Anomalies of a run: those recorded in the log, re-detected from its statistics, or read from the
 reference's ``anomaly.json`` files; and their JSON forms.
 
-:class:`AnomalyScan` is fed an event stream (one rank's or several ranks' merged, complete or still
-growing, torn tail or not: it only ever sees complete events) and collects
-
-* the :class:`AnomalyDetected` events the recorder wrote (``recorded``), and
-* with rules, the anomalies those rules find in the :class:`TensorStatsRecorded` records
-  (``detected``), with the same :class:`~trainrec.schema.detector.Detector` the recorder runs, so the
-  rule and its threshold can be changed after the fact without rerunning training.
-
-:func:`parse_reference_json` reads the reference's per-rank anomaly JSON into the same events
-(value and baseline unknown: NaN), and :func:`reference_json` / :func:`anomaly_records` turn ranked
-anomalies into the reference's ``anomaly_analyse.json`` object and into our richer records.
-Ranking itself is :mod:`trainrec.analyzers.ranking`.
+:class:`AnomalyScan` takes an event stream (one rank's or merged, complete or still growing) and
+collects the recorded :class:`AnomalyDetected` events and, with rules, those the recorder's
+:class:`~trainrec.schema.detector.Detector` finds in the statistics, so a rule can change without
+rerunning training. :func:`parse_reference_json` reads the reference's JSON into the same events;
+:func:`reference_json` and :func:`anomaly_records` write ranked anomalies out
+(ranking: :mod:`trainrec.analyzers.ranking`).
 """
 
 from __future__ import annotations

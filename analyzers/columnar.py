@@ -2,13 +2,9 @@
 (rank, kind)'s stats records into numpy blocks and runs the rules over them at :meth:`~ColumnarScan.finish`
 (:mod:`trainrec.analyzers.vector_rules`), instead of one record at a time.
 
-It answers exactly as :class:`AnomalyScan` fed the same events: the same anomalies, in an order whose
-ranking is the same (within a rank, the order of the rank's records, then rule, row and op; ranks are
-never tied in :func:`~trainrec.analyzers.ranking.execution_key`). A (rank, kind) whose records do not all
-carry the same ops goes through the record-time :class:`~trainrec.schema.detector.Detector` instead.
-
-:class:`ScanPart` is what a scan of some ranks hands back across a process (or a cluster) boundary, and
-:func:`merge_parts` puts the parts of a partitioned scan together.
+It answers exactly as :class:`AnomalyScan` fed the same events, in the same ranking; a (rank, kind)
+whose records differ in ops goes through the record-time Detector instead. :class:`ScanPart` is what
+a scan of some ranks hands back across a process boundary; :func:`merge_parts` joins them.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Vectorised number formatting for the CSV export: the text pandas writes, without a Python call per value.
 
-The reference writes ``pd.DataFrame(rows).round(ndigits)`` with ``to_csv``, so every number is the
-double ``round(v, ndigits)`` (numpy's half-to-even ``rint(v * 10**d) / 10**d``) printed as Python's
-shortest ``repr``: ``0.1``, ``-0.0``, ``37521.728372``, ``1.4e-05``, ``nan``. Calling ``repr`` per value
-costs about a microsecond; here the text is built from integer digits with numpy:
-
-* a rounded value ``x = k / 10**d`` with ``1e-4 <= |x| < 1e16`` (or zero) and ``|k| < 2**53`` prints as
-  the decimal ``k / 10**d`` with trailing fraction zeros removed (at least one digit): no shorter
-  decimal lies within half an ulp of it, so that is exactly what ``repr`` prints;
-* a tiny value (``0 < |x| < 1e-4``) prints in exponent form; with ``d <= 9`` it is one of fewer than
-  ``10**5`` values ``k / 10**d`` whose ``repr`` is computed once into a table;
-* anything else (NaN, infinities, huge values, more decimals) falls back to ``repr``; so does every
-  value when ``ndigits`` is above 18 (``k`` no longer fits the integer path).
-
-Any ``ndigits >= 0`` gives what the reference writes (:func:`round_like_reference`): numpy's rounding
-overflows for large ones (``1e300`` becomes ``inf`` with 16 decimals, and every value ``nan`` from 309
-on), and that is what the reference's files hold, so it is what these hold too.
-
-The log's statistics are float32; the reference computes norm and mean in float64. A float32 value
-is first taken as the shortest decimal that reads back to it (``9.1`` for the float32 nearest 9.1,
-which is 9.100000381469727) where that decimal has at most ``ndigits`` fraction digits
-(:func:`float32_as_decimal`): ``ndigits`` beyond float32's precision (the reference's documented 12)
-then print ``9.1``, as the reference does for the same statistic, not the binary expansion's
-``9.10000038147``. Where ``ndigits`` rounds within float32's precision the text is what it was.
-
-The output is a byte matrix with a mask per value (:func:`value_chars`), which
-:func:`render_rows` combines with per-row prefixes into the CSV body in one boolean compress. The
-tests compare the result with ``repr`` and with pandas on millions of values.
+Every number is printed as the reference prints it: ``repr`` of numpy's ``round(v, ndigits)``
+(docs/exports.md). The text is built from integer digits with numpy; tiny values come from a table
+of precomputed ``repr`` strings, and anything else (NaN, infinities, huge values, more than 18
+decimals) falls back to ``repr``. A float32 value is first taken as its shortest decimal
+(:func:`float32_as_decimal`). :func:`value_chars` gives a byte matrix and mask per value, which
+:func:`render_rows` joins with the row prefixes into the CSV body. The tests compare the result with
+``repr`` and pandas.
 """
 
 from __future__ import annotations
@@ -65,13 +45,10 @@ _Q_START = np.array([int(np.ceil(-(e2 - 25) * np.log10(2.0))) for e2 in range(-_
 
 def float32_as_decimal(values: np.ndarray, ndigits: int) -> np.ndarray:
     """``values`` as float64; a float32 array's values replaced by the shortest decimal that reads back
-    to each (as the double nearest it: ``str(np.float32(v))``'s number) where that decimal has at most
-    ``ndigits`` fraction digits (at most 22, and the value below 1e22).
+    to each, where that decimal has at most ``ndigits`` fraction digits (at most 22, value below 1e22).
 
-    Vectorised: the closest decimal with ``q`` fraction digits reads back to the value for every ``q``
-    from the shortest one's up (each is at least as close), and 9 significant digits always do; so the
-    search goes down from there (or from ``ndigits``), only over values that a decimal of ``ndigits``
-    fraction digits resolves finer than float32 does (spacing ``2**(e-23)`` above ``10**-ndigits``)."""
+    Vectorised: the search goes down from 9 significant digits (or ``ndigits``), over only the values
+    that ``ndigits`` decimals resolve finer than float32 does."""
     x = values.astype(np.float64)
     if values.dtype != np.float32 or not x.size:
         return x
@@ -229,10 +206,9 @@ def render_rows(prefix: tuple[np.ndarray, np.ndarray], middle: bytes, values: np
 
 def render_frames(frames: list[tuple[tuple[np.ndarray, np.ndarray], bytes, np.ndarray]],
                   ndigits: int | None) -> list[bytes]:
-    """:func:`render_rows` of each ``(prefix, middle, values)``, with the numbers of all of them formatted
-    at once (a live export renders the steps of one poll together: numpy's cost per call, not per
-    value, is most of it for a step's few hundred values). Frames whose values have different numbers
-    of columns go in separate passes."""
+    """:func:`render_rows` of each ``(prefix, middle, values)``, with all their numbers formatted at once
+    (numpy's cost is per call, so a live export renders the steps of one poll together). Frames with
+    different numbers of columns go in separate passes."""
     out: list[bytes] = [b""] * len(frames)
     by_k: dict[int, list[int]] = {}
     for i, (_, _, values) in enumerate(frames):

@@ -1,23 +1,8 @@
 """CSV projection of a rank's log, in the reference's files, columns and number format.
 
-Per data type and per window of ``step_count_per_record`` steps, one file ``{kind}_{start}-{end}.csv``
-(``actv_0-0.csv``, ``grad_reduced_10-19.csv``) with the reference's header, written once:
-
-* ``actv``: ``vpp_stage,module_name,step,input.min,...,input.nans,output.min,...,output.nans``; one row
-  per module call ``{module}_{micro_step}``, inputs then outputs (a side never recorded is ``nan``);
-  rows grouped by module, each with its micro steps, as the reference writes them;
-* ``actv_grad``: the same with ``input_grad.*`` / ``output_grad.*``; rows in the order the modules'
-  backward passes ended (with their input gradient), micro step by micro step, as the reference's;
-* everything else (``grad_unreduced``, ``grad_reduced``, ``param``, ``exp_avg``, ``exp_avg_sq`` and
-  ours, ``update``, ``ratio``): ``vpp_stage,param_name,step,<ops in config order>``.
-
-Numbers are written as the reference writes them (``pd.DataFrame(rows).round(ndigits)`` then
-``to_csv``): the value as a double, rounded to ``ndigits`` fixed decimals half-to-even like numpy,
-printed as Python's shortest ``repr`` (``0.1``, ``-0.0``, ``1.4e-05``), NaN as ``nan``. So a pandas
-script written for the reference reads these files unchanged. ``ndigits=None`` keeps full precision
-(the shortest text that reads back to the recorded float32 or float64). The log itself is never
-rounded: rounding happens here, at projection time.
-
+One file ``{kind}_{start}-{end}.csv`` per data type and window of ``step_count_per_record`` steps,
+with the reference's header and row order, numbers rounded as the reference rounds them; the layout
+is in docs/exports.md. The log itself is never rounded: rounding happens here, at projection time.
 Output goes to a :class:`CsvSink`; creating files is the caller's business (``trainrec.tools``).
 """
 
@@ -168,10 +153,8 @@ def _csv_layout(lay: RowLayout) -> _CsvLayout:
             first.setdefault((v, n), len(first))
         perm = sorted(range(len(keys)), key=lambda j: first[keys[j][:2]])
     else:
-        # its activation-gradient rows: in the order modules' backward passes end, micro step by micro
-        # step (its full backward hook fires with the module's input gradient), so a module comes
-        # after the modules inside it; where the input has no gradient (the model's own input: a NaN
-        # row written with the output's), when its output gradient came
+        # activation-gradient rows in the order modules' backward passes end (input gradient), micro
+        # step by micro step; a module whose input has no gradient sorts by its output gradient
         perm = sorted(range(len(keys)), key=lambda j: pairs[j][0] if pairs[j][0] >= 0 else pairs[j][1])
     keys = [keys[j] for j in perm]
     pairs = [pairs[j] for j in perm]

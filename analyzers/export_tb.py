@@ -1,18 +1,10 @@
 """TensorBoard projection of a rank's log: scalars tagged as the reference tags them, plus text notes.
 
-Every stats row becomes ``len(ops)`` scalars tagged ``f"{reference_tag(...)}_{op}"`` (for example
-``0:embed_0/rank0/input_min``, ``0:embed.weight/rank0/post_grad_norm``, ``0:embed.weight_min`` for
-params), with the recorded value as float32. One ``Event`` carries every scalar of one kind at one
-step, built from a cached :class:`~trainrec.analyzers.tb_encode.ScalarTemplate`. Anomalies and
-config switches become text summaries (``trainrec/anomalies``, ``trainrec/config``) at their step,
-and the number of anomalies per step a scalar ``trainrec/anomaly_count``, so they line up with the
-curves. The wall time of each event is the recorded one, so exports are reproducible.
-
-Output goes to a sink with ``write(event: bytes)`` (one serialized ``Event``); opening files is the
-caller's business (``trainrec.tools``). With ``rewind=True`` (a live export following one log) a
-resume writes a ``SessionLog.START`` at the resume step, which makes TensorBoard drop the superseded
-points; offline exports drop superseded events before projecting and leave ``rewind`` off, since a
-START purges every file of a run directory.
+Each stats row becomes ``len(ops)`` float32 scalars, one ``Event`` per kind and step, built from a
+cached :class:`~trainrec.analyzers.tb_encode.ScalarTemplate`; anomalies and config switches become
+text summaries at their step (tags: docs/exports.md). Output goes to a sink with
+``write(event: bytes)``; opening files is the caller's business (``trainrec.tools``). ``rewind=True``
+(a live export) writes a ``SessionLog.START`` at a resume's step.
 """
 
 from __future__ import annotations

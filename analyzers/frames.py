@@ -88,13 +88,10 @@ def unique_last(lay: RowLayout) -> np.ndarray | None:
 
 
 def reference_rows(lay: RowLayout) -> np.ndarray | None:
-    """Rows of a frame the reference's files hold, where they are fewer than the log's: ``grad_unreduced``
-    has one row per micro step in the log, and the reference one per step and parameter, the gradient
-    accumulated at the last micro step (its ``acc_grad``: the file has no micro-step column). The indices
-    of each (vpp stage, name)'s row of the highest micro step, in the log's order; None where every row
-    is kept. They come in the order parameters first got a gradient in the step (the reference's: its
-    table of them is filled as gradients first arrive), not in the last micro step's (a parameter used
-    in a later micro step only comes after the others). Cached on the layout."""
+    """Rows of a frame that the reference's files hold, where fewer than the log's: for ``grad_unreduced``
+    the row of each (vpp stage, name) at its highest micro step (the reference's ``acc_grad``; its file
+    has no micro-step column), in the order parameters first got a gradient in the step, as the
+    reference orders them. None where every row is kept. Cached on the layout."""
     if lay.kind != "grad_unreduced" or not len(lay) or not lay.micros.any():
         return None
     got = lay.cache.get("reference_rows", False)

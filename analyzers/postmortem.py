@@ -1,16 +1,11 @@
 """Post-mortem of a run: how each rank ended, where it was, and what the ranks were waiting for.
 
-:func:`analyze` consumes each rank's events (in the order the rank wrote them) and what its log's end
-says (:class:`Ending`) and returns a :class:`Report`: per rank its ending, last completed step, last
-hook that fired, last collective call and its sequence number, last stall, exception, anomaly and the
-config in force; across ranks the ranks behind, collective desyncs (ranks whose calls at one sequence
-number of a process group differ in op or shapes), the ranks blocked in a collective and the ranks
-they wait for, and a one-paragraph verdict. :func:`postmortem` does it for a replayed :class:`Run`.
-
-What it can know: a rank's log holds what it wrote until at most a flush interval before it died, so
-a rank killed outright may have done a little more than its log shows; collective calls are recorded
-at issue, so "blocked" means "issued and not followed by the others", not a completion seen. Calls
-left out by ``cc_codeline`` still take their sequence numbers, so they leave gaps, not shifts.
+:func:`analyze` takes each rank's events (in the order the rank wrote them) and what its log's end
+says (:class:`Ending`) and returns a :class:`Report`: per rank its ending and last step, hook,
+collective, stall, exception, anomaly and config; across ranks the ranks behind, collective
+desyncs, blocked ranks and whom they wait for, and a verdict. :func:`postmortem` does it for a
+replayed :class:`Run`. What a log cannot show (a killed rank's last flush interval; collectives
+recorded at issue, not completion) is in docs/postmortem.md.
 """
 
 from __future__ import annotations
@@ -228,10 +223,9 @@ def _desyncs(states: list[RankState]) -> list[dict]:
 
 
 def _waits(states: list[RankState]) -> list[dict]:
-    """Per process group whose members' last calls differ: who is ahead (blocked, where their log
-    did not close) and who is behind (waited for). ``confirmed``: the logs go on for CONFIRM_S after
-    the ahead ranks' call (a rank's last records are at most a flush interval late, so a call issued
-    just before the logs end may have been issued by the others too, its record lost in a kill)."""
+    """Per process group whose members' last calls differ: who is ahead (blocked, where their log did
+    not close) and who is behind (waited for). ``confirmed``: the logs go on for CONFIRM_S after the
+    ahead ranks' call, so the others' records of it cannot just be lost in a kill."""
     by_rank = {s.rank: s for s in states}
     end = max((s.last_wall for s in states), default=0.0)
     out = []

@@ -1,25 +1,12 @@
 """From a rank's event stream to complete per-(kind, step) frames: the shared half of every export.
 
-The CSV and TensorBoard exports (offline or live) are projections of the log. Both need the same
-thing first: the statistics of one kind at one step, with names resolved, duplicates settled and
-only once the step is complete. :class:`StepAssembler` does that for the events of ONE rank's log
-files, fed in order, and yields items:
-
-* :class:`KindFrame`: every row of one kind at one step (all records of that kind and step merged;
-  a row recorded twice keeps its last values, in the order rows first appeared);
-* :class:`Note`: an anomaly or a config switch, as text, for the step it happened at;
-* :class:`Rewind`: a resume superseded everything from ``step`` on (only useful to a live consumer;
-  offline readers drop the superseded events before they get here).
-
-A frame is emitted when its step is known to be complete: a ``StepEnded`` for it (or a later step),
-data of a later step of the same kind, the end of its file (``FileClosed``) or :meth:`finish`. A log
-that ends without ``FileClosed`` (still being written, or its writer died) may end in the middle of a
-step: :meth:`finish` with ``clean=False`` then drops the frames of steps that never ended, when the
-log has step markers at all, and reports them in :attr:`dropped_steps`.
-
-Row layouts (resolved names, slots, micro steps, vpp stages) repeat step after step, so they are
-built once and cached by the bytes of their columns; consumers cache their own derived products
-(CSV row prefixes, TensorBoard templates) on the layout object (:attr:`RowLayout.cache`).
+:class:`StepAssembler` takes the events of ONE rank's log files in order and yields
+:class:`KindFrame` (every row of one kind at one step, names resolved, a row recorded twice keeping
+its last values), :class:`Note` (an anomaly or config switch as text) and :class:`Rewind` (a resume
+superseded everything from ``step`` on; live consumers only). A frame is emitted once its step is
+known complete; :meth:`finish` with ``clean=False`` drops the steps that never ended and lists them
+in :attr:`dropped_steps`. Row layouts repeat step after step, so they are cached, and consumers
+cache their derived products on them (:attr:`RowLayout.cache`).
 """
 
 from __future__ import annotations

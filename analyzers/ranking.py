@@ -1,21 +1,11 @@
 """Execution order of anomalies across ranks, to find the first one.
 
-:func:`execution_key` sorts anomalies (AnomalyDetected events, recorded, re-detected or read from the
-reference's JSON) in the order training produced them:
-
-1. the step;
-2. within a step, micro step by micro step: the forward pass (pipeline stages ascending, then virtual
-   stages ascending) before the backward pass (stages descending: the last stage runs backward first),
-   each ordered by call id (the hook firing order);
-3. after the last micro step of the step: the weight-gradient reduction (``grad_reduced``, stages
-   descending), then the optimizer step (stages ascending): parameters, ``exp_avg``, ``exp_avg_sq``,
-   ``update``, ``ratio`` (in this order of kinds), each by call id;
-4. ties (the same point on several data-parallel ranks) by rank, then tag; several ops (or rules) of
-   one tensor keep their recorded order (the config's ops order), so that where the reference's
-   ``anomaly.json`` keeps one entry per tensor, step and call (the last op's), a ranking agrees.
-
-Unknown call ids (-1) sort after the known ones of their group. The reference sorted parameter tags
-(no stage, call id -1) before everything else of a step; here they sit at the optimizer step.
+:func:`execution_key` sorts anomalies (recorded, re-detected or read from the reference's JSON) in
+the order training produced them: step; micro step by micro step, forward (pipeline stages
+ascending) before backward (descending), each by call id; after the last micro step the gradient
+reduction, then the optimizer step (parameters, ``exp_avg``, ``exp_avg_sq``, ``update``, ``ratio``);
+ties by rank, then tag, then recorded order. Unknown call ids (-1) sort after the known ones of
+their group. The rule and its differences from the reference: docs/config.md ("Anomalies").
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The data of a run report (``trainrec report``): one pass over a run's events, kept small enough for
 one HTML page however long the run.
 
-* per rank: steps and their durations (at most ``max_points`` points, the slowest step of each bin
-  kept, so stragglers stay visible);
-* per kind: a ``tensor x step-bin`` matrix per op, the steps folded into at most ``max_bins`` bins
-  (bins double in width as the run grows, so one pass suffices and ``max_bins / 2`` to ``max_bins``
-  remain; a bin holds the largest value of its
-  steps, the smallest for ``min``); rows are ``name`` (``name:slot`` for activations, ``rank R``
-  first where there are several ranks);
-* anomalies, each with the heatmap cell (kind, row, bin) it belongs to; config switches and resumes.
-
-Pure: feed it events (:meth:`ReportBuilder.feed`), then :meth:`ReportBuilder.model` gives plain
-data (numpy arrays for the matrices); writing the page is ``trainrec.tools``'.
+Per rank the step durations (at most ``max_points``, the slowest of each bin kept); per kind a
+``tensor x step-bin`` matrix per op (at most ``max_bins`` bins, doubling in width as the run grows, a
+bin keeping its extreme value); the anomalies with their heatmap cell; config switches and resumes.
+Pure: :meth:`ReportBuilder.feed` events, then :meth:`ReportBuilder.model` gives plain data.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Series of one (rank, kind) as numpy blocks, for the rules of :mod:`trainrec.analyzers.vector_rules`.
 
-A :class:`SeriesBlock` holds a block of records ``(records, series, ops)`` and answers, for every
-observation at once, what the record-time Detector keeps in its rings: the window (the last ``window``
-finite values of the series before it), its extremes, the last finite value, whether the previous
-observation was finite. :class:`Carry` is that state in compact form, handed from one block of a
-(rank, kind) to the next, so a rank is read a bounded chunk at a time.
+A :class:`SeriesBlock` answers, for every observation of a ``(records, series, ops)`` block at once,
+what the record-time Detector keeps in its rings (window, extremes, last finite value).
+:class:`Carry` hands that state from one block to the next, so a rank is read a chunk at a time.
 """
 
 from __future__ import annotations
@@ -45,14 +43,11 @@ class Carry:
 
 
 class SeriesBlock:
-    """One (rank, kind)'s observations and what every window rule needs of them, computed once per window
-    size: for observation ``t`` of column ``(s, o)``, ``cf`` finite values came before it; ``G`` holds each
-    column's finite values compacted to the front (NaN after), so its window is ``G[cf - W : cf]``.
-
-    ``init`` (a :class:`Carry`'s ``hist``, ``count`` and ``last_ok`` for the block's series, in its
-    order): the state of earlier blocks. Where every series has a full history and the block is dense,
-    the history is put before the block as ``skip`` rows that are not judged; otherwise it starts ``G``.
-    """
+    """One (rank, kind)'s observations and what every window rule needs of them, once per window size:
+    ``G`` holds each column's finite values compacted to the front, so the window of an observation
+    that ``cf`` finite values precede is ``G[cf - W : cf]``. ``init`` (a :class:`Carry`'s state) goes
+    before the block as unjudged ``skip`` rows where every series has a full history and the block is
+    dense, else at the start of ``G``."""
 
     def __init__(self, x: np.ndarray, missing: np.ndarray, ops: Sequence[str], x32: np.ndarray | None = None,
                  init: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:

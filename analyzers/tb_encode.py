@@ -1,7 +1,6 @@
 """TensorBoard ``Event`` protos as bytes, written by hand: many scalars per event, no per-value objects.
 
-Only the few proto fields the exports use are encoded (field numbers from TensorBoard's
-``event.proto`` / ``summary.proto`` / ``tensor.proto``)::
+Only the fields the exports use are encoded (numbers from TensorBoard's ``.proto`` files)::
 
     Event       { double wall_time = 1; int64 step = 2; string file_version = 3;
                   Summary summary = 5; SessionLog session_log = 7; }
@@ -11,10 +10,8 @@ Only the few proto fields the exports use are encoded (field numbers from Tensor
     SummaryMetadata { PluginData plugin_data = 1; }  PluginData { string plugin_name = 1; bytes content = 2; }
     TensorProto { DataType dtype = 1; TensorShapeProto tensor_shape = 2; repeated bytes string_val = 8; }
 
-A :class:`ScalarTemplate` holds the serialized ``Summary`` of a fixed list of tags with holes for the
-float32 values; filling it for a step is one numpy scatter, whatever the number of tags. This module
-imports neither tensorboard nor tensorboardX (tensorboardX imports torch); the output is checked by
-TensorBoard's own ``EventAccumulator`` in the tests.
+A :class:`ScalarTemplate` is a serialized ``Summary`` with holes for the values. No tensorboard
+import (tensorboardX imports torch); tests read the output with TensorBoard's ``EventAccumulator``.
 """
 
 from __future__ import annotations

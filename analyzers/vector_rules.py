@@ -1,15 +1,10 @@
 """The anomaly rules of :mod:`trainrec.schema.rules`, run over whole series at once.
 
-The record-time :class:`~trainrec.schema.detector.Detector` judges one record at a time against per-series
-ring buffers. Re-detection has every record of a (rank, kind) at hand, so here the same rules run over a
-block ``X`` of shape ``(records, series, ops)``: the window of each observation (the last ``window``
-finite values of its series before it) is found with rolling reductions over a compacted copy of the
-series (its finite values only), not with a Python loop over records.
-
-The results are the Detector's, value for value: the same candidate filter, the same median, spread and
-floors, the same arithmetic in the same order (``tests/analyzers/test_columnar_scan.py`` compares them).
-``missing`` marks observations that are not there (a placeholder row, or a series absent from a
-record): like the Detector's skipped rows, they are neither judged nor enter the state.
+Re-detection has every record of a (rank, kind) at hand, so the rules run over a block ``X`` of
+shape ``(records, series, ops)``, with rolling reductions over each series' finite values instead of
+a Python loop over records. The results are the record-time Detector's, value for value (same
+filter, median, spread, floors and arithmetic order; ``tests/analyzers/test_columnar_scan.py``).
+``missing`` observations (placeholder rows, absent series) are neither judged nor enter the state.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Statistics wide by op: per (kind, rank), batches of rows ``(step, micro step, call, tensor)`` with one
 value column per op, for columnar exports (``trainrec export parquet``).
 
-One row per tensor row of a stats record, as :meth:`trainrec.replay.Run.stats` gives them: the log
-already stores a ``rows x ops`` matrix per record, so a wide batch is that matrix's columns glued
-together, with no per-value work. Columns (:data:`KEY_COLUMNS`, then one per op of :data:`OPS` in
-that order): a record that lacks an op (a config that switched ``ops`` mid-run) has that column
-missing (``valid`` says where); an op outside :data:`OPS` (a newer writer's) is counted in
-:attr:`WideStats.dropped_ops`, not exported, so that every batch of a run has one schema.
-
-Names are codes into :attr:`WideStats.names` (a list that only grows), so the writer can keep them
-dictionary-encoded. Pure: feed events of one rank in order, write the batches elsewhere.
+The log stores a ``rows x ops`` matrix per record, so a wide batch is that matrix's columns glued
+together. Every batch of a run has one schema: an op a record lacks is marked missing (``valid``),
+an op outside :data:`OPS` is counted in :attr:`WideStats.dropped_ops`, not exported. Names are codes
+into :attr:`WideStats.names` (it only grows), for dictionary encoding. Pure: feed one rank's events.
 """
 
 from __future__ import annotations

@@ -4,16 +4,10 @@
 
     python -m trainrec.tools.anomaly_analyse -d DIR [-o OUT] [-k 8] [-s "[20,21]"]
 
-``DIR`` is either a trainrec run (an output directory, a rank directory or a log file: its recorded
-anomalies are ranked) or a directory of the reference's per-rank anomaly files ``DIR/*/anomaly.json``
-(what ``alert.dump`` writes under ``anomaly_detected/``, by the reference or by trainrec). The top k
-anomalies in execution order (see :mod:`trainrec.analyzers.ranking`) are written as
-``anomaly_analyse.json`` in the reference's schema, insertion order = ranking order, into ``OUT``
-(a directory, as in the reference, or a path ending in ``.json``; default: ``DIR``), and listed.
-
-Unlike the reference: parameter anomalies are ranked at the optimizer step instead of first, a
-malformed file is named and skipped while the good ones are still ranked, ``-s`` also takes ranges
-(``15-25``), and steps outside the recorded range say so.
+``DIR`` is a trainrec run or a directory of the reference's ``DIR/*/anomaly.json`` files. The top k
+anomalies in execution order (:mod:`trainrec.analyzers.ranking`) are written as
+``anomaly_analyse.json`` in the reference's schema into ``OUT`` (a directory or a ``.json`` path;
+default ``DIR``) and listed. Differences from the reference: docs/python-api.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The anomaly scan of ``trainrec anomalies`` by rank partition (see :mod:`trainrec.tools.partition`).
 
 Each part reads its ranks one at a time into a :class:`~trainrec.analyzers.columnar.ColumnarScan`
-(memory: one rank's statistics) and hands back a :class:`~trainrec.analyzers.columnar.ScanPart`,
-with the damage notes of its files. A record that names a rank other than its file's (a damaged or
-foreign log) ties ranks together; then the whole run is scanned again in one merged stream, as the
-plain :class:`~trainrec.analyzers.anomalies.AnomalyScan` does, so the answer never depends on the parts.
+and hands back a :class:`~trainrec.analyzers.columnar.ScanPart` with its files' damage notes. A
+record naming another rank than its file's ties ranks together; then the whole run is scanned again
+in one merged stream, so the answer never depends on the parts.
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@ rerunning training::
     trainrec anomalies RUN --rule AnomalyTurbulence --threshold 1
     trainrec anomalies RUN --rule NaNInf --rule ZScore --threshold 5 --kinds actv,actv_grad
 
-Order: step; micro step; forward pass (pipeline stages ascending) before backward (descending), by
-call id; weight-gradient reduction and optimizer state after the last micro step; ties by rank (see
-:mod:`trainrec.analyzers.ranking`). Output: a table, or with ``--json`` the JSON records (the
-reference's anomaly fields plus op, value, baseline, rule, kind, phase). The run may be complete,
-crashed (torn tail) or still being written: everything complete so far is used.
+Order: execution order across ranks (:mod:`trainrec.analyzers.ranking`). Output: a table, or with
+``--json`` the reference's anomaly fields plus op, value, baseline, rule, kind, phase. A crashed or
+still running run gives what is complete so far.
 """
 
 from __future__ import annotations

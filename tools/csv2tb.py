@@ -6,23 +6,10 @@ Same call as mindstudio-probe 1.2.1's ``msprobe.pytorch.monitor.csv2tb``::
     csv2tensorboard_by_step(monitor_path, time_start, time_end, process_num=1, data_type_list=None,
                             output_dirpath=None)
 
-It converts the rank directories of ``monitor_path`` whose time stamp (``Dec03_21-34-40-rank0-...``)
-lies in ``[time_start, time_end]`` (inclusive; None: unbounded), for the data types of
-``data_type_list`` (default: ``actv, actv_grad, exp_avg, exp_avg_sq, grad_unreduced, grad_reduced,
-param``; ours, ``update`` and ``ratio``, are accepted too), and writes
-``{output_dirpath}/rank{R}/{data_type}/events.out.tfevents...`` with scalar tags
-``vp{vpp}:{name}/{column}`` (``vp0:embed_0/input.min``, ``vp0:embed.weight/norm``). The default output
-directory is ``{monitor_path}/{now:%b%d_%H-%M-%S}-csv2tensorboard_by_step`` (local time).
-
-Differences from the reference, all on purpose:
-
-* a (name, step) that appears twice (a resumed run appended to its CSV) keeps its last values and
-  a warning, instead of raising ``duplicated step`` and skipping the rest of the data type;
-* several launches of the same rank in the range are all converted, to ``rank{R}_{dir name}``
-  (the reference keyed directories by rank, so one silently replaced the other);
-* a time range that matches no directory raises an error naming what was found;
-* many scalars per TensorBoard event and ``process_num`` processes across (directory, data type),
-  rather than one ``add_scalar`` per value and processes across ranks only.
+It converts the rank directories of ``monitor_path`` stamped within ``[time_start, time_end]``
+(inclusive; None: unbounded) to ``{output_dirpath}/rank{R}/{data_type}/events.out.tfevents...``,
+many scalars per event. Tags and the differences from the reference (duplicate steps, several
+launches of a rank, an empty time range): docs/exports.md.
 """
 
 from __future__ import annotations

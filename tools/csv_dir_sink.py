@@ -22,9 +22,8 @@ __all__ = ["CsvDirSink"]
 class CsvDirSink:
     """CSV window files of one rank in ``directory`` (see the module docstring).
 
-    What it wrote is kept as three integers per window file, per data type (window start and end, the
-    last step written there), ordered by start: a live export runs as long as training does, so its
-    bookkeeping must not grow by more than that per file. Paths are made from them when asked."""
+    It keeps three integers per window file (start, end, last step written), so a live export's
+    bookkeeping grows by no more than that per file however long training runs."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory

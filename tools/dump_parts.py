@@ -1,9 +1,8 @@
 """``trainrec dump -j N``: the JSON lines of a run rendered by rank partition, then merged.
 
-Rendering (names, orjson) is the cost of a dump, and it is per rank. Each part renders its ranks'
-events, merged among themselves by the key :meth:`trainrec.replay.run.Run.events` merges all ranks
-by, ``(step reached, rank, position)``, into a spool file: per event its key and its lines. The parent
-merges the spools by the same key, which is a total order, so stdout is byte for byte the serial dump.
+Rendering is the cost of a dump, and it is per rank. Each part writes its ranks' events with their
+merge key ``(step reached, rank, position)`` (as :meth:`trainrec.replay.run.Run.events` merges) into
+a spool file; the parent merges the spools by that total order, so stdout is the serial dump's.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """Live CSV/TensorBoard export of one rank directory, following its log while training writes it.
 
-This is what the recorder starts for ``"format": "csv"`` or ``"tensorboard"`` configs, so users who
-want the reference's files during training get them, written by the same projection code as the
-offline ``trainrec export`` (never by a second path in the training hooks)::
+The recorder starts it for ``"format": "csv"`` or ``"tensorboard"`` configs, so the reference's
+files are written during training by the same projection code as ``trainrec export``, never by the
+training hooks::
 
     python -m trainrec.tools.live_export --format csv|tensorboard --rank-dir RANK_DIR [--out DIR]
         [--ndigits N] [--step-count-per-record M] [--parent-pid PID] [--poll-interval S]
         [--idle-timeout S] [--nice N]
 
-Files go to ``--out`` (default: the rank directory itself, where the reference puts them): the CSV
-window files, or one ``events.out.tfevents.{start}.{host}`` file. A step's rows are written once the
-step is complete. A resume seen in the log rewinds what was written for the superseded steps (CSV rows
-are removed; TensorBoard gets a ``SessionLog.START`` at the resume step).
-
-It stops after it has read ``FileClosed`` of the last log file, or once ``--parent-pid`` is gone and a
-last poll brings no more data (then it exports the steps that are complete; from the moment it sees
-that process gone it follows only the files that process wrote, not a resumed launch's new one), or after
-``--idle-timeout`` seconds without new data, or on SIGTERM/SIGINT.
-
-Ended the first way, it writes ``live_export.done`` into ``--out``: the log files it projected whole
-(names and sizes) and its options. Started again on the same directory (a resumed launch's export), it
-takes that record, where its options are the same and those files are still the directory's first
-ones, unchanged: it reads only the later log files, and goes on with the files already there (CSV
-window files are trimmed, removed or appended to as the resume requires; the TensorBoard file is
-appended to). Otherwise it re-exports from the first log file and rewrites the same files. The record
-is removed before it changes a file: until it ends cleanly too, the output is work in progress.
+It stops after the last log file's ``FileClosed``, once ``--parent-pid`` is gone and a last poll
+brings nothing, after ``--idle-timeout``, or on SIGTERM/SIGINT. Ended the first way it writes
+``live_export.done`` (the log files it projected whole, its options), so a resumed launch's export
+goes on from there (docs/config.md, "Closing, crashes and resuming"); the record is removed before
+any file changes.
 """
 
 from __future__ import annotations
@@ -136,10 +124,8 @@ def live_export(
         frozen = False
         while True:
             if not frozen and parent_gone():
-                # The training process is gone (a crash, a kill -9): export what it wrote (one more look
-                # for files first: it may have made one since the last poll), and never take up a file
-                # another process writes, the next launch's (a resume), which that launch's own export
-                # follows: two exports writing the same window files at once would corrupt them
+                # the training process is gone: export what it wrote (one more look for new files), and
+                # never follow the next launch's file, whose own export writes the same window files
                 events = (events or []) + follower.poll()
                 follower.stop_discovering(lambda h: h is None or h.pid in (0, parent_pid))
                 frozen = True
@@ -200,11 +186,10 @@ class _Done:
 
 
 def _read_done_record(out: str, rank_dir: str, options: dict) -> _Done | None:
-    """What an earlier export of this rank directory into ``out`` projected, where it ended cleanly
-    (every log file closed, all of it written) with the same options: those log files need not be read
-    again (a resumed launch's export goes on from the next file, on the files already there). None
-    where there is no such record, or where it does not fit what is there now (a file of another size,
-    missing, or not the directory's first ones; other options)."""
+    """The log files an earlier export of this rank directory into ``out`` projected whole, where it
+    ended cleanly with the same options, so a resumed launch's export goes on from the next file.
+    None where there is no such record or it no longer fits (a file changed, missing or not among the
+    directory's first ones; other options)."""
     path = os.path.join(out, DONE_FILE)
     try:
         with open(path, "rb") as f:

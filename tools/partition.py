@@ -1,13 +1,10 @@
 """Running a command's work by rank partition: in this process, in ``-j N`` local processes, or on a
 Dask cluster (``--engine dask``, ``--cluster ADDRESS``).
 
-Ranks are independent in every replay (series, name tables and resumes are per rank), so a command
-splits its ranks into contiguous parts of about equal log bytes, runs one function per part, and puts
-the parts' answers together in rank order: the same answer whatever ran it. The function and its
-arguments must pickle (module-level functions, plain data); its answer travels back the same way.
-
-Dask (the ``dask`` extra: ``pip install trainrec[dask]``) is the engine past one machine: every worker
-must see the run's files at the same paths (a shared filesystem).
+Ranks are independent in every replay, so a command splits its ranks into contiguous parts of about
+equal log bytes, runs one function per part and joins the answers in rank order: the same answer
+whatever ran it. The function, its arguments and its answer must pickle. Dask workers must see the
+run's files at the same paths (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -145,9 +142,9 @@ def run_parts(fn: Callable[..., Any], parts: Sequence[tuple], weights: Sequence[
 
 
 def _steady_heap() -> None:
-    """Let a worker's malloc keep its heap (glibc; elsewhere nothing): the numpy temporaries of each block
-    (a few MiB) then come from it, where a worker otherwise grew and trimmed its heap over and over,
-    faulting every page in again (20 times the page faults of the same work in one process)."""
+    """Let a worker's malloc keep its heap (glibc; elsewhere nothing), so each block's numpy temporaries
+    reuse it instead of growing, trimming and faulting the heap in again block after block
+    (benchmarks/RESULTS.md, "Replay at scale: step records, frame loop, `-j` workers' heap")."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # (not glibc, or no C library to ask)

@@ -1,24 +1,10 @@
 """API call nodes of a trainrec run: the records of the recorder's API level (``api_xy``).
 
-Each :class:`~trainrec.schema.events.ApiCallsRecorded` names its calls as the reference does
-(``Functional.linear.0.forward``), with the innermost monitored module each ran in and the step's hook
-position at the call. A call's node goes under the forward call of that module that completed first at
-or after that position, in its micro step (forward call ids are given at completion), or, where that
-module has no forward node, under its nearest ancestor's; with no module, at the top. Its ports are
-its arguments and results as recorded (``input.0``, ``output.0``, ``input.inplace``) with their dtypes
-and shapes, so exact matching compares shapes; in execution order a call comes right before the module
-call completing after it.
-
-The gradients through a call (records of direction backward) make its ``...backward`` node, whose
-ports are the reference's (``input.i``: gradients its autograd node took in, ``output.i``: those it
-handed on). It goes under the backward call of the forward's module that fired last before the
-gradients came, in its micro step (a module's backward call fires at its first gradient), or where
-that module has none, under its nearest ancestor's; with no module, at the top. In execution order it
-comes right after that firing and the backward nodes placed before it.
-
-The forward records also list the pass's monitored module calls with the dtypes and shapes of the
-tensors module-level xy selected: :func:`shape_module_calls` gives them to the ports ``input.0`` and
-``output.0`` of those calls' nodes, so exact matching compares module shapes too.
+Each recorded call (``Functional.linear.0.forward``) becomes a node under the forward call of the
+innermost monitored module it ran in, with its arguments and results as ports; the gradients through
+it make a ``...backward`` node under that module's backward call. :func:`shape_module_calls` gives
+module calls the shapes the forward records list, so exact matching compares them. The placement
+rules are in docs/graphs.md ("The graph", "The API level").
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Comparing two graphs over every step they share: errors, precision index, overflow, first divergence.
 
-Per paired port and step: ``MaxAbsErr..NormAbsErr`` = ``|debug - bench|`` of each op and
-``MaxRelativeErr..NormRelativeErr`` = that over ``|bench|`` (0 where both are 0, inf where only bench is).
-Per paired node and step, from the worst NormRelativeErr of its inputs (inputs and parameters) and
-outputs (outputs and parameter gradients), the reference's precision index:
-
-* 1 (error): NaN/Inf in the debug side's outputs only; dtype, shape or requires_grad differ; inputs
-  agree (< 0.1) but outputs do not (> 0.5);
-* 0.5 (warning): the output error is more than 10x the input error (and over :data:`NOISE_FLOOR`);
-* 0 (pass) otherwise; NaN where the node has no values at that step. A node without ports of its own
-  (a collection) takes its worst child.
-
-Overflow level (debug side, ``-oc``): 1 medium (input NaN/Inf, output finite), 2 high (both, or the
-output norm over :data:`JUMP` times the input norm), 3 critical (input finite, output NaN/Inf).
-
-First divergence: the earliest step where some node's output error crosses ``threshold``, and in it
-the earliest node in execution order whose outputs cross while its inputs do not.
+Per paired port and step, the absolute and relative error of each statistic; per paired node and
+step, the reference's precision index (1 error, 0.5 warning, 0 pass) and, on the debug side, the
+overflow level; then the first divergent step and node. The rules and thresholds
+(:data:`NOISE_FLOOR`, :data:`JUMP`) are in docs/graphs.md ("Errors and the precision index").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Model Explorer's graph JSON and node data, from a graph or a comparison (pure: returns dicts).
 
-Model Explorer (``ai-edge-model-explorer``) draws a graph of nodes whose ``namespace`` ("a/b")
-nests them in expandable layers, joined by edges; node data colours nodes by one value each. Here
-every graph node is a node, its namespace its ancestors' names, its edges the execution order (the
-previous node in it feeds the next), its attributes its port statistics at one step, and its node
-data value the precision index of that step (1 error, 0.5 warning, 0 pass; no value when unmatched).
+Each graph node becomes a Model Explorer node whose ``namespace`` is its ancestors' names, with
+edges in execution order and its port statistics at one step as attributes; the node data is that
+step's precision index (none where unmatched).
 """
 
 from __future__ import annotations

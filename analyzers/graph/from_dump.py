@@ -1,11 +1,9 @@
 """A :class:`~.model.Graph` from the reference's dump directory (msprobe ``task: statistics``).
 
-A dump directory holds ``dump.json``, ``construct.json`` and ``stack.json`` (see docs/graphs.md). The
-path given may be that directory, a ``step{N}`` directory holding ``rank``/``rank{R}`` directories,
-or the dump root holding ``step{N}`` directories: every step found becomes a step of the graph (one
-rank: ``rank`` chooses it where there are several). Nodes keep the dump's names; runs of two or more
-top-level API calls between modules are grouped under ``Apis_Between_Modules.N`` as the reference
-does; ``parameters_grad`` entries hang under their module's last backward call.
+The path may be a ``rank`` directory (``dump.json``, ``construct.json``, ``stack.json``), a
+``step{N}`` directory or the dump root; every step found becomes a step of the graph. Nodes keep
+the dump's names; top-level API runs are grouped under ``Apis_Between_Modules.N`` as the reference
+does (docs/graphs.md).
 """
 
 from __future__ import annotations

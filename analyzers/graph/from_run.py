@@ -1,15 +1,9 @@
 """A :class:`~.model.Graph` from a trainrec run: one rank's module tree and xy statistics.
 
-Nodes are named the reference's way, ``Module.{path}.{Class}.forward.{n}`` / ``.backward.{n}`` (``n``:
-the module's n-th call in the step, by micro step and call id) and ``Module.{path}.{Class}.parameters_grad``.
-A forward call's parent is the call of the parent module that completed next (forward call ids are
-given at completion); a backward call's parent is the parent module's latest backward call begun
-before it. Parameters (``param``) are ports of the module's first forward call; reduced gradients
-(``grad_reduced``, else ``grad_unreduced``) are ports of its ``parameters_grad`` node, under its last
-backward call. Only the recorder's first input and output tensor of a call are recorded (``input.0``,
-``output.0``), with their shapes and dtypes where the API level recorded them. API calls (the API level, ``api_xy``) sit under the forward call
-they were made in, with every argument and result as a port, and the gradients through them under the
-module's backward call (:mod:`.api_nodes`).
+Nodes are named the reference's way (``Module.{path}.{Class}.forward.{n}``, ``.backward.{n}``,
+``.parameters_grad``); parameters are ports of a module's first forward call, reduced gradients of
+its ``parameters_grad`` node. Only a call's first input and output tensor are recorded. API calls
+come from :mod:`.api_nodes`. Parenting rules: docs/graphs.md ("The graph").
 """
 
 from __future__ import annotations

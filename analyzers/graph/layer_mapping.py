@@ -1,11 +1,9 @@
 """Mapping files: the reference's layer mapping (``-lm mapping.yaml``) and a plain node mapping.
 
-Layer mapping, for code bases whose modules are named differently (DeepSpeed vs Megatron): a YAML
-``{ClassName: {debug attribute: bench attribute}}``, ``TopLayer`` standing for the model itself. A
-debug module's path is rewritten segment by segment, each segment looked up under the class of the
-module that owns it; the module pairs with the bench node of the rewritten name, and API calls
-inside paired modules pair by order (as fuzzy matching does). A node mapping is a JSON or YAML
-``{debug node name: bench node name}``. Files are parsed by tools/; these take the parsed dicts.
+A layer mapping ``{ClassName: {debug attribute: bench attribute}}`` (``TopLayer``: the model) serves
+code bases that name modules differently: debug module paths are rewritten segment by segment
+under each segment's owning class (docs/graphs.md, "Matching"). A node mapping is
+``{debug node name: bench node name}``. tools/ parses the files; these take the parsed dicts.
 """
 
 from __future__ import annotations

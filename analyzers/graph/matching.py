@@ -1,15 +1,9 @@
 """Pairing the nodes of two graphs, the reference's ways.
 
-* :func:`match_exact`: pre-order walk of the debug side; a node pairs with the bench node of the same
-  name (call counts included) whose ancestor names are equal and whose inputs and outputs agree in
-  number, type and shape (shape only where both sides recorded one).
-* :func:`match_fuzzy` (``-f``): modules pair by name without the ancestor check; API calls lose their
-  call counters and pair by (counterpart of their parent, name without counter, order within the parent).
-  Between a run and a dump, a backward API call left over then pairs by its full name (call counter
-  included) where only its parent differs in the one way msprobe places it differently
-  (:func:`pair_displaced_backward`).
-
-Both return ``{debug name: bench name}``; the root always pairs with the root.
+:func:`match_exact` pairs nodes of the same name, ancestors and port signature; :func:`match_fuzzy`
+(``-f``) pairs modules by name and API calls by parent, name without counter and order, plus the
+backward calls msprobe places elsewhere (:func:`pair_displaced_backward`). Both return
+``{debug name: bench name}``; the root always pairs with the root. Rules: docs/graphs.md ("Matching").
 """
 
 from __future__ import annotations
@@ -115,14 +109,10 @@ def pair_apis(debug: Graph, bench: Graph, pairs: dict[str, str]) -> dict[str, st
 def pair_displaced_backward(debug: Graph, bench: Graph, pairs: dict[str, str]) -> dict[str, str]:
     """Add to ``pairs`` the backward API calls (``...backward``) that a run and a msprobe dump place apart.
 
-    msprobe 1.2.1 puts a call's backward under the module whose backward call is still open when the
-    gradients come; a module whose inputs need no gradient (the first layer) has closed its backward
-    call by then, so the call lands under an ancestor's, or at the top. trainrec puts it under its own
-    module's backward call. A still unpaired backward call pairs with the other side's of the same name,
-    call counter included (tensor operators by their method's name), the same inputs and outputs, where
-    the dump side's module parent (collections skipped) is a proper ancestor, the top included, of the
-    counterpart of the run side's parent. Which graph is the run is taken from :attr:`Graph.kind`.
-    """
+    msprobe 1.2.1 puts the backward of a call made in the first layer under an ancestor module (or at
+    the top), trainrec under that layer's backward call (docs/graphs.md, "Matching"). A still unpaired
+    backward call pairs with the other side's of the same name and counter and the same inputs and
+    outputs, where the dump's parent is a proper ancestor of the counterpart of the run's parent."""
     taken = set(pairs.values())
     by_name: dict[str, str | None] = {}
     for name, node in bench.nodes.items():

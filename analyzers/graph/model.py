@@ -1,11 +1,10 @@
 """The graph model: a model's module/API hierarchy with per-step tensor statistics, columnar.
 
-A :class:`Graph` holds nodes (modules, API calls, collections) in a tree, and for every node its
-ports: the tensors it was called with and returned (``input.0``, ``output.0``), its parameters
-(``parameters.weight``) or its parameter gradients (``parameters_grad.weight``). Statistics of every
-port at every recorded step live in one array ``values[step index, port index, op]`` with the
-reference's four ops (Max, Min, Mean, Norm); NaN where a port has no value at a step. Both builders
-(:mod:`.from_run`, :mod:`.from_dump`) produce this, and every comparison and output reads only it.
+A :class:`Graph` holds nodes (modules, API calls, collections) in a tree, each with its ports
+(``input.0``, ``output.0``, ``parameters.weight``, ``parameters_grad.weight``), and the statistics of
+every port at every step in one array ``values[step, port, op]`` with the reference's four ops (NaN
+where absent). Both builders (:mod:`.from_run`, :mod:`.from_dump`) produce it; everything else reads
+only it.
 """
 
 from __future__ import annotations

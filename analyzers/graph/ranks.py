@@ -1,10 +1,8 @@
 """Data-parallel ranks of one run, which should agree, compared with each other.
 
-Every rank's graph is compared with the first rank's (exact matching). ``scope="dp"`` (the default)
-compares what data parallelism keeps identical, parameters and reduced gradients, each as an output
-of its node; ``scope="all"`` compares activations too (ranks fed the same data). The departing rank
-is the one whose first divergence is earliest (step, then execution order); where every other rank
-departs from the first rank at the same point and there are three or more, the first rank departs.
+Every rank's graph is compared with the first rank's (exact matching): ``scope="dp"`` compares
+parameters and reduced gradients, ``scope="all"`` activations too (ranks fed the same data). The
+departing rank is the one whose first divergence comes earliest (docs/graphs.md, "Ranks").
 """
 
 from __future__ import annotations
