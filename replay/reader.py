@@ -55,7 +55,6 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 from trainrec.schema import framing
 from trainrec.schema.errors import FormatError, NotALogError, UnsupportedVersionError
 from trainrec.schema.events import (
@@ -69,10 +68,10 @@ from trainrec.schema.events import (
     StepEnded,
     TensorStatsRecorded,
     WriterFailed,
-    unpack_array,
 )
 
 from .frame_search import find_frame, resync, undecided
+from .name_ranges import NameRanges
 from .sequence import DUPLICATE, SeqGap, Sequence
 from .stats_columns import StatsColumns
 from .step_records import decode_record, decode_record_columnar
@@ -146,11 +145,9 @@ class LogReader:
         self._sequence = Sequence(path, MAX_LISTED)
         self._eof = False  # the last read reached the end of the file as it was then
         self._short_header = 0  # bytes of a file header still being written
-        self._names: list[list[int]] = [[0, 0]]  # id ranges [lo, hi) interned so far, sorted, disjoint
+        self._names = NameRanges()
         self._lost = False  # a frame of this file could not be read: later unknown name ids follow from it
-        self._unknown_ids_reported = False
         self._rank_reported = False
-        self._known_ids: set[bytes] = set()  # id columns whose ids were all interned (tables only grow)
 
     # ------------------------------------------------------------------ state
     @property
@@ -341,7 +338,7 @@ class LogReader:
         crc = _crc32
         decode = self._decode
         seq_check = self._sequence.check
-        known_ids = self._known_ids
+        known_ids = self._names.known_ids
         pos = frames = 0
         self._need = 0
         with memoryview(buf) as mv:
@@ -409,7 +406,7 @@ class LogReader:
                                   "(later ones of this file are not reported)", 0)
                 t = type(ev)
                 if t in _PLAIN or (t in _STATS and ev.name_ids in known_ids):  # (as nearly every record)
-                    pass  # (a column of ids all interned before: nothing to check, see _names_problem)
+                    pass  # (a column of ids all interned before: nothing to check, see NameRanges)
                 elif t is FileOpened:
                     if self.header is None:
                         self.header = ev
@@ -419,11 +416,11 @@ class LogReader:
                 elif t is WriterFailed:
                     self.failure = ev
                 elif t is NamesRepeated:
-                    out.extend(self._repeated_names(ev))
+                    out.extend(self._names.repeated_names(ev))
                     pos = stop
                     continue
                 elif t in _NAMED:
-                    what = self._names_problem(ev)
+                    what = self._names.names_problem(ev, self._lost)
                     if what is not None:
                         self._problem(base + pos, f"inconsistent record: {what}", 0)
                 out.append(ev)
@@ -435,64 +432,6 @@ class LogReader:
             self._pos = base + pos
             if self._scan_abs < self._pos:
                 self._scan_abs = self._pos
-
-    # ------------------------------------------------------------------ names
-    def _repeated_names(self, ev: NamesRepeated) -> list[Event]:
-        """A copy of a name table: itself where its ids are known (the original was read), else first
-        the names of the ids not known yet, as the NamesInterned records the original would have given
-        (consumers resolve names from those), then itself."""
-        lo, hi = ev.first_id, ev.first_id + len(ev.names)
-        missing: list[tuple[int, int]] = []
-        at = lo
-        for a, b in self._names:
-            if b <= at or a >= hi:
-                continue
-            if a > at:
-                missing.append((at, a))
-            at = max(at, b)
-        if at < hi:
-            missing.append((at, hi))
-        if not missing:
-            return [ev]
-        out: list[Event] = []
-        for a, b in missing:
-            _add_range(self._names, a, b)
-            out.append(NamesInterned(seq=ev.seq, rank=ev.rank, step=ev.step, wall=ev.wall, first_id=a,
-                                     names=ev.names[a - lo : b - lo]))
-        out.append(ev)
-        return out
-
-    # ------------------------------------------------------------------ consistency
-    def _names_problem(self, ev: Event) -> str | None:
-        """What a record says about name ids that contradicts the file so far, or None."""
-        ranges = self._names
-        if isinstance(ev, NamesInterned):
-            lo, hi = ev.first_id, ev.first_id + len(ev.names)
-            expected = ranges[-1][1]
-            what = None
-            if lo < expected:
-                what = f"names interned from id {lo}, but ids up to {expected - 1} are taken (ids are dense per file)"
-            elif lo > expected and not self._lost:
-                what = (f"names interned from id {lo}, but the next free id is {expected} and no record "
-                        "was lost (ids are dense per file)")
-            _add_range(ranges, lo, hi)
-            return what
-        ids = ev.module_ids if type(ev) is HooksFired else ev.name_ids  # type: ignore[attr-defined]
-        if not ids or (len(ids) <= 1 << 16 and ids in self._known_ids):  # (a column known stays known)
-            return None
-        # (numpy's max: a Python max over the ids boxed each one, and took half the reading time)
-        top = int(np.frombuffer(ids, dtype="<u4").max())
-        if top < ranges[0][1] or self._lost or self._unknown_ids_reported:
-            if top < ranges[0][1] and len(ids) <= 1 << 16 and len(self._known_ids) < 64:  # (4 MiB at most)
-                self._known_ids.add(ids)
-            return None
-        col = unpack_array("I", ids)
-        unknown = next((i for i in col if not _in_ranges(ranges, i)), None)
-        if unknown is None:
-            return None
-        self._unknown_ids_reported = True
-        return (f"name id {unknown} was never interned in this file (shown as <unknown name {unknown}>; "
-                "later unknown ids of this file are not reported)")
 
     # ------------------------------------------------------------------ damage handling
     def _problem(self, offset: int, what: str, skipped: int, lost: bool = True) -> None:
@@ -511,25 +450,6 @@ class LogReader:
         p = Problem(self.path, offset, what, skipped)
         self.problems.append(p)
         log.warning("trainrec: %s", p)
-
-
-def _add_range(ranges: list[list[int]], lo: int, hi: int) -> None:
-    """Add ``[lo, hi)`` to sorted disjoint ranges, merging what touches."""
-    if hi <= lo:
-        return
-    ranges.append([lo, hi])
-    ranges.sort()
-    merged = [ranges[0]]
-    for r in ranges[1:]:
-        if r[0] <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], r[1])
-        else:
-            merged.append(r)
-    ranges[:] = merged
-
-
-def _in_ranges(ranges: list[list[int]], i: int) -> bool:
-    return any(lo <= i < hi for lo, hi in ranges)
 
 
 def read_log(path: str) -> tuple[LogReader, list[Event]]:
