@@ -70,7 +70,7 @@ from trainrec.schema.events import (
     WriterFailed,
 )
 
-from .frame_search import find_frame, resync, undecided
+from .frame_search import damaged_frame
 from .name_ranges import NameRanges
 from .sequence import DUPLICATE, SeqGap, Sequence
 from .stats_columns import StatsColumns
@@ -344,36 +344,17 @@ class LogReader:
         with memoryview(buf) as mv:
             while n - pos >= _HDR_SIZE:
                 magic, length, pcrc, hcrc = unpack(buf, pos)
-                if magic != _MAGIC or crc(mv[pos : pos + 12]) != hcrc:
-                    nxt = resync(buf, pos + 1, n, max_frame)
-                    self._problem(base + pos, "bad frame header", nxt - pos)
-                    pos = nxt
-                    continue
-                if length > max_frame:
-                    nxt = resync(buf, pos + 1, n, max_frame)
-                    self._problem(base + pos, f"frame length {length} above the cap of {max_frame}", nxt - pos)
-                    pos = nxt
-                    continue
                 start = pos + _HDR_SIZE
                 stop = start + length
-                if stop > n:
-                    # Incomplete: normal while the writer writes, unless a complete valid frame
-                    # follows inside the bytes we have, which means this one was cut short.
-                    later, retry_from = find_frame(buf, max(start, self._scan_abs - base), n, True, max_frame)
-                    if later is None:
-                        self._scan_abs = base + retry_from
-                        self._need = stop - n
-                        break
-                    self._problem(base + pos, f"frame cut short (announced {length} bytes)", later - pos)
-                    pos = later
-                    continue
                 payload = mv[start:stop]
-                if crc(payload) != pcrc:
-                    inner, _ = find_frame(buf, start, stop, False, max_frame)
-                    if inner is None and undecided(buf, start, stop):
-                        break  # a header may start near the end of the data: decide with more bytes
-                    nxt = stop if inner is None else inner
-                    what = "payload CRC mismatch" if inner is None else "payload CRC mismatch (frame cut short)"
+                if (magic != _MAGIC or length > max_frame or stop > n or crc(mv[pos : pos + 12]) != hcrc
+                        or crc(payload) != pcrc):
+                    what, nxt, retry_from, need = damaged_frame(buf, pos, max_frame, self._scan_abs - base)
+                    if what is None:  # (wait for more bytes: the writer may still be writing)
+                        if retry_from is not None:
+                            self._scan_abs = base + retry_from
+                        self._need = need
+                        break
                     self._problem(base + pos, what, nxt - pos)
                     pos = nxt
                     continue
