@@ -34,9 +34,10 @@ import threading
 import time
 
 from trainrec.analyzers.projection import StepSet, parse_kinds, parse_steps
-from trainrec.replay.discover import format_ranks, list_runs, stamp_key_or_none
+from trainrec.replay.discover import format_ranks, stamp_key_or_none
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run, open_run
+from trainrec.replay.run_select import list_runs
 from trainrec.replay.stepindex import first_record
 from trainrec.schema import layout
 from trainrec.schema.errors import FormatError, NotARunError, TrainrecError
