@@ -74,6 +74,7 @@ from .frame_search import damaged_frame
 from .name_ranges import NameRanges
 from .sequence import DUPLICATE, SeqGap, Sequence
 from .stats_columns import StatsColumns
+from .stats_templates import StatsTemplates
 from .step_records import decode_record, decode_record_columnar
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class LogReader:
                  columnar: bool = False) -> None:
         self.path = path
         self._decode = decode_record_columnar if columnar else decode_record
+        self._templates = StatsTemplates() if columnar else None  # (layouts of stats records decoded before)
         self.max_frame = max_frame
         self.chunk_size = max(4096, chunk_size)
         self.version: int | None = None
@@ -332,68 +334,110 @@ class LogReader:
         buf = self._buf
         n = len(buf)
         base = self._pos
+        pos = 0
+        self._need = 0
+        with memoryview(buf) as mv:
+            while True:
+                pos = self._frames(buf, mv, pos, out)
+                if n - pos < _HDR_SIZE:
+                    break
+                what, nxt, retry_from, need = damaged_frame(buf, pos, self.max_frame, self._scan_abs - base)
+                if what is None:  # (wait for more bytes: the writer may still be writing)
+                    if retry_from is not None:
+                        self._scan_abs = base + retry_from
+                    self._need = need
+                    break
+                self._problem(base + pos, what, nxt - pos)
+                pos = nxt
+        self.events_read += len(out)
+        if pos:
+            self._buf = buf[pos:]
+            self._pos = base + pos
+            if self._scan_abs < self._pos:
+                self._scan_abs = self._pos
+
+    def _frames(self, buf: bytes, mv: memoryview, pos: int, out: list[Event]) -> int:
+        """Decode the frames from ``pos`` on into ``out`` up to the first that does not check out whole
+        (damaged, or not all there yet), or the end; returns where that one starts."""
+        n = len(buf)
+        base = self._pos
         max_frame = self.max_frame
         version = self.version or framing.FORMAT_VERSION
         unpack = _HDR.unpack_from
         crc = _crc32
         decode = self._decode
-        seq_check = self._sequence.check
+        templates = self._templates
+        match = None if templates is None else templates.match
         known_ids = self._names.known_ids
-        pos = frames = 0
-        self._need = 0
-        with memoryview(buf) as mv:
+        sequence = self._sequence
+        first = due = sequence.due()
+        in_order: list[int] = []  # payload CRCs of the frames numbered from ``first`` on, in order
+        taken = in_order.append
+        append = out.append
+        h = self.header
+        own_rank = None if h is None or self._rank_reported else h.rank
+        closed = self.closed_event is not None
+        frames = 0
+        try:
             while n - pos >= _HDR_SIZE:
                 magic, length, pcrc, hcrc = unpack(buf, pos)
                 start = pos + _HDR_SIZE
                 stop = start + length
-                payload = mv[start:stop]
                 if (magic != _MAGIC or length > max_frame or stop > n or crc(mv[pos : pos + 12]) != hcrc
-                        or crc(payload) != pcrc):
-                    what, nxt, retry_from, need = damaged_frame(buf, pos, max_frame, self._scan_abs - base)
-                    if what is None:  # (wait for more bytes: the writer may still be writing)
-                        if retry_from is not None:
-                            self._scan_abs = base + retry_from
-                        self._need = need
-                        break
-                    self._problem(base + pos, what, nxt - pos)
-                    pos = nxt
-                    continue
+                        or crc(mv[start:stop]) != pcrc):
+                    break
                 frames += 1
-                try:
-                    ev = decode(payload, version)
-                except Exception as exc:  # noqa: BLE001 - untrusted input: any decode failure is damage
-                    self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
-                    pos = stop
-                    continue
-                if self.closed_event is not None:
+                ev = None if match is None else match(buf, start, stop, version)
+                if ev is None:
+                    payload = mv[start:stop]
+                    try:
+                        ev = decode(payload, version)
+                    except Exception as exc:  # noqa: BLE001 - untrusted input: any decode failure is damage
+                        self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
+                        pos = stop
+                        continue
+                    if templates is not None and type(ev) is StatsColumns:
+                        templates.learn(payload, ev)
+                if closed:
                     # the writer writes nothing after FileClosed: frames there (a log appended to
                     # again, e.g. concatenated with a copy) would replay twice; one region of damage
                     self._problem(base + pos, _AFTER_CLOSE, stop - pos)
                     pos = stop
                     continue
-                verdict = seq_check(ev.seq, pcrc, base + pos)
-                if verdict is not None:
-                    if verdict is DUPLICATE:
-                        self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
-                        pos = stop
-                        continue
-                    if verdict.lost:
-                        self._lost = True
-                h = self.header
-                if h is not None and ev.rank != h.rank and not self._rank_reported:
+                if ev.seq == due:  # (in order, as nearly every frame is: taken in bulk)
+                    due += 1
+                    taken(pcrc)
+                else:
+                    sequence.took(first, in_order)
+                    in_order.clear()
+                    verdict = sequence.check(ev.seq, pcrc, base + pos)
+                    first = due = sequence.due()
+                    if verdict is not None:
+                        if verdict is DUPLICATE:
+                            self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
+                            pos = stop
+                            continue
+                        if verdict.lost:
+                            self._lost = True
+                if own_rank is not None and ev.rank != own_rank:
                     # (kept, as an unknown name id: merged with the others under the rank it names)
                     self._rank_reported = True
+                    own_rank = None
                     self._problem(base + pos, f"inconsistent record: rank {ev.rank} in the log of rank {h.rank} "
                                   "(later ones of this file are not reported)", 0)
                 t = type(ev)
                 if t in _PLAIN or (t in _STATS and ev.name_ids in known_ids):  # (as nearly every record)
                     pass  # (a column of ids all interned before: nothing to check, see NameRanges)
                 elif t is FileOpened:
-                    if self.header is None:
-                        self.header = ev
+                    if h is None:
+                        self.header = h = ev
+                        own_rank = None if self._rank_reported else h.rank
                 elif t is FileClosed:
                     self.closed_event = ev
-                    self._sequence.forget()  # (nothing follows)
+                    closed = True
+                    sequence.took(first, in_order)
+                    in_order.clear()
+                    sequence.forget()  # (nothing follows)
                 elif t is WriterFailed:
                     self.failure = ev
                 elif t is NamesRepeated:
@@ -404,15 +448,12 @@ class LogReader:
                     what = self._names.names_problem(ev, self._lost)
                     if what is not None:
                         self._problem(base + pos, f"inconsistent record: {what}", 0)
-                out.append(ev)
+                append(ev)
                 pos = stop
-        self.frames += frames
-        self.events_read += len(out)
-        if pos:
-            self._buf = buf[pos:]
-            self._pos = base + pos
-            if self._scan_abs < self._pos:
-                self._scan_abs = self._pos
+        finally:
+            sequence.took(first, in_order)
+            self.frames += frames
+        return pos
 
     # ------------------------------------------------------------------ damage handling
     def _problem(self, offset: int, what: str, skipped: int, lost: bool = True) -> None:
