@@ -12,6 +12,7 @@
 * :mod:`.stats_columns`: stats records decoded straight into columns (``columnar=True``).
 * :mod:`.step_records`: step records decoded without the codec's generic walk (the same events).
 * :mod:`.frame_search`: finding the next valid frame in damaged bytes (the reader's resynchronisation).
+* :mod:`.problems`: the damage found in a log file, as the reader lists it.
 * :mod:`.name_ranges`: the name ids a log file has interned, and records that contradict them.
 """
 
@@ -20,7 +21,8 @@ from __future__ import annotations
 from .discover import RunInfo
 from .follow import RunFollower, follow
 from .names import NameResolver
-from .reader import LogReader, Problem, SeqGap, read_head, read_log
+from .problems import Problem
+from .reader import LogReader, SeqGap, read_head, read_log
 from .rows import execution_order, rows_from_events, value_matrix
 from .run import Run, open_run, resolve_types
 from .run_select import list_runs

@@ -48,12 +48,10 @@ the frame cap plus one read chunk in memory.
 
 from __future__ import annotations
 
-import logging
 import os
 import struct
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from trainrec.schema import framing
 from trainrec.schema.errors import FormatError, NotALogError, UnsupportedVersionError
@@ -72,12 +70,11 @@ from trainrec.schema.events import (
 
 from .frame_search import damaged_frame
 from .name_ranges import NameRanges
+from .problems import MAX_LISTED, Problem, ProblemLog
 from .sequence import DUPLICATE, SeqGap, Sequence
 from .stats_columns import StatsColumns
 from .stats_templates import StatsTemplates
 from .step_records import decode_record, decode_record_columnar
-
-log = logging.getLogger(__name__)
 
 _CHUNK = 4 << 20
 _HEAD_CHUNK = 64 << 10
@@ -88,26 +85,9 @@ _crc32 = zlib.crc32
 _AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
 _DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
               "as by a copy tool that retried it)")
-# Problems and gaps listed one by one per file; past that they are only counted (a hostile file of
-# millions of tiny damaged frames would otherwise fill memory with their descriptions).
-MAX_LISTED = 1000
 _NAMED = frozenset((NamesInterned, TensorStatsRecorded, HooksFired, StatsColumns))  # records using name ids
 _STATS = frozenset((TensorStatsRecorded, StatsColumns))
 _PLAIN = frozenset((StepBegan, StepEnded))  # records the reader keeps no account of
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Damage found in a log file."""
-
-    path: str
-    offset: int
-    what: str
-    skipped: int  # bytes skipped past the damage (0: an inconsistent record, kept)
-
-    def __str__(self) -> str:
-        skipped = f"{self.skipped} bytes skipped" if self.skipped else "record kept"
-        return f"{self.path} at byte {self.offset}: {self.what} ({skipped})"
 
 
 class LogReader:
@@ -132,10 +112,8 @@ class LogReader:
         self.header: FileOpened | None = None
         self.closed_event: FileClosed | None = None
         self.failure: WriterFailed | None = None  # the writer's own word that it failed to write
-        self.problems: list[Problem] = []
-        # past MAX_LISTED: how many more problems, and their bytes skipped (gaps: see Sequence)
-        self.unlisted_problems = 0
-        self.unlisted_skipped = 0
+        self._damage = ProblemLog(path)
+        self.problems: list[Problem] = self._damage.problems
         self.frames = 0  # frames whose header and payload CRCs checked out
         self.events_read = 0
         self.bytes_read = 0  # bytes read from the file, its header included (a step selection reads only some)
@@ -165,6 +143,16 @@ class LogReader:
     @property
     def closed_cleanly(self) -> bool:
         return self.closed_event is not None
+
+    @property
+    def unlisted_problems(self) -> int:
+        """Problems past the first MAX_LISTED, only counted (gaps: see :attr:`unlisted_gaps`)."""
+        return self._damage.unlisted_problems
+
+    @property
+    def unlisted_skipped(self) -> int:
+        """Bytes skipped by the unlisted problems."""
+        return self._damage.unlisted_skipped
 
     @property
     def lost_frames(self) -> int:
@@ -458,20 +446,8 @@ class LogReader:
     # ------------------------------------------------------------------ damage handling
     def _problem(self, offset: int, what: str, skipped: int, lost: bool = True) -> None:
         """Record damage; ``lost``: its skipped bytes held records of the file (not a duplicate's)."""
-        last = self.problems[-1] if self.problems else None
-        if last is not None and last.what == what and last.offset + last.skipped == offset:
-            # One damaged region read over several chunks or polls is one problem.
-            self.problems[-1] = Problem(self.path, last.offset, what, last.skipped + skipped)
-            return
-        if skipped and lost:
+        if self._damage.add(offset, what, skipped) and skipped and lost:
             self._lost = True
-        if len(self.problems) >= MAX_LISTED:
-            self.unlisted_problems += 1
-            self.unlisted_skipped += skipped
-            return
-        p = Problem(self.path, offset, what, skipped)
-        self.problems.append(p)
-        log.warning("trainrec: %s", p)
 
 
 def read_log(path: str) -> tuple[LogReader, list[Event]]:

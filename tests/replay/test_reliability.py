@@ -303,7 +303,7 @@ def tiny_frames(count: int) -> bytes:
 
 
 def test_countless_damaged_frames_are_counted_not_listed(tmp_path):
-    from trainrec.replay.reader import MAX_LISTED
+    from trainrec.replay.problems import MAX_LISTED
     from trainrec.replay.summary import findings, summarize
 
     path = str(tmp_path / "trainrec-00000.trl")
