@@ -4,42 +4,17 @@
 events that became complete since the last call, so a live tail is a loop over ``poll()``; each call
 reads only the bytes appended since the previous one (one ``open`` + ``seek`` + ``read``).
 
-Three outcomes are kept apart (see :mod:`trainrec.schema.framing` for the byte layout):
-
-* a clean end: the data ends exactly at a frame boundary; :attr:`LogReader.pending_bytes` is 0;
-* an incomplete last frame: not an error, the writer may still be writing. Its bytes stay pending
-  (:attr:`LogReader.pending_bytes`, a *torn tail* once the writer is gone) and a later ``poll()``
-  completes it;
-* damage in the middle, recorded in :attr:`LogReader.problems` as :class:`Problem` (path, byte offset,
-  what, bytes skipped), after which reading resynchronises and goes on:
-
-  - a frame header failing its magic or CRC, or announcing a length above the cap: the reader
-    searches forward for the next header whose CRC checks out;
-  - a payload failing its CRC: exactly that frame is skipped (its length is trusted), unless a valid
-    frame header starts inside it, which means bytes went missing (a length mismatch): reading
-    resumes at that header;
-  - an incomplete frame followed, further on, by a complete valid frame: the frame was cut short
-    (bytes went missing before the end of the file); reading resumes at the valid frame;
-  - a frame that checks out but does not decode (``undecodable record``), which includes a record
-    whose fields contradict each other (a slot that is no slot, an absurd world size, ...: see
-    ``check()`` of :mod:`trainrec.schema.events`);
-  - records after the file's FileClosed record (``records after the FileClosed record``): the writer
-    never writes there, so they are skipped as one damaged region, not replayed a second time;
-  - a record that decodes but contradicts the file before it (``inconsistent record``): name ids
-    interned out of order, or used without being interned. Such a record is kept (nothing recorded
-    is lost; an id nobody interned shows as ``<unknown name ID>``) and reported once per file;
-    after a lost frame, unknown ids are its consequence and not reported again.
-
-  A decision is only taken from bytes that are there: reading a file whole or while it grows gives
-  the same events (one damaged region read over several polls is one problem). So a damaged frame at
-  the very end whose last bytes could begin a frame header is kept pending, like a torn tail.
-
-Frames that could not be read show up as gaps in the writer's per-file sequence numbers
-(:attr:`LogReader.gaps`, :class:`SeqGap`), which is how ``trainrec check`` counts lost frames; a
-frame that repeats one read before (a block written twice) is dropped and reported once, a wrong
-number is told from lost frames (:mod:`trainrec.replay.sequence`). File header flag bits the format
-does not define are reported. A NamesRepeated (the writer's copy of a name table) gives the names of
-a table whose frame was lost, as NamesInterned records.
+Three outcomes are kept apart (the byte layout is :mod:`trainrec.schema.framing`'s): a clean end
+(:attr:`LogReader.pending_bytes` is 0); an incomplete last frame, not an error (the writer may still
+be writing: its bytes stay pending, a *torn tail* once the writer is gone, and a later ``poll()``
+completes it); damage in the middle, recorded in :attr:`LogReader.problems` as
+:class:`~trainrec.replay.problems.Problem` (path, byte offset, what, bytes skipped), after which
+reading resynchronises and goes on (:func:`~trainrec.replay.frame_search.damaged_frame`). A frame that
+checks out but does not decode, records after FileClosed, duplicates and records that contradict the
+file before them are problems too; frames that could not be read show up as gaps in the writer's
+sequence numbers (:attr:`LogReader.gaps`, :mod:`trainrec.replay.sequence`). Every case, and why:
+``docs/log-format.md``, "How the reader handles damage". A decision is only taken from bytes that are
+there, so reading a file whole or while it grows gives the same events and problems.
 
 The reader never raises on arbitrary bytes after the 16-byte file header (a bad magic raises
 :class:`NotALogError`, an unknown version :class:`UnsupportedVersionError`) and never holds more than
