@@ -1,6 +1,7 @@
 """trainrec.replay: reading logs back.
 
 * :mod:`.reader`: one log file, frame by frame, surviving torn tails and damage (``LogReader``).
+* :mod:`.record_stream`: the records of a file's frames, checked, decoded, numbered and accounted for.
 * :mod:`.discover`: output directories, rank directories and the launches (runs) in them.
 * :mod:`.run_select`: the runs of an output directory, and the one a RUN argument names.
 * :mod:`.run`: ``open_run(path)``, a run's ranks, files and events merged in execution order.
@@ -10,6 +11,7 @@
 * :mod:`.summary`: per-rank summaries and integrity findings (``trainrec inspect`` / ``check``).
 * :mod:`.stepindex`: reading only some steps of a log through its step index (``--steps``).
 * :mod:`.stats_columns`: stats records decoded straight into columns (``columnar=True``).
+* :mod:`.stats_templates`: stats records of a layout read before, decoded from the bytes that vary.
 * :mod:`.step_records`: step records decoded without the codec's generic walk (the same events).
 * :mod:`.frame_search`: finding the next valid frame in damaged bytes (the reader's resynchronisation).
 * :mod:`.problems`: the damage found in a log file, as the reader lists it.

@@ -24,45 +24,18 @@ the frame cap plus one read chunk in memory.
 from __future__ import annotations
 
 import os
-import struct
-import zlib
 from collections.abc import Iterator
 
 from trainrec.schema import framing
 from trainrec.schema.errors import FormatError, NotALogError, UnsupportedVersionError
-from trainrec.schema.events import (
-    Event,
-    FileClosed,
-    FileOpened,
-    HooksFired,
-    NamesInterned,
-    NamesRepeated,
-    StepBegan,
-    StepEnded,
-    TensorStatsRecorded,
-    WriterFailed,
-)
+from trainrec.schema.events import Event, FileClosed, FileOpened, WriterFailed
 
-from .frame_search import damaged_frame
-from .name_ranges import NameRanges
-from .problems import MAX_LISTED, Problem, ProblemLog
-from .sequence import DUPLICATE, SeqGap, Sequence
-from .stats_columns import StatsColumns
-from .stats_templates import StatsTemplates
-from .step_records import decode_record, decode_record_columnar
+from .problems import Problem
+from .record_stream import RecordStream
+from .sequence import SeqGap
 
 _CHUNK = 4 << 20
 _HEAD_CHUNK = 64 << 10
-_HDR = struct.Struct("<IIII")
-_HDR_SIZE = framing.FRAME_HEADER_SIZE
-_MAGIC = framing.FRAME_MAGIC
-_crc32 = zlib.crc32
-_AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
-_DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
-              "as by a copy tool that retried it)")
-_NAMED = frozenset((NamesInterned, TensorStatsRecorded, HooksFired, StatsColumns))  # records using name ids
-_STATS = frozenset((TensorStatsRecorded, StatsColumns))
-_PLAIN = frozenset((StepBegan, StepEnded))  # records the reader keeps no account of
 
 
 class LogReader:
@@ -78,18 +51,11 @@ class LogReader:
     def __init__(self, path: str, max_frame: int = framing.MAX_FRAME, chunk_size: int = _CHUNK,
                  columnar: bool = False) -> None:
         self.path = path
-        self._decode = decode_record_columnar if columnar else decode_record
-        self._templates = StatsTemplates() if columnar else None  # (layouts of stats records decoded before)
+        self._records = RecordStream(path, max_frame, columnar)  # (header, close, numbers, names, damage)
         self.max_frame = max_frame
         self.chunk_size = max(4096, chunk_size)
         self.version: int | None = None
         self.flags = 0
-        self.header: FileOpened | None = None
-        self.closed_event: FileClosed | None = None
-        self.failure: WriterFailed | None = None  # the writer's own word that it failed to write
-        self._damage = ProblemLog(path)
-        self.problems: list[Problem] = self._damage.problems
-        self.frames = 0  # frames whose header and payload CRCs checked out
         self.events_read = 0
         self.bytes_read = 0  # bytes read from the file, its header included (a step selection reads only some)
         self._stop = None  # where reading stops (read_span), or None: the end of the file
@@ -97,12 +63,8 @@ class LogReader:
         self._buf = b""  # bytes read but not consumed yet (an incomplete frame)
         self._need = 0  # bytes still missing from the pending frame, when its header is known
         self._scan_abs = 0  # file offset up to which the pending bytes were searched for a later frame
-        self._sequence = Sequence(path, MAX_LISTED)
         self._eof = False  # the last read reached the end of the file as it was then
         self._short_header = 0  # bytes of a file header still being written
-        self._names = NameRanges()
-        self._lost = False  # a frame of this file could not be read: later unknown name ids follow from it
-        self._rank_reported = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -116,41 +78,66 @@ class LogReader:
         return len(self._buf) + self._short_header
 
     @property
+    def header(self) -> FileOpened | None:
+        """The file's FileOpened record (its first), once read."""
+        return self._records.header
+
+    @property
+    def closed_event(self) -> FileClosed | None:
+        """The file's FileClosed record, once read."""
+        return self._records.closed_event
+
+    @property
+    def failure(self) -> WriterFailed | None:
+        """The writer's own word that it failed to write, if the file holds it."""
+        return self._records.failure
+
+    @property
     def closed_cleanly(self) -> bool:
-        return self.closed_event is not None
+        return self._records.closed_event is not None
+
+    @property
+    def frames(self) -> int:
+        """Frames whose header and payload CRCs checked out."""
+        return self._records.frames
+
+    @property
+    def problems(self) -> list[Problem]:
+        """Damage found, in file order (the first MAX_LISTED)."""
+        return self._records.damage.problems
 
     @property
     def unlisted_problems(self) -> int:
         """Problems past the first MAX_LISTED, only counted (gaps: see :attr:`unlisted_gaps`)."""
-        return self._damage.unlisted_problems
+        return self._records.damage.unlisted_problems
 
     @property
     def unlisted_skipped(self) -> int:
         """Bytes skipped by the unlisted problems."""
-        return self._damage.unlisted_skipped
+        return self._records.damage.unlisted_skipped
 
     @property
     def lost_frames(self) -> int:
         """Frames missing according to the sequence numbers (damaged or cut out)."""
-        return self._sequence.lost
+        return self._records.sequence.lost
 
     @property
     def gaps(self) -> list[SeqGap]:
         """Jumps in the sequence numbers (the first MAX_LISTED of them)."""
-        return self._sequence.gaps
+        return self._records.sequence.gaps
 
     @property
     def unlisted_gaps(self) -> int:
-        return self._sequence.unlisted_gaps
+        return self._records.sequence.unlisted_gaps
 
     @property
     def unlisted_lost(self) -> int:
-        return self._sequence.unlisted_lost
+        return self._records.sequence.unlisted_lost
 
     @property
     def duplicates(self) -> int:
         """Frames dropped as duplicates of frames read before."""
-        return self._sequence.duplicates
+        return self._records.sequence.duplicates
 
     @property
     def at_eof(self) -> bool:
@@ -194,10 +181,10 @@ class LogReader:
         """The events of the frames in bytes ``[start, stop)``, the first numbered ``seq``: where a step
         index says a selection's records are (:mod:`trainrec.replay.stepindex` checks the boundaries)."""
         if self._buf:
-            self._problem(self._pos, "a step index span ended inside a frame", len(self._buf))
+            self._records.problem(self._pos, "a step index span ended inside a frame", len(self._buf))
         self._buf, self._need = b"", 0
         self._pos = self._scan_abs = start
-        self._sequence.restart(seq)
+        self._records.sequence.restart(seq)
         self._stop = stop
         try:
             for batch in self._batches(self.chunk_size, None, None):
@@ -207,7 +194,7 @@ class LogReader:
 
     def note(self, what: str) -> None:
         """A problem of the file found outside the frames read (a step index that does not fit it)."""
-        self._problem(0, what, 0, lost=False)
+        self._records.problem(0, what, 0, lost=False)
 
     def _read(self, size: int) -> bytes | None:
         """Up to ``size`` bytes after what was read so far; None when there is nothing (yet).
@@ -288,142 +275,23 @@ class LogReader:
             self._pos = framing.FILE_HEADER_SIZE
             self._scan_abs = self._pos
         if flags & ~framing.KNOWN_FLAGS:
-            self._problem(12, f"file header flags 0x{flags:08x} set bits this format does not define (a damaged "
+            self._records.problem(12, f"file header flags 0x{flags:08x} set bits this format does not define (a damaged "
                           "header?); the records are read as they are", 0, lost=False)
         return True
 
     def _consume(self, out: list[Event]) -> None:
         """Decode every complete frame of the buffer into ``out``; keep the incomplete rest."""
-        buf = self._buf
-        n = len(buf)
         base = self._pos
-        pos = 0
-        self._need = 0
-        with memoryview(buf) as mv:
-            while True:
-                pos = self._frames(buf, mv, pos, out)
-                if n - pos < _HDR_SIZE:
-                    break
-                what, nxt, retry_from, need = damaged_frame(buf, pos, self.max_frame, self._scan_abs - base)
-                if what is None:  # (wait for more bytes: the writer may still be writing)
-                    if retry_from is not None:
-                        self._scan_abs = base + retry_from
-                    self._need = need
-                    break
-                self._problem(base + pos, what, nxt - pos)
-                pos = nxt
+        pos, retry_from, self._need = self._records.consume(self._buf, base, self._scan_abs,
+                                                            self.version or framing.FORMAT_VERSION, out)
+        if retry_from is not None:
+            self._scan_abs = base + retry_from
         self.events_read += len(out)
         if pos:
-            self._buf = buf[pos:]
+            self._buf = self._buf[pos:]
             self._pos = base + pos
             if self._scan_abs < self._pos:
                 self._scan_abs = self._pos
-
-    def _frames(self, buf: bytes, mv: memoryview, pos: int, out: list[Event]) -> int:
-        """Decode the frames from ``pos`` on into ``out`` up to the first that does not check out whole
-        (damaged, or not all there yet), or the end; returns where that one starts."""
-        n = len(buf)
-        base = self._pos
-        max_frame = self.max_frame
-        version = self.version or framing.FORMAT_VERSION
-        unpack = _HDR.unpack_from
-        crc = _crc32
-        decode = self._decode
-        templates = self._templates
-        match = None if templates is None else templates.match
-        known_ids = self._names.known_ids
-        sequence = self._sequence
-        first = due = sequence.due()
-        in_order: list[int] = []  # payload CRCs of the frames numbered from ``first`` on, in order
-        taken = in_order.append
-        append = out.append
-        h = self.header
-        own_rank = None if h is None or self._rank_reported else h.rank
-        closed = self.closed_event is not None
-        frames = 0
-        try:
-            while n - pos >= _HDR_SIZE:
-                magic, length, pcrc, hcrc = unpack(buf, pos)
-                start = pos + _HDR_SIZE
-                stop = start + length
-                if (magic != _MAGIC or length > max_frame or stop > n or crc(mv[pos : pos + 12]) != hcrc
-                        or crc(mv[start:stop]) != pcrc):
-                    break
-                frames += 1
-                ev = None if match is None else match(buf, start, stop, version)
-                if ev is None:
-                    payload = mv[start:stop]
-                    try:
-                        ev = decode(payload, version)
-                    except Exception as exc:  # noqa: BLE001 - untrusted input: any decode failure is damage
-                        self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
-                        pos = stop
-                        continue
-                    if templates is not None and type(ev) is StatsColumns:
-                        templates.learn(payload, ev)
-                if closed:
-                    # the writer writes nothing after FileClosed: frames there (a log appended to
-                    # again, e.g. concatenated with a copy) would replay twice; one region of damage
-                    self._problem(base + pos, _AFTER_CLOSE, stop - pos)
-                    pos = stop
-                    continue
-                if ev.seq == due:  # (in order, as nearly every frame is: taken in bulk)
-                    due += 1
-                    taken(pcrc)
-                else:
-                    sequence.took(first, in_order)
-                    in_order.clear()
-                    verdict = sequence.check(ev.seq, pcrc, base + pos)
-                    first = due = sequence.due()
-                    if verdict is not None:
-                        if verdict is DUPLICATE:
-                            self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
-                            pos = stop
-                            continue
-                        if verdict.lost:
-                            self._lost = True
-                if own_rank is not None and ev.rank != own_rank:
-                    # (kept, as an unknown name id: merged with the others under the rank it names)
-                    self._rank_reported = True
-                    own_rank = None
-                    self._problem(base + pos, f"inconsistent record: rank {ev.rank} in the log of rank {h.rank} "
-                                  "(later ones of this file are not reported)", 0)
-                t = type(ev)
-                if t in _PLAIN or (t in _STATS and ev.name_ids in known_ids):  # (as nearly every record)
-                    pass  # (a column of ids all interned before: nothing to check, see NameRanges)
-                elif t is FileOpened:
-                    if h is None:
-                        self.header = h = ev
-                        own_rank = None if self._rank_reported else h.rank
-                elif t is FileClosed:
-                    self.closed_event = ev
-                    closed = True
-                    sequence.took(first, in_order)
-                    in_order.clear()
-                    sequence.forget()  # (nothing follows)
-                elif t is WriterFailed:
-                    self.failure = ev
-                elif t is NamesRepeated:
-                    out.extend(self._names.repeated_names(ev))
-                    pos = stop
-                    continue
-                elif t in _NAMED:
-                    what = self._names.names_problem(ev, self._lost)
-                    if what is not None:
-                        self._problem(base + pos, f"inconsistent record: {what}", 0)
-                append(ev)
-                pos = stop
-        finally:
-            sequence.took(first, in_order)
-            self.frames += frames
-        return pos
-
-    # ------------------------------------------------------------------ damage handling
-    def _problem(self, offset: int, what: str, skipped: int, lost: bool = True) -> None:
-        """Record damage; ``lost``: its skipped bytes held records of the file (not a duplicate's)."""
-        if self._damage.add(offset, what, skipped) and skipped and lost:
-            self._lost = True
-
 
 def read_log(path: str) -> tuple[LogReader, list[Event]]:
     """Read a whole log file; returns the reader (header, problems, torn bytes) and its events.

@@ -171,7 +171,7 @@ def test_templates_stay_bounded_on_a_log_of_ever_new_layouts(tmp_path, slow):
         f.write(head + body)
     reader = LogReader(path, columnar=True)
     reader.poll()
-    assert reader._templates._count <= 64
+    assert reader._records._templates._count <= 64
     assert _read(path, True) == slow(path) == _read(path, False)
 
 
