@@ -173,10 +173,12 @@ class ColumnarScan(AnomalyScan):
             if all(r.rec.dtype == "f" for r in records):
                 x32 = np.frombuffer(b"".join(r.rec.values for r in records), "<f4").reshape(
                     len(records), len(first), len(ops))
-                x = x32.astype(np.float64)
+                x = None  # (SeriesBlock makes the float64 copy only if a rule asks for it)
+                shape = x32.shape
             else:
                 x = np.stack([r.values for r in records])
-            missing = np.zeros(x.shape[:2], dtype=bool)
+                shape = x.shape
+            missing = np.zeros(shape[:2], dtype=bool)
             for t, r in enumerate(records):
                 mask = r.mask
                 if mask is not None:
@@ -204,7 +206,8 @@ class ColumnarScan(AnomalyScan):
             for t, s, o in zip(ti.tolist(), si.tolist(), oi.tolist(), strict=True):
                 r = records[t]
                 row = s if row_of is None else int(row_of[t][s])
-                ev = _anomaly(r, rule.name, row, o, float(block.x[t + skip, s, o]), float(base[t + skip, s, o]))
+                value = float(block.take(np.intp(t + skip), np.intp(s))[o])
+                ev = _anomaly(r, rule.name, row, o, value, float(base[t + skip, s, o]))
                 out.append(((r.seq, ri, row, o), ev))
         hist, seen, last_ok, observed = block.carry(carry.depth)
         carry.hist[held] = hist

@@ -11,7 +11,7 @@ import pytest
 from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
 from trainrec.analyzers.columnar import ColumnarScan
 from trainrec.analyzers.ranking import rank_anomalies
-from trainrec.analyzers.series_block import SeriesBlock
+from trainrec.analyzers.series_block import Carry, SeriesBlock
 from trainrec.analyzers.vector_rules import block_flags
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay.run import open_run
@@ -117,6 +117,38 @@ def test_block_against_detector_random():
             got_f, got_b = block_flags(make_rule(name, args), SeriesBlock(x, missing, ops, x32))
             assert (got_f == want_f).all(), (name, args, trial)
             assert np.array_equal(got_b[got_f], want_b[want_f], equal_nan=True), (name, args, trial)
+            if x32 is not None:  # (float32 values only: the float64 copy is made when a rule asks for it)
+                lazy_f, lazy_b = block_flags(make_rule(name, args), SeriesBlock(None, missing, ops, x32))
+                assert (lazy_f == got_f).all() and np.array_equal(lazy_b[lazy_f], got_b[got_f], equal_nan=True)
+
+
+def test_float32_blocks_without_their_float64_copy_carry_the_same():
+    """Dense float32 blocks judged one after another with the carried history before them: given as float32
+    only (x made on demand) or with their float64 copy, the same flags, baselines and carried state."""
+    rng = np.random.default_rng(34)
+    ops = ("min", "max", "norm", "mean", "zeros", "nans")
+    x32 = (rng.lognormal(0, 0.3, (90, 7, len(ops))) * np.where(rng.random((90, 7, 1)) < 0.05, 30, 1)).astype(np.float32)
+    x32[:, :, 5] = np.where(rng.random((90, 7)) < 0.05, 2.0, 0.0)
+    x32[50, 3, 2] = np.nan  # (a block that is not dense: every path)
+    for name, args in RULES:
+        rule = make_rule(name, args)
+        depth = max(1, getattr(rule, "window", 1))
+        carries = {lazy: Carry(ops, depth) for lazy in (False, True)}
+        for lo in range(0, 90, 20):
+            part = np.ascontiguousarray(x32[lo : lo + 20])
+            got = {}
+            for lazy, carry in carries.items():
+                held = carry.rows(np.arange(7))
+                block = SeriesBlock(None if lazy else part.astype(np.float64), np.zeros(part.shape[:2], bool), ops,
+                                    part, (carry.hist[held], carry.count[held], carry.last_ok[held]))
+                flags, base = block_flags(rule, block)
+                hist, seen, last_ok, observed = block.carry(depth)
+                carry.hist[held] = hist
+                carry.count[held] += seen
+                carry.last_ok[held] = np.where(observed[:, None], last_ok, carry.last_ok[held])
+                got[lazy] = (flags, base[flags], hist, seen, last_ok, block.skip)
+            for a, b in zip(got[False], got[True], strict=True):
+                assert np.array_equal(a, b, equal_nan=True), (name, args, lo)
 
 
 def test_foreign_rank_record_falls_back_to_the_merged_scan(tmp_path):
