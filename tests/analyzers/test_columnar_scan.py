@@ -15,6 +15,7 @@ from trainrec.analyzers.series_block import Carry, SeriesBlock
 from trainrec.analyzers.vector_rules import block_flags
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay.run import open_run
+from trainrec.replay.stats_columns import _FIELDS, StatsColumns
 from trainrec.schema.rule_config import make_rule
 from trainrec.schema.rules import Detector
 from trainrec.tools.anomaly_parts import scan_parts
@@ -186,3 +187,31 @@ def test_chunks_carry_the_state(varied, chunk, name, args):
         scan = ColumnarScan([make_rule(name, args)], chunk=chunk).feed_all(run.events(rank=rank)).finish()
         found.extend(scan.detected)
     assert _key(rank_anomalies(found)) == _key(rank_anomalies(serial.detected))
+
+
+def _unshared(ev):
+    """A stats record as columns with its own copy of every field (nothing shared with the record before)."""
+    if type(ev) is not StatsColumns:
+        return ev
+    wire = [ev.TAG, ev.seq, ev.rank, ev.step, ev.wall]
+    for name in _FIELDS:
+        value = getattr(ev, name)
+        wire.append(bytes(bytearray(value)) if type(value) is bytes else tuple(value) if type(value) is tuple
+                    else "".join(value) if type(value) is str else value)
+    return StatsColumns(tuple(wire))
+
+
+@pytest.mark.parametrize("name,args", RULES[:4])
+def test_records_sharing_their_layout_are_judged_as_any(varied, name, args):
+    """Records of a layout read before share its objects (the reader's stats templates), which the scan
+    takes as the record before's layout: the same answer as from records sharing nothing."""
+    run = open_run(varied)
+    got = {}
+    for shared in (True, False):
+        scan = ColumnarScan([make_rule(name, args)], chunk=7)
+        for r in run.ranks:
+            for ev in run.events(rank=r, columnar=True):
+                scan.feed(ev if shared else _unshared(ev))
+        scan.finish()
+        got[shared] = (_key(scan.detected), scan.values_read, scan.stats_records, scan.bad_records)
+    assert got[True] == got[False] and got[True][0]
