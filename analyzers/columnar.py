@@ -36,6 +36,7 @@ class _Record:
     sids: np.ndarray
     pp_stage: int
     mates: tuple
+    env: tuple | None = None  # (names generation, FileOpened info) of its rank when it came
 
     @property
     def mask(self) -> np.ndarray | None:
@@ -92,6 +93,24 @@ class ColumnarScan(AnomalyScan):
         if type(rec) is not StatsColumns and rec.check() is not None:  # (columns were checked when decoded)
             self.bad_records += 1
             return []
+        key = (rec.rank, rec.kind)
+        records = self._records.get(key)
+        env = None
+        if names is None and info is None:
+            env = (self._gen.get(rec.rank, 0), self._rank_info.get(rec.rank))
+            if records:
+                prev = records[-1]
+                p = prev.rec
+                if (p.name_ids is rec.name_ids and p.ops is rec.ops and p.slots is rec.slots
+                        and p.micro_steps is rec.micro_steps and p.vpp_stages is rec.vpp_stages and prev.env == env):
+                    # (the record before's layout, the same objects: a stats template's; the same names table
+                    # and rank info: its names, series, stage and mates, as the general path below finds them)
+                    self.values_read += (len(rec.name_ids) >> 2) * len(rec.ops)
+                    records.append(_Record(self._seq, rec, prev.names, prev.sids, prev.pp_stage, prev.mates, env))
+                    self._seq += 1
+                    if len(records) >= self.chunk:
+                        self._flush(key)
+                    return []
         if names is None:
             names = self._row_names(rec)
         n = len(rec.name_ids) // 4  # (rows; len() of a StatsColumns is a Python call)
@@ -99,9 +118,8 @@ class ColumnarScan(AnomalyScan):
             return []
         pp_stage, mates = info if info is not None else self._rank_info.get(rec.rank, (0, ()))
         self.values_read += n * len(rec.ops)
-        records = self._records.get((rec.rank, rec.kind))
         if records is None:
-            records = self._records[(rec.rank, rec.kind)] = []
+            records = self._records[key] = []
         prev = records[-1] if records else None
         if (prev is not None and prev.names is names and prev.rec.name_ids == rec.name_ids
                 and prev.rec.slots == rec.slots and prev.rec.micro_steps == rec.micro_steps
@@ -115,10 +133,10 @@ class ColumnarScan(AnomalyScan):
             mates = prev.mates
         else:
             mates = tuple(int(m) for m in mates)
-        records.append(_Record(self._seq, rec, names, sids, pp_stage, mates))
+        records.append(_Record(self._seq, rec, names, sids, pp_stage, mates, env))
         self._seq += 1
         if len(records) >= self.chunk:
-            self._flush((rec.rank, rec.kind))
+            self._flush(key)
         return []
 
     def finish(self) -> ColumnarScan:
@@ -170,10 +188,12 @@ class ColumnarScan(AnomalyScan):
             if all(r.rec.dtype == "f" for r in records):
                 x32 = np.frombuffer(b"".join(r.rec.values for r in records), "<f4").reshape(
                     len(records), len(first), len(ops))
-                x = x32.astype(np.float64)
+                x = None  # (SeriesBlock makes the float64 copy only if a rule asks for it)
+                shape = x32.shape
             else:
                 x = np.stack([r.values for r in records])
-            missing = np.zeros(x.shape[:2], dtype=bool)
+                shape = x.shape
+            missing = np.zeros(shape[:2], dtype=bool)
             for t, r in enumerate(records):
                 mask = r.mask
                 if mask is not None:
@@ -201,7 +221,8 @@ class ColumnarScan(AnomalyScan):
             for t, s, o in zip(ti.tolist(), si.tolist(), oi.tolist(), strict=True):
                 r = records[t]
                 row = s if row_of is None else int(row_of[t][s])
-                ev = _anomaly(r, rule.name, row, o, float(block.x[t + skip, s, o]), float(base[t + skip, s, o]))
+                value = float(block.take(np.intp(t + skip), np.intp(s))[o])
+                ev = _anomaly(r, rule.name, row, o, value, float(base[t + skip, s, o]))
                 out.append(((r.seq, ri, row, o), ev))
         hist, seen, last_ok, observed = block.carry(carry.depth)
         carry.hist[held] = hist

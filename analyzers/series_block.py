@@ -49,7 +49,7 @@ class SeriesBlock:
     before the block as unjudged ``skip`` rows where every series has a full history and the block is
     dense, else at the start of ``G``."""
 
-    def __init__(self, x: np.ndarray, missing: np.ndarray, ops: Sequence[str], x32: np.ndarray | None = None,
+    def __init__(self, x: np.ndarray | None, missing: np.ndarray, ops: Sequence[str], x32: np.ndarray | None = None,
                  init: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         self.ops = tuple(ops)
         self.skip = 0  # leading rows of x that are history, not observations
@@ -61,29 +61,36 @@ class SeriesBlock:
             k0 = np.minimum(count, depth)
             if not missing.any() and np.isfinite(x if x32 is None else x32).all() and (k0 == depth).all():
                 prefix = np.moveaxis(hist, 1, 0)  # depth x series x ops, all finite
-                x = np.concatenate([prefix, x])
                 missing = np.concatenate([np.zeros(prefix.shape[:2], bool), missing])
-                if x32 is not None:
-                    p32 = prefix.astype(np.float32)
-                    x32 = np.concatenate([p32, x32]) if np.array_equal(p32, prefix) else None
+                p32 = None if x32 is None else prefix.astype(np.float32)
+                if p32 is not None and np.array_equal(p32, prefix):
+                    x32 = np.concatenate([p32, x32])
+                    x = None if x is None else np.concatenate([prefix, x])
+                else:
+                    x = np.concatenate([prefix, x32.astype(np.float64) if x is None else x])
+                    x32 = None
                 self.skip = depth
                 self.offset = count - depth
                 k0 = None
             else:
                 self.offset = count - k0
-        self.x = x
+        if x is None and x32 is None:
+            raise ValueError("a SeriesBlock needs its values (x or x32)")
+        self._x = x  # (None: made from x32 when first asked for)
         self.x32 = x32  # the same values as float32, where they are exactly that (a cheap first filter)
+        self.shape = (x if x is not None else x32).shape
         self.present = ~missing[:, :, None]
         self.finite = np.isfinite(x if x32 is None else x32)
         if missing.any():
             self.finite &= self.present
         self.dense = k0 is None and bool(self.finite.all())
         self._lok0 = lok0 if k0 is not None else None
-        t, s, o = x.shape
+        t, s, o = self.shape
         if self.dense:
-            self.cf = None  # cf[t] == t: the compacted series is the series itself
-            self.g = x
+            self.cf = None  # cf[t] == t: the compacted series is the series itself (G is x)
+            self._g = None
         else:
+            x = self.x
             self.cf = np.cumsum(self.finite, axis=0, dtype=np.int64) - self.finite
             depth = 0 if k0 is None else init[0].shape[1]
             g = np.full((depth + t, s, o), np.nan)
@@ -94,19 +101,40 @@ class SeriesBlock:
                 g[:depth] = np.where(src < depth, held, np.nan)
             ti, si, oi = nonzero(self.finite)
             g[self.cf[ti, si, oi], si, oi] = x[ti, si, oi]
-            self.g = g
+            self._g = g
         self._rolled: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def x(self) -> np.ndarray:
+        """The values ``(records, series, ops)`` as float64 (of a float32 block: made on first use; the
+        dense rules' path gathers what it needs from ``x32`` instead, see :meth:`take`)."""
+        if self._x is None:
+            self._x = self.x32.astype(np.float64)
+        return self._x
+
+    @property
+    def g(self) -> np.ndarray:
+        """The compacted series ``G`` (a dense block's is ``x``)."""
+        return self.x if self._g is None else self._g
+
+    def _values(self) -> np.ndarray:
+        """``x``, or ``x32`` while ``x`` was not made (the same values: gathers are cast to float64)."""
+        return self.x32 if self._x is None else self._x
+
+    def take(self, ti: np.ndarray, si: np.ndarray) -> np.ndarray:
+        """``x[ti, si]`` (float64) without making ``x`` of a float32 block."""
+        return self._values()[ti, si].astype(np.float64, copy=False)
 
     def carry(self, depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What the block leaves for the next: ``(last depth finite values right-aligned (series x depth x
         ops), finite values among its observations, finiteness of each series' last present observation,
         whether the series had one)``."""
-        t, s, o = self.x.shape
+        t, s, o = self.shape
         if self.cf is None:  # dense: every observation present and finite, the last ``depth`` rows are it
             held = np.full((depth, s, o), np.nan)
             k = min(depth, t)
-            held[depth - k :] = self.g[t - k :]
+            held[depth - k :] = self._values()[t - k :]  # (float32 values cast exactly)
             every = np.ones((s, o), bool)
             return np.moveaxis(held, 0, 1), np.full((s, o), t - self.skip, np.int64), every, every[:, 0].copy()
         fin = self.finite[self.skip :]
@@ -124,7 +152,7 @@ class SeriesBlock:
     def count(self, window: int) -> np.ndarray:
         """Finite values in the window (the Detector's ring count)."""
         if self.cf is None:
-            return np.minimum(np.arange(self.x.shape[0])[:, None, None], window) + np.zeros(self.x.shape, np.int64)
+            return np.minimum(np.arange(self.shape[0])[:, None, None], window) + np.zeros(self.shape, np.int64)
         return np.minimum(self.cf, window)
 
     def last(self) -> tuple[np.ndarray, np.ndarray]:
@@ -166,14 +194,15 @@ class SeriesBlock:
 
     def windows(self, window: int, ti: np.ndarray, si: np.ndarray) -> np.ndarray:
         """The windows of observations ``(ti, si)``, all ops: ``(len, ops, W)``, NaN-padded (any order)."""
-        o = self.x.shape[2]
+        o = self.shape[2]
         if self.cf is None:
             cf = np.broadcast_to(ti[:, None], (len(ti), o))
         else:
             cf = self.cf[ti, si]
         k = cf[:, :, None] - window + np.arange(window)  # compacted indexes k-W .. k-1
         ok = k >= 0
-        vals = self.g[np.maximum(k, 0), si[:, None, None], np.arange(o)[None, :, None]]
+        g = self._values() if self._g is None else self._g
+        vals = g[np.maximum(k, 0), si[:, None, None], np.arange(o)[None, :, None]].astype(np.float64, copy=False)
         return np.where(ok, vals, np.nan)
 
     def ring(self, window: int, ti: np.ndarray, si: np.ndarray) -> np.ndarray:

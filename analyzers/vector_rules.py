@@ -155,10 +155,9 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
                     si: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The Detector's arithmetic, exactly, on the observations ``(ti, si)`` of a dense block only."""
     ops = block.ops
-    x = block.x
     w = rule.window
-    flags = np.zeros(x.shape, dtype=bool)
-    base = np.empty(x.shape)
+    flags = np.zeros(block.shape, dtype=bool)
+    base = np.empty(block.shape)
     floors = op_floors(ops, rule.floor)
     t = rule.threshold
     jmin = ops.index("min") if rule.range_floor and "min" in ops and "max" in ops else -1
@@ -169,8 +168,8 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
             tr, sr = ti[c0 : c0 + _CHUNK], si[c0 : c0 + _CHUNK]
             h = block.windows(w, tr, sr)  # candidates x ops x W
             nr = np.broadcast_to(np.minimum(tr, w)[:, None], h.shape[:2])
-            xr = x[tr, sr]
-            last = x[tr - 1, sr]
+            xr = block.take(tr, sr)
+            last = block.take(tr - 1, sr)
             hmin = np.fmin.reduce(h, axis=-1)
             hmax = np.fmax.reduce(h, axis=-1)
             low = np.where(hmin > 0, hmin, np.where(hmax < 0, -hmax, 0.0))
@@ -203,7 +202,7 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
     if rule.nan and NANS_OP in ops:
         # every value finite: only a nans count rising from 0 can be flagged; its baseline is the last count
         j = ops.index(NANS_OP)
-        col = x[:, :, j]
+        col = block.x32[:, :, j]  # (comparisons only: the same in float32)
         rise = np.zeros(col.shape, dtype=bool)
         rise[1:] = (col[1:] > 0) & (col[:-1] == 0)
         rise[0] = col[0] > 0
@@ -212,7 +211,7 @@ def _turbulence_few(rule: AnomalyTurbulence, block: SeriesBlock, ti: np.ndarray,
             h = block.windows(w, tj, sj)
             h.sort(axis=-1)
             base[tj, sj] = median_sorted(h, block.count(w)[tj, sj])
-            base[tj, sj, j] = np.where(tj > 0, x[np.maximum(tj - 1, 0), sj, j], np.nan)
+            base[tj, sj, j] = np.where(tj > 0, block.take(np.maximum(tj - 1, 0), sj)[:, j], np.nan)
             flags[:, :, j] |= rise
     return flags, base
 

@@ -40,9 +40,10 @@ from trainrec.schema import layout, procid
 from trainrec.schema.errors import FormatError
 from trainrec.schema.events import Event, FileOpened, NamesInterned
 
-from .discover import LogFile, list_runs, scan_file, select_run
+from .discover import LogFile, scan_file
 from .reader import LogReader
 from .run import resolve_types
+from .run_select import list_runs, select_run
 
 log = logging.getLogger(__name__)
 

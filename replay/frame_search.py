@@ -80,3 +80,31 @@ def undecided(buf: bytes, lo: int, hi: int) -> bool:
         if _MAGIC_BYTES.startswith(buf[j : min(n, j + 4)]):
             return True
     return False
+
+
+def damaged_frame(buf: bytes, pos: int, max_frame: int, scan_from: int) -> tuple[str | None, int, int | None, int]:
+    """What is wrong with the frame at ``pos`` of ``buf``, which did not check out whole:
+    ``(what, next_pos, None, 0)``: damage, reading goes on at ``next_pos``; or ``(None, pos, retry_from,
+    need)``: nothing to decide yet, the frame may still be being written (``need`` bytes are missing;
+    ``retry_from``, when not None: where the search for a later frame starts again; ``scan_from``:
+    where it stopped before). At least a frame header's bytes must be there."""
+    n = len(buf)
+    magic, length, pcrc, hcrc = _HDR.unpack_from(buf, pos)
+    if magic != framing.FRAME_MAGIC or _crc32(buf[pos : pos + 12]) != hcrc:
+        return "bad frame header", resync(buf, pos + 1, n, max_frame), None, 0
+    if length > max_frame:
+        return f"frame length {length} above the cap of {max_frame}", resync(buf, pos + 1, n, max_frame), None, 0
+    start = pos + _HDR_SIZE
+    stop = start + length
+    if stop > n:
+        # Incomplete: normal while the writer writes, unless a complete valid frame
+        # follows inside the bytes we have, which means this one was cut short.
+        later, retry_from = find_frame(buf, max(start, scan_from), n, True, max_frame)
+        if later is None:
+            return None, pos, retry_from, stop - n
+        return f"frame cut short (announced {length} bytes)", later, None, 0
+    inner, _ = find_frame(buf, start, stop, False, max_frame)
+    if inner is None and undecided(buf, start, stop):
+        return None, pos, None, 0  # a header may start near the end of the data: decide with more bytes
+    what = "payload CRC mismatch" if inner is None else "payload CRC mismatch (frame cut short)"
+    return what, stop if inner is None else inner, None, 0

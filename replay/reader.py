@@ -4,42 +4,17 @@
 events that became complete since the last call, so a live tail is a loop over ``poll()``; each call
 reads only the bytes appended since the previous one (one ``open`` + ``seek`` + ``read``).
 
-Three outcomes are kept apart (see :mod:`trainrec.schema.framing` for the byte layout):
-
-* a clean end: the data ends exactly at a frame boundary; :attr:`LogReader.pending_bytes` is 0;
-* an incomplete last frame: not an error, the writer may still be writing. Its bytes stay pending
-  (:attr:`LogReader.pending_bytes`, a *torn tail* once the writer is gone) and a later ``poll()``
-  completes it;
-* damage in the middle, recorded in :attr:`LogReader.problems` as :class:`Problem` (path, byte offset,
-  what, bytes skipped), after which reading resynchronises and goes on:
-
-  - a frame header failing its magic or CRC, or announcing a length above the cap: the reader
-    searches forward for the next header whose CRC checks out;
-  - a payload failing its CRC: exactly that frame is skipped (its length is trusted), unless a valid
-    frame header starts inside it, which means bytes went missing (a length mismatch): reading
-    resumes at that header;
-  - an incomplete frame followed, further on, by a complete valid frame: the frame was cut short
-    (bytes went missing before the end of the file); reading resumes at the valid frame;
-  - a frame that checks out but does not decode (``undecodable record``), which includes a record
-    whose fields contradict each other (a slot that is no slot, an absurd world size, ...: see
-    ``check()`` of :mod:`trainrec.schema.events`);
-  - records after the file's FileClosed record (``records after the FileClosed record``): the writer
-    never writes there, so they are skipped as one damaged region, not replayed a second time;
-  - a record that decodes but contradicts the file before it (``inconsistent record``): name ids
-    interned out of order, or used without being interned. Such a record is kept (nothing recorded
-    is lost; an id nobody interned shows as ``<unknown name ID>``) and reported once per file;
-    after a lost frame, unknown ids are its consequence and not reported again.
-
-  A decision is only taken from bytes that are there: reading a file whole or while it grows gives
-  the same events (one damaged region read over several polls is one problem). So a damaged frame at
-  the very end whose last bytes could begin a frame header is kept pending, like a torn tail.
-
-Frames that could not be read show up as gaps in the writer's per-file sequence numbers
-(:attr:`LogReader.gaps`, :class:`SeqGap`), which is how ``trainrec check`` counts lost frames; a
-frame that repeats one read before (a block written twice) is dropped and reported once, a wrong
-number is told from lost frames (:mod:`trainrec.replay.sequence`). File header flag bits the format
-does not define are reported. A NamesRepeated (the writer's copy of a name table) gives the names of
-a table whose frame was lost, as NamesInterned records.
+Three outcomes are kept apart (the byte layout is :mod:`trainrec.schema.framing`'s): a clean end
+(:attr:`LogReader.pending_bytes` is 0); an incomplete last frame, not an error (the writer may still
+be writing: its bytes stay pending, a *torn tail* once the writer is gone, and a later ``poll()``
+completes it); damage in the middle, recorded in :attr:`LogReader.problems` as
+:class:`~trainrec.replay.problems.Problem` (path, byte offset, what, bytes skipped), after which
+reading resynchronises and goes on (:func:`~trainrec.replay.frame_search.damaged_frame`). A frame that
+checks out but does not decode, records after FileClosed, duplicates and records that contradict the
+file before them are problems too; frames that could not be read show up as gaps in the writer's
+sequence numbers (:attr:`LogReader.gaps`, :mod:`trainrec.replay.sequence`). Every case, and why:
+``docs/log-format.md``, "How the reader handles damage". A decision is only taken from bytes that are
+there, so reading a file whole or while it grows gives the same events and problems.
 
 The reader never raises on arbitrary bytes after the 16-byte file header (a bad magic raises
 :class:`NotALogError`, an unknown version :class:`UnsupportedVersionError`) and never holds more than
@@ -48,66 +23,19 @@ the frame cap plus one read chunk in memory.
 
 from __future__ import annotations
 
-import logging
 import os
-import struct
-import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import numpy as np
 from trainrec.schema import framing
 from trainrec.schema.errors import FormatError, NotALogError, UnsupportedVersionError
-from trainrec.schema.events import (
-    Event,
-    FileClosed,
-    FileOpened,
-    HooksFired,
-    NamesInterned,
-    NamesRepeated,
-    StepBegan,
-    StepEnded,
-    TensorStatsRecorded,
-    WriterFailed,
-    unpack_array,
-)
+from trainrec.schema.events import Event, FileClosed, FileOpened, WriterFailed
 
-from .frame_search import find_frame, resync, undecided
-from .sequence import DUPLICATE, SeqGap, Sequence
-from .stats_columns import StatsColumns
-from .step_records import decode_record, decode_record_columnar
-
-log = logging.getLogger(__name__)
+from .problems import Problem
+from .record_stream import RecordStream
+from .sequence import SeqGap
 
 _CHUNK = 4 << 20
 _HEAD_CHUNK = 64 << 10
-_HDR = struct.Struct("<IIII")
-_HDR_SIZE = framing.FRAME_HEADER_SIZE
-_MAGIC = framing.FRAME_MAGIC
-_crc32 = zlib.crc32
-_AFTER_CLOSE = "records after the FileClosed record, ignored (a file ends at its close)"
-_DUPLICATE = ("duplicate frame(s) dropped: records this file holds already, again (a block written twice, "
-              "as by a copy tool that retried it)")
-# Problems and gaps listed one by one per file; past that they are only counted (a hostile file of
-# millions of tiny damaged frames would otherwise fill memory with their descriptions).
-MAX_LISTED = 1000
-_NAMED = frozenset((NamesInterned, TensorStatsRecorded, HooksFired, StatsColumns))  # records using name ids
-_STATS = frozenset((TensorStatsRecorded, StatsColumns))
-_PLAIN = frozenset((StepBegan, StepEnded))  # records the reader keeps no account of
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Damage found in a log file."""
-
-    path: str
-    offset: int
-    what: str
-    skipped: int  # bytes skipped past the damage (0: an inconsistent record, kept)
-
-    def __str__(self) -> str:
-        skipped = f"{self.skipped} bytes skipped" if self.skipped else "record kept"
-        return f"{self.path} at byte {self.offset}: {self.what} ({skipped})"
 
 
 class LogReader:
@@ -123,19 +51,11 @@ class LogReader:
     def __init__(self, path: str, max_frame: int = framing.MAX_FRAME, chunk_size: int = _CHUNK,
                  columnar: bool = False) -> None:
         self.path = path
-        self._decode = decode_record_columnar if columnar else decode_record
+        self._records = RecordStream(path, max_frame, columnar)  # (header, close, numbers, names, damage)
         self.max_frame = max_frame
         self.chunk_size = max(4096, chunk_size)
         self.version: int | None = None
         self.flags = 0
-        self.header: FileOpened | None = None
-        self.closed_event: FileClosed | None = None
-        self.failure: WriterFailed | None = None  # the writer's own word that it failed to write
-        self.problems: list[Problem] = []
-        # past MAX_LISTED: how many more problems, and their bytes skipped (gaps: see Sequence)
-        self.unlisted_problems = 0
-        self.unlisted_skipped = 0
-        self.frames = 0  # frames whose header and payload CRCs checked out
         self.events_read = 0
         self.bytes_read = 0  # bytes read from the file, its header included (a step selection reads only some)
         self._stop = None  # where reading stops (read_span), or None: the end of the file
@@ -143,14 +63,8 @@ class LogReader:
         self._buf = b""  # bytes read but not consumed yet (an incomplete frame)
         self._need = 0  # bytes still missing from the pending frame, when its header is known
         self._scan_abs = 0  # file offset up to which the pending bytes were searched for a later frame
-        self._sequence = Sequence(path, MAX_LISTED)
         self._eof = False  # the last read reached the end of the file as it was then
         self._short_header = 0  # bytes of a file header still being written
-        self._names: list[list[int]] = [[0, 0]]  # id ranges [lo, hi) interned so far, sorted, disjoint
-        self._lost = False  # a frame of this file could not be read: later unknown name ids follow from it
-        self._unknown_ids_reported = False
-        self._rank_reported = False
-        self._known_ids: set[bytes] = set()  # id columns whose ids were all interned (tables only grow)
 
     # ------------------------------------------------------------------ state
     @property
@@ -164,31 +78,66 @@ class LogReader:
         return len(self._buf) + self._short_header
 
     @property
+    def header(self) -> FileOpened | None:
+        """The file's FileOpened record (its first), once read."""
+        return self._records.header
+
+    @property
+    def closed_event(self) -> FileClosed | None:
+        """The file's FileClosed record, once read."""
+        return self._records.closed_event
+
+    @property
+    def failure(self) -> WriterFailed | None:
+        """The writer's own word that it failed to write, if the file holds it."""
+        return self._records.failure
+
+    @property
     def closed_cleanly(self) -> bool:
-        return self.closed_event is not None
+        return self._records.closed_event is not None
+
+    @property
+    def frames(self) -> int:
+        """Frames whose header and payload CRCs checked out."""
+        return self._records.frames
+
+    @property
+    def problems(self) -> list[Problem]:
+        """Damage found, in file order (the first MAX_LISTED)."""
+        return self._records.damage.problems
+
+    @property
+    def unlisted_problems(self) -> int:
+        """Problems past the first MAX_LISTED, only counted (gaps: see :attr:`unlisted_gaps`)."""
+        return self._records.damage.unlisted_problems
+
+    @property
+    def unlisted_skipped(self) -> int:
+        """Bytes skipped by the unlisted problems."""
+        return self._records.damage.unlisted_skipped
 
     @property
     def lost_frames(self) -> int:
         """Frames missing according to the sequence numbers (damaged or cut out)."""
-        return self._sequence.lost
+        return self._records.sequence.lost
 
     @property
     def gaps(self) -> list[SeqGap]:
         """Jumps in the sequence numbers (the first MAX_LISTED of them)."""
-        return self._sequence.gaps
+        return self._records.sequence.gaps
 
     @property
     def unlisted_gaps(self) -> int:
-        return self._sequence.unlisted_gaps
+        return self._records.sequence.unlisted_gaps
 
     @property
     def unlisted_lost(self) -> int:
-        return self._sequence.unlisted_lost
+        return self._records.sequence.unlisted_lost
 
     @property
     def duplicates(self) -> int:
         """Frames dropped as duplicates of frames read before."""
-        return self._sequence.duplicates
+        return self._records.sequence.duplicates
 
     @property
     def at_eof(self) -> bool:
@@ -232,10 +181,10 @@ class LogReader:
         """The events of the frames in bytes ``[start, stop)``, the first numbered ``seq``: where a step
         index says a selection's records are (:mod:`trainrec.replay.stepindex` checks the boundaries)."""
         if self._buf:
-            self._problem(self._pos, "a step index span ended inside a frame", len(self._buf))
+            self._records.problem(self._pos, "a step index span ended inside a frame", len(self._buf))
         self._buf, self._need = b"", 0
         self._pos = self._scan_abs = start
-        self._sequence.restart(seq)
+        self._records.sequence.restart(seq)
         self._stop = stop
         try:
             for batch in self._batches(self.chunk_size, None, None):
@@ -245,7 +194,7 @@ class LogReader:
 
     def note(self, what: str) -> None:
         """A problem of the file found outside the frames read (a step index that does not fit it)."""
-        self._problem(0, what, 0, lost=False)
+        self._records.problem(0, what, 0, lost=False)
 
     def _read(self, size: int) -> bytes | None:
         """Up to ``size`` bytes after what was read so far; None when there is nothing (yet).
@@ -326,211 +275,23 @@ class LogReader:
             self._pos = framing.FILE_HEADER_SIZE
             self._scan_abs = self._pos
         if flags & ~framing.KNOWN_FLAGS:
-            self._problem(12, f"file header flags 0x{flags:08x} set bits this format does not define (a damaged "
+            self._records.problem(12, f"file header flags 0x{flags:08x} set bits this format does not define (a damaged "
                           "header?); the records are read as they are", 0, lost=False)
         return True
 
     def _consume(self, out: list[Event]) -> None:
         """Decode every complete frame of the buffer into ``out``; keep the incomplete rest."""
-        buf = self._buf
-        n = len(buf)
         base = self._pos
-        max_frame = self.max_frame
-        version = self.version or framing.FORMAT_VERSION
-        unpack = _HDR.unpack_from
-        crc = _crc32
-        decode = self._decode
-        seq_check = self._sequence.check
-        known_ids = self._known_ids
-        pos = frames = 0
-        self._need = 0
-        with memoryview(buf) as mv:
-            while n - pos >= _HDR_SIZE:
-                magic, length, pcrc, hcrc = unpack(buf, pos)
-                if magic != _MAGIC or crc(mv[pos : pos + 12]) != hcrc:
-                    nxt = resync(buf, pos + 1, n, max_frame)
-                    self._problem(base + pos, "bad frame header", nxt - pos)
-                    pos = nxt
-                    continue
-                if length > max_frame:
-                    nxt = resync(buf, pos + 1, n, max_frame)
-                    self._problem(base + pos, f"frame length {length} above the cap of {max_frame}", nxt - pos)
-                    pos = nxt
-                    continue
-                start = pos + _HDR_SIZE
-                stop = start + length
-                if stop > n:
-                    # Incomplete: normal while the writer writes, unless a complete valid frame
-                    # follows inside the bytes we have, which means this one was cut short.
-                    later, retry_from = find_frame(buf, max(start, self._scan_abs - base), n, True, max_frame)
-                    if later is None:
-                        self._scan_abs = base + retry_from
-                        self._need = stop - n
-                        break
-                    self._problem(base + pos, f"frame cut short (announced {length} bytes)", later - pos)
-                    pos = later
-                    continue
-                payload = mv[start:stop]
-                if crc(payload) != pcrc:
-                    inner, _ = find_frame(buf, start, stop, False, max_frame)
-                    if inner is None and undecided(buf, start, stop):
-                        break  # a header may start near the end of the data: decide with more bytes
-                    nxt = stop if inner is None else inner
-                    what = "payload CRC mismatch" if inner is None else "payload CRC mismatch (frame cut short)"
-                    self._problem(base + pos, what, nxt - pos)
-                    pos = nxt
-                    continue
-                frames += 1
-                try:
-                    ev = decode(payload, version)
-                except Exception as exc:  # noqa: BLE001 - untrusted input: any decode failure is damage
-                    self._problem(base + pos, f"undecodable record: {exc}", stop - pos)
-                    pos = stop
-                    continue
-                if self.closed_event is not None:
-                    # the writer writes nothing after FileClosed: frames there (a log appended to
-                    # again, e.g. concatenated with a copy) would replay twice; one region of damage
-                    self._problem(base + pos, _AFTER_CLOSE, stop - pos)
-                    pos = stop
-                    continue
-                verdict = seq_check(ev.seq, pcrc, base + pos)
-                if verdict is not None:
-                    if verdict is DUPLICATE:
-                        self._problem(base + pos, _DUPLICATE, stop - pos, lost=False)
-                        pos = stop
-                        continue
-                    if verdict.lost:
-                        self._lost = True
-                h = self.header
-                if h is not None and ev.rank != h.rank and not self._rank_reported:
-                    # (kept, as an unknown name id: merged with the others under the rank it names)
-                    self._rank_reported = True
-                    self._problem(base + pos, f"inconsistent record: rank {ev.rank} in the log of rank {h.rank} "
-                                  "(later ones of this file are not reported)", 0)
-                t = type(ev)
-                if t in _PLAIN or (t in _STATS and ev.name_ids in known_ids):  # (as nearly every record)
-                    pass  # (a column of ids all interned before: nothing to check, see _names_problem)
-                elif t is FileOpened:
-                    if self.header is None:
-                        self.header = ev
-                elif t is FileClosed:
-                    self.closed_event = ev
-                    self._sequence.forget()  # (nothing follows)
-                elif t is WriterFailed:
-                    self.failure = ev
-                elif t is NamesRepeated:
-                    out.extend(self._repeated_names(ev))
-                    pos = stop
-                    continue
-                elif t in _NAMED:
-                    what = self._names_problem(ev)
-                    if what is not None:
-                        self._problem(base + pos, f"inconsistent record: {what}", 0)
-                out.append(ev)
-                pos = stop
-        self.frames += frames
+        pos, retry_from, self._need = self._records.consume(self._buf, base, self._scan_abs,
+                                                            self.version or framing.FORMAT_VERSION, out)
+        if retry_from is not None:
+            self._scan_abs = base + retry_from
         self.events_read += len(out)
         if pos:
-            self._buf = buf[pos:]
+            self._buf = self._buf[pos:]
             self._pos = base + pos
             if self._scan_abs < self._pos:
                 self._scan_abs = self._pos
-
-    # ------------------------------------------------------------------ names
-    def _repeated_names(self, ev: NamesRepeated) -> list[Event]:
-        """A copy of a name table: itself where its ids are known (the original was read), else first
-        the names of the ids not known yet, as the NamesInterned records the original would have given
-        (consumers resolve names from those), then itself."""
-        lo, hi = ev.first_id, ev.first_id + len(ev.names)
-        missing: list[tuple[int, int]] = []
-        at = lo
-        for a, b in self._names:
-            if b <= at or a >= hi:
-                continue
-            if a > at:
-                missing.append((at, a))
-            at = max(at, b)
-        if at < hi:
-            missing.append((at, hi))
-        if not missing:
-            return [ev]
-        out: list[Event] = []
-        for a, b in missing:
-            _add_range(self._names, a, b)
-            out.append(NamesInterned(seq=ev.seq, rank=ev.rank, step=ev.step, wall=ev.wall, first_id=a,
-                                     names=ev.names[a - lo : b - lo]))
-        out.append(ev)
-        return out
-
-    # ------------------------------------------------------------------ consistency
-    def _names_problem(self, ev: Event) -> str | None:
-        """What a record says about name ids that contradicts the file so far, or None."""
-        ranges = self._names
-        if isinstance(ev, NamesInterned):
-            lo, hi = ev.first_id, ev.first_id + len(ev.names)
-            expected = ranges[-1][1]
-            what = None
-            if lo < expected:
-                what = f"names interned from id {lo}, but ids up to {expected - 1} are taken (ids are dense per file)"
-            elif lo > expected and not self._lost:
-                what = (f"names interned from id {lo}, but the next free id is {expected} and no record "
-                        "was lost (ids are dense per file)")
-            _add_range(ranges, lo, hi)
-            return what
-        ids = ev.module_ids if type(ev) is HooksFired else ev.name_ids  # type: ignore[attr-defined]
-        if not ids or (len(ids) <= 1 << 16 and ids in self._known_ids):  # (a column known stays known)
-            return None
-        # (numpy's max: a Python max over the ids boxed each one, and took half the reading time)
-        top = int(np.frombuffer(ids, dtype="<u4").max())
-        if top < ranges[0][1] or self._lost or self._unknown_ids_reported:
-            if top < ranges[0][1] and len(ids) <= 1 << 16 and len(self._known_ids) < 64:  # (4 MiB at most)
-                self._known_ids.add(ids)
-            return None
-        col = unpack_array("I", ids)
-        unknown = next((i for i in col if not _in_ranges(ranges, i)), None)
-        if unknown is None:
-            return None
-        self._unknown_ids_reported = True
-        return (f"name id {unknown} was never interned in this file (shown as <unknown name {unknown}>; "
-                "later unknown ids of this file are not reported)")
-
-    # ------------------------------------------------------------------ damage handling
-    def _problem(self, offset: int, what: str, skipped: int, lost: bool = True) -> None:
-        """Record damage; ``lost``: its skipped bytes held records of the file (not a duplicate's)."""
-        last = self.problems[-1] if self.problems else None
-        if last is not None and last.what == what and last.offset + last.skipped == offset:
-            # One damaged region read over several chunks or polls is one problem.
-            self.problems[-1] = Problem(self.path, last.offset, what, last.skipped + skipped)
-            return
-        if skipped and lost:
-            self._lost = True
-        if len(self.problems) >= MAX_LISTED:
-            self.unlisted_problems += 1
-            self.unlisted_skipped += skipped
-            return
-        p = Problem(self.path, offset, what, skipped)
-        self.problems.append(p)
-        log.warning("trainrec: %s", p)
-
-
-def _add_range(ranges: list[list[int]], lo: int, hi: int) -> None:
-    """Add ``[lo, hi)`` to sorted disjoint ranges, merging what touches."""
-    if hi <= lo:
-        return
-    ranges.append([lo, hi])
-    ranges.sort()
-    merged = [ranges[0]]
-    for r in ranges[1:]:
-        if r[0] <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], r[1])
-        else:
-            merged.append(r)
-    ranges[:] = merged
-
-
-def _in_ranges(ranges: list[list[int]], i: int) -> bool:
-    return any(lo <= i < hi for lo, hi in ranges)
-
 
 def read_log(path: str) -> tuple[LogReader, list[Event]]:
     """Read a whole log file; returns the reader (header, problems, torn bytes) and its events.

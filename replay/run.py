@@ -44,10 +44,11 @@ from trainrec.schema.events import (
     UnknownEvent,
 )
 
-from .discover import LogFile, RunInfo, find_run
+from .discover import LogFile, RunInfo
 from .names import NameResolver
 from .reader import LogReader
 from .rows import rows_from_events
+from .run_select import find_run
 from .stats_columns import StatsColumns
 from .stepindex import StepRanges, read_steps
 

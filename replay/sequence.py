@@ -126,6 +126,34 @@ class Sequence:
         self._advance(seq, pcrc)
         return gap
 
+    def due(self) -> int | None:
+        """The number due next while the sequence is in order (frames from it on can be taken in bulk
+        by :meth:`took`), else None (each frame goes through :meth:`check`)."""
+        return self._next if self._jumped is None else None
+
+    def took(self, first: int, crcs: list[int]) -> None:
+        """Frames numbered ``first``, ``first + 1``, ... in order, with these payload CRCs: what
+        :meth:`check` of each in turn leaves (``first`` is what :meth:`due` said)."""
+        n = len(crcs)
+        if not n:
+            return
+        self._next = first + n
+        size = REMEMBERED_FRAMES
+        if n > size:  # (only the latest are remembered)
+            first, crcs, n = first + n - size, crcs[n - size :], size
+        seqs, ring_crcs = self._ring_seq, self._ring_crc
+        i = first % size
+        k = min(n, size - i)  # written at i .. i + k - 1, then from 0 on
+        grown = i + k if k == n else size
+        if len(seqs) < grown:
+            seqs.extend([-1] * (grown - len(seqs)))
+            ring_crcs.extend([0] * (grown - len(ring_crcs)))
+        seqs[i : i + k] = array.array("q", range(first, first + k))
+        ring_crcs[i : i + k] = array.array("I", crcs[:k])
+        if k < n:
+            seqs[: n - k] = array.array("q", range(first + k, first + n))
+            ring_crcs[: n - k] = array.array("I", crcs[k:])
+
     def restart(self, seq: int) -> None:
         """The next frame read is number ``seq`` (reading goes on elsewhere in the file: a step selection)."""
         self._next = seq

@@ -32,8 +32,9 @@ from trainrec.schema.events import (
 
 from .discover import LogFile
 from .follow import writer_running
-from .reader import Problem, SeqGap
+from .problems import Problem
 from .run import Run
+from .sequence import SeqGap
 from .stats_columns import StatsColumns
 
 _STEP_TYPES = (StepBegan, StepEnded, TensorStatsRecorded, HooksFired)

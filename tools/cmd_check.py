@@ -25,9 +25,9 @@ import os
 import sys
 
 import orjson
-from trainrec.replay.discover import list_runs
 from trainrec.replay.integrity import findings
 from trainrec.replay.run import Run, open_run
+from trainrec.replay.run_select import list_runs
 from trainrec.replay.summary import RunSummary
 from trainrec.schema import layout
 from trainrec.schema.errors import ConfigError

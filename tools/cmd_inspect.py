@@ -18,7 +18,8 @@ import os
 import sys
 
 import orjson
-from trainrec.replay.discover import format_ranks, list_runs
+from trainrec.replay.discover import format_ranks
+from trainrec.replay.run_select import list_runs
 from trainrec.replay.summary import FileSummary, RankSummary, RunSummary
 from trainrec.schema import layout
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import sys
 
-from trainrec.replay.discover import list_runs, stamp_key_or_none
+from trainrec.replay.discover import stamp_key_or_none
 from trainrec.replay.reader import LogReader
 from trainrec.replay.run import Run, open_run
+from trainrec.replay.run_select import list_runs
 from trainrec.replay.stepindex import first_record
 from trainrec.schema import layout
 from trainrec.schema.errors import FormatError, NotARunError

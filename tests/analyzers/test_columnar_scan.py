@@ -11,10 +11,11 @@ import pytest
 from trainrec.analyzers.anomalies import AnomalyScan, anomaly_records
 from trainrec.analyzers.columnar import ColumnarScan
 from trainrec.analyzers.ranking import rank_anomalies
-from trainrec.analyzers.series_block import SeriesBlock
+from trainrec.analyzers.series_block import Carry, SeriesBlock
 from trainrec.analyzers.vector_rules import block_flags
 from trainrec.recorder.writer import LogWriter
 from trainrec.replay.run import open_run
+from trainrec.replay.stats_columns import _FIELDS, StatsColumns
 from trainrec.schema.detector import Detector
 from trainrec.schema.rule_config import make_rule
 from trainrec.tools.anomaly_parts import scan_parts
@@ -117,6 +118,38 @@ def test_block_against_detector_random():
             got_f, got_b = block_flags(make_rule(name, args), SeriesBlock(x, missing, ops, x32))
             assert (got_f == want_f).all(), (name, args, trial)
             assert np.array_equal(got_b[got_f], want_b[want_f], equal_nan=True), (name, args, trial)
+            if x32 is not None:  # (float32 values only: the float64 copy is made when a rule asks for it)
+                lazy_f, lazy_b = block_flags(make_rule(name, args), SeriesBlock(None, missing, ops, x32))
+                assert (lazy_f == got_f).all() and np.array_equal(lazy_b[lazy_f], got_b[got_f], equal_nan=True)
+
+
+def test_float32_blocks_without_their_float64_copy_carry_the_same():
+    """Dense float32 blocks judged one after another with the carried history before them: given as float32
+    only (x made on demand) or with their float64 copy, the same flags, baselines and carried state."""
+    rng = np.random.default_rng(34)
+    ops = ("min", "max", "norm", "mean", "zeros", "nans")
+    x32 = (rng.lognormal(0, 0.3, (90, 7, len(ops))) * np.where(rng.random((90, 7, 1)) < 0.05, 30, 1)).astype(np.float32)
+    x32[:, :, 5] = np.where(rng.random((90, 7)) < 0.05, 2.0, 0.0)
+    x32[50, 3, 2] = np.nan  # (a block that is not dense: every path)
+    for name, args in RULES:
+        rule = make_rule(name, args)
+        depth = max(1, getattr(rule, "window", 1))
+        carries = {lazy: Carry(ops, depth) for lazy in (False, True)}
+        for lo in range(0, 90, 20):
+            part = np.ascontiguousarray(x32[lo : lo + 20])
+            got = {}
+            for lazy, carry in carries.items():
+                held = carry.rows(np.arange(7))
+                block = SeriesBlock(None if lazy else part.astype(np.float64), np.zeros(part.shape[:2], bool), ops,
+                                    part, (carry.hist[held], carry.count[held], carry.last_ok[held]))
+                flags, base = block_flags(rule, block)
+                hist, seen, last_ok, observed = block.carry(depth)
+                carry.hist[held] = hist
+                carry.count[held] += seen
+                carry.last_ok[held] = np.where(observed[:, None], last_ok, carry.last_ok[held])
+                got[lazy] = (flags, base[flags], hist, seen, last_ok, block.skip)
+            for a, b in zip(got[False], got[True], strict=True):
+                assert np.array_equal(a, b, equal_nan=True), (name, args, lo)
 
 
 def test_foreign_rank_record_falls_back_to_the_merged_scan(tmp_path):
@@ -154,3 +187,31 @@ def test_chunks_carry_the_state(varied, chunk, name, args):
         scan = ColumnarScan([make_rule(name, args)], chunk=chunk).feed_all(run.events(rank=rank)).finish()
         found.extend(scan.detected)
     assert _key(rank_anomalies(found)) == _key(rank_anomalies(serial.detected))
+
+
+def _unshared(ev):
+    """A stats record as columns with its own copy of every field (nothing shared with the record before)."""
+    if type(ev) is not StatsColumns:
+        return ev
+    wire = [ev.TAG, ev.seq, ev.rank, ev.step, ev.wall]
+    for name in _FIELDS:
+        value = getattr(ev, name)
+        wire.append(bytes(bytearray(value)) if type(value) is bytes else tuple(value) if type(value) is tuple
+                    else "".join(value) if type(value) is str else value)
+    return StatsColumns(tuple(wire))
+
+
+@pytest.mark.parametrize("name,args", RULES[:4])
+def test_records_sharing_their_layout_are_judged_as_any(varied, name, args):
+    """Records of a layout read before share its objects (the reader's stats templates), which the scan
+    takes as the record before's layout: the same answer as from records sharing nothing."""
+    run = open_run(varied)
+    got = {}
+    for shared in (True, False):
+        scan = ColumnarScan([make_rule(name, args)], chunk=7)
+        for r in run.ranks:
+            for ev in run.events(rank=r, columnar=True):
+                scan.feed(ev if shared else _unshared(ev))
+        scan.finish()
+        got[shared] = (_key(scan.detected), scan.values_read, scan.stats_records, scan.bad_records)
+    assert got[True] == got[False] and got[True][0]

@@ -305,7 +305,7 @@ def tiny_frames(count: int) -> bytes:
 
 def test_countless_damaged_frames_are_counted_not_listed(tmp_path):
     from trainrec.replay.integrity import findings
-    from trainrec.replay.reader import MAX_LISTED
+    from trainrec.replay.problems import MAX_LISTED
     from trainrec.replay.summary import summarize
 
     path = str(tmp_path / "trainrec-00000.trl")

@@ -285,4 +285,4 @@ def test_what_the_columns_path_remembers_is_bounded(tmp_path):
     reader = LogReader(path, columnar=True)
     events = reader.poll()
     assert sum(type(ev) is StatsColumns for ev in events) > 100 and reader.problems == []
-    assert len(reader._known_ids) == 64
+    assert len(reader._records._names.known_ids) == 64

@@ -13,7 +13,7 @@ import random
 import msgpack
 import pytest
 from hostile_logs import F, damaged_copies, frames, good_log, mutated, rewrite
-from trainrec.replay import reader as reader_module
+from trainrec.replay import record_stream
 from trainrec.replay.reader import LogReader
 from trainrec.replay.sequence import DUPLICATE, REMEMBERED_FRAMES, Sequence
 from trainrec.replay.stats_columns import StatsColumns, decode_columns
@@ -49,8 +49,8 @@ def codec_reader(monkeypatch):
     columnar). Returns a function reading a file that way."""
     def read(path: str, columnar: bool, chunk_size: int = 4 << 20):
         with monkeypatch.context() as m:
-            m.setattr(reader_module, "decode_record", codec.decode)
-            m.setattr(reader_module, "decode_record_columnar", decode_columns)
+            m.setattr(record_stream, "decode_record", codec.decode)
+            m.setattr(record_stream, "decode_record_columnar", decode_columns)
             return _read(path, columnar, chunk_size)
     return read
 
@@ -228,7 +228,7 @@ def test_a_growing_file_reads_the_same(tmp_path, monkeypatch):
         data = f.read()
     grown = os.path.join(str(tmp_path), "grown.trl")
     fast = LogReader(grown)
-    monkeypatch.setattr(reader_module, "decode_record", codec.decode)
+    monkeypatch.setattr(record_stream, "decode_record", codec.decode)
     full = LogReader(grown)
     got: dict[bool, list] = {True: [], False: []}
     for end in [*range(0, len(data) + 1, 97), len(data)]:

@@ -13,9 +13,9 @@ import sys
 import textwrap
 
 import pytest
-from trainrec.replay.discover import list_runs
 from trainrec.replay.reader import read_log
 from trainrec.replay.run import open_run
+from trainrec.replay.run_select import list_runs
 from trainrec.schema import layout
 from trainrec.schema.events import StepEnded
 from trainrec.tools.cli import main
