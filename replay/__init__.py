@@ -1,22 +1,12 @@
-"""trainrec.replay: reading logs back.
+"""trainrec.replay: reading logs back (no torch).
 
-* :mod:`.reader`: one log file, frame by frame, surviving torn tails and damage (``LogReader``).
-* :mod:`.record_stream`: the records of a file's frames, checked, decoded, numbered and accounted for.
-* :mod:`.discover`: output directories, rank directories and the launches (runs) in them.
-* :mod:`.run_select`: the runs of an output directory, and the one a RUN argument names.
-* :mod:`.run`: ``open_run(path)``, a run's ranks, files and events merged in execution order.
-* :mod:`.rows`: the flat, numpy/pandas-friendly view of statistics.
-* :mod:`.follow`: a live tail of a run that is still being written.
-* :mod:`.names`: resolving interned name ids.
-* :mod:`.summary`: per-rank and per-file summaries of a run (``trainrec inspect``).
-* :mod:`.integrity`: what is wrong with a run's files, from its summary (``trainrec check``).
-* :mod:`.stepindex`: reading only some steps of a log through its step index (``--steps``).
-* :mod:`.stats_columns`: stats records decoded straight into columns (``columnar=True``).
-* :mod:`.stats_templates`: stats records of a layout read before, decoded from the bytes that vary.
-* :mod:`.step_records`: step records decoded without the codec's generic walk (the same events).
-* :mod:`.frame_search`: finding the next valid frame in damaged bytes (the reader's resynchronisation).
-* :mod:`.problems`: the damage found in a log file, as the reader lists it.
-* :mod:`.name_ranges`: the name ids a log file has interned, and records that contradict them.
+:func:`open_run` (:mod:`.run`) replays the ranks of a run as one stream of events and
+:func:`follow` (:mod:`.follow`) tails a run still being written. :mod:`.reader` reads one log file
+frame by frame, surviving torn tails and damage; :mod:`.discover` and :mod:`.run_select` find the
+runs of an output directory; :mod:`.summary` and :mod:`.integrity` are the data behind ``trainrec
+inspect`` and ``check``; :mod:`.stepindex` reads only some steps (``--steps``); :mod:`.rows` and
+:mod:`.stats_columns` give statistics as columns. The other modules are parts of the reader and of
+the decoding.
 """
 
 from __future__ import annotations

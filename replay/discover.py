@@ -1,30 +1,11 @@
 """Finding runs on disk: rank directories, their log files, and the launches they belong to.
 
-An output directory holds one rank directory per rank per launch (``Nov30_11-13-33-rank0-4700973a``,
-see :mod:`trainrec.schema.layout`), each with log files ``trainrec-00000.trl``, ``-00001.trl``, ...
-Only the first records of each file, up to the first that is not preamble, are read here
-(:meth:`~trainrec.replay.reader.LogReader.head_while`).
-
-Grouping into runs (launches):
-
-* a file belongs to the run named by the ``run_id`` of its FileOpened record;
-* a file that begins with a RunResumed record continues the run of the previous file of its
-  directory, whatever run id it carries (a resumed process appending to an existing directory);
-* a file whose header cannot be read (empty, torn at creation, not a log) follows the previous file
-  of its directory, or, as the first file, is grouped by its directory;
-* files with an empty run id are grouped by their directory's time stamp;
-* writers kept apart: a rank's files form *chains*, each a file not beginning with RunResumed followed
-  by the files that resume it (a file that records nothing, such as a launch that failed at start-up,
-  follows the chain before it). Where a rank of a run has several chains (two trainings that set one
-  ``TRAINREC_RUN_ID``, a rank restarted in place by an elastic launcher without ``append_output``),
-  they are different writers of one run id: the run is split into launches, the k-th chain of each rank
-  (in start-time order) making launch k, named ``RUNID``, ``RUNID#2``, ... and each one carries a
-  :attr:`RunInfo.conflict` that ``check`` reports.
-
-Runs are ordered oldest first by ``(newest rank directory stamp, newest start time)``: the default,
-"latest" run is the one most recently started or resumed. Stamps carry no year, so a run started in
-December sorts after one started the next January; pass ``--run-id`` there. Choosing one run, and
-resolving a RUN argument, is :mod:`trainrec.replay.run_select`'s.
+Only the head of each file (its records up to the first that is not preamble) is read here. A file
+belongs to the run its FileOpened's ``run_id`` names, a file beginning with RunResumed continues the
+file before it, and where a rank has several chains under one run id the run is split into launches
+``RUNID``, ``RUNID#2``, ... each with a :attr:`RunInfo.conflict`. Runs are ordered oldest first. The
+rules in full: ``docs/log-format.md``, "Which files make a run". Choosing one run, and resolving a RUN
+argument, is :mod:`trainrec.replay.run_select`'s.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Live tail of a run that is still being written.
 
 :class:`RunFollower` keeps one :class:`~trainrec.replay.reader.LogReader` per followed file; each
-:meth:`RunFollower.poll` lists what appeared since the last call (new rank directories of the
-launch, new files after a resume) and returns the events completed since then. An incomplete last
-frame is simply waited for. :func:`follow` is the generator loop around it, bounded by a ``stop``
-flag, an idle timeout, or the run being closed (``until_closed``: also once every file not closed
-is one whose writer, a process of this host, is gone: a crash closes nothing).
-
-What is followed:
-
-* RUN is an output directory: one launch, chosen at the first poll that finds one (the latest, or
-  the one whose run id starts with ``run_id``); the follower waits for the directory and the first
-  launch to appear. Later, rank directories and files whose FileOpened names that run id join,
-  as do files that begin with RunResumed in a directory already followed; but not a file of another
-  writer of the same run id for a rank already followed (another launch under the same id, kept
-  apart as in :mod:`trainrec.replay.discover`).
-* RUN is a rank directory: every log file in it, including ones created later.
-* RUN is one log file: that file.
-
-Order: per poll, files in the order they were found (rank directories by name, files by index), so
-each rank's own order is kept. Events are yielded as written: a resume's supersession ("last writer
-wins", see :mod:`trainrec.replay.run`) cannot take back events already yielded; consumers that need
-it watch for RunResumed.
-
-With ``from_start=False`` the content present at the first poll is skipped, except FileOpened and
-NamesInterned records, which consumers need to resolve names later.
+:meth:`RunFollower.poll` picks up new rank directories and files (a resume's) and returns the events
+completed since the last call (an incomplete last frame is waited for). :func:`follow` is the
+generator loop around it, ended by ``stop``, an idle timeout, or with ``until_closed`` once every
+file is closed or its writer gone. What is followed, in which order, and ``from_start``:
+``docs/python-api.md``, "Following a run being written".
 """
 
 from __future__ import annotations
@@ -274,8 +255,8 @@ class RunFollower:
                     self._next_log[d] = (layout.log_index(os.path.basename(logs[-1])) or 0) + 1
             else:
                 # A live export writes its CSV files into this directory, which changes its mtime at
-                # every step: listing it at every poll cost 70 ms at 100k files. Between listings, the
-                # next log file (a resume's) is looked for by its name.
+                # every step, and listing a directory of many files at every poll is slow (figures: commit
+                # 81ae7c3). Between listings, the next log file (a resume's) is looked for by its name.
                 nxt = os.path.join(d, layout.log_file_name(self._next_log.get(d, 0)))
                 if nxt not in self._seen and os.path.exists(nxt):
                     self._next_log[d] = self._next_log.get(d, 0) + 1

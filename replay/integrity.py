@@ -1,22 +1,7 @@
 """What is wrong with a run's files, the data behind ``trainrec check``: :func:`findings` turns the
 per-file reader state of a :class:`~trainrec.replay.summary.RunSummary` into a list of
-:class:`Finding`. Pure: nothing here prints.
-
-Finding severities:
-
-* ``damage``: bytes that could not be read (bad header, CRC mismatch, cut-short or undecodable
-  frame), frames missing from the sequence numbers, a file that is not a readable log, bytes after
-  a FileClosed record;
-* ``torn``: a file that was not closed cleanly and ends in an incomplete frame (the writer died
-  mid-write, or is still writing);
-* ``unclosed``: a file without FileClosed but ending on a frame boundary (killed after a flush, or
-  still being written); only a failure for ``check --strict``;
-* ``lost``: the writer said it failed to write (a WriterFailed record, or its sidecar
-  ``<log>.failed.json`` where the disk refused even that): what it had been handed from then on is
-  not in the file;
-* ``conflict``: the run id is shared by launches that do not resume one another (two trainings, or
-  a rank restarted in place): replay keeps them apart as separate runs (see
-  :mod:`trainrec.replay.discover`).
+:class:`Finding`, of severity ``damage``, ``torn``, ``unclosed``, ``lost`` or ``conflict`` (what
+each means: ``docs/reliability.md``, "What check reports"). Pure: nothing here prints.
 """
 
 from __future__ import annotations

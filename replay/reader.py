@@ -1,23 +1,14 @@
 """Reading one log file: frames, then events, surviving torn tails and corruption.
 
-:class:`LogReader` keeps its byte offset between calls. :meth:`LogReader.poll` returns only the
-events that became complete since the last call, so a live tail is a loop over ``poll()``; each call
-reads only the bytes appended since the previous one (one ``open`` + ``seek`` + ``read``).
+:class:`LogReader` keeps its byte offset between calls: :meth:`LogReader.poll` reads the bytes
+appended since the last call and returns the events completed since then, so a live tail is a loop
+over ``poll()``. A clean end, an incomplete last frame (pending, not an error) and damage in the
+middle (a :class:`~trainrec.replay.problems.Problem`, then resynchronisation) are kept apart, and
+reading a file whole or while it grows gives the same events and problems. Every case, and why:
+``docs/log-format.md``, "How the reader handles damage".
 
-Three outcomes are kept apart (the byte layout is :mod:`trainrec.schema.framing`'s): a clean end
-(:attr:`LogReader.pending_bytes` is 0); an incomplete last frame, not an error (the writer may still
-be writing: its bytes stay pending, a *torn tail* once the writer is gone, and a later ``poll()``
-completes it); damage in the middle, recorded in :attr:`LogReader.problems` as
-:class:`~trainrec.replay.problems.Problem` (path, byte offset, what, bytes skipped), after which
-reading resynchronises and goes on (:func:`~trainrec.replay.frame_search.damaged_frame`). A frame that
-checks out but does not decode, records after FileClosed, duplicates and records that contradict the
-file before them are problems too; frames that could not be read show up as gaps in the writer's
-sequence numbers (:attr:`LogReader.gaps`, :mod:`trainrec.replay.sequence`). Every case, and why:
-``docs/log-format.md``, "How the reader handles damage". A decision is only taken from bytes that are
-there, so reading a file whole or while it grows gives the same events and problems.
-
-The reader never raises on arbitrary bytes after the 16-byte file header (a bad magic raises
-:class:`NotALogError`, an unknown version :class:`UnsupportedVersionError`) and never holds more than
+Never raises on arbitrary bytes after the 16-byte file header (a bad magic raises
+:class:`NotALogError`, an unknown version :class:`UnsupportedVersionError`); never holds more than
 the frame cap plus one read chunk in memory.
 """
 

@@ -1,26 +1,10 @@
 """Events as plain JSON-able dicts (what ``trainrec dump`` prints, one per line).
 
-Conventions:
-
-* every dict starts with ``type`` (class name), ``tag``, ``rank``, ``seq``, ``step``, ``wall``,
-  then the event's fields in declaration order;
-* packed columns (``bytes`` fields) become lists of numbers, decoded with their element type
-  (``name_ids``/``call_ids``/``module_ids`` u32, ``micro_steps`` u16, ``slots``/``vpp_stages``/
-  ``directions``/``placeholders`` u8); an absent optional column is an empty list;
-* interned ids are resolved: a stats record gets ``names``, a HooksFired record ``modules``, an
-  ApiCallsRecorded ``names``, ``modules``, ``ports``, ``types``, ``dtypes`` and ``frames`` (its
-  ``values`` a list of rows, one per port);
-  a stats record's ``values`` become a list of rows (one list of ``len(ops)`` values per tensor);
-* floats that are not finite are the strings ``"nan"``, ``"inf"`` and ``"-inf"``, everywhere
-  (JSON has no such numbers, and ``null`` would lose which one it was);
-* other bytes (in dict fields or unknown events) become lists of byte values; dict keys become strings.
-
-:func:`stat_rows` expands a stats record to one dict per (tensor, op) instead, with the columns of
-:mod:`trainrec.replay.rows` (``kind, name, slot, micro_step, call_id, vpp_stage, op, value``), and
-``"placeholder": true`` after ``vpp_stage`` on the rows that stand for no tensor's values
-(``TensorStatsRecorded.placeholders``: a NaN row the recorder wrote for an absent or empty tensor,
-not a tensor holding NaN); other rows have no such key, so the lines of a log without any are as
-they were.
+Each dict starts with ``type``, ``tag``, ``rank``, ``seq``, ``step``, ``wall``, then the event's
+fields: packed columns become lists of numbers, interned ids are resolved, and non-finite floats are
+the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (JSON has no such numbers). :func:`stat_rows` expands
+a stats record to one dict per (tensor, op) instead, with the columns of :mod:`trainrec.replay.rows`.
+The conventions in full: ``docs/log-format.md``, "What trainrec dump prints".
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """A run: the per-rank logs of one training launch, replayed as one stream of events.
 
-``open_run(path)`` accepts an output directory (the latest launch by default; ``run_id`` prefix or an
-inclusive ``time_start``/``time_end`` stamp range to choose), one rank directory, or one log file
-(see :mod:`trainrec.replay.discover` for how files are grouped into launches).
-
-Order of :meth:`Run.events`
----------------------------
-
-* One rank: exactly the order its files were written (files in writing order, records in file order).
-* All ranks: the ranks' streams merged by ``(step, rank, position in the rank's stream)``, where
-  ``step`` is the highest step the rank has reached so far (records without a step, such as
-  FileOpened or NamesInterned, take the step of the record before them). Each rank's own order is
-  kept; within one step, rank 0's records come before rank 1's. Stats records batch many rows of
-  different micro steps and call ids, so ordering inside a step by ``(micro step, call id)`` is done
-  on rows: :meth:`Run.to_rows` carries both columns, and
-  :func:`trainrec.replay.rows.execution_order` sorts them by ``(step, micro step, call id, rank)``.
-
-Resume ("last writer wins")
----------------------------
-
-A file of a rank that begins with ``RunResumed`` continuing from step ``S`` supersedes every record
-with ``step >= S`` in the rank's *earlier* files: those records are dropped from the stream and
-counted in :attr:`Run.superseded`. FileOpened, FileClosed and NamesInterned are never dropped (name
-tables stay intact). Several resumes compose: each file is cut at the smallest ``S`` of the files
-after it.
+``open_run(path)`` accepts an output directory (the latest launch, or one chosen by ``run_id``
+prefix or a ``time_start``/``time_end`` range), one rank directory, or one log file (grouping into
+launches: :mod:`trainrec.replay.discover`). :meth:`Run.events` keeps each rank's own order and merges
+the ranks by step; a file beginning with RunResumed from step ``S`` supersedes the records with
+``step >= S`` in the rank's earlier files ("last writer wins", counted in :attr:`Run.superseded`).
+Both rules in full: ``docs/python-api.md``, "Event order and resumes".
 """
 
 from __future__ import annotations

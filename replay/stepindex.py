@@ -1,19 +1,11 @@
 """Reading only some steps of a log file, through its step index (FileClosed's ``index_*``), or by a scan.
 
-A step selection (``--steps``: ranges ``(first, last)``, ``last`` None for open-ended) yields, per
-file, the events of a full read that one rule keeps (:func:`keep`): the preamble (the records before
-the first one with a step >= 0), FileOpened, FileClosed and the name tables, and the records of the
-selected steps. With a valid index only the bytes that can hold those records are read: the preamble,
-the name-table frames and the segments whose steps can hold a selected step; without one (a crash, an
-older writer, bytes after the close) the whole file is read and the same rule applied: the same events
-either way.
-
-The index is untrusted input. It is found from the file's end (the frame header nearest the end that
-checks out must begin a FileClosed frame ending exactly at the end of the file); its arrays are
-checked (sorted, inside the file, consistent with each other); and
-every offset used is checked before anything is read from there: a frame that checks out starts
-there, with the sequence number and step the index gives (a name table where it lists one). Anything
-else and the index is ignored, with a note among the reader's problems, and the file is read whole.
+Per file, a step selection (``--steps``) yields the events of a full read that :func:`keep` keeps:
+the preamble, FileOpened, FileClosed, the name tables and the records of the selected steps. A valid
+index lets only the bytes that can hold those be read; without one the index is rebuilt by a scan,
+or the file read whole, and the same rule gives the same events. The index is untrusted input: it is
+checked before use and ignored, with a note among the reader's problems, on any mismatch. The rules:
+``docs/scale.md``, "Reading only some steps: the step index".
 """
 
 from __future__ import annotations
