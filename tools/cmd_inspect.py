@@ -6,6 +6,9 @@ counts by type, statistics and anomalies; then the output directory's other laun
 last 10). ``--json`` prints the run as one JSON object (the schema is
 :meth:`trainrec.replay.summary.RunSummary.to_json`).
 
+Where a run has more than 8 ranks, ranks that read alike (but for their directories and file sizes)
+share one entry; ``--per-rank`` lists every rank.
+
 ``--quick``: only the steps and record counts, per rank and file, from each file's header and closing
 record (its step index) without reading its records; a file not closed, or closed by an older
 trainrec, is scanned without decoding its records, or read whole where it is damaged (said per file).
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from collections.abc import Callable, Sequence
 
 import orjson
 from trainrec.replay.discover import format_ranks
@@ -25,6 +30,9 @@ from trainrec.schema import layout
 
 from .partition import add_jobs_arguments, quick_run, summarize_run
 from .runarg import add_run_arguments, open_run_from_args
+
+GROUP_OVER = 8  # more ranks than this: ranks that read alike share one entry
+_FILE_SIZE = re.compile(r"^(  \S+)  (\d+) bytes  ")  # a file's line: "  trainrec-00000.trl  2755240 bytes  ..."
 
 
 def add_parser(subparsers) -> None:
@@ -39,6 +47,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--quick", action="store_true",
                    help="steps and record counts only, from the logs' step indexes (files without one are scanned)")
+    p.add_argument("--per-rank", action="store_true",
+                   help=f"one entry per rank, also where more than {GROUP_OVER} ranks read alike")
     p.set_defaults(func=run)
 
 
@@ -54,22 +64,61 @@ def _quick(args: argparse.Namespace) -> int:
     lines = [f"run {r.run_id or '(no run id)'}  at {r.where}",
              f"format version {', '.join(map(str, r.format_versions)) or '?'}  world size {r.world_size}  "
              f"ranks {format_ranks([q.rank for q in ranks])}"]
-    for q in ranks:
-        span = f"{len(q.steps)} steps ({q.steps[0]}..{q.steps[-1]})" if q.steps else "no steps"
-        lines.append(f"rank {q.rank}: {span}, {q.records} records")
-        for f in q.files:
-            state = f"closed cleanly ({f.close_reason})" if f.closed_cleanly else "NOT closed"
-            if f.torn_bytes:
-                state += f", {f.torn_bytes} stray bytes after it" if f.closed_cleanly else f", torn tail {f.torn_bytes} bytes"
-            if f.damage:
-                state += f"; DAMAGE: {f.damage} region(s)"
-            fsteps = f"steps {f.steps[0]}..{f.steps[-1]}" if f.steps else "no steps"
-            lines.append(f"  {os.path.basename(f.path)}  {f.size} bytes  {f.records} records  {fsteps}  {state}  "
-                         f"[{f.error or f.source}]")
+    lines += ranks_text(ranks, _quick_rank_lines, lambda q: [], args.per_rank)
     if r.missing_ranks:
         lines.append(f"missing: rank(s) {format_ranks(r.missing_ranks)} of world size {r.world_size} have no log here")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
+
+
+def _quick_rank_lines(q) -> list[str]:
+    span = f"{len(q.steps)} steps ({q.steps[0]}..{q.steps[-1]})" if q.steps else "no steps"
+    lines = [f"rank {q.rank}: {span}, {q.records} records"]
+    for f in q.files:
+        state = f"closed cleanly ({f.close_reason})" if f.closed_cleanly else "NOT closed"
+        if f.torn_bytes:
+            state += f", {f.torn_bytes} stray bytes after it" if f.closed_cleanly else f", torn tail {f.torn_bytes} bytes"
+        if f.damage:
+            state += f"; DAMAGE: {f.damage} region(s)"
+        fsteps = f"steps {f.steps[0]}..{f.steps[-1]}" if f.steps else "no steps"
+        lines.append(f"  {os.path.basename(f.path)}  {f.size} bytes  {f.records} records  {fsteps}  {state}  "
+                     f"[{f.error or f.source}]")
+    return lines
+
+
+def ranks_text(ranks: Sequence, lines_of: Callable[[object], list[str]], dirs_of: Callable[[object], list[str]],
+               per_rank: bool = False) -> list[str]:
+    """Each rank's lines (``lines_of``: the first is "rank N: ..."; "  dir ..." lines are its
+    directories, ``dirs_of``). Over GROUP_OVER ranks (and not ``per_rank``), ranks whose lines are the
+    same but for the rank number, directories and file sizes share one entry, at its first rank's place:
+    "ranks 0-255 (256 alike), each: ...", their directories' first and last, each file's size range."""
+    entries = [(r, lines_of(r)) for r in ranks]
+    if per_rank or len(entries) <= GROUP_OVER:
+        return [line for _, lines in entries for line in lines]
+    groups: dict[tuple, list] = {}
+    for r, lines in entries:
+        head = lines[0].split(": ", 1)[1]
+        body = tuple(_FILE_SIZE.sub(r"\1  {size} bytes  ", line) for line in lines[1:] if not line.startswith("  dir "))
+        groups.setdefault((head, body), []).append((r, lines))
+    out: list[str] = []
+    for (head, body), members in groups.items():
+        if len(members) == 1:
+            out += members[0][1]
+            continue
+        out.append(f"ranks {format_ranks([r.rank for r, _ in members])} ({len(members)} alike), each: {head}")
+        dirs = [d for r, _ in members for d in dirs_of(r)]
+        if dirs:
+            out.append(f"  dirs {dirs[0]} .. {dirs[-1]}" if len(dirs) > 1 else f"  dir {dirs[0]}")
+        file_lines = [[line for line in lines[1:] if _FILE_SIZE.match(line)] for _, lines in members]
+        k = 0
+        for line in body:
+            if "  {size} bytes  " in line:
+                sizes = [int(_FILE_SIZE.match(lines[k]).group(2)) for lines in file_lines]
+                size = str(sizes[0]) if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
+                line = line.replace("{size}", size)
+                k += 1
+            out.append(line)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out.write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
-    out.write(render(summary))
+    out.write(render(summary, args.per_rank))
     if summary.conflict:
         out.write(f"WRITERS KEPT APART: {summary.conflict}\n")
     others = _other_launches(args.run, summary.run_id)
@@ -169,14 +218,13 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + format_ranks(ranks)
 
 
-def render(s: RunSummary) -> str:
+def render(s: RunSummary, per_rank: bool = False) -> str:
     versions = ", ".join(map(str, s.format_versions)) or "?"
     lines = [
         f"run {s.run_id or '(no run id)'}  at {s.path}",
         f"format version {versions}  world size {s.world_size}  ranks {format_ranks([r.rank for r in s.ranks])}",
     ]
-    for r in s.ranks:
-        lines.extend(_rank_lines(r))
+    lines += ranks_text(s.ranks, _rank_lines, lambda r: r.dirs, per_rank)
     if s.missing_ranks:
         lines.append(f"missing: rank(s) {format_ranks(s.missing_ranks)} of world size {s.world_size} have no log here")
     for path, why in s.unattributed:
