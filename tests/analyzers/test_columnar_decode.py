@@ -5,9 +5,8 @@ the columns path hands to the codec (which takes it), one that does not decode, 
 from __future__ import annotations
 
 import os
-import struct
+import sys
 
-import msgpack
 import pytest
 from trainrec.analyzers.anomalies import AnomalyScan
 from trainrec.analyzers.ranking import rank_anomalies
@@ -17,26 +16,17 @@ from trainrec.schema.rule_config import make_rule
 from trainrec.tools.anomaly_parts import damage_notes, scan_parts
 from varied_logs import write_varied_run
 
-F = 5  # index of a record's first field in its wire list
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "replay"))
+from hostile_logs import F, frames, write_frames  # noqa: E402
+
 SLOTS = F + 7
 
 
 def _rewrite(path: str, change) -> list[int]:
     """Re-frame a log after ``change(wires)`` (valid CRCs); returns each frame's offset."""
-    with open(path, "rb") as f:
-        data = f.read()
-    pos, wires = framing.FILE_HEADER_SIZE, []
-    while pos < len(data):
-        _, length, _, _ = struct.unpack_from("<IIII", data, pos)
-        start = pos + framing.FRAME_HEADER_SIZE
-        wires.append(list(msgpack.unpackb(data[start : start + length], raw=False, strict_map_key=False)))
-        pos = start + length
+    head, wires = frames(path)
     change(wires)
-    frames = [framing.encode_frame(msgpack.packb(w, use_bin_type=True)) for w in wires]
-    offsets = [framing.FILE_HEADER_SIZE + sum(map(len, frames[:i])) for i in range(len(frames))]
-    with open(path, "wb") as f:
-        f.write(data[: framing.FILE_HEADER_SIZE] + b"".join(frames))
-    return offsets
+    return write_frames(path, head, wires)
 
 
 def _hostile(wires: list[list]) -> None:

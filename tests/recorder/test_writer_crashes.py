@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 from trainrec.recorder.writer import LogWriter
@@ -66,26 +67,33 @@ def _log_appearing(rdir: str) -> str:
     return os.path.join(rdir, name)
 
 
-def test_sigkill_after_flushes_loses_nothing_that_was_flushed(tmp_path):
+def _killed_once(tmp_path, mode: str, enough, what: str) -> tuple[str, list, subprocess.Popen]:
+    """Run the child in ``mode``, follow its log until ``enough(ended steps)``, then SIGKILL it; returns
+    the log's path, the events read before the kill and the child."""
     rdir = rank_dir(tmp_path)
-    proc = spawn(script(_KILLED), rdir, "flush")
+    proc = spawn(script(_KILLED), rdir, mode)
     try:
         path = _log_appearing(rdir)
         reader = LogReader(path)
         seen: list[Event] = []
 
-        def past_flush():
+        def ready():
             seen.extend(reader.poll())
-            ended = _steps_complete(seen)
-            return ended and ended[-1] >= 40
+            return enough(_steps_complete(seen))
 
-        wait_for(past_flush, "step 40 to be flushed")
-        last_seen = _steps_complete(seen)[-1]
+        wait_for(ready, what)
         proc.send_signal(signal.SIGKILL)
         proc.wait(TIMEOUT)
     finally:
         proc.kill()
         proc.communicate(timeout=TIMEOUT)
+    return path, seen, proc
+
+
+def test_sigkill_after_flushes_loses_nothing_that_was_flushed(tmp_path):
+    path, seen, proc = _killed_once(tmp_path, "flush", lambda ended: ended and ended[-1] >= 40,
+                                    "step 40 to be flushed")
+    last_seen = _steps_complete(seen)[-1]
     assert proc.returncode == -signal.SIGKILL
     after, events = read(path)
     _check_prefix(events, last_seen)
@@ -95,23 +103,8 @@ def test_sigkill_after_flushes_loses_nothing_that_was_flushed(tmp_path):
 
 
 def test_sigkill_loses_nothing_older_than_the_flush_interval(tmp_path):
-    rdir = rank_dir(tmp_path)
-    proc = spawn(script(_KILLED), rdir, "interval")
-    try:
-        path = _log_appearing(rdir)
-        reader = LogReader(path)
-        seen: list[Event] = []
-
-        def all_out():
-            seen.extend(reader.poll())
-            return len(_steps_complete(seen)) == 30
-
-        wait_for(all_out, "the periodic flush of 30 steps (no flush() called)")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(TIMEOUT)
-    finally:
-        proc.kill()
-        proc.communicate(timeout=TIMEOUT)
+    path, _, _ = _killed_once(tmp_path, "interval", lambda ended: len(ended) == 30,
+                              "the periodic flush of 30 steps (no flush() called)")
     after, events = read(path)
     _check_prefix(events, 29)
     assert after.problems == [] and after.pending_bytes == 0 and not after.closed_cleanly
