@@ -73,18 +73,19 @@ class Rewind:
 Item = KindFrame | Note | Rewind
 
 
-def unique_last(lay: RowLayout) -> np.ndarray | None:
-    """Row indices keeping the last occurrence of each row key, in first-appearance order; None if all unique."""
-    keys = list(zip(lay.vpps.tolist(), lay.names, lay.micros.tolist(), lay.slots.tolist(), strict=True))
+def last_of_each(keys: list) -> np.ndarray | None:
+    """Indices keeping the last occurrence of each key, in the order keys first appear; None if all unique."""
     if len(set(keys)) == len(keys):
         return None
     last: dict = {}
-    order: list = []
     for i, k in enumerate(keys):
-        if k not in last:
-            order.append(k)
-        last[k] = i
-    return np.array([last[k] for k in order], dtype=np.int64)
+        last[k] = i  # (a key keeps the place of its first insertion: the first-appearance order)
+    return np.fromiter(last.values(), dtype=np.int64, count=len(last))
+
+
+def unique_last(lay: RowLayout) -> np.ndarray | None:
+    """Row indices keeping the last occurrence of each row key, in first-appearance order; None if all unique."""
+    return last_of_each(list(zip(lay.vpps.tolist(), lay.names, lay.micros.tolist(), lay.slots.tolist(), strict=True)))
 
 
 def reference_rows(lay: RowLayout) -> np.ndarray | None:

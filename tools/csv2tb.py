@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from trainrec.analyzers.frames import last_of_each
 from trainrec.analyzers.tb_encode import ScalarTemplate, event_bytes
 from trainrec.schema import layout
 from trainrec.schema.errors import NotARunError
@@ -163,16 +164,11 @@ def convert_csv_files(task: _Task) -> _Result:
     row_file = np.concatenate([np.full(len(p[1]), i) for i, p in enumerate(parts)])
     row_in_file = np.concatenate([np.arange(len(p[1])) for p in parts])
     keys = list(zip(steps.tolist(), names, strict=True))
-    take = np.arange(len(keys))
-    if len(set(keys)) != len(keys):
-        last: dict = {}
-        first_order: list = []
-        for i, key in enumerate(keys):
-            if key not in last:
-                first_order.append(key)
-            last[key] = i
-        out.duplicates = len(keys) - len(last)
-        take = np.array([last[key] for key in first_order], dtype=np.int64)
+    take = last_of_each(keys)
+    if take is None:
+        take = np.arange(len(keys))
+    else:
+        out.duplicates = len(keys) - len(take)
     order = take[np.argsort(steps[take], kind="stable")]
     sorted_steps = steps[order]
     uniq, starts = np.unique(sorted_steps, return_index=True)
