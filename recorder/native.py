@@ -64,11 +64,10 @@ class Recorder:
             config, path = parse_config(dict(DEFAULT_CONFIG), "DEFAULT_CONFIG"), None
         else:  # (a file is watched in dynamic mode)
             config, path = config_from(os.fspath(config) if isinstance(config, os.PathLike) else config)
-        self._manual = optimizer is None  # no optimizer to hook: steps come from step()
         # the live CSV/TensorBoard export only where the config names a format
         self.session = RecordingSession(config, config_path=path, params_have_main_grad=params_have_main_grad,
                                         output_dir=output_dir, live_export=None, dynamic=dynamic_from_env(),
-                                        manual_steps=self._manual)
+                                        manual_steps=optimizer is None)  # no optimizer: steps end at step()
         try:
             self.session.install(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer,
                                  start_iteration=start_iteration)
@@ -91,7 +90,7 @@ class Recorder:
 
     def step(self) -> None:
         """End the current training step (only needed without an optimizer)."""
-        if not self._manual:
+        if not self.session.steps.manual:
             raise RuntimeError("steps are detected from the optimizer; do not call step() as well")
         self.session.step()
 
